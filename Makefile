@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch: local/CI installs must never pull a multi-GB CUDA wheel.
+TORCH_PIN := torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+REPLICAS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test test-fast bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install "$(TORCH_PIN)"
+	$(PIP) install -e ".[test]" "$(TORCH_PIN)"
+	touch $@
+
+serve: venv
+	$(VENV)/bin/affinity-serve serve --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) benchmarks/scheduler_step.py
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
