@@ -1,0 +1,52 @@
+"""Engine configuration: pydantic models with `extra="forbid"`; each part gets only its own section."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CacheConfig(_Strict):
+    """Paged KV cache: block size, and either an explicit block count or a memory budget."""
+
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block")
+    num_blocks: int | None = Field(None, ge=2, description="explicit block count (incl. the null block)")
+    memory_budget_bytes: int | None = Field(
+        None, ge=1, description="size the pool from this many bytes when num_blocks is unset")
+    enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = False
+
+
+class SchedulerConfig(_Strict):
+    """Token-budget scheduler (vLLM v1 model)."""
+
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per step")
+    max_num_seqs: int = Field(128, ge=1, description="max running requests")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=1, description="cap one request's prefill chunk per step (None = no cap)")
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+class EngineConfig(_Strict):
+    """Everything one engine (one replica) needs."""
+
+    model: str = Field(..., description="local Hugging Face checkpoint directory")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
+    seed: int = 0
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.cache.num_blocks is not None and self.cache.memory_budget_bytes is not None:
+            raise ValueError("set either cache.num_blocks or cache.memory_budget_bytes, not both")
+        return self

@@ -1,0 +1,110 @@
+"""Request: one generation's state inside the engine (tokens, progress, status, block hashes)."""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from engine.hashing import BlockHash, hash_block_chain
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> "FinishReason | None":
+        return _FINISH_REASON.get(self)
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI-style finish reasons."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    Every request has `num_tokens` (prompt + output so far) and `num_computed_tokens` (tokens whose KV
+    is in the cache); each step the scheduler lets computed tokens catch up. `block_hashes` holds the
+    hash of every *full* block of known tokens and grows as output tokens arrive.
+    """
+
+    __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
+                 "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
+                 "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
+                 "num_preemptions", "_block_size", "trace_context")
+
+    def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
+                 *, eos_token_id: int | None = None, arrival_time: float | None = None,
+                 priority: int = 0, cache_salt: str | None = None, block_size: int = 16,
+                 trace_context: dict[str, str] | None = None):
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.trace_context = trace_context
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_output_tokens = 0
+        self.num_computed_tokens = 0
+        #: prefix-cache hit at first admission (None until admitted): reported as cached tokens.
+        self.num_cached_tokens: int | None = None
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self._block_size = block_size
+        self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, cache_salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.num_output_tokens += 1
+        n = len(self.all_token_ids)
+        if n % self._block_size == 0:
+            bs = self._block_size
+            start = len(self.block_hashes)
+            parent = self.block_hashes[-1] if start else None
+            self.block_hashes.extend(hash_block_chain(self.all_token_ids, bs, self.cache_salt, parent, start))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,303 @@
+"""Scheduler: the token-budget loop (running first, then waiting), preemption, stop conditions, stats.
+
+One scheduling model (vLLM v1): each step, every scheduled request's `num_computed_tokens` catches up
+with its `num_tokens` under a shared token budget. Chunked prefill, prefix hits, decoding and
+resumption after preemption are all the same rule. No torch here.
+"""
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import make_queue
+from engine.types import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestDelta,
+                          SchedulerOutput, SchedulerStats, StepOutput)
+
+
+class Scheduler:
+    """Decides what each step computes and where its KV lives.
+
+    Deviations from vLLM v1, on purpose:
+    - prefix-cache blocks are registered after the runner computed them (see KVCacheManager);
+    - a request that could never fit in the KV pool (prompt + max_tokens, capped at the model length)
+      is rejected at `add_request` instead of livelocking in preemption later;
+    - prefix-cache stats are recorded once per admission (resumptions after preemption included).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self._finished_for_runner: set[str] = set()
+        self._finished_for_output: set[str] = set()
+        self._pending_deltas: list[RequestDelta] = []    # aborts since the last step
+        self._num_preemptions = 0
+        self._waiting_prefill_tokens = 0
+        self._running_prefill_tokens = 0
+        self._last_num_scheduled = 0
+
+    # ================================================================== requests in
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise InvalidRequestError without changing anything."""
+        self._validate(request)
+        self.requests[request.req_id] = request
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+        self._waiting_prefill_tokens += request.num_tokens
+
+    def _validate(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise DuplicateRequestError(request.req_id)
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
+        if n >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt has {n} tokens but the model's context length is {self.max_model_len}; "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+        worst = min(n + max_tokens, self.max_model_len)
+        if not self.kv.can_ever_fit(worst):
+            cap = self.kv.max_tokens_capacity()
+            raise ContextLengthExceededError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {worst} tokens of KV cache but "
+                f"this engine holds at most {cap}; lower max_tokens or shorten the prompt",
+                param="max_tokens")
+
+    # ================================================================== schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+        budget = self._schedule_running(budget, num_scheduled, new_reqs, cached, preempted)
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        total = self.config.max_num_batched_tokens - budget
+        self._last_num_scheduled = total
+        finished, self._finished_for_runner = self._finished_for_runner, set()
+        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        cap = self.config.long_prefill_token_threshold
+        if cap is not None and n > cap:
+            n = cap
+        return n if n < budget else budget
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          new_reqs: list[NewRequestData], cached: CachedRequestData,
+                          preempted: set[str]) -> int:
+        running = self.running
+        self._running_prefill_tokens = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = self._chunk(req, budget)
+            while True:
+                new_blocks = self.kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_idx = running.index(victim)
+                budget += self._preempt(victim, num_scheduled, cached, preempted)
+                if victim is req:
+                    break
+                if victim_idx < i:     # priority policy: it was already scheduled this step
+                    i -= 1
+            if req.status is not RequestStatus.RUNNING:
+                continue      # `req` preempted itself; running[i] is now the next request
+            num_scheduled[req.req_id] = n
+            cached.req_ids.append(req.req_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            req.num_computed_tokens += n
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining > 0:
+                self._running_prefill_tokens += remaining
+            budget -= n
+            i += 1
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, num_scheduled: dict[str, int], cached: CachedRequestData,
+                 preempted: set[str]) -> int:
+        """Recompute-preemption: drop the victim's KV and put it back at the front of the queue.
+
+        Returns the token budget the victim had been given earlier in this step (0 if none).
+        """
+        if self.running and self.running[-1] is victim:
+            self.running.pop()
+        else:
+            self.running.remove(victim)
+        refund = num_scheduled.pop(victim.req_id, 0)
+        if refund:     # priority policy may pick a request already scheduled this step
+            idx = cached.req_ids.index(victim.req_id)
+            del cached.req_ids[idx], cached.new_block_ids[idx], cached.num_computed_tokens[idx]
+            remaining = victim.num_tokens - victim.num_computed_tokens
+            self._running_prefill_tokens -= max(remaining, 0)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        preempted.add(victim.req_id)
+        self.waiting.add_front(victim)
+        self._waiting_prefill_tokens += victim.num_tokens
+        return refund
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_reqs: list[NewRequestData]) -> int:
+        cfg = self.config
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit_tokens
+            if not cfg.enable_chunked_prefill and n > budget:
+                break     # head-of-line: without chunking the whole prompt must fit the budget
+            cap = cfg.long_prefill_token_threshold
+            if cap is not None and n > cap:
+                n = cap
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop()
+            self._waiting_prefill_tokens -= req.num_tokens
+            self.kv.record_admission(req, num_hit_tokens)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(NewRequestData(req.req_id, list(req.all_token_ids), req.num_prompt_tokens,
+                                           req.sampling_params, self.kv.get_block_ids(req.req_id),
+                                           num_hit_tokens))
+            num_scheduled[req.req_id] = n
+            req.num_computed_tokens += n
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining > 0:
+                self._running_prefill_tokens += remaining
+            budget -= n
+        return budget
+
+    # ================================================================== update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> StepOutput:
+        """Append sampled tokens, apply stop conditions, free finished requests, build the step output."""
+        deltas, self._pending_deltas = self._pending_deltas, []
+        logprobs = runner_output.logprobs
+        requests = self.requests
+        kv = self.kv
+        for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            req = requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue      # aborted (or preempted) after it was scheduled: drop its tokens
+            kv.cache_blocks(req, req.num_computed_tokens)
+            if not sampled:
+                continue      # a partial prefill chunk
+            new_tokens = self._append_and_check_stop(req, sampled)
+            delta = RequestDelta(req_id, new_tokens, req.status.is_finished,
+                                 num_prompt_tokens=req.num_prompt_tokens,
+                                 num_cached_tokens=req.num_cached_tokens or 0)
+            if logprobs is not None and req_id in logprobs:
+                delta.new_logprobs = logprobs[req_id][:len(new_tokens)]
+            if delta.finished:
+                delta.finish_reason = req.status.finish_reason.value
+                delta.stop_reason = req.stop_reason
+                self._finish(req, was_running=True)
+            deltas.append(delta)
+        finished, self._finished_for_output = self._finished_for_output, set()
+        return StepOutput(deltas, finished, self.make_stats())
+
+    def _append_and_check_stop(self, req: Request, sampled: list[int]) -> list[int]:
+        params = req.sampling_params
+        new_tokens: list[int] = []
+        for tok in sampled:
+            req.append_output_token(tok)
+            new_tokens.append(tok)
+            n_out = req.num_output_tokens
+            if n_out >= params.min_tokens:
+                if tok == req.eos_token_id and not params.ignore_eos:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    break
+                if tok in params.stop_token_ids:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = tok
+                    break
+            if n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return new_tokens
+
+    def _finish(self, req: Request, was_running: bool) -> None:
+        """Release a finished request's blocks and state; report it to the runner and the front end."""
+        if was_running:
+            self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.req_id]
+        self._finished_for_runner.add(req.req_id)
+        self._finished_for_output.add(req.req_id)
+
+    # ================================================================== abort
+    def finish_requests(self, req_ids: str | list[str] | set[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests in any state (waiting, running, preempted). Unknown ids are ignored."""
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        assert status.is_finished
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            was_running = req.status is RequestStatus.RUNNING
+            if not was_running:     # waiting or preempted
+                self.waiting.remove(req)
+                self._waiting_prefill_tokens -= req.num_tokens
+            req.status = status
+            self._pending_deltas.append(RequestDelta(
+                req_id, [], True, finish_reason=status.finish_reason.value,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens or 0))
+            self._finish(req, was_running)
+
+    def abort_requests(self, req_ids: str | list[str] | set[str]) -> None:
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ================================================================== state
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_output(self) -> bool:
+        """Abort deltas or finished ids that the next update_from_output would report."""
+        return bool(self._pending_deltas or self._finished_for_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        pc = self.kv.stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_queued_prefill_tokens=self._waiting_prefill_tokens + self._running_prefill_tokens,
+            num_scheduled_tokens=self._last_num_scheduled,
+            prefix_cache_queries_total=pc.queries,
+            prefix_cache_hits_total=pc.hits,
+            num_preemptions_total=self._num_preemptions,
+        )

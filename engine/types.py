@@ -1,0 +1,134 @@
+"""Typed hand-offs between engine parts: scheduler -> runner -> scheduler -> front end.
+
+Small slotted dataclasses built every step; plain lists, never tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.hashing import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- scheduler -> runner
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption."""
+
+    req_id: str
+    token_ids: list[int]            # prompt + output so far (a copy)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]            # the whole block table
+    num_computed_tokens: int        # KV already present (prefix-cache hit) before this step
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as parallel lists (one entry per request)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)   # blocks appended this step (maybe [])
+    num_computed_tokens: list[int] = field(default_factory=list)   # before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan for one step: which requests compute how many tokens, and where their KV lives."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    #: requests finished or aborted since the previous schedule(): the runner drops their state.
+    finished_req_ids: set[str]
+    #: requests preempted during this schedule(): the runner drops their state too.
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---------------------------------------------------------------- runner -> scheduler
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities for one sampled position: the chosen token plus the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens for the requests that reached the end of their known tokens this step."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]               # parallel to req_ids; [] for partial prefill chunks
+    logprobs: dict[str, list[Logprobs]] | None = None
+
+
+# ---------------------------------------------------------------- scheduler -> front end
+@dataclass(slots=True)
+class RequestDelta:
+    """What changed for one request in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None       # the stop token id when one ended the request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    new_logprobs: list[Logprobs] | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Replica load signals; counters (`*_total`) are cumulative since the engine started."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_queued_prefill_tokens: int = 0        # uncached prompt tokens not yet computed (waiting + chunked)
+    num_scheduled_tokens: int = 0             # this step
+    prefix_cache_queries_total: int = 0       # prompt tokens looked up at admission
+    prefix_cache_hits_total: int = 0          # of which found in the cache
+    num_preemptions_total: int = 0
+    step_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One engine step's result: per-request deltas, requests finished since the last step, stats."""
+
+    outputs: list[RequestDelta]
+    finished_req_ids: set[str]
+    stats: SchedulerStats
+    timestamp: float = field(default_factory=time.monotonic)
+
+
+# ---------------------------------------------------------------- KV events
+@dataclass(slots=True, frozen=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True, frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
