@@ -57,7 +57,7 @@ class Request:
     __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
                  "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
-                 "num_preemptions", "_block_size", "trace_context")
+                 "num_preemptions", "_block_size", "trace_context", "num_tokens")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
@@ -73,6 +73,8 @@ class Request:
         self.trace_context = trace_context
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        #: prompt + output tokens so far (kept as a field: read on every step's hot path)
+        self.num_tokens = self.num_prompt_tokens
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
         #: prefix-cache hit at first admission (None until admitted): reported as cached tokens.
@@ -82,10 +84,6 @@ class Request:
         self.num_preemptions = 0
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, cache_salt)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -98,12 +96,16 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.num_output_tokens += 1
-        n = len(self.all_token_ids)
+        self.num_tokens = n = self.num_tokens + 1
         if n % self._block_size == 0:
-            bs = self._block_size
-            start = len(self.block_hashes)
-            parent = self.block_hashes[-1] if start else None
-            self.block_hashes.extend(hash_block_chain(self.all_token_ids, bs, self.cache_salt, parent, start))
+            self.hash_new_full_blocks()
+
+    def hash_new_full_blocks(self) -> None:
+        """Extend `block_hashes` over blocks that became full since the last call."""
+        start = len(self.block_hashes)
+        parent = self.block_hashes[-1] if start else None
+        self.block_hashes.extend(hash_block_chain(self.all_token_ids, self._block_size, self.cache_salt,
+                                                  parent, start))
 
     def __repr__(self) -> str:
         return (f"Request({self.req_id!r}, status={self.status.value}, tokens={self.num_tokens}, "

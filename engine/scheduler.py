@@ -26,6 +26,11 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"with chunked prefill disabled, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len}) or long prompts could never be scheduled; "
+                "raise max_num_batched_tokens or enable chunked prefill")
         self.config = config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
@@ -40,6 +45,7 @@ class Scheduler:
         self._waiting_prefill_tokens = 0
         self._running_prefill_tokens = 0
         self._last_num_scheduled = 0
+        self._refund = 0
 
     # ================================================================== requests in
     def add_request(self, request: Request) -> None:
@@ -97,35 +103,54 @@ class Scheduler:
                           new_reqs: list[NewRequestData], cached: CachedRequestData,
                           preempted: set[str]) -> int:
         running = self.running
-        self._running_prefill_tokens = 0
+        block_size = self.block_size
+        req_to_blocks = self.kv.req_to_blocks
+        c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        prefill_left = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = self._chunk(req, budget)
-            while True:
-                new_blocks = self.kv.allocate_slots(req, n)
-                if new_blocks is not None:
-                    break
-                victim = self._pick_victim()
-                victim_idx = running.index(victim)
-                budget += self._preempt(victim, num_scheduled, cached, preempted)
-                if victim is req:
-                    break
-                if victim_idx < i:     # priority policy: it was already scheduled this step
-                    i -= 1
-            if req.status is not RequestStatus.RUNNING:
-                continue      # `req` preempted itself; running[i] is now the next request
+            computed = req.num_computed_tokens
+            n = req.num_tokens - computed
+            if n == 1 and computed < len(req_to_blocks[req.req_id]) * block_size:
+                block_ids: list[int] = []    # decode fast path: the last block has room
+            else:
+                n = self._chunk(req, budget)
+                new_blocks = self._allocate_or_preempt(req, n, i, num_scheduled, cached, preempted)
+                if new_blocks is None:
+                    continue      # `req` preempted itself; running[i] is now the next request
+                if len(running) <= i or running[i] is not req:
+                    i = running.index(req)       # a victim ahead of it left the list
+                block_ids = [b.block_id for b in new_blocks]
+                budget += self._refund
+                rem = req.num_tokens - computed - n
+                if rem > 0:
+                    prefill_left += rem
             num_scheduled[req.req_id] = n
-            cached.req_ids.append(req.req_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
-            cached.num_computed_tokens.append(req.num_computed_tokens)
-            req.num_computed_tokens += n
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining > 0:
-                self._running_prefill_tokens += remaining
+            c_ids.append(req.req_id)
+            c_blocks.append(block_ids)
+            c_computed.append(computed)
+            req.num_computed_tokens = computed + n
             budget -= n
             i += 1
+        self._running_prefill_tokens = prefill_left
         return budget
+
+    def _allocate_or_preempt(self, req: Request, n: int, i: int, num_scheduled: dict[str, int],
+                             cached: CachedRequestData, preempted: set[str]):
+        """allocate_slots for `req`, preempting others until it fits; None if `req` itself was preempted.
+
+        Sets self._refund to the budget given back by victims already scheduled in this step.
+        """
+        self._refund = 0
+        while True:
+            new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_victim()
+            self._refund += self._preempt(victim, num_scheduled, cached, preempted)
+            if victim is req:
+                return None
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -146,8 +171,6 @@ class Scheduler:
         if refund:     # priority policy may pick a request already scheduled this step
             idx = cached.req_ids.index(victim.req_id)
             del cached.req_ids[idx], cached.new_block_ids[idx], cached.num_computed_tokens[idx]
-            remaining = victim.num_tokens - victim.num_computed_tokens
-            self._running_prefill_tokens -= max(remaining, 0)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -186,9 +209,7 @@ class Scheduler:
                                            num_hit_tokens))
             num_scheduled[req.req_id] = n
             req.num_computed_tokens += n
-            remaining = req.num_tokens - req.num_computed_tokens
-            if remaining > 0:
-                self._running_prefill_tokens += remaining
+            self._running_prefill_tokens += req.num_tokens - req.num_computed_tokens
             budget -= n
         return budget
 
@@ -200,26 +221,46 @@ class Scheduler:
         logprobs = runner_output.logprobs
         requests = self.requests
         kv = self.kv
+        block_size = self.block_size
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        running_status = RequestStatus.RUNNING
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
+            if req is None or req.status is not running_status:
                 continue      # aborted (or preempted) after it was scheduled: drop its tokens
-            kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens % block_size < num_scheduled[req_id]:
+                kv.cache_blocks(req, req.num_computed_tokens)     # this step completed a block
             if not sampled:
                 continue      # a partial prefill chunk
+            if len(sampled) == 1:      # the common case, inlined: one token, no stop
+                tok = sampled[0]
+                params = req.sampling_params
+                n_out = req.num_output_tokens + 1
+                if (n_out < params.max_tokens and tok != req.eos_token_id and not params.stop_token_ids
+                        and req.num_tokens + 1 < self.max_model_len):
+                    req.all_token_ids.append(tok)
+                    req.num_output_tokens = n_out
+                    req.num_tokens += 1
+                    if req.num_tokens % block_size == 0:
+                        req.hash_new_full_blocks()
+                    deltas.append(RequestDelta(req_id, sampled, False, None, None, req.num_prompt_tokens,
+                                               req.num_cached_tokens or 0))
+                    if logprobs is not None and req_id in logprobs:
+                        deltas[-1].new_logprobs = logprobs[req_id][:1]
+                    continue
             new_tokens = self._append_and_check_stop(req, sampled)
-            delta = RequestDelta(req_id, new_tokens, req.status.is_finished,
-                                 num_prompt_tokens=req.num_prompt_tokens,
-                                 num_cached_tokens=req.num_cached_tokens or 0)
+            finished = req.status is not running_status
+            delta = RequestDelta(req_id, new_tokens, finished, None, None, req.num_prompt_tokens,
+                                 req.num_cached_tokens or 0)
             if logprobs is not None and req_id in logprobs:
                 delta.new_logprobs = logprobs[req_id][:len(new_tokens)]
-            if delta.finished:
+            if finished:
                 delta.finish_reason = req.status.finish_reason.value
                 delta.stop_reason = req.stop_reason
                 self._finish(req, was_running=True)
             deltas.append(delta)
-        finished, self._finished_for_output = self._finished_for_output, set()
-        return StepOutput(deltas, finished, self.make_stats())
+        finished_ids, self._finished_for_output = self._finished_for_output, set()
+        return StepOutput(deltas, finished_ids, self.make_stats())
 
     def _append_and_check_stop(self, req: Request, sampled: list[int]) -> list[int]:
         params = req.sampling_params
@@ -232,7 +273,7 @@ class Scheduler:
                 if tok == req.eos_token_id and not params.ignore_eos:
                     req.status = RequestStatus.FINISHED_STOPPED
                     break
-                if tok in params.stop_token_ids:
+                if params.stop_token_ids and tok in params.stop_token_ids:
                     req.status = RequestStatus.FINISHED_STOPPED
                     req.stop_reason = tok
                     break

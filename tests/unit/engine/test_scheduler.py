@@ -1,0 +1,291 @@
+import pytest
+
+from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
+from engine.request import RequestStatus
+
+from tests.unit.engine.helpers import (EOS, assert_all_blocks_free, make_request, make_scheduler,
+                                       run_to_completion, step)
+
+
+# ---------------------------------------------------------------- budget and chunking
+def test_chunked_prefill_splits_prompt_across_steps():
+    s = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(make_request("a", 20, max_tokens=2))
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"a": 8} and out.outputs == []
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["a"]
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"a": 8} and so.scheduled_cached_reqs.num_computed_tokens == [8]
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"a": 4}
+    assert len(out.outputs) == 1 and len(out.outputs[0].new_token_ids) == 1   # first token sampled
+    so, out = step(s)
+    assert so.num_scheduled_tokens == {"a": 1} and out.outputs[0].finish_reason == "length"
+    assert_all_blocks_free(s)
+
+
+def test_no_chunking_blocks_head_of_line():
+    s = make_scheduler(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    s.add_request(make_request("a", 6, max_tokens=4))
+    s.add_request(make_request("b", 12, max_tokens=4))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 6}      # b (12) does not fit the remaining 10
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 12}   # now the whole prompt fits
+    run_to_completion(s)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        make_scheduler(max_num_batched_tokens=8, max_model_len=16, enable_chunked_prefill=False)
+
+
+def test_long_prefill_threshold_lets_short_requests_in():
+    s = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    s.add_request(make_request("long", 40))
+    s.add_request(make_request("short", 5))
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"long": 6, "short": 5}
+
+
+def test_running_first_then_waiting_and_max_num_seqs():
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
+    for r in "abc":
+        s.add_request(make_request(r, 5))
+    so, _ = step(s)
+    assert set(so.num_scheduled_tokens) == {"a", "b"}
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert s.make_stats().num_waiting_reqs == 1
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_token_budget_respected_for_decodes():
+    s = make_scheduler(max_num_batched_tokens=3, max_num_seqs=10)
+    for r in "abcde":
+        s.add_request(make_request(r, 2, max_tokens=4))
+    for _ in range(30):
+        if not s.has_unfinished_requests():
+            break
+        so, _ = step(s)
+        assert so.total_num_scheduled_tokens <= 3
+        assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+    assert_all_blocks_free(s)
+
+
+# ---------------------------------------------------------------- prefix cache
+def test_prefix_hit_starts_with_computed_tokens():
+    s = make_scheduler()
+    shared = list(range(200, 212))
+    s.add_request(make_request("a", shared + [1, 1]))
+    run_to_completion(s)
+    s.add_request(make_request("b", shared + [3, 3, 3]))
+    so, out = step(s)
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 12 and so.num_scheduled_tokens == {"b": 3}
+    assert out.outputs[0].num_cached_tokens == 12
+    st = out.stats
+    assert st.prefix_cache_hits_total == 12 and st.prefix_cache_queries_total == 14 + 15
+
+
+# ---------------------------------------------------------------- preemption
+def _greedy(rid, n):
+    return 100 + (n * 7 + len(rid)) % 50
+
+
+def test_fcfs_preempts_newest_and_resumes_identically():
+    ref = make_scheduler(num_blocks=64)
+    for r in "abc":
+        ref.add_request(make_request(r, 6, max_tokens=10))
+    expected = run_to_completion(ref, token_fn=_greedy)
+
+    s = make_scheduler(num_blocks=9)                 # 8 usable blocks of 4: 3 x 16 tokens won't fit
+    for r in "abc":
+        s.add_request(make_request(r, 6, max_tokens=10))
+    preempted = []
+    outs: dict[str, list[int]] = {}
+    while s.has_unfinished_requests():
+        so, out = step(s, token_fn=_greedy)
+        preempted += sorted(so.preempted_req_ids)
+        for d in out.outputs:
+            outs.setdefault(d.req_id, []).extend(d.new_token_ids)
+    assert preempted and preempted[0] == "c"          # the most recently admitted goes first
+    assert outs == expected
+    assert s.make_stats().num_preemptions_total == len(preempted)
+    assert_all_blocks_free(s)
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make_scheduler(num_blocks=9, policy="priority", max_num_seqs=8)
+    s.add_request(make_request("low", 6, max_tokens=10, priority=5, arrival_time=1.0))
+    s.add_request(make_request("high", 6, max_tokens=10, priority=0, arrival_time=2.0))
+    s.add_request(make_request("mid", 6, max_tokens=10, priority=1, arrival_time=3.0))
+    so, _ = step(s, token_fn=_greedy)
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["high", "mid", "low"]
+    preempted = []
+    while s.has_unfinished_requests():
+        so, _ = step(s, token_fn=_greedy)
+        preempted += list(so.preempted_req_ids)
+    assert preempted and preempted[0] == "low"
+    assert_all_blocks_free(s)
+
+
+def test_priority_victim_already_scheduled_this_step_is_unscheduled():
+    s = make_scheduler(num_blocks=5, block_size=4, policy="priority")   # 4 usable blocks
+    s.add_request(make_request("low", 7, max_tokens=9, priority=9, arrival_time=0.0))
+    s.add_request(make_request("high", 7, max_tokens=9, priority=0, arrival_time=1.0))
+    seen_victim_scheduled = False
+    while s.has_unfinished_requests():
+        so, _ = step(s)
+        if so.preempted_req_ids:
+            assert not (so.preempted_req_ids & set(so.num_scheduled_tokens))
+            assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+            seen_victim_scheduled = True
+    assert seen_victim_scheduled
+    assert_all_blocks_free(s)
+
+
+# ---------------------------------------------------------------- stop conditions
+def _run_one(s, req, tokens):
+    s.add_request(req)
+    it = iter(tokens)
+    got, reason, stop_reason = [], None, None
+    while s.has_unfinished_requests():
+        _, out = step(s, token_fn=lambda rid, n: next(it))
+        for d in out.outputs:
+            got += d.new_token_ids
+            reason, stop_reason = d.finish_reason, d.stop_reason
+    assert_all_blocks_free(s)
+    return got, reason, stop_reason
+
+
+def test_eos_stops_including_eos_token():
+    got, reason, _ = _run_one(make_scheduler(), make_request("a", 3, max_tokens=10), [5, 6, EOS, 7])
+    assert got == [5, 6, EOS] and reason == "stop"
+
+
+def test_ignore_eos_and_min_tokens():
+    got, reason, _ = _run_one(make_scheduler(), make_request("a", 3, max_tokens=4, ignore_eos=True),
+                              [EOS, EOS, EOS, EOS, 9])
+    assert got == [EOS] * 4 and reason == "length"
+    got, reason, _ = _run_one(make_scheduler(), make_request("b", 3, max_tokens=5, min_tokens=2),
+                              [EOS, 8, EOS, 9])
+    assert got == [EOS, 8, EOS] and reason == "stop"
+
+
+def test_stop_token_ids_report_stop_reason():
+    got, reason, stop = _run_one(make_scheduler(), make_request("a", 3, max_tokens=10, stop_token_ids=[42]),
+                                 [5, 42, 6])
+    assert got == [5, 42] and reason == "stop" and stop == 42
+
+
+def test_max_tokens_and_max_model_len():
+    got, reason, _ = _run_one(make_scheduler(), make_request("a", 3, max_tokens=3), [5] * 10)
+    assert got == [5, 5, 5] and reason == "length"
+    s = make_scheduler(max_model_len=8)
+    got, reason, _ = _run_one(s, make_request("b", 5, max_tokens=3), [5] * 10)
+    assert len(got) == 3 and reason == "length"
+    s = make_scheduler(max_model_len=8)
+    s.max_model_len = 7
+    got, reason, _ = _run_one(s, make_request("c", 5, max_tokens=3), [5] * 10)
+    assert len(got) == 2 and reason == "length"
+
+
+def test_tokens_after_stop_in_one_step_are_dropped():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3, max_tokens=10, stop_token_ids=[7]))
+    so = s.schedule()
+    from engine.types import ModelRunnerOutput
+    out = s.update_from_output(so, ModelRunnerOutput(["a"], [[4, 7, 8, 9]]))
+    assert out.outputs[0].new_token_ids == [4, 7] and out.outputs[0].finished
+
+
+# ---------------------------------------------------------------- abort
+def test_abort_in_every_state_frees_everything_and_is_reported():
+    s = make_scheduler(num_blocks=17, max_num_batched_tokens=8)
+    s.add_request(make_request("running", 6, max_tokens=20))
+    s.add_request(make_request("chunking", 20, max_tokens=20))
+    s.add_request(make_request("waiting", 6, max_tokens=20))
+    step(s)
+    step(s)
+    states = {r: s.requests[r].status for r in s.requests}
+    assert states["running"] is RequestStatus.RUNNING and states["waiting"] is RequestStatus.WAITING
+    s.abort_requests(["waiting", "unknown-id"])
+    s.abort_requests("chunking")
+    so, out = step(s)
+    assert {"waiting", "chunking"} <= so.finished_req_ids
+    assert out.finished_req_ids == {"waiting", "chunking"}
+    assert {d.req_id: d.finish_reason for d in out.outputs if d.finished} == {"waiting": "abort",
+                                                                              "chunking": "abort"}
+    s.abort_requests("running")
+    s.abort_requests("running")                    # finished already: no-op
+    _, out = step(s)
+    assert out.finished_req_ids == {"running"}
+    assert_all_blocks_free(s)
+
+
+def test_abort_preempted_request():
+    s = make_scheduler(num_blocks=6)
+    s.add_request(make_request("a", 6, max_tokens=12))
+    s.add_request(make_request("b", 6, max_tokens=12))
+    while not any(r.status is RequestStatus.PREEMPTED for r in s.requests.values()):
+        step(s)
+    victim = next(r for r in s.requests.values() if r.status is RequestStatus.PREEMPTED)
+    s.abort_requests(victim.req_id)
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_output_for_aborted_request_is_dropped():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3))
+    so = s.schedule()
+    s.abort_requests("a")
+    from engine.types import ModelRunnerOutput
+    out = s.update_from_output(so, ModelRunnerOutput(["a"], [[5]]))
+    assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in out.outputs] == [("a", [], "abort")]
+    assert_all_blocks_free(s)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,err,param", [
+    (dict(prompt=[]), InvalidRequestError, "prompt"),
+    (dict(prompt=64), ContextLengthExceededError, "prompt"),
+    (dict(prompt=10, max_tokens=100), ContextLengthExceededError, "max_tokens"),
+])
+def test_bad_requests_rejected_without_side_effects(kwargs, err, param):
+    s = make_scheduler(num_blocks=9, max_model_len=64)     # KV holds 32 tokens
+    s.add_request(make_request("ok", 4))
+    step(s)
+    before = (dict(s.requests), list(s.running), len(s.waiting), s.kv.pool.num_free_blocks)
+    with pytest.raises(err) as e:
+        s.add_request(make_request("bad", kwargs.pop("prompt"), **kwargs))
+    assert e.value.param == param and str(e.value)
+    assert (dict(s.requests), list(s.running), len(s.waiting), s.kv.pool.num_free_blocks) == before
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_duplicate_id_and_bad_max_tokens():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3))
+    with pytest.raises(DuplicateRequestError):
+        s.add_request(make_request("a", 3))
+    with pytest.raises(InvalidRequestError) as e:
+        make_request("b", 3, max_tokens=0)
+    assert e.value.param == "max_tokens"
+    run_to_completion(s)
+    s.add_request(make_request("a", 3))        # ids may be reused once finished
+    run_to_completion(s)
+
+
+# ---------------------------------------------------------------- stats
+def test_stats_track_queue_and_usage():
+    s = make_scheduler(max_num_batched_tokens=4)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 6))
+    st = s.make_stats()
+    assert st.num_waiting_reqs == 2 and st.num_queued_prefill_tokens == 16 and st.kv_cache_usage == 0
+    _, out = step(s)
+    st = out.stats
+    assert st.num_running_reqs == 1 and st.num_waiting_reqs == 1
+    assert st.num_queued_prefill_tokens == 6 + 6 and st.num_scheduled_tokens == 4
+    assert 0 < st.kv_cache_usage < 1
