@@ -50,13 +50,14 @@ class Scheduler:
     # ================================================================== requests in
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise InvalidRequestError without changing anything."""
-        self._validate(request)
+        self.validate_request(request)
         self.requests[request.req_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
         self._waiting_prefill_tokens += request.num_tokens
 
-    def _validate(self, request: Request) -> None:
+    def validate_request(self, request: Request) -> None:
+        """Raise InvalidRequestError if `request` can never be served; pure (changes nothing)."""
         if request.req_id in self.requests:
             raise DuplicateRequestError(request.req_id)
         n = request.num_prompt_tokens

@@ -1,0 +1,99 @@
+"""Attention backend protocol and the input preparation every backend shares.
+
+The batch is ordered decodes first (query length 1), then prefill chunks. `build_attention_metadata`
+turns per-request (computed tokens, scheduled tokens, block table) into the flat tensors both the
+torch and the flash-attn backends read, so this part is tested on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    num_decodes: int                    # the first num_decodes requests have query length 1
+    slot_mapping: torch.Tensor          # [num_tokens] int64: block_id * block_size + offset
+    positions: torch.Tensor             # [num_tokens] int64
+    query_start_loc: torch.Tensor       # [num_reqs + 1] int32 (cu_seqlens_q)
+    seq_start_loc: torch.Tensor         # [num_reqs + 1] int32 (cu_seqlens_k)
+    seq_lens: torch.Tensor              # [num_reqs] int32: KV length after this step
+    block_tables: torch.Tensor          # [num_reqs, max_blocks] int32, padded with the null block 0
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], block_tables: list[list[int]],
+                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Flat attention inputs for requests already ordered decodes-first.
+
+    num_computed[i]: tokens of request i whose KV is already cached; num_scheduled[i]: tokens it
+    computes this step; block_tables[i]: its block ids (long enough for computed + scheduled).
+    """
+    n = len(num_scheduled)
+    q_lens = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.asarray(num_computed, dtype=np.int64)
+    total = int(q_lens.sum())
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    req_idx = np.repeat(np.arange(n), q_lens)
+    positions = starts[req_idx] + (np.arange(total) - qsl[:-1][req_idx])
+    max_blocks = max((len(b) for b in block_tables), default=1) or 1
+    table = np.zeros((n, max_blocks), dtype=np.int64)
+    for i, b in enumerate(block_tables):
+        table[i, :len(b)] = b
+    slots = table[req_idx, positions // block_size] * block_size + positions % block_size
+    seq_lens = starts + q_lens
+    ssl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(seq_lens, out=ssl[1:])
+    num_decodes = 0
+    while num_decodes < n and num_scheduled[num_decodes] == 1:
+        num_decodes += 1
+    dev = torch.device(device)
+    return AttentionMetadata(
+        num_tokens=total,
+        num_decodes=num_decodes,
+        slot_mapping=torch.from_numpy(slots).to(dev),
+        positions=torch.from_numpy(positions).to(dev),
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+        seq_start_loc=torch.from_numpy(ssl.astype(np.int32)).to(dev),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+        block_tables=torch.from_numpy(table.astype(np.int32)).to(dev),
+        query_lens_list=[int(x) for x in num_scheduled],
+        seq_lens_list=seq_lens.tolist(),
+        max_query_len=int(q_lens.max()) if n else 0,
+        max_seq_len=int(seq_lens.max()) if n else 0,
+        block_size=block_size,
+    )
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends over each request's pages.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
+    All K/V of the step are written before any attention is computed.
+    """
+
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter K/V rows into their cache slots."""
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, v)
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)

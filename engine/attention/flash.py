@@ -1,0 +1,47 @@
+"""flash-attn 2 paged backend (GPU). Imported lazily; the input preparation is shared with torch.
+
+Upstream flash-attn 2's paged KV (block_table) requires block_size % 256 == 0 (flash_api.cpp); only
+vLLM's fork accepts multiples of 16. We validate this up front instead of failing inside the kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionMetadata, write_kv
+
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def flash_attn_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except (ImportError, OSError):       # a python-only install without its CUDA extension raises too
+        return False
+    return True
+
+
+def validate_flash_block_size(block_size: int) -> None:
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        raise ValueError(f"the flash attention backend needs cache.block_size to be a multiple of "
+                         f"{FLASH_BLOCK_MULTIPLE} (upstream flash-attn 2 paged KV constraint), got {block_size}; "
+                         f"set cache.block_size: 256 or use attention_backend: torch")
+
+
+class FlashPagedAttention:
+    name = "flash"
+
+    def __init__(self, block_size: int):
+        validate_flash_block_size(block_size)
+        from flash_attn import flash_attn_varlen_func    # lazy: optional dependency
+        self._varlen = flash_attn_varlen_func
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        # One varlen call for the whole mixed batch; causal is bottom-right aligned, which is what
+        # chunked prefill over cached context needs. k/v are the paged caches, cu_seqlens_k the KV lengths.
+        return self._varlen(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_start_loc,
+                            meta.max_query_len, meta.max_seq_len, softmax_scale=scale, causal=True,
+                            block_table=meta.block_tables)

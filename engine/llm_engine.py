@@ -1,0 +1,263 @@
+"""LLMEngine: model + tokenizer + KV cache + scheduler + runner; add_request / abort_request / step()."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import select_backend
+from engine.config import EngineConfig
+from engine.errors import EngineError, InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models.config import ModelArgs
+from engine.models.loader import load_model
+from engine.outputs import EngineStepOutput, StreamDelta
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from engine.types import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class StepError(EngineError):
+    """A step failed; `req_ids` are the parent requests that were in it (they have been failed)."""
+
+    def __init__(self, cause: BaseException, req_ids: set[str]):
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.req_ids = req_ids
+
+
+@dataclass(slots=True)
+class _SeqState:
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer | None
+
+
+@dataclass(slots=True)
+class _ParentState:
+    prompt_token_ids: list[int]
+    num_seqs: int
+    num_finished: int = 0
+
+
+class LLMEngine:
+    """One engine per replica. Not thread-safe: call add/abort/step from one thread at a time."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.model_args = ModelArgs.from_dir(config.model)
+        self.max_model_len = _max_model_len(config, self.model_args)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None and self.model_args.eos_token_ids:
+            self.eos_token_id = self.model_args.eos_token_ids[0]
+        torch.manual_seed(config.seed)
+        model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len)
+        block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks(block_size)
+        backend = select_backend(config.attention_backend, self.device.type, block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, block_size, self.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
+            enable_kv_cache_events=config.cache.enable_kv_cache_events)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
+                                  device=self.device, dtype=self.dtype, seed=config.seed)
+        self._seqs: dict[str, _SeqState] = {}
+        self._parents: dict[str, _ParentState] = {}
+        self.last_stats = SchedulerStats()
+        cap = (self.num_blocks - 1) * block_size
+        logger.info("engine ready: %s %s on %s, attention=%s, max_model_len=%d, KV cache %d blocks x %d "
+                    "tokens = %d tokens (%.1f MiB)", self.model_args.architecture, self.dtype, self.device,
+                    backend.name, self.max_model_len, self.num_blocks, block_size, cap,
+                    self.num_blocks * kv_bytes_per_block(self.model_args, block_size, self.dtype) / 2**20)
+
+    # ------------------------------------------------------------------ sizing
+    def _num_blocks(self, block_size: int) -> int:
+        c = self.config.cache
+        if c.num_blocks is not None:
+            return c.num_blocks
+        per_block = kv_bytes_per_block(self.model_args, block_size, self.dtype)
+        budget = c.memory_budget_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.8)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        n = budget // per_block
+        if n < 2:
+            raise ValueError(f"KV memory budget {budget} bytes holds {n} blocks of {per_block} bytes; "
+                             "raise cache.memory_budget_bytes")
+        return int(n)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.config.cache.block_size
+
+    # ------------------------------------------------------------------ requests
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        """A string, a token id list, or chat messages (rendered with the model's chat template)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return apply_chat_template(self.tokenizer, prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of chat messages",
+                                  param="prompt")
+
+    def validate_prompt_ids(self, ids: list[int]) -> None:
+        vocab = self.model_args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range for a vocabulary of {vocab}",
+                                      param="prompt")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    trace_context: dict[str, str] | None = None) -> list[int]:
+        """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError, changing nothing."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
+        ids = self.tokenize_prompt(prompt)
+        self.validate_prompt_ids(ids)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        reqs = []
+        for i, sid in enumerate(seq_ids):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            reqs.append(Request(sid, ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
+                                priority=priority, cache_salt=cache_salt,
+                                block_size=self.config.cache.block_size, trace_context=trace_context))
+        for req in reqs:          # all sequences share prompt and limits: validate before adding any
+            self.scheduler.validate_request(req)
+        for i, req in enumerate(reqs):
+            self.scheduler.add_request(req)
+            p = req.sampling_params
+            detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+                     if p.detokenize else None)
+            self._seqs[req.req_id] = _SeqState(request_id, i, detok)
+        self._parents[request_id] = _ParentState(ids, len(seq_ids))
+        return ids
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.abort_requests([sid for rid in request_ids for sid in self._seq_ids(rid)])
+
+    def _seq_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        return [request_id] if parent.num_seqs == 1 else [f"{request_id}#{i}" for i in range(parent.num_seqs)]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> EngineStepOutput:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        try:
+            ro = self.runner.execute_model(so)
+        except Exception as e:
+            affected = {self._seqs[s].parent_id for s in so.num_scheduled_tokens if s in self._seqs}
+            self.scheduler.finish_requests(list(so.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
+            for rid in affected:
+                self._drop_parent(rid)
+            raise StepError(e, affected) from e
+        out = self.scheduler.update_from_output(so, ro)
+        out.stats.step_time_s = time.perf_counter() - t0
+        self.last_stats = out.stats
+        return self._process(out.outputs, out.stats)
+
+    def _process(self, outputs, stats: SchedulerStats) -> EngineStepOutput:
+        deltas: list[StreamDelta] = []
+        finished_parents: set[str] = set()
+        for d in outputs:
+            seq = self._seqs.get(d.req_id)
+            if seq is None:
+                continue            # already reported finished (stop string) or dropped
+            finished, reason, stop_reason = d.finished, d.finish_reason, d.stop_reason
+            text = ""
+            if seq.detok is not None:
+                text = seq.detok.update(d.new_token_ids, finished)
+                if seq.detok.stop_hit is not None and not finished:
+                    self.scheduler.finish_requests(d.req_id, RequestStatus.FINISHED_STOPPED)
+                    finished, reason, stop_reason = True, "stop", seq.detok.stop_hit
+                elif seq.detok.stop_hit is not None:
+                    reason, stop_reason = "stop", seq.detok.stop_hit
+            deltas.append(StreamDelta(seq.parent_id, seq.index, text, d.new_token_ids, finished, reason,
+                                      stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens))
+            if finished:
+                del self._seqs[d.req_id]
+                parent = self._parents[seq.parent_id]
+                parent.num_finished += 1
+                if parent.num_finished == parent.num_seqs:
+                    del self._parents[seq.parent_id]
+                    finished_parents.add(seq.parent_id)
+        return EngineStepOutput(deltas, finished_parents, stats)
+
+    def _drop_parent(self, request_id: str) -> None:
+        for sid in self._seq_ids(request_id):
+            self._seqs.pop(sid, None)
+        self._parents.pop(request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available; use device: cpu or auto")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _DTYPES[name]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+    return dtype
+
+
+def _max_model_len(config: EngineConfig, args: ModelArgs) -> int:
+    limit = args.max_position_embeddings
+    if args.sliding_window is not None:
+        limit = min(limit, args.sliding_window)    # no sliding-window attention: stay inside the window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
+    return config.max_model_len

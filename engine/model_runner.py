@@ -1,0 +1,109 @@
+"""ModelRunner: SchedulerOutput -> flat tensors -> model forward over the paged KV cache -> sampled tokens.
+
+Holds the per-request state the runner needs between steps (token ids, block table, sampling
+parameters) and the KV cache tensors. Never imports the scheduler; reads only the SchedulerOutput.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, build_attention_metadata
+from engine.attention.base import kv_cache_shape
+from engine.models.config import ModelArgs
+from engine.sampler import Sampler, SamplingInfo
+from engine.sampling_params import SamplingParams
+from engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, args: ModelArgs, backend: AttentionBackend,
+                 num_blocks: int, block_size: int, *, device: torch.device, dtype: torch.dtype, seed: int = 0):
+        self.model = model
+        self.args = args
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        shape = kv_cache_shape(num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
+        self.requests: dict[str, RunnerRequestState] = {}
+        self.sampler = Sampler(seed, device)
+
+    # ------------------------------------------------------------------ state
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RunnerRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens)
+        c = so.scheduled_cached_reqs
+        for req_id, new_blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            st = self.requests[req_id]
+            if new_blocks:
+                st.block_ids.extend(new_blocks)
+            st.num_computed_tokens = computed
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        sched = so.num_scheduled_tokens
+        order = sorted(sched, key=lambda r: sched[r] != 1)            # decodes first (stable)
+        states = [self.requests[r] for r in order]
+        num_sched = [sched[r] for r in order]
+        computed = [s.num_computed_tokens for s in states]
+        meta = build_attention_metadata(computed, num_sched, [s.block_ids for s in states],
+                                        self.block_size, self.device)
+        ids: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[RunnerRequestState] = []
+        offset = 0
+        for st, start, n in zip(states, computed, num_sched):
+            ids.extend(st.token_ids[start:start + n])
+            offset += n
+            if start + n >= len(st.token_ids):          # reached the end of its known tokens: sample
+                sample_rows.append(offset - 1)
+                sampling.append(st)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
+        for st, start, n in zip(states, computed, num_sched):
+            st.num_computed_tokens = start + n
+        if not sampling:
+            return ModelRunnerOutput(order, [[] for _ in order])
+        logits = self.model.compute_logits(hidden[sample_rows])
+        infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in sampling]
+        tokens, lps = self.sampler(logits, infos)
+        by_req: dict[str, list[int]] = {}
+        logprobs: dict[str, list[Logprobs]] | None = None
+        for st, tok, lp in zip(sampling, tokens, lps):
+            st.token_ids.append(tok)
+            by_req[st.req_id] = [tok]
+            if lp is not None:
+                if logprobs is None:
+                    logprobs = {}
+                logprobs[st.req_id] = [lp]
+        return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs)

@@ -1,0 +1,88 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, and a cos/sin table by position."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.config import RopeSpec
+
+
+def inv_freq_and_scale(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
+    """[head_dim // 2] inverse frequencies and the attention scaling applied to cos/sin."""
+    dim = int(head_dim * rope.params.get("partial_rotary_factor", 1.0))
+    base = rope.theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = rope.params
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / p["factor"], 1.0
+    if rope.rope_type == "llama3":
+        return _llama3(inv_freq, p), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(base, dim, p)
+    raise ValueError(f"unsupported rope type {rope.rope_type!r}")
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, p: dict) -> tuple[torch.Tensor, float]:
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or p["max_position_embeddings"] / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extra, inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    return inter * (1 - extra_factor) + extra * extra_factor, attn
+
+
+def cos_sin_table(rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_positions, rotary_dim] in float32, exactly as transformers computes them."""
+    inv_freq, scale = inv_freq_and_scale(rope, head_dim)
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (already gathered by position)."""
+    rot = cos.shape[-1]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    if rot == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    return torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp), dim=-1)

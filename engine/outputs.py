@@ -1,0 +1,61 @@
+"""What the engine hands its callers: streamed deltas and finished offline results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.types import Logprobs, SchedulerStats
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """New tokens and text for one sequence (`index` < n) of one request, from one step."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # stop token id or stop string that ended it
+    logprobs: list[Logprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStepOutput:
+    deltas: list[StreamDelta]
+    finished_request_ids: set[str]        # parent requests whose every sequence finished this step
+    stats: SchedulerStats
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's complete result (offline `LLM.generate`) or its running accumulation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    def add(self, d: StreamDelta) -> None:
+        out = self.outputs[d.index]
+        out.text += d.text
+        out.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            out.logprobs = (out.logprobs or []) + d.logprobs
+        if d.finished:
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+        self.finished = all(o.finish_reason is not None for o in self.outputs)

@@ -1,0 +1,151 @@
+"""Sampler: logits -> token ids (+ log-probabilities) for a batch with per-request parameters.
+
+Order: logit_bias -> penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> draw).
+Log-probabilities are those of the raw model distribution (log_softmax of the unprocessed logits).
+A seeded request draws from a generator seeded with (seed, output index), so its tokens do not
+depend on what else is in the batch, nor on preemption and resumption.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.types import Logprobs
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(slots=True)
+class SamplingInfo:
+    """One sampling row: its parameters and its tokens so far (sliced only when penalties need them)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._seeded = torch.Generator(device=self.device)
+
+    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo]
+                 ) -> tuple[list[int], list[Logprobs | None]]:
+        """logits: [N, vocab] float32, one row per entry of `infos`."""
+        want_lp = [i.params.logprobs for i in infos]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
+        logits = self._apply_bias_and_penalties(logits, infos)
+        if all(i.params.is_greedy for i in infos):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, infos)
+        token_list = tokens.tolist()
+        lps: list[Logprobs | None] = [None] * len(infos)
+        if raw_logprobs is not None:
+            for row, k in enumerate(want_lp):
+                if k is not None:
+                    lps[row] = _logprobs(raw_logprobs[row], token_list[row], k)
+        return token_list, lps
+
+    # ------------------------------------------------------------------ processing
+    @staticmethod
+    def _apply_bias_and_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+        rows = [r for r, i in enumerate(infos) if i.params.logit_bias or i.params.needs_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for r in rows:
+            p = infos[r].params
+            row = logits[r]
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], dtype=row.dtype,
+                                    device=row.device)
+                row.index_add_(0, ids, vals)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(infos[r].prompt_token_ids) | set(infos[r].output_token_ids)),
+                                    dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and infos[r].output_token_ids:
+                out = torch.tensor(infos[r].output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        temps = torch.tensor([i.params.temperature if not i.params.is_greedy else 1.0 for i in infos],
+                             dtype=logits.dtype, device=logits.device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        probs = _filter(probs, infos)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one independent draw per row.
+        noise = torch.empty_like(probs)
+        unseeded = [r for r, i in enumerate(infos) if i.params.seed is None and not i.params.is_greedy]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device,
+                                          dtype=probs.dtype).exponential_(generator=self.generator)
+        for r, info in enumerate(infos):
+            p = info.params
+            if p.seed is not None and not p.is_greedy:
+                self._seeded.manual_seed(_mix(p.seed, info.num_output_tokens))
+                noise[r].exponential_(generator=self._seeded)
+        drawn = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([i.params.is_greedy for i in infos], device=logits.device)
+        return torch.where(is_greedy, greedy, drawn)
+
+
+def _filter(probs: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    """Zero out tokens removed by top-k, top-p and min-p (per row; rows without filters untouched)."""
+    rows = [r for r, i in enumerate(infos)
+            if not i.params.is_greedy and (i.params.top_k or i.params.top_p < 1.0 or i.params.min_p > 0)]
+    if not rows:
+        return probs
+    probs = probs.clone()
+    for r in rows:
+        p = infos[r].params
+        row = probs[r]
+        sorted_p, idx = row.sort(descending=True)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if p.top_k:
+            keep[p.top_k:] = False
+        if p.top_p < 1.0:
+            cum = sorted_p.cumsum(0)
+            keep &= (cum - sorted_p) < p.top_p          # keep the smallest prefix reaching top_p
+        if p.min_p > 0:
+            keep &= sorted_p >= p.min_p * sorted_p[0]
+        keep[0] = True
+        mask = torch.zeros_like(keep)
+        mask[idx] = keep
+        row.masked_fill_(~mask, 0.0)
+    return probs
+
+
+def _mix(seed: int, step: int) -> int:
+    return (seed * _SEED_MIX + step * 0x632BE59BD9B4E019 + 1) & 0x7FFFFFFFFFFFFFFF
+
+
+def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
+    chosen = float(row[token])
+    rank = int((row > row[token]).sum()) + 1
+    if k:
+        top_v, top_i = row.topk(k)
+        return Logprobs(token, chosen, rank, top_i.tolist(), top_v.tolist())
+    return Logprobs(token, chosen, rank, [], [])
