@@ -1,0 +1,72 @@
+"""LLM: the offline batch API (`LLM(model=PATH).generate(prompts, params)`)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching, then return results in input order.
+
+    Keyword arguments are EngineConfig fields (`cache=...`, `scheduler=...` take dicts or models).
+    """
+
+    def __init__(self, model: str, **engine_config: Any):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, params in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            ids = self.engine.add_request(rid, prompt, params)
+            results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(params.n)])
+            order.append(rid)
+        bar = _progress(len(order), use_tqdm)
+        pending = set(order)
+        while pending:
+            step = self.engine.step()
+            for d in step.deltas:
+                if d.request_id in results:
+                    results[d.request_id].add(d)
+            done = step.finished_request_ids & pending
+            pending -= done
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in order]
+
+    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             *, use_tqdm: bool = True) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generating", unit="req", dynamic_ncols=True)

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random HF checkpoints written once per session, and transformers references."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+            max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> checkpoint dir, generated lazily."""
+    from engine.demo import write_demo_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    made: dict[str, str] = {}
+    specs = {
+        "llama": dict(arch="llama", seed=1),
+        "qwen2": dict(arch="qwen2", seed=2),
+        "mistral": dict(arch="mistral", seed=3),
+        "llama_tied_sharded": dict(arch="llama", seed=4, tie_word_embeddings=True, shards=3),
+        "llama_linear": dict(arch="llama", seed=5, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        "llama_llama3": dict(arch="llama", seed=6, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
+        "qwen2_yarn": dict(arch="qwen2", seed=7, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    }
+
+    class _Lazy(dict):
+        def __missing__(self, name):
+            path = root / name
+            write_demo_model(path, **{**TINY, **specs[name]})
+            self[name] = str(path)
+            return self[name]
+
+    return _Lazy(made)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """(checkpoint, prompt ids, n) -> transformers greedy continuation (cached models)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    def model(path):
+        if path not in models:
+            models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return models[path]
+
+    def greedy(path, ids, n):
+        m = model(path)
+        with torch.no_grad():
+            out = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    def logits(path, ids):
+        with torch.no_grad():
+            return model(path)(torch.tensor([ids])).logits[0].float()
+
+    greedy.logits = logits
+    greedy.model = model
+    return greedy

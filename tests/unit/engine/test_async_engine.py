@@ -1,0 +1,140 @@
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError, EngineDeadError, EngineError
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(checkpoints):
+    def make(**kw):
+        kw.setdefault("cache", {"num_blocks": 64, "block_size": 4})
+        return AsyncLLMEngine.from_config(EngineConfig(model=checkpoints["llama"], max_model_len=256, **kw))
+
+    return make
+
+
+def _all_free(eng):
+    pool = eng.engine.kv_cache_manager.pool
+    return pool.num_free_blocks == pool.num_blocks - 1 and not eng.engine.scheduler.requests
+
+
+async def _collect(gen):
+    deltas = []
+    async for d in gen:
+        deltas.append(d)
+    return deltas
+
+
+async def test_streams_match_offline_and_run_concurrently(make_engine, hf_reference, checkpoints):
+    eng = make_engine()
+    prompts = [[10, 20, 30, 40, 50], [7, 8, 9], list(range(100, 140))]
+    results = await asyncio.gather(*[_collect(eng.generate(p, SamplingParams(max_tokens=9, **GREEDY),
+                                                            request_id=f"r{i}")) for i, p in enumerate(prompts)])
+    for p, deltas in zip(prompts, results):
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert sum((d.token_ids for d in deltas), []) == hf_reference(checkpoints["llama"], p, 9)
+        assert len(deltas) == 9           # one delta per step: streamed, not batched at the end
+    assert _all_free(eng)
+    eng.check_health()
+    await eng.shutdown()
+
+
+async def test_cancelling_consumer_aborts_and_frees_within_a_step(make_engine):
+    eng = make_engine()
+    gen = eng.generate([1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=200, **GREEDY), request_id="long")
+    got = 0
+    async for _ in gen:
+        got += 1
+        if got == 3:
+            break
+    await gen.aclose()
+    steps = eng.num_steps
+    for _ in range(200):
+        if _all_free(eng):
+            break
+        await asyncio.sleep(0.005)
+    assert _all_free(eng)
+    assert eng.num_steps <= steps + 1
+    # and the engine keeps serving
+    deltas = await _collect(eng.generate([3, 4], SamplingParams(max_tokens=3, **GREEDY)))
+    assert deltas[-1].finished
+    await eng.shutdown()
+
+
+async def test_task_cancellation_aborts(make_engine):
+    eng = make_engine()
+
+    async def consume():
+        async for _ in eng.generate([9] * 10, SamplingParams(max_tokens=200, **GREEDY), request_id="c"):
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(2000):
+        if eng.num_steps >= 3:
+            break
+        await asyncio.sleep(0.005)
+    assert eng.num_steps >= 3 and not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if _all_free(eng):
+            break
+        await asyncio.sleep(0.005)
+    assert _all_free(eng)
+    await eng.shutdown()
+
+
+async def test_bad_input_raises_before_queueing(make_engine):
+    eng = make_engine()
+    with pytest.raises(ContextLengthExceededError) as e:
+        await _collect(eng.generate([1] * 10, SamplingParams(max_tokens=1000)))
+    assert e.value.param == "max_tokens"
+    assert eng.num_in_flight == 0 and _all_free(eng)
+    await eng.shutdown()
+
+
+async def test_step_failure_fails_affected_requests_then_recovers_then_dies(make_engine, monkeypatch):
+    eng = make_engine()
+    runner = eng.engine.runner
+    real = runner.execute_model
+    failures = {"left": 1}
+
+    def flaky(so):
+        if failures["left"] and so.num_scheduled_tokens:
+            failures["left"] -= 1
+            raise RuntimeError("boom")
+        return real(so)
+
+    monkeypatch.setattr(runner, "execute_model", flaky)
+    with pytest.raises(EngineError, match="boom"):
+        await asyncio.wait_for(_collect(eng.generate([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))), 10)
+    assert _all_free(eng)
+    ok = await asyncio.wait_for(_collect(eng.generate([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))), 10)
+    assert ok[-1].finished
+    eng.check_health()
+    failures["left"] = 10**6         # now every step fails: after a few the engine declares itself dead
+    for _ in range(3):
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(_collect(eng.generate([4, 5], SamplingParams(max_tokens=4, **GREEDY))), 10)
+    with pytest.raises(EngineDeadError):
+        eng.check_health()
+    with pytest.raises(EngineDeadError):
+        await _collect(eng.generate([4, 5], SamplingParams(max_tokens=4)))
+    await eng.shutdown()
+
+
+async def test_n_sequences_stream_with_indices(make_engine):
+    eng = make_engine()
+    deltas = await _collect(eng.generate([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1,
+                                                                   ignore_eos=True)))
+    assert {d.index for d in deltas} == {0, 1}
+    assert sum(d.finished for d in deltas) == 2
+    assert _all_free(eng)
+    await eng.shutdown()

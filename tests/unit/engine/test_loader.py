@@ -1,0 +1,57 @@
+import json
+import shutil
+
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.models.config import ModelArgs
+
+
+def _copy(src, tmp_path, name="m"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unsupported_architecture_names_what_was_found(checkpoints, tmp_path):
+    d = _copy(checkpoints["llama"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        ModelArgs.from_dir(d)
+
+
+def test_missing_files_are_named(checkpoints, tmp_path):
+    from engine.models.loader import load_model
+    import torch
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        ModelArgs.from_dir(tmp_path / "nope")
+    d = _copy(checkpoints["llama"], tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(d, torch.float32, torch.device("cpu"), 64)
+    d2 = _copy(checkpoints["llama_tied_sharded"], tmp_path, "sharded")
+    next(d2.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(d2, torch.float32, torch.device("cpu"), 64)
+    d3 = _copy(checkpoints["llama"], tmp_path, "noconfig")
+    (d3 / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        ModelArgs.from_dir(d3)
+
+
+def test_unsupported_rope_type(checkpoints):
+    cfg = json.loads((__import__("pathlib").Path(checkpoints["llama"]) / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 2}
+    with pytest.raises(ModelLoadError, match="longrope"):
+        ModelArgs.from_dict(cfg)
+
+
+def test_bfloat16_load_runs(checkpoints):
+    from engine import LLM, SamplingParams
+    llm = LLM(checkpoints["llama"], dtype="bfloat16", cache={"num_blocks": 32})
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    import torch
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16

@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampler import Sampler, SamplingInfo
+from engine.sampling_params import SamplingParams
+
+
+def info(prompt=(1, 2), out=(), **kw):
+    return SamplingInfo(SamplingParams(**kw), list(prompt) + list(out), len(prompt))
+
+
+def logits_rows(n, vocab=50, seed=0):
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_degenerate_filters_equal_argmax():
+    lg = logits_rows(4)
+    s = Sampler(0)
+    toks, _ = s(lg, [info(temperature=0), info(temperature=1.0, top_k=1), info(temperature=0.7, top_p=1e-6),
+                     info(temperature=2.0, min_p=1.0)])
+    assert toks == lg.argmax(-1).tolist()
+
+
+def test_top_k_top_p_restrict_support():
+    lg = logits_rows(1, vocab=20, seed=1)
+    s = Sampler(0)
+    top3 = set(lg[0].topk(3).indices.tolist())
+    draws = {s(lg, [info(temperature=1.5, top_k=3)])[0][0] for _ in range(200)}
+    assert draws <= top3 and len(draws) > 1
+    probs = torch.softmax(lg[0], -1)
+    order = probs.argsort(descending=True)
+    # smallest prefix of sorted probs whose mass reaches 0.5
+    k = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    allowed = set(order[:k].tolist())
+    draws = {s(lg, [info(temperature=1.0, top_p=0.5)])[0][0] for _ in range(200)}
+    assert draws <= allowed
+
+
+def test_min_p_removes_unlikely_tokens():
+    lg = torch.tensor([[5.0, 4.9, 0.0, -3.0]])
+    s = Sampler(0)
+    draws = {s(lg, [info(temperature=1.0, min_p=0.5)])[0][0] for _ in range(100)}
+    assert draws == {0, 1}
+
+
+def test_seed_is_independent_of_batch_and_position_in_it():
+    lg = logits_rows(3, seed=2)
+    a = Sampler(1)([lg[1:2]][0], [info(temperature=1.0, seed=7)])[0]
+    b = Sampler(99)(lg, [info(temperature=1.0), info(temperature=1.0, seed=7), info(temperature=0.5)])[0][1]
+    assert a == [b]
+    c = Sampler(5)(lg[1:2], [info(temperature=1.0, seed=7, out=[3])])[0]      # next output index differs
+    seq = [Sampler(5)(lg[1:2], [info(temperature=1.0, seed=7, out=[3] * i)])[0][0] for i in range(8)]
+    assert len(set(seq)) > 1 and c[0] == seq[1]
+
+
+def test_logit_bias_forces_token():
+    lg = logits_rows(1, seed=3)
+    worst = int(lg[0].argmin())
+    toks, _ = Sampler(0)(lg, [info(temperature=0, logit_bias={worst: 100.0})])
+    assert toks == [worst]
+
+
+def test_penalties_follow_formulas():
+    lg = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    s = Sampler(0)
+    rows = s._apply_bias_and_penalties(lg, [info(prompt=[0], out=[1, 1, 2], repetition_penalty=2.0)])
+    assert rows[0].tolist() == [1.0, -4.0, 0.5, 0.5]
+    rows = s._apply_bias_and_penalties(lg, [info(prompt=[0], out=[1, 1, 2], presence_penalty=0.5,
+                                                 frequency_penalty=0.25)])
+    assert rows[0].tolist() == pytest.approx([2.0, -2.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 0.5])
+    assert lg.tolist() == [[2.0, -2.0, 1.0, 0.5]]          # input untouched
+
+
+def test_logprobs_rank_and_top():
+    lg = torch.tensor([[1.0, 3.0, 2.0]])
+    toks, lps = Sampler(0)(lg, [info(temperature=0, logprobs=2)])
+    ref = torch.log_softmax(lg[0], -1)
+    lp = lps[0]
+    assert toks == [1] and lp.rank == 1 and lp.top_token_ids == [1, 2]
+    assert lp.logprob == pytest.approx(float(ref[1]))
+    _, lps = Sampler(0)(lg, [info(temperature=0, logit_bias={0: 50.0}, logprobs=0)])
+    assert lps[0].token_id == 0 and lps[0].rank == 3 and lps[0].top_token_ids == []
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=0), "top_k"),
+    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(logprobs=50), "logprobs"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+])
+def test_parameter_validation(kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param and param in str(e.value)
