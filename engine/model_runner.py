@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, build_attention_metadata
-from engine.attention.base import kv_cache_shape
 from engine.models.config import ModelArgs
 from engine.sampler import Sampler, SamplingInfo
 from engine.sampling_params import SamplingParams
@@ -43,7 +42,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = kv_cache_shape(num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        shape = backend.kv_cache_shape(num_blocks, block_size, args.num_kv_heads, args.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler(seed, device)

@@ -22,7 +22,10 @@ class Scheduler:
     - prefix-cache blocks are registered after the runner computed them (see KVCacheManager);
     - a request that could never fit in the KV pool (prompt + max_tokens, capped at the model length)
       is rejected at `add_request` instead of livelocking in preemption later;
-    - prefix-cache stats are recorded once per admission (resumptions after preemption included).
+    - prefix-cache stats are recorded once per admission (resumptions after preemption included);
+    - a waiting request whose next uncached block is being computed by a running request (same
+      prefix, admitted earlier) waits for it instead of computing it twice (in-batch prefix sharing,
+      as SGLang does); admission stops there, keeping FCFS order.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
@@ -185,9 +188,15 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_reqs: list[NewRequestData]) -> int:
         cfg = self.config
+        inflight: set | None = None
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if self.kv.enable_caching and len(hits) < (req.num_tokens - 1) // self.block_size:
+                if inflight is None:
+                    inflight = self._inflight_block_hashes()
+                if req.block_hashes[len(hits)] in inflight:
+                    break     # its next block is being computed by another request: wait and hit it
             n = req.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and n > budget:
                 break     # head-of-line: without chunking the whole prompt must fit the budget
@@ -205,6 +214,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if inflight is not None:
+                inflight.update(req.block_hashes[len(hits):])
             new_reqs.append(NewRequestData(req.req_id, list(req.all_token_ids), req.num_prompt_tokens,
                                            req.sampling_params, self.kv.get_block_ids(req.req_id),
                                            num_hit_tokens))
@@ -213,6 +224,16 @@ class Scheduler:
             self._running_prefill_tokens += req.num_tokens - req.num_computed_tokens
             budget -= n
         return budget
+
+    def _inflight_block_hashes(self) -> set:
+        """Hashes of full blocks that running requests hold but have not computed (cached) yet."""
+        out: set = set()
+        cached = self.kv.num_cached_block
+        for r in self.running:
+            c = cached.get(r.req_id, 0)
+            if c < len(r.block_hashes):
+                out.update(r.block_hashes[c:])
+        return out
 
     # ================================================================== update
     def update_from_output(self, scheduler_output: SchedulerOutput,

@@ -77,23 +77,15 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache, then attends over each request's pages.
 
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim];
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; kv_cache: one layer's cache in the
+    backend's own layout (`kv_cache_shape`). Returns [T, num_heads, head_dim].
     All K/V of the step are written before any attention is computed.
     """
 
     name: str
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]: ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter K/V rows into their cache slots."""
-    _, num_blocks, block_size, h, d = kv_cache.shape
-    kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slot_mapping, v)
-
-
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionMetadata, write_kv
+from engine.attention.base import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
 
@@ -37,9 +37,15 @@ class FlashPagedAttention:
         from flash_attn import flash_attn_varlen_func    # lazy: optional dependency
         self._varlen = flash_attn_varlen_func
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)      # NHD pages, as flash-attn reads them
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        _, nb, bs, h, d = kv_cache.shape
+        kv_cache[0].view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, v)
         # One varlen call for the whole mixed batch; causal is bottom-right aligned, which is what
         # chunked prefill over cached context needs. k/v are the paged caches, cu_seqlens_k the KV lengths.
         return self._varlen(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_start_loc,

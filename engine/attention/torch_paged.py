@@ -1,26 +1,39 @@
-"""Pure-torch paged attention (CPU and reference): correct for decode, chunked prefill and mixed batches."""
+"""Pure-torch paged attention (CPU and reference): correct for decode, chunked prefill and mixed batches.
+
+Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (head-major), so gathering
+a request's pages is one index_select that already has the [kv_heads, tokens, head_dim] shape SDPA
+wants, with no transpose copy.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata, write_kv
+from engine.attention.base import AttentionMetadata
 
 
 class TorchPagedAttention:
-    """Decodes are batched into one SDPA over gathered pages; prefill chunks run one SDPA each.
+    """Decodes run as one SDPA over gathered pages; prefill chunks run one SDPA each.
 
+    Decode uses the grouped-query trick: the query heads that share a KV head become that head's
+    "query rows", so SDPA runs over [kv_heads, batch, group, head_dim] without expanding K/V.
     A prefill chunk with no cached context attends over its own fresh K/V (plain causal); a chunk
     after cached context gathers its pages and uses a bottom-right-aligned causal mask.
     """
 
     name = "torch"
 
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        _write_kv(k, v, kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
+        if nd == meta.num_tokens:
+            return self._decode(q, kv_cache, meta, nd, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, nd, scale)
         qls, sls = meta.query_lens_list, meta.seq_lens_list
@@ -34,9 +47,10 @@ class TorchPagedAttention:
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ki, vi = _gather(kv_cache, meta.block_tables[i:i + 1], sl)   # [1, KVH, sl, D]
+                ki, vi = _gather(kv_cache, meta.block_tables[i:i + 1], sl)   # [KVH, 1, sl, D]
                 mask = torch.ones(ql, sl, dtype=torch.bool, device=q.device).tril(sl - ql)
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
+                                                   scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out
@@ -44,25 +58,35 @@ class TorchPagedAttention:
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int,
                 scale: float) -> torch.Tensor:
-        max_len = max(meta.seq_lens_list[:nd])
-        k, v = _gather(kv_cache, meta.block_tables[:nd], max_len)             # [nd, KVH, L, D]
-        qd = q.unsqueeze(2)                                                    # [nd, H, 1, D]
-        if min(meta.seq_lens_list[:nd]) == max_len:
-            o = F.scaled_dot_product_attention(qd, k, v, scale=scale, enable_gqa=True)
+        kvh, hd = kv_cache.shape[1], kv_cache.shape[-1]
+        heads = q.shape[1]
+        lens = meta.seq_lens_list[:nd]
+        max_len = max(lens)
+        k, v = _gather(kv_cache, meta.block_tables[:nd], max_len)             # [KVH, nd, L, D]
+        qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
+        if min(lens) == max_len:
+            o = F.scaled_dot_product_attention(qg, k, v, scale=scale)
         else:
-            lens = meta.seq_lens[:nd].to(torch.int64)
-            mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]   # [nd, L]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                               enable_gqa=True)
-        return o.squeeze(2)
+            valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None]   # [nd, L]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, :], scale=scale)
+        return o.transpose(0, 1).reshape(nd, heads, hd)
+
+
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V ([T, KVH, D]) into their slots."""
+    _, kvh, nb, bs, d = kv_cache.shape
+    kv_cache[0].view(kvh, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv_cache[1].view(kvh, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `block_tables`' requests, [B, KVH, length, D], read through their pages."""
-    bs = kv_cache.shape[2]
+    """K and V of `block_tables`' requests read through their pages: [KVH, B, length, D] each."""
+    _, kvh, _, bs, d = kv_cache.shape
     nblk = -(-length // bs)
-    idx = block_tables[:, :nblk].to(torch.int64)
-    b = idx.shape[0]
-    k = kv_cache[0][idx].reshape(b, nblk * bs, *kv_cache.shape[3:])[:, :length]
-    v = kv_cache[1][idx].reshape(b, nblk * bs, *kv_cache.shape[3:])[:, :length]
-    return k.transpose(1, 2), v.transpose(1, 2)
+    b = block_tables.shape[0]
+    idx = block_tables[:, :nblk].reshape(-1).to(torch.int64)
+    k = kv_cache[0].index_select(1, idx).view(kvh, b, nblk * bs, d)
+    v = kv_cache[1].index_select(1, idx).view(kvh, b, nblk * bs, d)
+    if nblk * bs != length:
+        k, v = k[:, :, :length], v[:, :, :length]
+    return k, v

@@ -87,8 +87,19 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+        self.lm_head_t: torch.Tensor | None = None
+
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
+
+    def prepare_for_inference(self) -> None:
+        """Keep a [hidden, vocab] copy of the lm_head weight on CPU.
+
+        MKL's NN GEMM is markedly faster than the NT one (F.linear) for this tall, L2-busting matrix
+        (measured ~1.3-1.8x at 1-32 rows); the copy costs vocab x hidden elements of memory.
+        """
+        if self.lm_head.weight.device.type == "cpu":
+            self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
                 backend: AttentionBackend) -> torch.Tensor:
@@ -103,4 +114,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (only positions that sample) -> float32 logits [N, vocab]."""
+        if self.lm_head_t is not None:
+            return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()

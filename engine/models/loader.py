@@ -68,6 +68,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)   # were on meta; float32 always
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.prepare_for_inference()
     return model.eval(), args
 
 

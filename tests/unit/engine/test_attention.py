@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from engine.attention import build_attention_metadata, select_backend
-from engine.attention.base import kv_cache_shape
 from engine.attention.flash import validate_flash_block_size
 from engine.attention.torch_paged import TorchPagedAttention
 
@@ -37,22 +36,23 @@ def test_torch_backend_matches_dense_attention_on_mixed_batch():
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs = 4, 2, 8, 4
     num_blocks = 32
-    cache = torch.zeros(kv_cache_shape(num_blocks, bs, KVH, D))
-    # three requests: decode with 9 cached, chunk of 5 after 6 cached, fresh prefill of 7
-    computed, sched = [9, 6, 0], [1, 5, 7]
-    tables = [[3, 8, 1], [4, 12, 20], [5, 6]]
+    backend = TorchPagedAttention()
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, bs, KVH, D))
+    # decodes with 9 and 3 cached (different lengths: masked), chunk of 5 after 6 cached, fresh prefill of 7
+    computed, sched = [9, 3, 6, 0], [1, 1, 5, 7]
+    tables = [[3, 8, 1], [30, 0, 0], [4, 12, 20], [5, 6]]
     full_k = [torch.randn(c + n, KVH, D, generator=g) for c, n in zip(computed, sched)]
     full_v = [torch.randn(c + n, KVH, D, generator=g) for c, n in zip(computed, sched)]
     # pre-fill the cached context through the slot mapping
-    pre = build_attention_metadata([0, 0], [9, 6], tables[:2], bs)
-    from engine.attention.base import write_kv
-    write_kv(torch.cat([full_k[0][:9], full_k[1][:6]]), torch.cat([full_v[0][:9], full_v[1][:6]]), cache,
-             pre.slot_mapping)
+    pre = build_attention_metadata([0, 0, 0], [9, 3, 6], tables[:3], bs)
+    from engine.attention.torch_paged import _write_kv
+    _write_kv(torch.cat([full_k[0][:9], full_k[1][:3], full_k[2][:6]]),
+              torch.cat([full_v[0][:9], full_v[1][:3], full_v[2][:6]]), cache, pre.slot_mapping)
     meta = build_attention_metadata(computed, sched, tables, bs)
     q = torch.randn(sum(sched), H, D, generator=g)
     k_new = torch.cat([fk[c:] for fk, c in zip(full_k, computed)])
     v_new = torch.cat([fv[c:] for fv, c in zip(full_v, computed)])
-    out = TorchPagedAttention().forward(q, k_new, v_new, cache, meta, scale=D ** -0.5)
+    out = backend.forward(q, k_new, v_new, cache, meta, scale=D ** -0.5)
     start = 0
     for i, n in enumerate(sched):
         ref = _dense_reference(q[start:start + n], full_k[i], full_v[i], D ** -0.5)

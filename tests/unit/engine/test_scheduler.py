@@ -289,3 +289,18 @@ def test_stats_track_queue_and_usage():
     assert st.num_running_reqs == 1 and st.num_waiting_reqs == 1
     assert st.num_queued_prefill_tokens == 6 + 6 and st.num_scheduled_tokens == 4
     assert 0 < st.kv_cache_usage < 1
+
+
+def test_same_prefix_in_one_step_is_computed_once():
+    s = make_scheduler(max_num_batched_tokens=64)
+    shared = list(range(300, 316))                       # 4 full blocks
+    s.add_request(make_request("a", shared + [1, 2]))
+    s.add_request(make_request("b", shared + [3, 4]))
+    s.add_request(make_request("c", [7, 7, 7, 7, 7]))    # behind b: FCFS keeps it waiting too
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 18}           # b would recompute a's blocks: it waits
+    so, out = step(s)
+    assert so.num_scheduled_tokens["b"] == 2 and so.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert "c" in so.num_scheduled_tokens
+    run_to_completion(s)
+    assert_all_blocks_free(s)
