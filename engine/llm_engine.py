@@ -216,7 +216,8 @@ class LLMEngine:
                 elif seq.detok.stop_hit is not None:
                     reason, stop_reason = "stop", seq.detok.stop_hit
             deltas.append(StreamDelta(seq.parent_id, seq.index, text, d.new_token_ids, finished, reason,
-                                      stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens))
+                                      stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens,
+                                      d.first_scheduled_time))
             if finished:
                 del self._seqs[d.req_id]
                 parent = self._parents[seq.parent_id]

@@ -20,6 +20,7 @@ class StreamDelta:
     logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)

@@ -57,7 +57,8 @@ class Request:
     __slots__ = ("req_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
                  "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
-                 "num_preemptions", "_block_size", "trace_context", "num_tokens")
+                 "num_preemptions", "_block_size", "trace_context", "num_tokens",
+                 "first_scheduled_time")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
@@ -82,6 +83,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, cache_salt)
 

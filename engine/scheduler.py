@@ -6,6 +6,8 @@ resumption after preemption are all the same rule. No torch here.
 """
 from __future__ import annotations
 
+import time
+
 from engine.config import SchedulerConfig
 from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
@@ -211,6 +213,7 @@ class Scheduler:
             self.kv.record_admission(req, num_hit_tokens)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit_tokens
+                req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -266,14 +269,14 @@ class Scheduler:
                     if req.num_tokens % block_size == 0:
                         req.hash_new_full_blocks()
                     deltas.append(RequestDelta(req_id, sampled, False, None, None, req.num_prompt_tokens,
-                                               req.num_cached_tokens or 0))
+                                               req.num_cached_tokens or 0, None, req.first_scheduled_time))
                     if logprobs is not None and req_id in logprobs:
                         deltas[-1].new_logprobs = logprobs[req_id][:1]
                     continue
             new_tokens = self._append_and_check_stop(req, sampled)
             finished = req.status is not running_status
             delta = RequestDelta(req_id, new_tokens, finished, None, None, req.num_prompt_tokens,
-                                 req.num_cached_tokens or 0)
+                                 req.num_cached_tokens or 0, None, req.first_scheduled_time)
             if logprobs is not None and req_id in logprobs:
                 delta.new_logprobs = logprobs[req_id][:len(new_tokens)]
             if finished:

@@ -85,6 +85,7 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     new_logprobs: list[Logprobs] | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() of first admission
 
 
 @dataclass(slots=True)

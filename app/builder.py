@@ -1,0 +1,77 @@
+"""build_app: the only place that turns an AppConfig into Ray Serve deployment options."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from app.config import AppConfig
+from app.ingress import IngressServer
+from app.replica import LLMReplica
+
+
+def resolve_model(config: AppConfig) -> AppConfig:
+    """Fill in the demo model directory when no model is configured (generated once, cached)."""
+    if config.engine.model:
+        return config
+    from engine.demo import ensure_demo_model
+    path = ensure_demo_model()
+    return config.model_copy(update={"engine": config.engine.model_copy(update={"model": str(path)})})
+
+
+def replica_deployment(config: AppConfig):
+    s, r = config.serve, config.routing
+    actor_opts: dict[str, Any] = {"num_cpus": s.replica_num_cpus}
+    if s.replica_num_gpus:
+        actor_opts["num_gpus"] = s.replica_num_gpus
+    opts: dict[str, Any] = dict(
+        name="LLMReplica",
+        ray_actor_options=actor_opts,
+        max_ongoing_requests=s.max_ongoing_requests,
+        max_queued_requests=s.max_queued_requests,
+        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=min(1.0, s.graceful_shutdown_timeout_s) or 0.1,
+        health_check_period_s=s.health_check_period_s,
+        health_check_timeout_s=s.health_check_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_routing_stats_period_s=r.request_routing_stats_period_s,
+            request_routing_stats_timeout_s=r.request_routing_stats_timeout_s),
+    )
+    a = config.autoscaling
+    if a.enabled:
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "initial_replicas": max(a.min_replicas, min(s.num_replicas, a.max_replicas)),
+            "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s}
+    else:
+        opts["num_replicas"] = s.num_replicas
+    return serve.deployment(LLMReplica).options(**opts)
+
+
+def ingress_deployment(config: AppConfig):
+    s = config.serve
+    return serve.deployment(IngressServer).options(
+        name="Ingress", num_replicas=s.ingress_replicas, ray_actor_options={"num_cpus": s.ingress_num_cpus},
+        max_ongoing_requests=max(1000, s.max_ongoing_requests * s.num_replicas * 4),
+        graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s)
+
+
+def build_app(config: AppConfig | dict | None = None):
+    """The Serve application: Ingress (FastAPI) -> handle -> LLMReplica x N."""
+    if config is None:
+        config = AppConfig()
+    elif isinstance(config, dict):
+        config = AppConfig.model_validate(config)
+    config = resolve_model(config)
+    engine_cfg = config.engine.model_dump()
+    replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s)
+    return ingress_deployment(config).bind(replica, config.model_dump())
+
+
+def app_builder(args: dict[str, Any]):
+    """`serve run app.builder:app_builder config=path.yaml` (or with no args: the demo defaults)."""
+    path = args.get("config") or os.environ.get("AFFINITY_SERVE_CONFIG")
+    return build_app(AppConfig.from_yaml(path) if path else AppConfig())

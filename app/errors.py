@@ -1,0 +1,69 @@
+"""One mapping from exceptions to HTTP statuses and the OpenAI error body."""
+from __future__ import annotations
+
+import logging
+
+from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI error fields; picklable so it crosses Ray handles."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None):
+        super().__init__(message, status_code, type, param, code, retry_after_s)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Classify any exception; never leaks a stack trace into the message."""
+    from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
+                                      ReplicaUnavailableError, RequestCancelledError)
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    if isinstance(exc, APIError):
+        return APIError(exc.message, exc.status_code, exc.type, exc.param, exc.code, exc.retry_after_s)
+    if isinstance(exc, ContextLengthExceededError):
+        return APIError(exc.message, 400, "invalid_request_error", exc.param, "context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(exc.message, 400, "invalid_request_error", exc.param, exc.code)
+    if isinstance(exc, BackPressureError):
+        return APIError("the server is overloaded; retry later", 429, "rate_limit_error", None,
+                        "overloaded", retry_after_s=1)
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError,
+                        ActorUnavailableError, EngineDeadError, TimeoutError)):
+        return APIError("no healthy model replica is available; retry later", 503, "service_unavailable",
+                        None, "replica_unavailable", retry_after_s=1)
+    if isinstance(exc, RequestCancelledError):
+        return APIError("the request was cancelled", 499, "cancelled", None, "cancelled")
+    if isinstance(exc, ModelLoadError):
+        return APIError(str(exc), 500, "server_error", None, "model_load_error")
+    cause = getattr(exc, "cause", None)
+    if cause is not None and cause is not exc and isinstance(cause, BaseException):
+        inner = to_api_error(cause)
+        if inner.status_code != 500:
+            return inner
+    logger.error("internal error: %s: %s", type(exc).__name__, exc)
+    return APIError("internal server error", 500, "server_error", None, "internal_error")
+
+
+def pydantic_error(exc) -> APIError:
+    """A pydantic ValidationError -> 400 naming the first offending field."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    msg = err.get("msg", "invalid value")
+    return APIError(f"invalid value for '{loc}': {msg}" if loc else msg, 400, "invalid_request_error",
+                    loc or None, "invalid_value")

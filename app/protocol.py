@@ -1,0 +1,127 @@
+"""OpenAI-compatible request models (HTTP and Python handle API) and the ingress <-> replica messages."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+from engine.types import Logprobs
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIRequest(BaseModel):
+    # Unknown fields are ignored (clients send e.g. `user`); known ones are type-checked -> 400.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    # extensions (vLLM-style)
+    top_k: int | None = Field(None, ge=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1)
+    request_id: str | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        bias = None
+        if self.logit_bias:
+            from engine.errors import InvalidRequestError
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions; also the typed argument of `handle.completions.remote(...)`."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions; also the typed argument of `handle.chat.remote(...)`."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def rendered_messages(self) -> list[dict[str, str]]:
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            out.append({"role": m.role, "content": content or ""})
+        return out
+
+
+# ---------------------------------------------------------------- ingress <-> replica
+@dataclass(slots=True)
+class GenerateRequest:
+    """What the ingress sends a replica: token ids (so routers can see them), params, tracing."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class ReplicaChunk:
+    """One step's output for one sequence, as streamed back by a replica."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    replica_id: str = ""
+    #: set on a sequence's last chunk: monotonic timings measured in the replica (seconds)
+    timings: dict[str, float] | None = None
+    #: set on a sequence's last chunk: the replica's routing stats at that moment
+    replica_stats: dict[str, Any] | None = None

@@ -1,0 +1,49 @@
+"""Request and replica metrics (histograms, counters, gauges) recorded at the ingress."""
+from __future__ import annotations
+
+from opentelemetry import metrics
+
+from observability import names
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+
+
+class ServingMetrics:
+    def __init__(self, meter: metrics.Meter):
+        self.ttft = meter.create_histogram(names.M_TTFT, unit="s", description="time to first token",
+                                           explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.tpot = meter.create_histogram(names.M_TPOT, unit="s", description="time per output token",
+                                           explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.e2e = meter.create_histogram(names.M_E2E, unit="s", description="end-to-end request latency",
+                                          explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.prompt_tokens = meter.create_counter(names.M_PROMPT_TOKENS, description="prompt tokens")
+        self.generation_tokens = meter.create_counter(names.M_GEN_TOKENS, description="generated tokens")
+        self.cached_tokens = meter.create_counter(names.M_CACHED_TOKENS, description="prompt tokens from cache")
+        self.http_requests = meter.create_counter(names.M_HTTP, description="HTTP responses by status")
+        self.running = meter.create_gauge(names.M_RUNNING, description="running requests per replica")
+        self.waiting = meter.create_gauge(names.M_WAITING, description="waiting requests per replica")
+        self.kv_usage = meter.create_gauge(names.M_KV_USAGE, description="KV cache usage (0-1) per replica")
+        self.prefix_hit_rate = meter.create_gauge(names.M_PREFIX_HIT, description="prefix-cache hit rate per replica")
+
+    def record_request(self, *, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+                       ttft_s: float | None, e2e_s: float) -> None:
+        attrs = {"model": model}
+        self.prompt_tokens.add(prompt_tokens, attrs)
+        self.generation_tokens.add(output_tokens, attrs)
+        self.cached_tokens.add(cached_tokens, attrs)
+        self.e2e.record(e2e_s, attrs)
+        if ttft_s is not None:
+            self.ttft.record(ttft_s, attrs)
+            if output_tokens > 1:
+                self.tpot.record((e2e_s - ttft_s) / (output_tokens - 1), attrs)
+
+    def record_replica(self, replica_id: str, stats: dict) -> None:
+        attrs = {"replica": replica_id}
+        self.running.set(stats.get("num_running", 0), attrs)
+        self.waiting.set(stats.get("num_waiting", 0), attrs)
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0), attrs)
+        q = stats.get("prefix_cache_queries", 0)
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hits", 0) / q if q else 0.0, attrs)
+
+    def record_http(self, route: str, status: int) -> None:
+        self.http_requests.add(1, {"route": route, "status": str(status)})
