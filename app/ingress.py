@@ -355,12 +355,12 @@ class Ingress:
                 choices.append({"index": i, "text": prefix + acc.text, "finish_reason": acc.finish_reason,
                                 "logprobs": self._completion_logprobs(acc.logprobs) if p.logprobs is not None else None})
             return {"id": p.request_id, "object": "text_completion", "created": p.created, "model": p.model,
-                    "choices": choices, "usage": usage}
+                    "system_fingerprint": info.fingerprint(), "choices": choices, "usage": usage}
         choices = [{"index": i, "message": {"role": "assistant", "content": acc.text},
                     "logprobs": {"content": self._chat_logprobs(acc.logprobs)} if p.logprobs is not None else None,
                     "finish_reason": acc.finish_reason} for i, acc in enumerate(accs)]
         return {"id": p.request_id, "object": "chat.completion", "created": p.created, "model": p.model,
-                "choices": choices, "usage": usage}
+                "system_fingerprint": info.fingerprint(), "choices": choices, "usage": usage}
 
     async def _stream(self, kind: str, req, request_id: str, carrier: dict[str, str]) -> AsyncIterator[dict]:
         p = self._prepare(kind, req, request_id)
@@ -387,7 +387,7 @@ class Ingress:
                     choice = {"index": idx, "delta": {"content": c.text} if c.text or not c.finish_reason else {},
                               "logprobs": {"content": self._chat_logprobs(c.logprobs or [])}
                               if p.logprobs is not None else None, "finish_reason": c.finish_reason}
-                chunk = {**base, "choices": [choice]}
+                chunk = {**base, "system_fingerprint": f"replica:{c.replica_id}", "choices": [choice]}
                 if p.stream_usage:
                     chunk["usage"] = None
                 yield chunk
@@ -497,6 +497,10 @@ class _RunInfo:
             self.timings = c.timings
         if c.replica_stats:
             self.replica_stats[c.replica_id] = c.replica_stats
+
+    def fingerprint(self) -> str:
+        """Which replica(s) served the request: `replica:<id>[,<id>]`."""
+        return "replica:" + ",".join(sorted(self.replicas))
 
     def cached_tokens(self) -> int:
         return sum(self.cached_by_prompt.values())

@@ -1,0 +1,89 @@
+"""One Ray + Serve per test session on 127.0.0.1; apps are deployed once and shared."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+APP = "affinity"
+SECURE_APP = "affinity-secure"
+API_KEY = "test-secret-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+             log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def app_config(model: str, **serve_overrides) -> dict:
+    serve_cfg = dict(num_replicas=2, replica_num_cpus=0.5, max_ongoing_requests=16, max_queued_requests=64,
+                     health_check_period_s=1.0, health_check_timeout_s=5.0, graceful_shutdown_timeout_s=3.0,
+                     first_token_timeout_s=20.0, model_name="tiny-llama")
+    serve_cfg.update(serve_overrides)
+    return {"engine": {"model": model, "num_threads": 1, "cache": {"num_blocks": 256, "block_size": 4},
+                       "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 32}},
+            "serve": serve_cfg,
+            "routing": {"request_routing_stats_period_s": 0.5},
+            "observability": {"traces": "memory"}}
+
+
+@pytest.fixture(scope="session")
+def app_url(ray_serve, checkpoints):
+    """The main app: 2 replicas of a tiny llama, at /."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    serve.run(build_app(app_config(checkpoints["llama"])), name=APP, route_prefix="/")
+    _wait_running(APP, "LLMReplica", 2)
+    return ray_serve
+
+
+@pytest.fixture(scope="session")
+def secure_url(ray_serve, checkpoints):
+    """A second app with an API key and a tiny admission limit (1 ongoing + 1 queued)."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"], num_replicas=1, api_key=API_KEY, max_ongoing_requests=1,
+                     max_queued_requests=1)
+    serve.run(build_app(cfg), name=SECURE_APP, route_prefix="/secure")
+    _wait_running(SECURE_APP, "LLMReplica", 1)
+    return ray_serve + "/secure"
+
+
+def _wait_running(app: str, deployment: str, n: int, timeout_s: float = 120) -> None:
+    from ray import serve
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = serve.status().applications.get(app)
+        if st is not None:
+            dep = st.deployments.get(deployment)
+            if dep is not None and dep.replica_states.get("RUNNING", 0) == n and len(dep.replica_states) == 1:
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"{app}/{deployment} did not reach {n} running replicas")
+
+
+wait_running = _wait_running
