@@ -67,7 +67,8 @@ def build_app(config: AppConfig | dict | None = None):
         config = AppConfig.model_validate(config)
     config = resolve_model(config)
     engine_cfg = config.engine.model_dump()
-    replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s)
+    replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
+                                              config.observability.model_dump())
     return ingress_deployment(config).bind(replica, config.model_dump())
 
 

@@ -453,6 +453,9 @@ class Ingress:
         span.set_attribute("cached_tokens", info.cached_tokens())
         span.set_attribute("replica", ",".join(sorted(info.replicas)))
         span.set_attribute("trace_id", trace_id_hex(span))
+        seen = {st.get("trace_id") for st in info.replica_stats.values()} - {None}
+        if seen:
+            span.set_attribute("replica_trace_id", ",".join(sorted(seen)))
         t = info.timings or {}
         decode_start = end - int(t.get("decode_s", 0) * 1e9)
         prefill_start = decode_start - int(t.get("prefill_s", 0) * 1e9)

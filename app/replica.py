@@ -28,8 +28,14 @@ def _replica_id() -> str:
 class LLMReplica:
     """Takes its engine as configuration; can be built synchronously in tests without Serve."""
 
-    def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0):
+    def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
+                 observability: dict[str, Any] | None = None):
         self.engine = AsyncLLMEngine.from_config(EngineConfig.model_validate(engine_config))
+        obs = observability or {}
+        from observability.setup import setup_telemetry
+        self.tracer = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
+                                      obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),
+                                      prometheus=False).tracer
         self.replica_id = _replica_id()
         self.boot_id = uuid.uuid4().hex[:8]        # changes when the replica (and its cache) restarts
         self.wedge_timeout_s = wedge_timeout_s
@@ -37,8 +43,13 @@ class LLMReplica:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[ReplicaChunk]:
         """Stream chunks; the last chunk of each sequence carries finish_reason and timings."""
+        from observability.tracing import context_from_carrier, trace_id_hex
+
         arrival = time.monotonic()
         first_token: float | None = None
+        # The ingress's W3C trace context arrives in the request; the engine span continues that trace.
+        span = self.tracer.start_span("llm.engine", context=context_from_carrier(req.trace_context),
+                                      attributes={"replica": self.replica_id, "request_id": req.request_id})
         try:
             gen = self.engine.generate(req.prompt_token_ids, req.params, req.request_id, priority=req.priority,
                                        cache_salt=req.cache_salt, trace_context=req.trace_context or None)
@@ -57,11 +68,15 @@ class LLMReplica:
                     chunk.timings = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, ft - sched),
                                      "decode_s": max(0.0, now - ft)}
                     chunk.replica_stats = self.record_routing_stats()
+                    chunk.replica_stats["trace_id"] = trace_id_hex(span)
+                    span.set_attribute("cached_tokens", d.num_cached_tokens)
                 yield chunk
         except APIError:
             raise
         except Exception as e:
             raise to_api_error(e) from None
+        finally:
+            span.end()
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:

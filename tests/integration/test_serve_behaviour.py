@@ -1,0 +1,192 @@
+"""Replica behaviour under real Ray Serve: disconnects, load spreading, replica death, handle API, auth,
+overload, tracing."""
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import API_KEY, APP, wait_running
+
+pytestmark = pytest.mark.slow
+
+
+def _replica_states(min_distinct=2, calls=40):
+    from ray import serve
+    h = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    seen = {}
+    for _ in range(calls):
+        st = h.debug_state.remote().result(timeout_s=30)
+        seen[st["replica_id"]] = st
+        if len(seen) >= min_distinct and _ > 10:
+            break
+    return seen
+
+
+def _all_idle(states):
+    return all(s["num_free_blocks"] == s["num_blocks"] - 1 and s["num_requests"] == 0 for s in states.values())
+
+
+def test_client_disconnect_aborts_and_frees_kv(app_url):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", f"{app_url}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    n += 1
+                if n >= 3:
+                    break                    # close the socket mid-stream
+    deadline = time.monotonic() + 15
+    states = {}
+    while time.monotonic() < deadline:
+        states = _replica_states()
+        if _all_idle(states):
+            break
+        time.sleep(0.2)
+    assert len(states) == 2 and _all_idle(states), states
+
+
+def test_two_replicas_share_load(app_url):
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*[c.post(f"{app_url}/v1/completions", json={
+                "prompt": f"request {i} " * 3, "max_tokens": 24, "ignore_eos": True}) for i in range(16)])
+        return rs
+    rs = asyncio.run(go())
+    assert all(r.status_code == 200 for r in rs)
+    replicas = {r.json()["system_fingerprint"] for r in rs}
+    assert len(replicas) == 2, replicas
+
+
+def test_handle_api_from_another_serve_app(app_url):
+    """A second Serve application calls ours through its app handle with typed requests."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Caller:
+        async def __call__(self, mode: str):
+            from app.errors import APIError
+            from app.protocol import ChatCompletionRequest, CompletionRequest
+            h = serve.get_app_handle(APP)
+            if mode == "complete":
+                out = await h.completions.remote(CompletionRequest(prompt="Hello", max_tokens=5, temperature=0,
+                                                                   ignore_eos=True))
+                return {"text": out["choices"][0]["text"], "usage": out["usage"]}
+            if mode == "stream":
+                chunks = []
+                async for ch in h.options(stream=True).chat_stream.remote(ChatCompletionRequest(
+                        messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, ignore_eos=True)):
+                    chunks.append(ch)
+                return {"n": len(chunks), "last": chunks[-1]["choices"][0]["finish_reason"]}
+            try:
+                await h.completions.remote(CompletionRequest(prompt="x", max_tokens=10**6))
+            except APIError as e:
+                return {"status": e.status_code, "type": e.type, "param": e.param, "code": e.code}
+            return {"status": None}
+
+    caller = serve.run(Caller.bind(), name="caller-app", route_prefix="/caller")
+    try:
+        out = caller.remote("complete").result(timeout_s=60)
+        assert out["usage"]["completion_tokens"] == 5 and isinstance(out["text"], str)
+        out = caller.remote("stream").result(timeout_s=60)
+        assert out["n"] >= 2 and out["last"] == "length"
+        out = caller.remote("error").result(timeout_s=60)
+        assert out == {"status": 400, "type": "invalid_request_error", "param": "max_tokens",
+                       "code": "context_length_exceeded"}
+    finally:
+        serve.delete("caller-app")
+
+
+def test_handle_api_from_driver_validates_like_http(app_url):
+    from ray import serve
+
+    from app.errors import APIError
+    from app.protocol import CompletionRequest
+    h = serve.get_app_handle(APP)
+    with pytest.raises(APIError) as e:
+        h.completions.remote({"prompt": "x", "temperature": -3}).result(timeout_s=30)
+    assert e.value.status_code == 400 and e.value.param == "temperature"
+    with pytest.raises(APIError) as e:
+        h.completions.remote(CompletionRequest(prompt="x", model="other")).result(timeout_s=30)
+    assert e.value.status_code == 404 and e.value.code == "model_not_found"
+
+
+def test_traces_span_tree_and_w3c_propagation(app_url):
+    from ray import serve
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = httpx.post(f"{app_url}/v1/completions", json={"prompt": "trace me", "max_tokens": 4},
+                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, timeout=30)
+    assert r.status_code == 200
+    spans = serve.get_app_handle(APP).debug_spans.remote().result(timeout_s=30)
+    mine = [s for s in spans if s["trace_id"] == trace_id]
+    root = next(s for s in mine if s["name"] == "llm.request")
+    assert root["parent_id"] == "00f067aa0ba902b7"         # child of the caller's span
+    a = root["attributes"]
+    assert a["model"] == "tiny-llama" and a["prompt_tokens"] > 0 and a["output_tokens"] == 4
+    assert "cached_tokens" in a and a["replica"]
+    assert a["replica_trace_id"] == trace_id               # the context reached the replica's engine span
+    children = {s["name"]: s for s in mine if s["parent_id"] == root["span_id"]}
+    assert set(children) == {"llm.routing", "llm.queue", "llm.prefill", "llm.decode"}
+    assert all(c["attributes"]["replica"] == a["replica"] for c in children.values())
+    assert children["llm.prefill"]["end"] <= children["llm.decode"]["start"] + 1
+
+
+def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
+    import ray
+    from ray import serve
+
+    results = []
+
+    def fire(i):
+        t = time.monotonic()
+        try:
+            r = httpx.post(f"{app_url}/v1/completions", json={"prompt": f"load {i}", "max_tokens": 150,
+                                                              "ignore_eos": True}, timeout=60)
+            results.append((r.status_code, r.json(), time.monotonic() - t))
+        except Exception as e:       # noqa: BLE001
+            results.append((None, str(e), time.monotonic() - t))
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    victim = next(iter(_replica_states(min_distinct=1, calls=1)))
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMReplica#{victim}", namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=90)
+    statuses = [s for s, _, _ in results]
+    assert len(results) == 8 and None not in statuses
+    assert 200 in statuses
+    for status, body, dt in results:
+        if status != 200:
+            assert status in (500, 503) and set(body["error"]) == {"message", "type", "param", "code"}
+            assert "Traceback" not in json.dumps(body) and dt < 30
+    wait_running(APP, "LLMReplica", 2, timeout_s=90)
+    r = httpx.post(f"{app_url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_api_key_required(secure_url):
+    r = httpx.post(f"{secure_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(f"{secure_url}/v1/models", timeout=30)
+    assert r.status_code == 401
+    r = httpx.post(f"{secure_url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_overload_returns_429_with_retry_after(secure_url):
+    async def go():
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            return await asyncio.gather(*[c.post(f"{secure_url}/v1/completions", json={
+                "prompt": "busy", "max_tokens": 60, "ignore_eos": True}) for _ in range(8)])
+    rs = asyncio.run(go())
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+    limited = next(r for r in rs if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
