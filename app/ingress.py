@@ -27,6 +27,7 @@ from engine.errors import EngineError
 from engine.types import Logprobs
 from observability import names
 from observability.metrics import ServingMetrics
+from observability.logs import configure_json_logging, request_id_var
 from observability.setup import prometheus_text, setup_telemetry
 from observability.tracing import extract_context, inject_carrier, trace_id_hex
 
@@ -96,7 +97,7 @@ class Ingress:
         self.telemetry = setup_telemetry(obs.service_name, obs.traces, obs.otlp_endpoint, obs.max_spans_kept)
         self.tracer = self.telemetry.tracer
         self.metrics = ServingMetrics(self.telemetry.meter)
-        logging.getLogger("affinity").setLevel(obs.log_level)
+        configure_json_logging(obs.log_level)
 
     # ================================================================== HTTP routes
     @fastapi_app.post("/v1/completions")
@@ -130,6 +131,7 @@ class Ingress:
     async def _http(self, kind: str, request: Request) -> Response:
         route = request.url.path
         request_id = request.headers.get("x-request-id") or f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        request_id_var.set(request_id)
         try:
             err = self._check_auth(request)
             if err is not None:
@@ -152,6 +154,8 @@ class Ingress:
         except Exception as e:
             api = to_api_error(e)
             self.metrics.record_http(route, api.status_code)
+            logger.info("request rejected", extra={"route": route, "status": api.status_code, "code": api.code,
+                                                   "param": api.param})
             return _error_response(api)
 
     def _check_auth(self, request: Request) -> APIError | None:
@@ -468,6 +472,10 @@ class Ingress:
             child = self.tracer.start_span(name, context=ctx, start_time=a, attributes={"replica": replica})
             child.end(end_time=max(a, b))
         ttft = (info.first_token_ns - t0) / 1e9 if info.first_token_ns else None
+        logger.info("request finished", extra={
+            "request_id": p.request_id, "replica": replica, "prompt_tokens": sum(len(x) for x in p.prompts),
+            "output_tokens": info.output_tokens, "cached_tokens": info.cached_tokens(),
+            "ttft_s": round(ttft, 4) if ttft is not None else None, "e2e_s": round((end - t0) / 1e9, 4)})
         self.metrics.record_request(model=p.model, prompt_tokens=sum(len(x) for x in p.prompts),
                                     output_tokens=info.output_tokens, cached_tokens=info.cached_tokens(),
                                     ttft_s=ttft, e2e_s=(end - t0) / 1e9)

@@ -31,8 +31,11 @@ class LLMReplica:
     def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
                  observability: dict[str, Any] | None = None):
         self.engine = AsyncLLMEngine.from_config(EngineConfig.model_validate(engine_config))
-        obs = observability or {}
+        from observability.logs import configure_json_logging
         from observability.setup import setup_telemetry
+
+        obs = observability or {}
+        configure_json_logging(obs.get("log_level", "INFO"))
         self.tracer = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
                                       obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),
                                       prometheus=False).tracer
@@ -69,6 +72,9 @@ class LLMReplica:
                                      "decode_s": max(0.0, now - ft)}
                     chunk.replica_stats = self.record_routing_stats()
                     chunk.replica_stats["trace_id"] = trace_id_hex(span)
+                    logger.info("sequence finished", extra={
+                        "request_id": req.request_id, "index": d.index, "finish_reason": d.finish_reason,
+                        "cached_tokens": d.num_cached_tokens, **{k: round(v, 4) for k, v in chunk.timings.items()}})
                     span.set_attribute("cached_tokens", d.num_cached_tokens)
                 yield chunk
         except APIError:

@@ -49,3 +49,25 @@ def test_w3c_context_survives_a_dict_carrier():
     ingress, replica = exp.get_finished_spans()
     assert replica.context.trace_id == ingress.context.trace_id == 0x4bf92f3577b34da6a3ce929d0e0e4736
     assert replica.parent.span_id == span.get_span_context().span_id
+
+
+def test_json_logs_carry_request_id():
+    import io
+    import json
+    import logging
+
+    from observability.logs import JsonFormatter, request_id_var
+    buf = io.StringIO()
+    h = logging.StreamHandler(buf)
+    h.setFormatter(JsonFormatter())
+    log = logging.getLogger("affinity.test-json")
+    log.addHandler(h)
+    log.setLevel("INFO")
+    token = request_id_var.set("req-42")
+    try:
+        log.info("request finished", extra={"status": 200, "e2e_s": 0.5})
+    finally:
+        request_id_var.reset(token)
+    rec = json.loads(buf.getvalue())
+    assert rec["request_id"] == "req-42" and rec["message"] == "request finished"
+    assert rec["status"] == 200 and rec["e2e_s"] == 0.5 and rec["level"] == "INFO"
