@@ -28,6 +28,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    #: leading block ids shared by every decode request (all full, each request has tokens after them)
+    num_common_prefix_blocks: int = 0
 
 
 def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], block_tables: list[list[int]],
@@ -56,6 +58,11 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
     num_decodes = 0
     while num_decodes < n and num_scheduled[num_decodes] == 1:
         num_decodes += 1
+    common = 0
+    if num_decodes > 1:
+        same = (table[:num_decodes] == table[0]).all(axis=0)
+        common = int(same.argmin()) if not same.all() else max_blocks
+        common = min(common, int(seq_lens[:num_decodes].min() - 1) // block_size)
     dev = torch.device(device)
     return AttentionMetadata(
         num_tokens=total,
@@ -71,6 +78,7 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
         max_query_len=int(q_lens.max()) if n else 0,
         max_seq_len=int(seq_lens.max()) if n else 0,
         block_size=block_size,
+        num_common_prefix_blocks=max(common, 0),
     )
 
 

@@ -60,16 +60,61 @@ class TorchPagedAttention:
                 scale: float) -> torch.Tensor:
         kvh, hd = kv_cache.shape[1], kv_cache.shape[-1]
         heads = q.shape[1]
-        lens = meta.seq_lens_list[:nd]
-        max_len = max(lens)
-        k, v = _gather(kv_cache, meta.block_tables[:nd], max_len)             # [KVH, nd, L, D]
         qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
-        if min(lens) == max_len:
-            o = F.scaled_dot_product_attention(qg, k, v, scale=scale)
+        common = meta.num_common_prefix_blocks
+        if common * meta.block_size >= CASCADE_MIN_TOKENS and _HAS_CPU_LSE_KERNEL and q.device.type == "cpu":
+            o = _cascade_decode(qg, kv_cache, meta, nd, common, scale)
         else:
-            valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None]   # [nd, L]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, :], scale=scale)
+            lens = meta.seq_lens_list[:nd]
+            max_len = max(lens)
+            k, v = _gather(kv_cache, meta.block_tables[:nd], max_len)         # [KVH, nd, L, D]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=_length_mask(meta.seq_lens[:nd], max_len, lens),
+                                               scale=scale)
         return o.transpose(0, 1).reshape(nd, heads, hd)
+
+
+#: shared-prefix length from which decode attention reads the prefix once for the whole batch
+CASCADE_MIN_TOKENS = 64
+_HAS_CPU_LSE_KERNEL = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _length_mask(seq_lens: torch.Tensor, max_len: int, lens: list[int]) -> torch.Tensor | None:
+    """[nd, 1, L] True where a key position is inside its request (None when all lengths are equal)."""
+    if min(lens) == max_len:
+        return None
+    return (torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None])[:, None, :]
+
+
+def _cascade_decode(qg: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int, common: int,
+                    scale: float) -> torch.Tensor:
+    """Decode attention split at a prefix every request shares (cascade attention).
+
+    The shared prefix's K/V are read once and attended by all nd x G query rows together; each
+    request's own suffix is attended separately; the two softmax pieces are merged exactly with their
+    log-sum-exps. Saves gathering (nd - 1) copies of the prefix every step.
+    """
+    kvh, _, g, hd = qg.shape
+    bs = meta.block_size
+    prefix_len = common * bs
+    idx = meta.block_tables[0, :common].to(torch.int64)
+    pk = kv_cache[0].index_select(1, idx).view(1, kvh, prefix_len, hd)
+    pv = kv_cache[1].index_select(1, idx).view(1, kvh, prefix_len, hd)
+    q_all = qg.reshape(1, kvh, nd * g, hd)
+    o1, lse1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_all, pk, pv, scale=scale)
+    o1, lse1 = o1.view(kvh, nd, g, hd), lse1.view(kvh, nd, g)
+    lens = [n - prefix_len for n in meta.seq_lens_list[:nd]]
+    max_len = max(lens)
+    sk, sv = _gather(kv_cache, meta.block_tables[:nd, common:], max_len)     # [KVH, nd, Ls, D]
+    mask = _length_mask(meta.seq_lens[:nd] - prefix_len, max_len, lens)
+    float_mask = None
+    if mask is not None:
+        float_mask = torch.zeros(mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~mask, float("-inf"))
+        float_mask = float_mask.unsqueeze(0)                       # [1, nd, 1, Ls]: the kernel wants 4-D
+    o2, lse2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, sk, sv, attn_mask=float_mask,
+                                                                          scale=scale)
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -70,3 +70,28 @@ def test_backend_selection_and_flash_validation():
     validate_flash_block_size(512)
     with pytest.raises(ValueError, match="unknown attention_backend"):
         select_backend("xformers", "cpu", 16)
+
+
+def test_cascade_decode_matches_plain_decode():
+    """Decodes sharing prefix blocks: the prefix-once path equals the gather-everything path."""
+    import engine.attention.torch_paged as tp
+    g = torch.Generator().manual_seed(1)
+    H, KVH, D, bs = 8, 2, 16, 4
+    backend = TorchPagedAttention()
+    cache = torch.randn(backend.kv_cache_shape(64, bs, KVH, D), generator=g)
+    shared = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]   # 17 blocks = 68 tokens
+    tables = [shared + [40, 41], shared + [42], shared + [43, 44, 45]]
+    computed = [68 + 5, 68 + 2, 68 + 9]
+    meta = build_attention_metadata(computed, [1, 1, 1], tables, bs)
+    assert meta.num_common_prefix_blocks == 17
+    q = torch.randn(3, H, D, generator=g)
+    k = torch.randn(3, KVH, D, generator=g)
+    v = torch.randn(3, KVH, D, generator=g)
+    out_cascade = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
+    old = tp.CASCADE_MIN_TOKENS
+    tp.CASCADE_MIN_TOKENS = 10**9
+    try:
+        out_plain = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
+    finally:
+        tp.CASCADE_MIN_TOKENS = old
+    torch.testing.assert_close(out_cascade, out_plain, rtol=1e-5, atol=1e-5)

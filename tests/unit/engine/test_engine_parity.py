@@ -157,3 +157,14 @@ def test_n_samples_and_text_prompts_and_chat(checkpoints):
                                        tokenize=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
     assert chat.prompt_token_ids == list(expected)
+
+
+def test_concurrent_shared_prefix_decode_matches(checkpoints, hf_reference):
+    """Several requests decoding together over a long shared prefix (the cascade attention path)."""
+    path = checkpoints["qwen2"]
+    prefix = _prompts(1, lo=80, hi=80, seed=11)[0]
+    prompts = [prefix + tail for tail in ([5], [6, 7], [8, 9, 10], [11, 12, 13, 14])]
+    llm = _engine(path)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 10) for p in prompts]
+    assert sum(o.num_cached_tokens for o in outs) >= 3 * 80 - 3 * 8
