@@ -67,7 +67,7 @@ def secure_url(ray_serve, checkpoints):
     from app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, api_key=API_KEY, max_ongoing_requests=1,
-                     max_queued_requests=1)
+                     max_queued_requests=1, graceful_shutdown_timeout_s=30.0)
     serve.run(build_app(cfg), name=SECURE_APP, route_prefix="/secure")
     _wait_running(SECURE_APP, "LLMReplica", 1)
     return ray_serve + "/secure"

@@ -194,3 +194,46 @@ def test_overload_returns_429_with_retry_after(secure_url):
     assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
     limited = next(r for r in rs if r.status_code == 429)
     assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_graceful_drain_lets_in_flight_streams_finish(secure_url):
+    """Deleting the app (as a scale-down or redeploy does) drains: an in-flight stream still completes.
+
+    Runs last: it removes the secure app.
+    """
+    from ray import serve
+
+    from tests.integration.conftest import SECURE_APP
+    body = {"prompt": "drain", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    started = threading.Event()
+    result = {}
+
+    def consume():
+        try:
+            _consume()
+        except Exception as e:     # noqa: BLE001 - reported by the assertion below
+            result["error"] = repr(e)
+
+    def _consume():
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            with c.stream("POST", f"{secure_url}/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+                result["status"] = r.status_code
+                result["lines"] = lines
+                result["end"] = time.monotonic()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(30)
+    t_delete = time.monotonic()
+    serve.delete(SECURE_APP, _blocking=True)
+    t.join(timeout=60)
+    assert "error" not in result, result
+    assert result["status"] == 200 and result["lines"][-1] == "[DONE]"
+    assert result["end"] > t_delete                      # it really was in flight during the deletion
+    last = json.loads(result["lines"][-2])
+    assert last["choices"][0]["finish_reason"] == "length"
