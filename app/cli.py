@@ -99,8 +99,8 @@ def serve_cmd(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    while not stop.wait(1.0):      # a timed wait keeps the main thread responsive to signals
+        continue
     print("\n[affinity-serve] shutting down (draining in-flight requests) ...", flush=True)
     serve.shutdown()
     ray.shutdown()

@@ -134,10 +134,7 @@ class AsyncLLMEngine:
         self._kick()
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.gather(self._loop_task, return_exceptions=True)
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineDeadError("engine shut down"))
 

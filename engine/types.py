@@ -129,7 +129,7 @@ class BlockRemoved:
 
 @dataclass(slots=True, frozen=True)
 class AllBlocksCleared:
-    pass
+    """Every cached block hash was dropped (prefix cache reset)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -40,7 +40,7 @@ class BoundedMemorySpanExporter(SpanExporter):
             self._spans.clear()
 
     def shutdown(self) -> None:
-        pass
+        self.clear()
 
 
 @dataclass
