@@ -80,7 +80,7 @@ class _Acc:
 
 class Ingress:
     def __init__(self, replica: Any, config: dict[str, Any]):
-        from engine.llm_engine import _max_model_len  # noqa: PLC2701 - one rule for the context length
+        from engine.llm_engine import resolve_max_model_len
         from engine.config import EngineConfig
         from engine.models.config import ModelArgs
         from engine.tokenizer import load_tokenizer
@@ -91,7 +91,9 @@ class Ingress:
         assert model_dir, "builder resolves the model directory"
         self.tokenizer = load_tokenizer(model_dir)
         engine_cfg = EngineConfig.model_validate(self.cfg.engine.model_dump())
-        self.max_model_len = _max_model_len(engine_cfg, ModelArgs.from_dir(model_dir))
+        model_args = ModelArgs.from_dir(model_dir)
+        self.max_model_len = resolve_max_model_len(engine_cfg, model_args)
+        self.vocab_size = model_args.vocab_size
         self.model_name = self.cfg.serve.model_name or Path(model_dir).name
         obs = self.cfg.observability
         self.telemetry = setup_telemetry(obs.service_name, obs.traces, obs.otlp_endpoint, obs.max_spans_kept)
@@ -257,7 +259,7 @@ class Ingress:
             param = "prompt"
             logprobs = req.logprobs
             max_tokens = req.max_tokens
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         for ids in prompts:
             if not ids:
                 raise APIError("prompt is empty", 400, "invalid_request_error", param, "invalid_value")
@@ -265,8 +267,8 @@ class Ingress:
                 raise APIError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
                                f"prompt has {len(ids)} tokens; shorten it", 400, "invalid_request_error", param,
                                "context_length_exceeded")
-            if kind == "completion" and any(t < 0 or t >= max(vocab, 1) for t in ids) and texts[0] is None:
-                bad = next(t for t in ids if t < 0 or t >= vocab)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
                 raise APIError(f"token id {bad} is outside the vocabulary (size {vocab})", 400,
                                "invalid_request_error", "prompt", "invalid_value")
         longest = max(len(p) for p in prompts)

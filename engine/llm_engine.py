@@ -73,6 +73,12 @@ class LLMEngine:
         model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len)
         block_size = config.cache.block_size
         self.num_blocks = self._num_blocks(block_size)
+        capacity = (self.num_blocks - 1) * block_size
+        if capacity < self.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len %d: capping max_model_len so every "
+                           "admitted request can finish (raise cache.num_blocks / memory_budget_bytes to avoid)",
+                           capacity, self.max_model_len)
+            self.max_model_len = capacity
         backend = select_backend(config.attention_backend, self.device.type, block_size)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
@@ -251,6 +257,24 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
     return dtype
+
+
+def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
+    """The context length an engine built from `config` will enforce, computed without building it.
+
+    Includes the KV-capacity cap when the pool size is known up front (explicit num_blocks, or a CPU
+    engine); a GPU engine sized from free memory may cap further at start-up.
+    """
+    limit = _max_model_len(config, args)
+    c = config.cache
+    num_blocks = c.num_blocks
+    if num_blocks is None and config.device == "cpu":
+        dtype = _pick_dtype(config.dtype, torch.device("cpu"))
+        from engine.model_runner import kv_bytes_per_block
+        num_blocks = (c.memory_budget_bytes or _DEFAULT_CPU_KV_BYTES) // kv_bytes_per_block(args, c.block_size, dtype)
+    if num_blocks is not None:
+        limit = min(limit, (num_blocks - 1) * c.block_size)
+    return limit
 
 
 def _max_model_len(config: EngineConfig, args: ModelArgs) -> int:

@@ -55,3 +55,13 @@ def test_bfloat16_load_runs(checkpoints):
     assert len(out[0].outputs[0].token_ids) == 4
     import torch
     assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+
+
+def test_max_model_len_capped_by_kv_capacity_and_predictable(checkpoints):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine, resolve_max_model_len
+    cfg = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 9, "block_size": 4})
+    eng = LLMEngine(cfg)
+    assert eng.max_model_len == 32 == resolve_max_model_len(cfg, eng.model_args)
+    roomy = EngineConfig(model=checkpoints["llama"], device="cpu")
+    assert resolve_max_model_len(roomy, eng.model_args) == 512          # the model's own limit
