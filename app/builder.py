@@ -24,8 +24,9 @@ def resolve_model(config: AppConfig) -> AppConfig:
 def replica_deployment(config: AppConfig):
     s, r = config.serve, config.routing
     actor_opts: dict[str, Any] = {"num_cpus": s.replica_num_cpus}
-    if s.replica_num_gpus:
-        actor_opts["num_gpus"] = s.replica_num_gpus
+    num_gpus = s.replica_num_gpus or (1.0 if config.engine.device == "cuda" else 0.0)
+    if num_gpus:
+        actor_opts["num_gpus"] = num_gpus     # one GPU per replica: each replica holds a full model copy
     opts: dict[str, Any] = dict(
         name="LLMReplica",
         ray_actor_options=actor_opts,
