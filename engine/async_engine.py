@@ -89,7 +89,7 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt_ids(ids)
-        self._validate_limits(ids, params)
+        self.engine.scheduler.check_limits(len(ids), params.max_tokens)
         stream = _Stream(num_seqs=params.n)
         self._streams[request_id] = stream
         self._pending_adds.append(_PendingAdd(request_id, ids, params, kwargs))
@@ -111,11 +111,6 @@ class AsyncLLMEngine:
                 self._pending_aborts.add(request_id)
                 self._kick()
             self._streams.pop(request_id, None)
-
-    def _validate_limits(self, ids: list[int], params: SamplingParams) -> None:
-        from engine.request import Request
-        probe = Request("validate", ids, params, block_size=self.engine.config.cache.block_size)
-        self.engine.scheduler.validate_request(probe)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._streams:

@@ -157,7 +157,8 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(Request(sid, ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
                                 priority=priority, cache_salt=cache_salt,
-                                block_size=self.config.cache.block_size, trace_context=trace_context))
+                                block_size=self.config.cache.block_size, trace_context=trace_context,
+                                block_hashes=reqs[0].block_hashes if reqs else None))
         for req in reqs:          # all sequences share prompt and limits: validate before adding any
             self.scheduler.validate_request(req)
         for i, req in enumerate(reqs):

@@ -63,7 +63,7 @@ class Request:
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
                  priority: int = 0, cache_salt: str | None = None, block_size: int = 16,
-                 trace_context: dict[str, str] | None = None):
+                 trace_context: dict[str, str] | None = None, block_hashes: list[BlockHash] | None = None):
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -85,7 +85,9 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self._block_size = block_size
-        self.block_hashes: list[BlockHash] = hash_block_chain(self.all_token_ids, block_size, cache_salt)
+        # `block_hashes` lets sibling sequences (n > 1) share one hashing of the same prompt
+        self.block_hashes: list[BlockHash] = (list(block_hashes) if block_hashes is not None
+                                              else hash_block_chain(self.all_token_ids, block_size, cache_salt))
 
     @property
     def output_token_ids(self) -> list[int]:

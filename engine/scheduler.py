@@ -65,14 +65,16 @@ class Scheduler:
         """Raise InvalidRequestError if `request` can never be served; pure (changes nothing)."""
         if request.req_id in self.requests:
             raise DuplicateRequestError(request.req_id)
-        n = request.num_prompt_tokens
+        self.check_limits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+
+    def check_limits(self, n: int, max_tokens: int) -> None:
+        """The size checks of validate_request, for callers that have no Request yet."""
         if n == 0:
             raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
         if n >= self.max_model_len:
             raise ContextLengthExceededError(
                 f"prompt has {n} tokens but the model's context length is {self.max_model_len}; "
                 f"shorten the prompt to at most {self.max_model_len - 1} tokens")
-        max_tokens = request.sampling_params.max_tokens
         if max_tokens < 1:
             raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
         worst = min(n + max_tokens, self.max_model_len)

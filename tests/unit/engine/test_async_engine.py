@@ -70,9 +70,11 @@ async def test_cancelling_consumer_aborts_and_frees_within_a_step(make_engine):
 async def test_task_cancellation_aborts(make_engine):
     eng = make_engine()
 
+    received = []
+
     async def consume():
-        async for _ in eng.generate([9] * 10, SamplingParams(max_tokens=200, **GREEDY), request_id="c"):
-            pass
+        async for d in eng.generate([9] * 10, SamplingParams(max_tokens=200, **GREEDY), request_id="c"):
+            received.append(d)
 
     task = asyncio.create_task(consume())
     for _ in range(2000):
@@ -83,6 +85,7 @@ async def test_task_cancellation_aborts(make_engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert received and not received[-1].finished
     for _ in range(200):
         if _all_free(eng):
             break

@@ -70,7 +70,9 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs,
                                            max_tokens=max_tokens, priority=prio, stop_token_ids=[47]))
                 ids.append(rid)
             except InvalidRequestError:
-                pass
+                # only requests that can never fit are refused, and refusing them changes nothing
+                assert len(PREFIXES[pre]) + tail + max_tokens > s.kv.max_tokens_capacity()
+                assert rid not in s.requests
         elif op[0] == "abort":
             if ids:
                 s.abort_requests(ids[op[1] % len(ids)])
