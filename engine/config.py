@@ -39,9 +39,15 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    linear_backend: Literal["auto", "torch", "onednn"] = Field(
+        "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode), 'torch' uses F.linear; "
+                            "auto picks onednn when the device, dtype and torch build support it")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    cpu_kernels: bool = Field(
+        True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
+                          "kernel on CPU; falls back to pure torch when no compiler is found")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

@@ -15,6 +15,7 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.config import ModelArgs
+from engine.models.linear import prepack_supported
 from engine.models.loader import load_model
 from engine.outputs import EngineStepOutput, StreamDelta
 from engine.request import Request, RequestStatus
@@ -70,7 +71,9 @@ class LLMEngine:
         if self.eos_token_id is None and self.model_args.eos_token_ids:
             self.eos_token_id = self.model_args.eos_token_ids[0]
         torch.manual_seed(config.seed)
-        model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len)
+        self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype)
+        model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len,
+                              prepack=self.linear_backend == "onednn")
         block_size = config.cache.block_size
         self.num_blocks = self._num_blocks(block_size)
         capacity = (self.num_blocks - 1) * block_size
@@ -79,7 +82,8 @@ class LLMEngine:
                            "admitted request can finish (raise cache.num_blocks / memory_budget_bytes to avoid)",
                            capacity, self.max_model_len)
             self.max_model_len = capacity
-        backend = select_backend(config.attention_backend, self.device.type, block_size)
+        backend = select_backend(config.attention_backend, self.device.type, block_size,
+                                 cpu_kernels=config.cpu_kernels)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
@@ -91,9 +95,9 @@ class LLMEngine:
         self._parents: dict[str, _ParentState] = {}
         self.last_stats = SchedulerStats()
         cap = (self.num_blocks - 1) * block_size
-        logger.info("engine ready: %s %s on %s, attention=%s, max_model_len=%d, KV cache %d blocks x %d "
-                    "tokens = %d tokens (%.1f MiB)", self.model_args.architecture, self.dtype, self.device,
-                    backend.name, self.max_model_len, self.num_blocks, block_size, cap,
+        logger.info("engine ready: %s %s on %s, attention=%s, linear=%s, max_model_len=%d, KV cache %d blocks "
+                    "x %d tokens = %d tokens (%.1f MiB)", self.model_args.architecture, self.dtype, self.device,
+                    backend.name, self.linear_backend, self.max_model_len, self.num_blocks, block_size, cap,
                     self.num_blocks * kv_bytes_per_block(self.model_args, block_size, self.dtype) / 2**20)
 
     # ------------------------------------------------------------------ sizing
@@ -249,6 +253,17 @@ def _pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but CUDA is not available; use device: cpu or auto")
     return torch.device(name)
+
+
+def _pick_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    supported = prepack_supported(device, dtype)
+    if name == "auto":
+        return "onednn" if supported else "torch"
+    if name == "onednn" and not supported:
+        raise ValueError(f"linear_backend 'onednn' needs a CPU device, float32 (or bfloat16 on a CPU with native "
+                         f"bf16) and a torch build with oneDNN; got device={device.type}, dtype={dtype}. "
+                         f"Use linear_backend: auto or torch")
+    return name
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_attention_metadata
 
 
-def select_backend(name: str, device: str, block_size: int) -> AttentionBackend:
+def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool = True) -> AttentionBackend:
     """'auto' -> flash when CUDA and flash-attn are usable, else torch; 'torch'/'flash' force one."""
     from engine.attention.flash import FlashPagedAttention, flash_attn_available
     from engine.attention.torch_paged import TorchPagedAttention
@@ -17,7 +17,7 @@ def select_backend(name: str, device: str, block_size: int) -> AttentionBackend:
                              "(pip install 'affinity-serve[gpu]'); use 'torch' or 'auto' instead")
         return FlashPagedAttention(block_size)
     if name == "torch":
-        return TorchPagedAttention()
+        return TorchPagedAttention(cpu_kernels=cpu_kernels and device == "cpu")
     raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch' or 'flash'")
 
 

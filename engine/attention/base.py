@@ -6,7 +6,7 @@ torch and the flash-attn backends read, so this part is tested on CPU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +30,8 @@ class AttentionMetadata:
     block_size: int
     #: leading block ids shared by every decode request (all full, each request has tokens after them)
     num_common_prefix_blocks: int = 0
+    #: per-step memo for a backend: what it derives from this metadata once and reuses in every layer
+    backend_cache: dict = field(default_factory=dict)
 
 
 def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], block_tables: list[list[int]],

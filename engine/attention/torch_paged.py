@@ -1,8 +1,9 @@
 """Pure-torch paged attention (CPU and reference): correct for decode, chunked prefill and mixed batches.
 
-Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (head-major), so gathering
-a request's pages is one index_select that already has the [kv_heads, tokens, head_dim] shape SDPA
-wants, with no transpose copy.
+Cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (head-major), so reading
+a batch's pages is one index_select of whole pages that already has the [kv_heads, tokens, head_dim]
+shape attention wants, with no transpose copy. Page indices are computed once per step and reused by
+every layer (AttentionMetadata.backend_cache).
 """
 from __future__ import annotations
 
@@ -13,15 +14,23 @@ from engine.attention.base import AttentionMetadata
 
 
 class TorchPagedAttention:
-    """Decodes run as one SDPA over gathered pages; prefill chunks run one SDPA each.
+    """Decodes run as one batched attention over gathered pages; prefill chunks run one SDPA each.
 
     Decode uses the grouped-query trick: the query heads that share a KV head become that head's
-    "query rows", so SDPA runs over [kv_heads, batch, group, head_dim] without expanding K/V.
+    "query rows", so attention runs over [kv_heads, batch, group, head_dim] without expanding K/V.
     A prefill chunk with no cached context attends over its own fresh K/V (plain causal); a chunk
     after cached context gathers its pages and uses a bottom-right-aligned causal mask.
     """
 
     name = "torch"
+
+    def __init__(self, cpu_kernels: bool = True):
+        """cpu_kernels: use the compiled C paged-decode kernel for float32 decode on CPU when it builds
+        (engine/attention/cpu_kernels.py); otherwise decode runs on pure torch."""
+        self.decode_kernel = None
+        if cpu_kernels:
+            from engine.attention.cpu_kernels import load
+            self.decode_kernel = load()
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -47,7 +56,8 @@ class TorchPagedAttention:
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ki, vi = _gather(kv_cache, meta.block_tables[i:i + 1], sl)   # [KVH, 1, sl, D]
+                idx = _page_index(kv_cache, meta.block_tables[i:i + 1], sl, meta.block_size)
+                ki, vi = _gather(kv_cache, idx, 1, sl)                     # [KVH, 1, sl, D]
                 mask = torch.ones(ql, sl, dtype=torch.bool, device=q.device).tril(sl - ql)
                 o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
                                                    scale=scale, enable_gqa=True)
@@ -55,27 +65,47 @@ class TorchPagedAttention:
             start = end
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int,
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int,
                 scale: float) -> torch.Tensor:
         kvh, hd = kv_cache.shape[1], kv_cache.shape[-1]
         heads = q.shape[1]
-        qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
         common = meta.num_common_prefix_blocks
-        if common * meta.block_size >= CASCADE_MIN_TOKENS and _HAS_CPU_LSE_KERNEL and q.device.type == "cpu":
+        cascade = common * meta.block_size >= CASCADE_MIN_TOKENS
+        if (not cascade and self.decode_kernel is not None and kv_cache.dtype == torch.float32
+                and kv_cache.device.type == "cpu"):
+            return self.decode_kernel(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
+        if cascade:
             o = _cascade_decode(qg, kv_cache, meta, nd, common, scale)
         else:
-            lens = meta.seq_lens_list[:nd]
-            max_len = max(lens)
-            k, v = _gather(kv_cache, meta.block_tables[:nd], max_len)         # [KVH, nd, L, D]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=_length_mask(meta.seq_lens[:nd], max_len, lens),
-                                               scale=scale)
+            memo = meta.backend_cache
+            if "decode" not in memo:
+                lens = meta.seq_lens_list[:nd]
+                max_len = max(lens)
+                memo["decode"] = (_page_index(kv_cache, meta.block_tables[:nd], max_len, meta.block_size), max_len,
+                                  _length_mask(meta.seq_lens[:nd], max_len, lens))
+            idx, max_len, mask = memo["decode"]
+            k, v = _gather(kv_cache, idx, nd, max_len)                          # [KVH, nd, L, D]
+            o = _attend(qg, k, v, scale, mask)
         return o.transpose(0, 1).reshape(nd, heads, hd)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over [..., rows, D] x [..., L, D], with `mask` True where keys count.
+
+    Two batched GEMMs and a softmax: for decode's few query rows per (KV head, request) this is faster
+    on CPU than SDPA's blocked flash kernel, whose tiles are sized for long queries.
+    """
+    s = torch.matmul(q * scale, k.transpose(-1, -2))
+    if mask is not None:
+        s.masked_fill_(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32)
+    return torch.matmul(p.to(v.dtype), v)
 
 
 #: shared-prefix length from which decode attention reads the prefix once for the whole batch
 CASCADE_MIN_TOKENS = 64
-_HAS_CPU_LSE_KERNEL = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _length_mask(seq_lens: torch.Tensor, max_len: int, lens: list[int]) -> torch.Tensor | None:
@@ -89,32 +119,34 @@ def _cascade_decode(qg: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
                     scale: float) -> torch.Tensor:
     """Decode attention split at a prefix every request shares (cascade attention).
 
-    The shared prefix's K/V are read once and attended by all nd x G query rows together; each
-    request's own suffix is attended separately; the two softmax pieces are merged exactly with their
-    log-sum-exps. Saves gathering (nd - 1) copies of the prefix every step.
+    The shared prefix's K/V are read once and scored against all nd x G query rows in one GEMM; each
+    request's own suffix is scored separately; one softmax over both parts (a common max, summed
+    denominators) keeps the result exact. Saves gathering (nd - 1) copies of the prefix every step.
     """
     kvh, _, g, hd = qg.shape
-    bs = meta.block_size
-    prefix_len = common * bs
-    idx = meta.block_tables[0, :common].to(torch.int64)
-    pk = kv_cache[0].index_select(1, idx).view(1, kvh, prefix_len, hd)
-    pv = kv_cache[1].index_select(1, idx).view(1, kvh, prefix_len, hd)
-    q_all = qg.reshape(1, kvh, nd * g, hd)
-    o1, lse1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_all, pk, pv, scale=scale)
-    o1, lse1 = o1.view(kvh, nd, g, hd), lse1.view(kvh, nd, g)
-    lens = [n - prefix_len for n in meta.seq_lens_list[:nd]]
-    max_len = max(lens)
-    sk, sv = _gather(kv_cache, meta.block_tables[:nd, common:], max_len)     # [KVH, nd, Ls, D]
-    mask = _length_mask(meta.seq_lens[:nd] - prefix_len, max_len, lens)
-    float_mask = None
+    memo = meta.backend_cache
+    if "cascade" not in memo:
+        bs = meta.block_size
+        plen = common * bs
+        lens = [n - plen for n in meta.seq_lens_list[:nd]]
+        max_len = max(lens)
+        memo["cascade"] = (_page_index(kv_cache, meta.block_tables[:1, :common], plen, bs), plen,
+                           _page_index(kv_cache, meta.block_tables[:nd, common:], max_len, bs), max_len,
+                           _length_mask(meta.seq_lens[:nd] - plen, max_len, lens))
+    pidx, plen, sidx, max_len, mask = memo["cascade"]
+    pk, pv = _gather(kv_cache, pidx, 1, plen)                               # [KVH, 1, P, D]
+    sk, sv = _gather(kv_cache, sidx, nd, max_len)                           # [KVH, nd, Ls, D]
+    qs = qg * scale
+    s1 = torch.matmul(qs.reshape(kvh, 1, nd * g, hd), pk.transpose(-1, -2)).float()   # [KVH, 1, nd*G, P]
+    s2 = torch.matmul(qs, sk.transpose(-1, -2)).float()                                # [KVH, nd, G, Ls]
     if mask is not None:
-        float_mask = torch.zeros(mask.shape, dtype=qg.dtype, device=qg.device).masked_fill_(~mask, float("-inf"))
-        float_mask = float_mask.unsqueeze(0)                       # [1, nd, 1, Ls]: the kernel wants 4-D
-    o2, lse2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, sk, sv, attn_mask=float_mask,
-                                                                          scale=scale)
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    return (o1 * w1[..., None] + o2 * w2[..., None]) / (w1 + w2)[..., None]
+        s2.masked_fill_(~mask, float("-inf"))
+    m = torch.maximum(s1.amax(-1).view(kvh, nd, g), s2.amax(-1))[..., None]           # every row has a key
+    e1 = (s1 - m.view(kvh, 1, nd * g, 1)).exp_()
+    e2 = (s2 - m).exp_()
+    denom = e1.sum(-1).view(kvh, nd, g, 1) + e2.sum(-1, keepdim=True)
+    o = torch.matmul(e1.to(pv.dtype), pv).view(kvh, nd, g, hd) + torch.matmul(e2.to(sv.dtype), sv)
+    return o / denom.to(o.dtype)
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -124,14 +156,26 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
     kv_cache[1].view(kvh, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `block_tables`' requests read through their pages: [KVH, B, length, D] each."""
-    _, kvh, _, bs, d = kv_cache.shape
-    nblk = -(-length // bs)
-    b = block_tables.shape[0]
-    idx = block_tables[:, :nblk].reshape(-1).to(torch.int64)
-    k = kv_cache[0].index_select(1, idx).view(kvh, b, nblk * bs, d)
-    v = kv_cache[1].index_select(1, idx).view(kvh, b, nblk * bs, d)
+def _page_index(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Row indices into the cache viewed as [2 * KVH * num_blocks, block_size * D] that read the first
+    `length` tokens of each of `block_tables`' requests, K and V of every KV head in one gather."""
+    _, kvh, nb = kv_cache.shape[:3]
+    nblk = -(-length // block_size)
+    base = torch.arange(2 * kvh, dtype=torch.int64, device=kv_cache.device) * nb
+    return (base[:, None] + block_tables[:, :nblk].reshape(1, -1).to(torch.int64)).reshape(-1)
+
+
+def _gather(kv_cache: torch.Tensor, index: torch.Tensor, num_reqs: int,
+            length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V read through the pages `index` selects (see _page_index): [KVH, num_reqs, length, D] each.
+
+    One index_select of whole pages (block_size x D contiguous elements each) for K and V together:
+    ~1.5x faster than two selects along the block dimension.
+    """
+    _, kvh, nb, bs, d = kv_cache.shape
+    nblk = index.numel() // (2 * kvh * num_reqs)
+    kv = kv_cache.view(2 * kvh * nb, bs * d).index_select(0, index).view(2, kvh, num_reqs, nblk * bs, d)
+    k, v = kv[0], kv[1]
     if nblk * bs != length:
         k, v = k[:, :, :length], v[:, :, :length]
     return k, v

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
+from engine.models.linear import prepack_linears
 from engine.models.rope import apply_rope, cos_sin_table
 
 
@@ -92,13 +93,15 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
 
-    def prepare_for_inference(self) -> None:
-        """Keep a [hidden, vocab] copy of the lm_head weight on CPU.
+    def prepare_for_inference(self, prepack: bool = False) -> None:
+        """Last step of loading. `prepack`: swap every Linear for a oneDNN prepacked one (see linear.py).
 
-        MKL's NN GEMM is markedly faster than the NT one (F.linear) for this tall, L2-busting matrix
-        (measured ~1.3-1.8x at 1-32 rows); the copy costs vocab x hidden elements of memory.
+        Otherwise, on CPU, keep a [hidden, vocab] copy of the lm_head weight: MKL's NN GEMM is markedly
+        faster than the NT one (F.linear) for this tall matrix (~1.3-1.8x at 1-32 rows).
         """
-        if self.lm_head.weight.device.type == "cpu":
+        if prepack:
+            prepack_linears(self)
+        elif self.lm_head.weight.device.type == "cpu":
             self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],

@@ -43,8 +43,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> tuple[LlamaForCausalLM, ModelArgs]:
-    """Build the model on the meta device, then stream tensors from the shards into real storage."""
+               max_positions: int, *, prepack: bool = False) -> tuple[LlamaForCausalLM, ModelArgs]:
+    """Build the model on the meta device, then stream tensors from the shards into real storage.
+
+    `prepack`: reorder the Linear weights for oneDNN afterwards (CPU; see engine/models/linear.py).
+    """
     path = Path(path)
     args = ModelArgs.from_dir(path)
     files = safetensors_files(path)
@@ -68,7 +71,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)   # were on meta; float32 always
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    model.prepare_for_inference()
+    model.prepare_for_inference(prepack)
     return model.eval(), args
 
 

@@ -32,11 +32,19 @@ def _dense_reference(q_all, k_all, v_all, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_torch_backend_matches_dense_attention_on_mixed_batch():
+def _backend(cpu_kernels: bool) -> TorchPagedAttention:
+    backend = TorchPagedAttention(cpu_kernels=cpu_kernels)
+    if cpu_kernels and backend.decode_kernel is None:
+        pytest.skip("no C compiler here: the C decode kernel cannot be built (pure torch is tested)")
+    return backend
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-decode", "c-kernel-decode"])
+def test_torch_backend_matches_dense_attention_on_mixed_batch(cpu_kernels):
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs = 4, 2, 8, 4
     num_blocks = 32
-    backend = TorchPagedAttention()
+    backend = _backend(cpu_kernels)
     cache = torch.zeros(backend.kv_cache_shape(num_blocks, bs, KVH, D))
     # decodes with 9 and 3 cached (different lengths: masked), chunk of 5 after 6 cached, fresh prefill of 7
     computed, sched = [9, 3, 6, 0], [1, 1, 5, 7]
@@ -77,7 +85,7 @@ def test_cascade_decode_matches_plain_decode():
     import engine.attention.torch_paged as tp
     g = torch.Generator().manual_seed(1)
     H, KVH, D, bs = 8, 2, 16, 4
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(cpu_kernels=False)
     cache = torch.randn(backend.kv_cache_shape(64, bs, KVH, D), generator=g)
     shared = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]   # 17 blocks = 68 tokens
     tables = [shared + [40, 41], shared + [42], shared + [43, 44, 45]]
@@ -95,3 +103,45 @@ def test_cascade_decode_matches_plain_decode():
     finally:
         tp.CASCADE_MIN_TOKENS = old
     torch.testing.assert_close(out_cascade, out_plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (8, 4, 64, 16), (4, 4, 32, 1), (8, 1, 128, 8), (6, 2, 24, 5), (16, 2, 64, 32)])
+def test_c_decode_kernel_matches_reference_in_place_over_pages(heads, kv_heads, head_dim, block_size):
+    """The C kernel reads scattered pages in place; lengths end mid-block and differ per request."""
+    import engine.attention.torch_paged as tp
+    backend = _backend(True)
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
+    lens = [1, block_size, 37, 3 * block_size + 1, 90]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 7
+    cache = torch.randn(backend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=g)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1)[:len(lens) * max_blocks]
+    tables = perm.view(len(lens), max_blocks).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    out = backend.decode_kernel(q, cache, tables, seq_lens, head_dim ** -0.5)
+    for i, n in enumerate(lens):
+        idx = tp._page_index(cache, tables[i:i + 1], n, block_size)
+        k, v = tp._gather(cache, idx, 1, n)                           # [KVH, 1, n, D]
+        ref = _dense_reference(q[i:i + 1], k[:, 0].transpose(0, 1), v[:, 0].transpose(0, 1), head_dim ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_c_kernel_is_cached_and_can_be_switched_off(monkeypatch, tmp_path):
+    from engine.attention import cpu_kernels
+    if cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("AFFINITY_SERVE_CACHE", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        k = cpu_kernels.load()
+        assert k is not None and k.path.parent == tmp_path / "kernels" and k.path.exists()
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load().path == k.path                     # second load reuses the built library
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is None
+        assert TorchPagedAttention(cpu_kernels=True).decode_kernel is None
+    finally:
+        cpu_kernels.load.cache_clear()

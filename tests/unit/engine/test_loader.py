@@ -65,3 +65,29 @@ def test_max_model_len_capped_by_kv_capacity_and_predictable(checkpoints):
     assert eng.max_model_len == 32 == resolve_max_model_len(cfg, eng.model_args)
     roomy = EngineConfig(model=checkpoints["llama"], device="cpu")
     assert resolve_max_model_len(roomy, eng.model_args) == 512          # the model's own limit
+
+
+def test_linear_backend_choice_and_packed_linear_equals_f_linear():
+    import torch
+    import torch.nn.functional as F
+
+    from engine.llm_engine import _pick_linear_backend
+    from engine.models.linear import PackedLinear, prepack_supported
+
+    cpu = torch.device("cpu")
+    assert _pick_linear_backend("torch", cpu, torch.float32) == "torch"
+    assert _pick_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="linear_backend 'onednn' needs a CPU device"):
+        _pick_linear_backend("onednn", torch.device("cuda"), torch.float16)
+    if not prepack_supported(cpu, torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    assert _pick_linear_backend("auto", cpu, torch.float32) == "onednn"
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    for bias in (None, b):
+        lin = PackedLinear(w, bias)
+        for shape in ((1, 40), (33, 40), (2, 5, 40)):
+            x = torch.randn(*shape, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        x = torch.randn(40, 7, generator=g).t()                     # non-contiguous input
+        torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
