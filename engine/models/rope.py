@@ -76,13 +76,18 @@ def cos_sin_table(rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (already gathered by position)."""
+    """Rotate x in place and return it. x: [T, heads, head_dim] (may be a strided view); cos/sin:
+    [T, rotary_dim] already gathered by position, each the concatenation of two equal halves.
+
+    Same arithmetic as transformers' `x * cos + rotate_half(x) * sin` on each half
+    (x1 c - x2 s, x2 c + x1 s), without materialising rotate_half or the full-width products.
+    """
     rot = cos.shape[-1]
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    if rot == x.shape[-1]:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    return torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, xp), dim=-1)
+    half = rot // 2
+    c = cos[:, None, :half]
+    s = sin[:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:rot]
+    new1 = x1 * c - x2 * s
+    x2.mul_(c).add_(x1 * s)
+    x1.copy_(new1)
+    return x
