@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "paged_decode.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
 ENV_SWITCH = "AFFINITY_SERVE_CPU_KERNELS"
 
 
