@@ -6,7 +6,11 @@ Interleaved A/B, best of N, fixed seeds, greedy, 64 new tokens forced (no EOS):
 Prints output tokens/s for both and the ratio; --json writes the rows. Our prefix cache is reset
 before every run so repetitions never see an earlier run's blocks.
 
-    python benchmarks/engine_throughput.py [--reps 3] [--threads 2] [--json out.json]
+    python benchmarks/engine_throughput.py [--reps 3] [--threads 2] [--json out.json] [--ablate]
+
+--ablate adds case (1) with our CPU speed-ups switched off one at a time (F.linear instead of oneDNN
+prepacked weights; pure-torch decode attention instead of the C kernel), each against the same
+transformers baseline, to show what each contributes.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--cases", default="1,2,3")
+    ap.add_argument("--ablate", action="store_true", help="also run case 1 with our speed-ups switched off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -68,21 +73,29 @@ def main() -> None:
     print(f"[engine_throughput] writing the benchmark model to {tmp} ...", flush=True)
     path = write_demo_model(tmp, **MODEL)
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
-    llm = LLM(path, num_threads=args.threads, cache={"block_size": 16, "num_blocks": 4096},
-              scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 64})
+    engine_kw = dict(num_threads=args.threads, cache={"block_size": 16, "num_blocks": 4096},
+                     scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 64})
+    llm = LLM(path, **engine_kw)
     cases = {"1": ("32 x 128 -> 64", prompts(32, 128)),
              "2": ("32 x (512 shared + 32) -> 64", prompts(32, 32, prefix=512)),
              "3": ("batch 1, 128 -> 64", prompts(1, 128))}
     print("[engine_throughput] warming up ...", flush=True)
     run_hf(hf, prompts(2, 16))
     run_ours(llm, prompts(2, 16))
+    runs = [(key, *cases[key], llm) for key in args.cases.split(",")]
+    if args.ablate:
+        for label, kw in (("1 (F.linear, torch decode)", dict(linear_backend="torch", cpu_kernels=False)),
+                          ("1 (oneDNN, torch decode)", dict(linear_backend="auto", cpu_kernels=False)),
+                          ("1 (F.linear, C decode)", dict(linear_backend="torch", cpu_kernels=True))):
+            variant = LLM(path, **engine_kw, **kw)
+            run_ours(variant, prompts(2, 16))
+            runs.append((label, f"  {label.split(' ', 1)[1]}", cases["1"][1], variant))
     rows = []
-    for key in args.cases.split(","):
-        name, ps = cases[key]
+    for key, name, ps, engine in runs:
         best = {"hf": float("inf"), "ours": float("inf")}
         for rep in range(args.reps):
             for who in ("hf", "ours"):            # interleaved A/B
-                dt, n = run_hf(hf, ps) if who == "hf" else run_ours(llm, ps)
+                dt, n = run_hf(hf, ps) if who == "hf" else run_ours(engine, ps)
                 assert n == len(ps) * NEW
                 best[who] = min(best[who], dt)
                 print(f"[engine_throughput] case {key} rep {rep + 1}/{args.reps} {who}: {dt:.2f}s", flush=True)

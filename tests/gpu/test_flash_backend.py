@@ -29,3 +29,36 @@ def test_torch_backend_on_gpu_matches_transformers(checkpoints, hf_reference):
     llm = LLM(path, device="cuda", dtype="float32", attention_backend="torch")
     out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_reference(path, ids, 8)
+
+
+def test_flash_backend_matches_torch_backend_on_a_mixed_batch():
+    """Kernel level, fp16 on the GPU: context written by a prefill pass, then decodes, a chunk after
+    cached context and a fresh prefill in one batch; both backends read their own cache layouts."""
+    pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install '.[gpu]')")
+    from engine.attention import build_attention_metadata
+    from engine.attention.flash import FlashPagedAttention
+    from engine.attention.torch_paged import TorchPagedAttention
+
+    dev, dt = torch.device("cuda"), torch.float16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    H, KVH, D, bs, nb = 8, 2, 64, 256, 8
+    backends = [TorchPagedAttention(cpu_kernels=False), FlashPagedAttention(bs)]
+    caches = [torch.zeros(b.kv_cache_shape(nb, bs, KVH, D), dtype=dt, device=dev) for b in backends]
+    computed, sched = [300, 17, 260, 0], [1, 1, 40, 90]
+    tables = [[3, 1], [5], [2, 6], [7]]
+    total = [c + n for c, n in zip(computed, sched)]
+    ks = [torch.randn(t, KVH, D, generator=g).to(dev, dt) for t in total]
+    vs = [torch.randn(t, KVH, D, generator=g).to(dev, dt) for t in total]
+    pre = build_attention_metadata([0, 0, 0], computed[:3], tables[:3], bs, dev)
+    meta = build_attention_metadata(computed, sched, tables, bs, dev)
+    q_pre = torch.randn(sum(computed[:3]), H, D, generator=g).to(dev, dt)
+    q = torch.randn(sum(sched), H, D, generator=g).to(dev, dt)
+    k_pre = torch.cat([k[:c] for k, c in zip(ks, computed[:3])])
+    v_pre = torch.cat([v[:c] for v, c in zip(vs, computed[:3])])
+    k_new = torch.cat([k[c:] for k, c in zip(ks, computed)])
+    v_new = torch.cat([v[c:] for v, c in zip(vs, computed)])
+    outs = []
+    for backend, cache in zip(backends, caches):
+        backend.forward(q_pre, k_pre, v_pre, cache, pre, D ** -0.5)
+        outs.append(backend.forward(q, k_new, v_new, cache, meta, D ** -0.5))
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-3, atol=2e-3)
