@@ -106,7 +106,7 @@ def test_cascade_decode_matches_plain_decode():
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (8, 4, 64, 16), (4, 4, 32, 1), (8, 1, 128, 8), (6, 2, 24, 5), (16, 2, 64, 32)])
+    (8, 4, 64, 16), (4, 4, 32, 1), (8, 1, 128, 8), (6, 2, 24, 5), (16, 2, 64, 32), (4, 2, 20, 4)])
 def test_c_decode_kernel_matches_reference_in_place_over_pages(heads, kv_heads, head_dim, block_size):
     """The C kernel reads scattered pages in place; lengths end mid-block and differ per request."""
     import engine.attention.torch_paged as tp
