@@ -41,7 +41,7 @@ class EngineConfig(_Strict):
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     linear_backend: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode), 'torch' uses F.linear; "
-                            "auto picks onednn when the device, dtype and torch build support it")
+                            "auto picks onednn for float32 on CPU when the torch build has oneDNN")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")

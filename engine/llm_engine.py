@@ -257,8 +257,8 @@ def _pick_device(name: str) -> torch.device:
 
 def _pick_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     supported = prepack_supported(device, dtype)
-    if name == "auto":
-        return "onednn" if supported else "torch"
+    if name == "auto":                # bf16 prepacking is opt-in: it has not been run on a bf16-native CPU here
+        return "onednn" if supported and dtype == torch.float32 else "torch"
     if name == "onednn" and not supported:
         raise ValueError(f"linear_backend 'onednn' needs a CPU device, float32 (or bfloat16 on a CPU with native "
                          f"bf16) and a torch build with oneDNN; got device={device.type}, dtype={dtype}. "

@@ -26,7 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "paged_decode.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-std=c11"]
 ENV_SWITCH = "AFFINITY_SERVE_CPU_KERNELS"
 
 
@@ -67,13 +68,13 @@ def cache_dir() -> Path:
 
 
 def _cpu_signature() -> str:
+    """The CPU's feature flags (the build uses -march=native), or what `platform` knows off Linux."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        text = ""
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return flags or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:

@@ -19,7 +19,7 @@
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 
 /* out = r * sum_t p[t] v_t over the pages in `table`. For head_dim a multiple of 8 up to 128 the row
-   accumulates in vector registers (head_dim is a compile-time constant in the DECODE_FIXED versions,
+   accumulates in vector registers (head_dim 64 and 128 arrive as literals, see attend_one's callers,
    so the inner loops unroll fully); other sizes accumulate in `out`. */
 static inline __attribute__((always_inline)) void accumulate_row(
     const float *p, const float *vh, const int32_t *table, int64_t L, int64_t block_size, const int64_t D,
@@ -81,42 +81,42 @@ static inline __attribute__((always_inline)) int attend_one(
     if (s == NULL) return -1;
     float *inv = s + G * L;
 
-                /* scores s[g, t] = scale * q_g . k_t, pages read in place */
-                for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-                    const float *kb = kh + (int64_t)table[t0 / block_size] * block_size * D;
-                    const int64_t n = (L - t0 < block_size) ? L - t0 : block_size;
-                    int64_t j = 0;
-                    /* four keys at a time: four independent FMA chains instead of one latency-bound one */
-                    for (; j + 4 <= n; j += 4) {
-                        const float *k0 = kb + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
-                        for (int64_t g = 0; g < G; g++) {
-                            const float *qg = qh + g * D;
-                            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    #pragma omp simd reduction(+ : a0, a1, a2, a3)
-                            for (int64_t d = 0; d < D; d++) {
-                                a0 += qg[d] * k0[d];
-                                a1 += qg[d] * k1[d];
-                                a2 += qg[d] * k2[d];
-                                a3 += qg[d] * k3[d];
-                            }
-                            float *sg = s + g * L + t0 + j;
-                            sg[0] = a0 * scale;
-                            sg[1] = a1 * scale;
-                            sg[2] = a2 * scale;
-                            sg[3] = a3 * scale;
-                        }
-                    }
-                    for (; j < n; j++) {
-                        const float *kt = kb + j * D;
-                        for (int64_t g = 0; g < G; g++) {
-                            const float *qg = qh + g * D;
-                            float acc = 0.0f;
-    #pragma omp simd reduction(+ : acc)
-                            for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];
-                            s[g * L + t0 + j] = acc * scale;
-                        }
-                    }
+    /* scores s[g, t] = scale * q_g . k_t, pages read in place */
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const float *kb = kh + (int64_t)table[t0 / block_size] * block_size * D;
+        const int64_t n = (L - t0 < block_size) ? L - t0 : block_size;
+        int64_t j = 0;
+        /* four keys at a time: four independent FMA chains instead of one latency-bound one */
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = kb + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                for (int64_t d = 0; d < D; d++) {
+                    a0 += qg[d] * k0[d];
+                    a1 += qg[d] * k1[d];
+                    a2 += qg[d] * k2[d];
+                    a3 += qg[d] * k3[d];
                 }
+                float *sg = s + g * L + t0 + j;
+                sg[0] = a0 * scale;
+                sg[1] = a1 * scale;
+                sg[2] = a2 * scale;
+                sg[3] = a3 * scale;
+            }
+        }
+        for (; j < n; j++) {
+            const float *kt = kb + j * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qh + g * D;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < D; d++) acc += qg[d] * kt[d];
+                s[g * L + t0 + j] = acc * scale;
+            }
+        }
+    }
     /* softmax numerators in place, 1 / denominators aside */
     for (int64_t g = 0; g < G; g++) {
         float *sg = s + g * L;

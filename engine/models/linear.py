@@ -11,12 +11,8 @@ own packed copy beside the embedding table. Results agree with `F.linear` to flo
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
