@@ -63,9 +63,12 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of `request` as (blocks, num_tokens); never covers its last token.
 
-        Pure: takes no references and records no stats (see `record_admission`).
+        Pure: takes no references and records no stats (see `record_admission`). A request that still
+        owes prompt logprobs gets no hit: they need every prompt position's logits (it still caches
+        its own blocks for later requests).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
+                                       and request.num_output_tokens == 0):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes

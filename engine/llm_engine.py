@@ -157,8 +157,10 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = []
         for i, sid in enumerate(seq_ids):
+            # siblings share the prompt: only the first computes its logprobs, the others may hit the cache
             p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             reqs.append(Request(sid, ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
                                 priority=priority, cache_salt=cache_salt,
                                 block_size=self.config.cache.block_size, trace_context=trace_context,
@@ -228,7 +230,7 @@ class LLMEngine:
                     reason, stop_reason = "stop", seq.detok.stop_hit
             deltas.append(StreamDelta(seq.parent_id, seq.index, text, d.new_token_ids, finished, reason,
                                       stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens,
-                                      d.first_scheduled_time))
+                                      d.first_scheduled_time, d.prompt_logprobs))
             if finished:
                 del self._seqs[d.req_id]
                 parent = self._parents[seq.parent_id]

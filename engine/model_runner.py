@@ -1,7 +1,8 @@
 """ModelRunner: SchedulerOutput -> flat tensors -> model forward over the paged KV cache -> sampled tokens.
 
 Holds the per-request state the runner needs between steps (token ids, block table, sampling
-parameters) and the KV cache tensors. Never imports the scheduler; reads only the SchedulerOutput.
+parameters, prompt logprobs gathered so far) and the KV cache tensors. Never imports the scheduler;
+reads only the SchedulerOutput.
 """
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import torch
 
 from engine.attention import AttentionBackend, build_attention_metadata
 from engine.models.config import ModelArgs
-from engine.sampler import Sampler, SamplingInfo
+from engine.sampler import Sampler, SamplingInfo, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+#: prompt-logprob rows turned into logits at a time: bounds the [rows, vocab] float32 buffer
+_PROMPT_LOGPROBS_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -27,6 +31,9 @@ class RunnerRequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    #: while a request that asked for prompt logprobs computes its prompt: entry p for prompt position
+    #: p (entry 0 None), filled chunk by chunk. None otherwise, and once handed out.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -54,9 +61,14 @@ class ModelRunner:
         for req_id in so.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RunnerRequestState(
+            st = self.requests[new.req_id] = RunnerRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens)
+            # Admitted, or resumed before its first token: (re)compute the whole prompt's logprobs.
+            # Resumed later, they were handed out already.
+            if new.sampling_params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
+                assert new.num_computed_tokens == 0, "prompt logprobs need every position computed (no cache hit)"
+                st.prompt_logprobs = []
         c = so.scheduled_cached_reqs
         for req_id, new_blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             st = self.requests[req_id]
@@ -80,9 +92,12 @@ class ModelRunner:
         ids: list[int] = []
         sample_rows: list[int] = []
         sampling: list[RunnerRequestState] = []
+        prompt_chunks: list[tuple[RunnerRequestState, int, int, int]] = []    # (state, first row, start, n)
         offset = 0
         for st, start, n in zip(states, computed, num_sched):
             ids.extend(st.token_ids[start:start + n])
+            if st.prompt_logprobs is not None:
+                prompt_chunks.append((st, offset, start, n))
             offset += n
             if start + n >= len(st.token_ids):          # reached the end of its known tokens: sample
                 sample_rows.append(offset - 1)
@@ -91,8 +106,9 @@ class ModelRunner:
         hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         for st, start, n in zip(states, computed, num_sched):
             st.num_computed_tokens = start + n
+        prompt_logprobs = self._gather_prompt_logprobs(hidden, prompt_chunks) if prompt_chunks else None
         if not sampling:
-            return ModelRunnerOutput(order, [[] for _ in order])
+            return ModelRunnerOutput(order, [[] for _ in order], None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_rows])
         infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in sampling]
         tokens, lps = self.sampler(logits, infos)
@@ -105,4 +121,31 @@ class ModelRunner:
                 if logprobs is None:
                     logprobs = {}
                 logprobs[st.req_id] = [lp]
-        return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs)
+        return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs, prompt_logprobs)
+
+    def _gather_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[tuple[RunnerRequestState, int, int, int]]
+                                ) -> dict[str, list[Logprobs | None]] | None:
+        """Extend each request's prompt logprobs with this step's chunk; return the completed prompts'.
+
+        hidden: [num_tokens, hidden_size]. The chunk's row for position p predicts token p + 1, so a
+        chunk's last row predicts the next chunk's first token, and the prompt's last row is the sampling
+        row (the first output token's, not a prompt logprob). log_softmax in float32 over the raw logits,
+        as the sampler's logprobs.
+        """
+        done: dict[str, list[Logprobs | None]] = {}
+        for st, row0, start, n in chunks:
+            lps = st.prompt_logprobs
+            assert lps is not None and len(lps) == (start + 1 if start else 0), "prompt chunks arrive in order"
+            if start == 0:
+                lps.append(None)                   # the first prompt token has no context
+            end = min(start + n + 1, st.num_prompt_tokens)
+            for a in range(start + 1, end, _PROMPT_LOGPROBS_ROWS):        # target positions [a, b)
+                b = min(a + _PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[row0 + a - 1 - start:row0 + b - 1 - start]            # [b - a, hidden_size]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)   # [b - a, vocab]
+                targets = torch.tensor(st.token_ids[a:b], dtype=torch.long, device=self.device)
+                lps.extend(gather_logprobs(logprobs, targets, st.params.prompt_logprobs))
+            if start + n == st.num_prompt_tokens:
+                done[st.req_id] = lps
+                st.prompt_logprobs = None
+        return done or None

@@ -8,7 +8,12 @@ from engine.types import Logprobs, SchedulerStats
 
 @dataclass(slots=True)
 class StreamDelta:
-    """New tokens and text for one sequence (`index` < n) of one request, from one step."""
+    """New tokens and text for one sequence (`index` < n) of one request, from one step.
+
+    `prompt_logprobs` (requests with `SamplingParams.prompt_logprobs`) is set exactly once per request:
+    on index 0's delta that carries its first output token, as one entry per prompt token in prompt
+    order, the first None (no context). A request aborted or failed before that never gets them.
+    """
 
     request_id: str
     index: int
@@ -21,6 +26,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +55,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    #: one entry per prompt token (the first None) when asked for with SamplingParams.prompt_logprobs
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     def add(self, d: StreamDelta) -> None:
         out = self.outputs[d.index]
@@ -56,6 +64,8 @@ class RequestOutput:
         out.token_ids.extend(d.token_ids)
         if d.logprobs:
             out.logprobs = (out.logprobs or []) + d.logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)

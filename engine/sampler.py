@@ -142,6 +142,21 @@ def _mix(seed: int, step: int) -> int:
     return (seed * _SEED_MIX + step * 0x632BE59BD9B4E019 + 1) & 0x7FFFFFFFFFFFFFFF
 
 
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[Logprobs]:
+    """One Logprobs per row: the given token's log-probability and rank, plus the top-k alternatives.
+
+    logprobs: [N, vocab] (log_softmax output); token_ids: [N] long. Host syncs per batch, not per row.
+    """
+    chosen = logprobs.gather(1, token_ids[:, None])                     # [N, 1]
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    tokens, values = token_ids.tolist(), chosen[:, 0].tolist()
+    if k:
+        top_v, top_i = logprobs.topk(k, dim=-1)                         # [N, k]
+        return [Logprobs(t, v, r, i, tv) for t, v, r, i, tv
+                in zip(tokens, values, ranks, top_i.tolist(), top_v.tolist())]
+    return [Logprobs(t, v, r, [], []) for t, v, r in zip(tokens, values, ranks)]
+
+
 def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
     chosen = float(row[token])
     rank = int((row > row[token]).sum()) + 1

@@ -15,6 +15,8 @@ class SamplingParams:
 
     temperature == 0 means greedy. `top_k=None` and `top_p=1.0` and `min_p=0.0` disable those filters.
     `logprobs=None` returns no log-probabilities; `logprobs=k` returns the chosen token's plus the top-k.
+    `prompt_logprobs=k` also returns, for every prompt token after the first, its log-probability given
+    the tokens before it plus the top-k alternatives (such a request does not read the prefix cache).
     `seed` makes sampling reproducible regardless of what else is in the batch.
     """
 
@@ -30,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,9 +68,10 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer or null, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= _MAX_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= _MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {_MAX_LOGPROBS}] or null, got {k!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -246,6 +246,7 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests, build the step output."""
         deltas, self._pending_deltas = self._pending_deltas, []
         logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs    # only in the step that sampled a first token
         requests = self.requests
         kv = self.kv
         block_size = self.block_size
@@ -274,6 +275,8 @@ class Scheduler:
                                                req.num_cached_tokens or 0, None, req.first_scheduled_time))
                     if logprobs is not None and req_id in logprobs:
                         deltas[-1].new_logprobs = logprobs[req_id][:1]
+                    if prompt_logprobs is not None:
+                        deltas[-1].prompt_logprobs = prompt_logprobs.get(req_id)
                     continue
             new_tokens = self._append_and_check_stop(req, sampled)
             finished = req.status is not running_status
@@ -281,6 +284,8 @@ class Scheduler:
                                  req.num_cached_tokens or 0, None, req.first_scheduled_time)
             if logprobs is not None and req_id in logprobs:
                 delta.new_logprobs = logprobs[req_id][:len(new_tokens)]
+            if prompt_logprobs is not None:
+                delta.prompt_logprobs = prompt_logprobs.get(req_id)
             if finished:
                 delta.finish_reason = req.status.finish_reason.value
                 delta.stop_reason = req.stop_reason

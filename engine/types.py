@@ -70,6 +70,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]               # parallel to req_ids; [] for partial prefill chunks
     logprobs: dict[str, list[Logprobs]] | None = None
+    #: whole-prompt logprobs of requests that asked for them, in the step that completed their prompt
+    #: (the step that samples their first token): entry p for prompt position p, entry 0 None.
+    prompt_logprobs: dict[str, list[Logprobs | None]] | None = None
 
 
 # ---------------------------------------------------------------- scheduler -> front end
@@ -86,6 +89,8 @@ class RequestDelta:
     num_cached_tokens: int = 0
     new_logprobs: list[Logprobs] | None = None
     first_scheduled_time: float | None = None  # time.monotonic() of first admission
+    #: the whole prompt's logprobs (see ModelRunnerOutput), on the delta carrying the first output token
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass(slots=True)

@@ -95,3 +95,13 @@ def test_parameter_validation(kw, param):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
     assert e.value.param == param and param in str(e.value)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_gather_logprobs_matches_per_row(k):
+    from engine.sampler import _logprobs, gather_logprobs
+    lp = torch.log_softmax(logits_rows(6, seed=9), dim=-1)
+    tokens = torch.tensor([0, 5, 49, 7, 7, 13])
+    got = gather_logprobs(lp, tokens, k)
+    assert got == [_logprobs(lp[r], int(tokens[r]), k) for r in range(6)]
+    assert all(len(g.top_token_ids) == k for g in got)
