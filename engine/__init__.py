@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
+    from engine.models.checkpoint import validate_checkpoint
 
 _LAZY = {
     "LLM": "engine.llm",
@@ -24,6 +25,7 @@ _LAZY = {
     "SchedulerConfig": "engine.config",
     "write_demo_model": "engine.demo",
     "ensure_demo_model": "engine.demo",
+    "validate_checkpoint": "engine.models.checkpoint",
 }
 
 
@@ -36,4 +38,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "EngineConfig", "CacheConfig",
-           "SchedulerConfig", "write_demo_model", "ensure_demo_model"]
+           "SchedulerConfig", "write_demo_model", "ensure_demo_model", "validate_checkpoint"]

@@ -16,7 +16,8 @@ class CacheConfig(_Strict):
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block")
     num_blocks: int | None = Field(None, ge=2, description="explicit block count (incl. the null block)")
     memory_budget_bytes: int | None = Field(
-        None, ge=1, description="size the pool from this many bytes when num_blocks is unset")
+        None, ge=1, description="size the pool from this many bytes when num_blocks is unset "
+                                "(unset too: 80% of free GPU memory, or 512 MiB on CPU)")
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
 
@@ -48,6 +49,9 @@ class EngineConfig(_Strict):
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel on CPU; falls back to pure torch when no compiler is found")
+    skip_tokenizer_init: bool = Field(
+        False, description="token ids only: load no tokenizer (none is needed in the checkpoint), return no "
+                           "text, reject text prompts and chat messages (vLLM's name)")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
 

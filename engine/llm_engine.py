@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models.checkpoint import validate_checkpoint
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_supported
 from engine.models.loader import load_model
@@ -21,7 +22,7 @@ from engine.outputs import EngineStepOutput, StreamDelta
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer, token_ids_only_error
 from engine.types import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -64,12 +65,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
-        self.model_args = ModelArgs.from_dir(config.model)
+        # the same checks (and messages) as the CLI's pre-flight, before anything heavy loads
+        self.model_args = validate_checkpoint(config.model, need_tokenizer=not config.skip_tokenizer_init)
         self.max_model_len = _max_model_len(config, self.model_args)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_id = self.tokenizer.eos_token_id
-        if self.eos_token_id is None and self.model_args.eos_token_ids:
-            self.eos_token_id = self.model_args.eos_token_ids[0]
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        self.eos_token_id = _eos_token_id(self.tokenizer, self.model_args)
         torch.manual_seed(config.seed)
         self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype)
         model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len,
@@ -125,17 +125,34 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
-        """A string, a token id list, or chat messages (rendered with the model's chat template)."""
+        """A string, a token id list, or chat messages (rendered with the model's chat template).
+
+        With skip_tokenizer_init only token id lists are accepted.
+        """
+        is_chat = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        if self.tokenizer is None and (isinstance(prompt, str) or is_chat):
+            raise token_ids_only_error("messages" if is_chat else "prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", param="prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        if is_chat:
             return apply_chat_template(self.tokenizer, prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of chat messages",
                                   param="prompt")
+
+    def _check_stop_strings(self, params: SamplingParams) -> None:
+        """Stop strings match text: without a tokenizer (skip_tokenizer_init) they cannot be honoured."""
+        if self.tokenizer is None and params.stop:
+            raise token_ids_only_error("stop")
+
+    def _new_detokenizer(self, p: SamplingParams) -> IncrementalDetokenizer | None:
+        if not p.detokenize or self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                                      include_stop_str_in_output=p.include_stop_str_in_output)
 
     def validate_prompt_ids(self, ids: list[int]) -> None:
         vocab = self.model_args.vocab_size
@@ -153,6 +170,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
+        self._check_stop_strings(params)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = []
@@ -169,10 +187,7 @@ class LLMEngine:
             self.scheduler.validate_request(req)
         for i, req in enumerate(reqs):
             self.scheduler.add_request(req)
-            p = req.sampling_params
-            detok = (IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                            stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-                     if p.detokenize else None)
+            detok = self._new_detokenizer(req.sampling_params)
             self._seqs[req.req_id] = _SeqState(request_id, i, detok)
         self._parents[request_id] = _ParentState(ids, len(seq_ids))
         return ids
@@ -247,6 +262,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+
+def _eos_token_id(tokenizer, args: ModelArgs) -> int | None:
+    """The tokenizer's eos token, else the first of config.json's eos_token_id (token-ids-only mode)."""
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None and args.eos_token_ids:
+        eos = args.eos_token_ids[0]
+    return eos
 
 
 def _pick_device(name: str) -> torch.device:

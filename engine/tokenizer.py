@@ -5,16 +5,30 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.models.checkpoint import check_tokenizer_files
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint directory's own tokenizer (and chat template), via transformers, offline."""
+    """The checkpoint directory's own tokenizer (and chat template), via transformers, offline.
+
+    Raises ModelLoadError naming the files looked for when there are none (see check_tokenizer_files).
+    """
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(path)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises several types for a missing/broken tokenizer
         raise ModelLoadError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+
+
+def token_ids_only_error(param: str) -> InvalidRequestError:
+    """The 400 for text input (a text prompt, chat messages, stop strings) when no tokenizer is loaded."""
+    what = {"messages": "chat messages need", "stop": "stop strings need"}.get(param, "a text prompt needs")
+    return InvalidRequestError(
+        f"{what} a tokenizer, and this model is served in token-ids-only mode (skip_tokenizer_init: true): "
+        "send the prompt as a list of token ids" + (" and use stop_token_ids" if param == "stop" else "")
+        + ", or turn skip_tokenizer_init off", param=param, code="tokenizer_not_loaded")
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

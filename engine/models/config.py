@@ -56,10 +56,21 @@ class ModelArgs:
         if not cfg_file.is_file():
             found = sorted(p.name for p in path.iterdir())[:20]
             raise ModelLoadError(f"{str(path)!r} has no config.json (found: {found})")
-        return cls.from_dict(json.loads(cfg_file.read_text()))
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{str(cfg_file)!r} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        try:
+            return cls._from_dict(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json has no {e.args[0]!r}, which a Llama-family model needs") from e
+
+    @classmethod
+    def _from_dict(cls, cfg: dict[str, Any]) -> "ModelArgs":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -1,7 +1,6 @@
 """Load a Llama-family model from a local Hugging Face checkpoint directory (safetensors only)."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
+from engine.models.checkpoint import safetensors_files
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.rope import cos_sin_table
@@ -23,23 +23,6 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-
-
-def safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index.name} lists shards that are missing: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(p.name for p in path.iterdir())
-    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r} "
-                         f"(found: {found[:20]}); only safetensors checkpoints are supported")
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,

@@ -91,3 +91,26 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
             torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
         x = torch.randn(40, 7, generator=g).t()                     # non-contiguous input
         torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_validate_checkpoint_checks_what_the_loader_needs(checkpoints, tmp_path):
+    from engine.models.checkpoint import validate_checkpoint
+    assert validate_checkpoint(checkpoints["llama"]).architecture == "LlamaForCausalLM"
+    d = _copy(checkpoints["llama_tied_sharded"], tmp_path, "sharded")
+    next(d.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match="lists shards that are missing"):
+        validate_checkpoint(d)
+    d = _copy(checkpoints["llama"], tmp_path, "badjson")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="is not valid JSON"):
+        validate_checkpoint(d)
+    cfg = json.loads((_copy(checkpoints["llama"], tmp_path, "nokey") / "config.json").read_text())
+    del cfg["hidden_size"]
+    with pytest.raises(ModelLoadError, match="config.json has no 'hidden_size'"):
+        ModelArgs.from_dict(cfg)
+    d = _copy(checkpoints["llama"], tmp_path, "notok")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"looked for tokenizer.json, tokenizer.model, vocab.json.*"
+                                             r"tokenizer_config.json.*skip_tokenizer_init: true"):
+        validate_checkpoint(d)
+    assert validate_checkpoint(d, need_tokenizer=False).vocab_size > 0

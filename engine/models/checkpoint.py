@@ -1,0 +1,63 @@
+"""What a checkpoint directory must hold (config.json, safetensors weights, tokenizer files), checked
+without torch. The engine's loader and the CLI's pre-flight check call the same functions, so a user
+sees the same message whether a problem is caught before Ray starts or inside a replica."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.models.config import ModelArgs
+
+#: files transformers' AutoTokenizer can build a tokenizer from (one is enough; tokenizer_config.json alone is not)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
+def validate_checkpoint(path: str | Path, *, need_tokenizer: bool = True) -> ModelArgs:
+    """Check a checkpoint directory without loading weights; raise ModelLoadError naming what is wrong.
+
+    Checks, in order: the directory, config.json and its architecture, the safetensors weights (single
+    file, or an index whose shards all exist), and (when `need_tokenizer`) the tokenizer files.
+    """
+    args = ModelArgs.from_dir(path)
+    safetensors_files(Path(path))
+    if need_tokenizer:
+        check_tokenizer_files(path)
+    return args
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files: every shard named by model.safetensors.index.json, else model.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ModelLoadError(f"{index.name} in {str(path)!r} is not a valid safetensors index: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index.name} lists shards that are missing: {missing}")
+        if not files:
+            raise ModelLoadError(f"{index.name} in {str(path)!r} lists no weight files")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r} "
+                         f"(found: {_listing(path)}); only safetensors checkpoints are supported")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """Raise ModelLoadError when the directory holds none of TOKENIZER_FILES (saying what was looked for)."""
+    path = Path(path)
+    if any(next(path.glob(name), None) is not None for name in TOKENIZER_FILES):
+        return
+    raise ModelLoadError(
+        f"no tokenizer in {str(path)!r}: looked for {', '.join(TOKENIZER_FILES)} (found: {_listing(path)}). "
+        "Copy the model's tokenizer files into the directory, or, if every prompt is token ids, set "
+        "skip_tokenizer_init: true (engine.skip_tokenizer_init in the app config)")
+
+
+def _listing(path: Path, limit: int = 20) -> list[str]:
+    return sorted(p.name for p in path.iterdir())[:limit]
