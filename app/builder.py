@@ -67,7 +67,7 @@ def build_app(config: AppConfig | dict | None = None):
     elif isinstance(config, dict):
         config = AppConfig.model_validate(config)
     config = resolve_model(config)
-    engine_cfg = config.engine.model_dump()
+    engine_cfg = config.engine.to_engine_config().model_dump()
     replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
                                               config.observability.model_dump())
     return ingress_deployment(config).bind(replica, config.model_dump())

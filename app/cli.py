@@ -9,9 +9,32 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.config import AppConfig
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a bad configuration or checkpoint prints one message and returns 2."""
+    args = _parser().parse_args(argv)
+    from app.config import ConfigError
+    from engine.errors import ModelLoadError
+    try:
+        if args.cmd == "demo-model":
+            return demo_model_cmd(args)
+        if args.cmd == "config":
+            return config_cmd(args)
+        return serve_cmd(args)
+    except ConfigError as e:
+        print(f"affinity-serve: error: {e}", file=sys.stderr)
+        return 2
+    except ModelLoadError as e:
+        print(f"affinity-serve: error: engine.model: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="affinity-serve", description="Elastic LLM serving on Ray Serve")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start a local Ray, deploy the app, serve HTTP until Ctrl-C")
@@ -25,43 +48,49 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("path")
     d.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
     d.add_argument("--seed", type=int, default=0)
-    c = sub.add_parser("config", help="print the effective configuration as YAML")
+    c = sub.add_parser("config", help="check a configuration and print the effective one as YAML")
     c.add_argument("--config")
-    args = ap.parse_args(argv)
-    if args.cmd == "demo-model":
-        from engine.demo import write_demo_model
-        path = write_demo_model(args.path, arch=args.arch, seed=args.seed)
-        print(f"wrote demo {args.arch} checkpoint to {path}")
-        return 0
-    if args.cmd == "config":
-        import yaml
-        from app.config import AppConfig
-        cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        return 0
-    return serve_cmd(args)
+    return ap
 
 
-def _load_config(args):
+def demo_model_cmd(args) -> int:
+    from engine import write_demo_model
+    path = write_demo_model(args.path, arch=args.arch, seed=args.seed)
+    print(f"wrote demo {args.arch} checkpoint to {path}")
+    return 0
+
+
+def config_cmd(args) -> int:
+    """Checks the configuration only: the model path may exist only where the replicas run."""
+    import yaml
+    from app.config import AppConfig
+    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def _load_config(args) -> "AppConfig":
     from app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     data = cfg.model_dump()
-    if args.model:
-        data["engine"]["model"] = args.model
-    if args.replicas:
-        data["serve"]["num_replicas"] = args.replicas
-    if args.host:
-        data["serve"]["host"] = args.host
-    if args.port:
-        data["serve"]["port"] = args.port
-    if args.api_key:
-        data["serve"]["api_key"] = args.api_key
-    cfg = AppConfig.model_validate(data)
+    overrides = {("engine", "model"): args.model, ("serve", "num_replicas"): args.replicas,
+                 ("serve", "host"): args.host, ("serve", "port"): args.port, ("serve", "api_key"): args.api_key}
+    for (section, key), value in overrides.items():
+        if value is not None:
+            data[section][key] = value
+    source = f"{args.config or 'the defaults'} with the command-line options"
+    cfg = AppConfig.from_dict(data, source=source)
     if cfg.engine.num_threads is None and cfg.engine.device != "cuda":
         # share the cores between replicas instead of oversubscribing them
         per = max(1, (os.cpu_count() or 1) // max(1, cfg.serve.num_replicas))
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": per})})
     return cfg
+
+
+def check_model(cfg: "AppConfig") -> None:
+    """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
+    from engine import validate_checkpoint
+    validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
 
 
 def serve_cmd(args) -> int:
@@ -71,6 +100,7 @@ def serve_cmd(args) -> int:
     if not cfg.engine.model:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
     cfg = resolve_model(cfg)
+    check_model(cfg)
     import ray
     from ray import serve
 

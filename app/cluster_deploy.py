@@ -11,14 +11,18 @@ import ray
 from ray import serve
 
 from app.builder import build_app
-from app.config import AppConfig
+from app.config import AppConfig, ConfigError
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m app.cluster_deploy CONFIG.yaml", file=sys.stderr)
         return 2
-    cfg = AppConfig.from_yaml(argv[0])
+    try:
+        cfg = AppConfig.from_yaml(argv[0])     # the model path is checked by the replicas: it lives on their nodes
+    except ConfigError as e:
+        print(f"cluster_deploy: error: {e}", file=sys.stderr)
+        return 2
     ray.init(address="auto")
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)

@@ -1,32 +1,32 @@
 """AppConfig: the one root configuration (loadable from YAML) with engine, serve, routing,
-autoscaling and observability sections. Only builder.py turns it into Serve options."""
+autoscaling and observability sections. The engine section is the engine's own EngineConfig, so the
+two cannot drift. Only builder.py turns it into Serve options."""
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import EngineConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineSection(_Strict):
-    """Engine settings; `model: null` serves the embedded demo model (generated once, cached)."""
+class AppEngineConfig(EngineConfig):
+    """The engine's own EngineConfig, except that `model: null` serves the embedded demo model."""
 
-    model: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
-    max_model_len: int | None = Field(None, ge=2)
-    seed: int = 0
-    num_threads: int | None = Field(None, ge=1)
-    cache: CacheConfig = CacheConfig(memory_budget_bytes=256 * 2**20)
-    scheduler: SchedulerConfig = SchedulerConfig()
+    model: str | None = Field(None, description="local Hugging Face checkpoint directory; null = the demo model")
+
+    def to_engine_config(self) -> EngineConfig:
+        """The EngineConfig a replica builds its engine from (the model must be resolved by then)."""
+        if not self.model:
+            raise ValueError("engine.model is unset: resolve the demo model first (app.builder.resolve_model)")
+        return EngineConfig.model_validate(self.model_dump())
 
 
 class ServeSection(_Strict):
@@ -68,7 +68,7 @@ class AutoscalingSection(_Strict):
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":
         if self.max_replicas < self.min_replicas:
-            raise ValueError("autoscaling.max_replicas must be >= min_replicas")
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         return self
 
 
@@ -81,7 +81,7 @@ class ObservabilitySection(_Strict):
 
 
 class AppConfig(_Strict):
-    engine: EngineSection = EngineSection()
+    engine: AppEngineConfig = AppEngineConfig()
     serve: ServeSection = ServeSection()
     routing: RoutingSection = RoutingSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
@@ -89,7 +89,51 @@ class AppConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        """Load a YAML file; raises ConfigError (one line per problem) instead of a pydantic traceback."""
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(str(path), [f"cannot read the file: {e.strerror or e}"]) from None
+        except yaml.YAMLError as e:
+            raise ConfigError(str(path), [f"not valid YAML: {e}"]) from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        return cls.model_validate(data)
+            raise ConfigError(str(path), ["the top level must be a mapping of sections (engine, serve, ...)"])
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "configuration") -> "AppConfig":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(source, [_describe(err) for err in e.errors()]) from None
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; `problems` holds one line per problem, each naming its dotted key."""
+
+    def __init__(self, source: str, problems: list[str]):
+        super().__init__(f"invalid configuration in {source}:\n" + "\n".join(f"  {p}" for p in problems))
+        self.source = source
+        self.problems = problems
+
+
+def _describe(err: Any) -> str:
+    """One pydantic error as `engine.cache.block_size: Input should be ... (got 0)`."""
+    loc = tuple(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key" + _suggest(loc)
+    elif not isinstance(err.get("input"), (dict, list)) and err["type"] != "missing":
+        msg += f" (got {err['input']!r})"
+    return f"{'.'.join(loc) or '(top level)'}: {msg}"
+
+
+def _suggest(loc: tuple[str, ...]) -> str:
+    model: type[BaseModel] = AppConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return ""
+        model = field.annotation
+    close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(model.model_fields)})"

@@ -1,0 +1,101 @@
+"""Start-up errors: a bad config or checkpoint prints one message and exits 2, before Ray starts."""
+import json
+import shutil
+
+import pytest
+import ray
+
+from app.cli import main
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+
+
+class _RayStarted(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    def refuse(*a, **kw):
+        raise _RayStarted
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
+    assert not ray.is_initialized()
+
+
+def _serve(tmp_path, capsys, engine: dict, cmd: str = "serve") -> tuple[int, str]:
+    p = tmp_path / "c.yaml"
+    p.write_text(json.dumps({"engine": engine}))           # JSON is YAML
+    rc = main([cmd, "--config", str(p)])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def _copy(checkpoints, tmp_path) -> str:
+    return str(shutil.copytree(checkpoints["llama"], tmp_path / "m"))
+
+
+def _engine_message(model: str, **kw) -> str:
+    from engine.llm_engine import LLMEngine
+    with pytest.raises(ModelLoadError) as ei:
+        LLMEngine(EngineConfig(model=model, **kw))
+    return str(ei.value)
+
+
+def test_bad_key_and_bad_value_name_the_dotted_key(tmp_path, capsys):
+    for cmd in ("serve", "config"):
+        rc, err = _serve(tmp_path, capsys, {"model": "/m", "linear_backen": "torch", "cache": {"block_size": 0}}, cmd)
+        assert rc == 2
+        assert sorted(err.splitlines()[1:]) == [
+            "  engine.cache.block_size: Input should be greater than or equal to 1 (got 0)",
+            "  engine.linear_backen: unknown key (did you mean 'linear_backend'?)"]
+    assert main(["serve", "--model", "/m", "--port", "70000"]) == 2
+    assert "serve.port: Input should be less than or equal to 65535 (got 70000)" in capsys.readouterr().err
+
+
+def test_config_command_accepts_the_engine_keys_the_readme_documents(tmp_path, capsys):
+    rc = main(["config", "--config", str(_write(tmp_path, "engine: {linear_backend: torch, cpu_kernels: false}"))])
+    out = capsys.readouterr().out
+    assert rc == 0 and "linear_backend: torch" in out and "cpu_kernels: false" in out
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_missing_model_dir(tmp_path, capsys):
+    missing = str(tmp_path / "nonexistent")
+    rc, err = _serve(tmp_path, capsys, {"model": missing})
+    assert rc == 2 and "is not a directory" in err
+    assert err.strip() == f"affinity-serve: error: engine.model: {_engine_message(missing)}"
+
+
+def test_model_dir_without_weights(checkpoints, tmp_path, capsys):
+    d = _copy(checkpoints, tmp_path)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    rc, err = _serve(tmp_path, capsys, {"model": d})
+    assert rc == 2 and "no model.safetensors or model.safetensors.index.json" in err
+    assert _engine_message(d) in err
+
+
+def test_unsupported_architecture(checkpoints, tmp_path, capsys):
+    d = _copy(checkpoints, tmp_path)
+    cfg_file = tmp_path / "m" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "architectures": ["GPT2LMHeadModel"]}))
+    rc, err = _serve(tmp_path, capsys, {"model": d})
+    assert rc == 2 and "unsupported architecture ['GPT2LMHeadModel']" in err
+    assert _engine_message(d) in err
+
+
+def test_missing_tokenizer_names_files_and_token_ids_only_mode_passes_the_check(checkpoints, tmp_path, capsys):
+    d = _copy(checkpoints, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "m" / name).unlink()
+    rc, err = _serve(tmp_path, capsys, {"model": d})
+    assert rc == 2 and "looked for tokenizer.json, tokenizer.model" in err and "skip_tokenizer_init: true" in err
+    assert _engine_message(d) in err
+    with pytest.raises(_RayStarted):                    # the checks pass: the next step is starting Ray
+        _serve(tmp_path, capsys, {"model": d, "skip_tokenizer_init": True})
