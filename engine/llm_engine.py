@@ -218,7 +218,10 @@ class LLMEngine:
             ro = self.runner.execute_model(so)
         except Exception as e:
             affected = {self._seqs[s].parent_id for s in so.num_scheduled_tokens if s in self._seqs}
-            self.scheduler.finish_requests(list(so.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
+            # Every sibling of an affected n > 1 request fails too, scheduled in this step or not:
+            # once its parent is dropped nobody would read it, and an abort could not find it.
+            failed = set(so.num_scheduled_tokens).union(*(self._seq_ids(rid) for rid in affected))
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
             for rid in affected:
                 self._drop_parent(rid)
             raise StepError(e, affected) from e

@@ -90,6 +90,11 @@ class Request:
                                               else hash_block_chain(self.all_token_ids, block_size, cache_salt))
 
     @property
+    def block_size(self) -> int:
+        """The block size `block_hashes` were computed with (must be the KV cache's)."""
+        return self._block_size
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 

@@ -13,7 +13,7 @@ from engine.errors import ContextLengthExceededError, DuplicateRequestError, Inv
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
-from engine.types import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestDelta,
+from engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
                           SchedulerOutput, SchedulerStats, StepOutput)
 
 
@@ -28,6 +28,10 @@ class Scheduler:
     - a waiting request whose next uncached block is being computed by a running request (same
       prefix, admitted earlier) waits for it instead of computing it twice (in-batch prefix sharing,
       as SGLang does); admission stops there, keeping FCFS order.
+
+    `schedule()` may run again before the previous output arrived (to overlap scheduling with the model):
+    requests whose tokens are all in flight are skipped, a token that arrives for a request preempted
+    in between is kept (vLLM semantics), and a preempted request resumes only once its output is in.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
@@ -51,10 +55,16 @@ class Scheduler:
         self._running_prefill_tokens = 0
         self._last_num_scheduled = 0
         self._refund = 0
+        #: outputs of schedule() whose update_from_output has not come yet, oldest first
+        self._awaiting_output: list[SchedulerOutput] = []
 
     # ================================================================== requests in
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise InvalidRequestError without changing anything."""
+        if request.block_size != self.block_size:
+            # its block hashes would never match a cached block: a silent 0% prefix-cache hit rate
+            raise ValueError(f"request {request.req_id!r} has block_size {request.block_size} but the KV "
+                             f"cache's block size is {self.block_size}; build requests with the cache's")
         self.validate_request(request)
         self.requests[request.req_id] = request
         request.status = RequestStatus.WAITING
@@ -98,7 +108,9 @@ class Scheduler:
         total = self.config.max_num_batched_tokens - budget
         self._last_num_scheduled = total
         finished, self._finished_for_runner = self._finished_for_runner, set()
-        return SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+        so = SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+        self._awaiting_output.append(so)
+        return so
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = request.num_tokens - request.num_computed_tokens
@@ -122,6 +134,9 @@ class Scheduler:
             n = req.num_tokens - computed
             if n == 1 and computed < len(req_to_blocks[req.req_id]) * block_size:
                 block_ids: list[int] = []    # decode fast path: the last block has room
+            elif n == 0:
+                i += 1        # its token is in flight (schedule() again before update_from_output)
+                continue
             else:
                 n = self._chunk(req, budget)
                 new_blocks = self._allocate_or_preempt(req, n, i, num_scheduled, cached, preempted)
@@ -195,6 +210,8 @@ class Scheduler:
         inflight: set | None = None
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
+            if self._awaiting_output and req.status is RequestStatus.PREEMPTED and self._output_due(req):
+                break     # resuming now would lose the token in flight; FCFS: the rest waits too
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             if self.kv.enable_caching and len(hits) < (req.num_tokens - 1) // self.block_size:
                 if inflight is None:
@@ -230,6 +247,9 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _output_due(self, req: Request) -> bool:
+        return any(req.req_id in so.num_scheduled_tokens for so in self._awaiting_output)
+
     def _inflight_block_hashes(self) -> set:
         """Hashes of full blocks that running requests hold but have not computed (cached) yet."""
         out: set = set()
@@ -243,8 +263,13 @@ class Scheduler:
     # ================================================================== update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> StepOutput:
-        """Append sampled tokens, apply stop conditions, free finished requests, build the step output."""
+        """Append sampled tokens, apply stop conditions, free finished requests, build the step output.
+
+        Outputs must arrive in the order their schedule() calls ran.
+        """
         deltas, self._pending_deltas = self._pending_deltas, []
+        # overlapped: a later schedule() has moved num_computed_tokens on, past what this output computed
+        ends = _computed_ends(scheduler_output) if self._retire(scheduler_output) else None
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs    # only in the step that sampled a first token
         requests = self.requests
@@ -254,10 +279,17 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             req = requests.get(req_id)
-            if req is None or req.status is not running_status:
-                continue      # aborted (or preempted) after it was scheduled: drop its tokens
-            if req.num_computed_tokens % block_size < num_scheduled[req_id]:
-                kv.cache_blocks(req, req.num_computed_tokens)     # this step completed a block
+            if req is None:
+                continue      # aborted after it was scheduled: drop its tokens
+            if req.status is not running_status:
+                if sampled:   # preempted after it was scheduled (see _update_preempted)
+                    deltas.append(self._update_preempted(req, sampled, logprobs))
+                    if prompt_logprobs is not None:     # its first token is kept: so are these
+                        deltas[-1].prompt_logprobs = prompt_logprobs.get(req_id)
+                continue
+            end = req.num_computed_tokens if ends is None else ends[req_id]
+            if end % block_size < num_scheduled[req_id]:
+                kv.cache_blocks(req, end)     # this step completed a block
             if not sampled:
                 continue      # a partial prefill chunk
             if len(sampled) == 1:      # the common case, inlined: one token, no stop
@@ -293,6 +325,38 @@ class Scheduler:
             deltas.append(delta)
         finished_ids, self._finished_for_output = self._finished_for_output, set()
         return StepOutput(deltas, finished_ids, self.make_stats())
+
+    def _retire(self, scheduler_output: SchedulerOutput) -> bool:
+        """Forget an output that arrived (and older ones a failed step abandoned); True if later ones are out."""
+        q = self._awaiting_output
+        for i, so in enumerate(q):
+            if so is scheduler_output:
+                del q[:i + 1]
+                break
+        return bool(q)
+
+    def _update_preempted(self, req: Request, sampled: list[int],
+                          logprobs: dict[str, list[Logprobs]] | None) -> RequestDelta:
+        """Tokens sampled for a request that a later schedule() preempted before they arrived.
+
+        Kept, as vLLM does: they came from valid KV, and they join the tokens the request recomputes
+        when it resumes (the runner dropped its state on the preemption and gets all tokens back then).
+        """
+        num_before = req.num_tokens
+        new_tokens = self._append_and_check_stop(req, sampled)
+        self._waiting_prefill_tokens += req.num_tokens - num_before
+        delta = RequestDelta(req.req_id, new_tokens, False, None, None, req.num_prompt_tokens,
+                             req.num_cached_tokens or 0, None, req.first_scheduled_time)
+        if logprobs is not None and req.req_id in logprobs:
+            delta.new_logprobs = logprobs[req.req_id][:len(new_tokens)]
+        if req.status.is_finished:
+            delta.finished = True
+            delta.finish_reason = req.status.finish_reason.value
+            delta.stop_reason = req.stop_reason
+            self.waiting.remove(req)
+            self._waiting_prefill_tokens -= req.num_tokens
+            self._finish(req, was_running=False)
+        return delta
 
     def _append_and_check_stop(self, req: Request, sampled: list[int]) -> list[int]:
         params = req.sampling_params
@@ -374,3 +438,12 @@ class Scheduler:
             prefix_cache_hits_total=pc.hits,
             num_preemptions_total=self._num_preemptions,
         )
+
+
+def _computed_ends(so: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's num_computed_tokens as it stands once `so` has run."""
+    n = so.num_scheduled_tokens
+    ends = {r.req_id: r.num_computed_tokens + n[r.req_id] for r in so.scheduled_new_reqs}
+    c = so.scheduled_cached_reqs
+    ends.update((rid, computed + n[rid]) for rid, computed in zip(c.req_ids, c.num_computed_tokens))
+    return ends

@@ -2,9 +2,10 @@ import pytest
 
 from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
 from engine.request import RequestStatus
+from engine.types import ModelRunnerOutput
 
 from tests.unit.engine.helpers import (EOS, assert_all_blocks_free, make_request, make_scheduler,
-                                       run_to_completion, step)
+                                       run_to_completion, runner_output, step)
 
 
 # ---------------------------------------------------------------- budget and chunking
@@ -304,3 +305,82 @@ def test_same_prefix_in_one_step_is_computed_once():
     assert "c" in so.num_scheduled_tokens
     run_to_completion(s)
     assert_all_blocks_free(s)
+
+
+# ---------------------------------------------------------------- schedule() again before the output arrives
+def test_schedule_twice_without_update_skips_requests_in_flight():
+    s = make_scheduler(num_blocks=128, block_size=16, max_model_len=1024, max_num_batched_tokens=1024)
+    s.add_request(make_request("a", 512, block_size=16, max_tokens=3))
+    so1 = s.schedule()
+    s.add_request(make_request("b", 512, block_size=16, max_tokens=3))
+    so2 = s.schedule()              # "a" has nothing left to compute until its token arrives
+    assert so1.num_scheduled_tokens == {"a": 512} and so2.num_scheduled_tokens == {"b": 512}
+    out1 = s.update_from_output(so1, ModelRunnerOutput(["a"], [[7]]))
+    out2 = s.update_from_output(so2, ModelRunnerOutput(["b"], [[8]]))
+    assert [(d.req_id, d.new_token_ids) for d in out1.outputs + out2.outputs] == [("a", [7]), ("b", [8])]
+    assert run_to_completion(s) == {"a": [50 + 513, 50 + 514], "b": [50 + 513, 50 + 514]}
+    assert_all_blocks_free(s)
+
+
+def _preempted_while_in_flight():
+    """so1 decodes "a"; so2 (made before so1's output) preempts "a" so that "c" can prefill on."""
+    s = make_scheduler(num_blocks=5, block_size=4, long_prefill_token_threshold=4)    # 4 usable blocks
+    s.add_request(make_request("c", [30 + i for i in range(12)], max_tokens=1))
+    s.add_request(make_request("a", [10, 11, 12, 13], max_tokens=3))
+    step(s)                                      # c: 4 of 12 prompt tokens, a: whole prompt + 1 token
+    so1 = s.schedule()                           # c: 4 more; a: one decode (takes the last free block)
+    assert so1.num_scheduled_tokens == {"c": 4, "a": 1} and s.kv.pool.num_free_blocks == 0
+    so2 = s.schedule()                           # c needs a block: the newest request "a" is preempted
+    assert so2.preempted_req_ids == {"a"} and so2.num_scheduled_tokens == {"c": 4}
+    return s, so1, so2
+
+
+def test_token_for_request_preempted_before_its_output_arrives_is_kept():
+    s, so1, so2 = _preempted_while_in_flight()
+    a = s.requests["a"]
+    out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]]))
+    # computed from valid KV before the preemption: appended, reported, recomputed on resumption
+    assert [(d.req_id, d.new_token_ids, d.finished) for d in out.outputs] == [("a", [61], False)]
+    assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    assert a.all_token_ids == [10, 11, 12, 13, 50 + 4, 61] and a.num_tokens == 6
+    assert s.kv.num_cached_block["c"] == 2        # so1 computed c's blocks 0-1; block 2 is still in flight
+    out = s.update_from_output(so2, ModelRunnerOutput(["c"], [[71]]))
+    assert out.finished_req_ids == {"c"}           # so2 completed c's prompt: c sampled its one token
+    resumed = None
+    while s.has_unfinished_requests():
+        so, out = step(s)
+        resumed = resumed or next((r for r in so.scheduled_new_reqs if r.req_id == "a"), None)
+    assert resumed is not None and resumed.token_ids == [10, 11, 12, 13, 54, 61]
+    assert_all_blocks_free(s)
+
+
+def test_stop_token_for_preempted_request_finishes_it():
+    s, so1, so2 = _preempted_while_in_flight()
+    out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [EOS]]))
+    assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in out.outputs] == [("a", [EOS], "stop")]
+    assert out.finished_req_ids == {"a"} and "a" not in s.requests and len(s.waiting) == 0
+    s.update_from_output(so2, ModelRunnerOutput(["c"], [[71]]))
+    assert s.make_stats().num_queued_prefill_tokens == 0
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_preempted_request_waits_for_its_output_before_resuming():
+    s, so1, so2 = _preempted_while_in_flight()
+    s.abort_requests("c")                          # frees room for "a" while so1 and so2 are still out
+    so3 = s.schedule()
+    assert so3.num_scheduled_tokens == {}          # resuming "a" now would lose the token so1 samples
+    s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]]))
+    s.update_from_output(so2, ModelRunnerOutput(["c"], [[71]]))
+    s.update_from_output(so3, runner_output(s, so3))
+    so, _ = step(s)
+    assert so.scheduled_new_reqs[0].token_ids == [10, 11, 12, 13, 54, 61]
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_request_block_size_must_match_the_kv_cache():
+    s = make_scheduler(block_size=4)
+    with pytest.raises(ValueError, match="block_size 8 but the KV cache.s block size is 4"):
+        s.add_request(make_request("a", 10, block_size=8))
+    assert not s.requests and len(s.waiting) == 0
