@@ -13,6 +13,7 @@ from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.checkpoint import validate_checkpoint
 from engine.models.config import ModelArgs
@@ -123,6 +124,12 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return (self.num_blocks - 1) * self.config.cache.block_size
 
+    @property
+    def limits(self) -> EngineLimits:
+        """The limits requests are checked against (`engine.limits.check_request`), after the KV cap."""
+        return EngineLimits(self.max_model_len, self.model_args.vocab_size,
+                            self.kv_cache_manager.max_tokens_capacity())
+
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
         """A string, a token id list, or chat messages (rendered with the model's chat template).
@@ -155,11 +162,8 @@ class LLMEngine:
                                       include_stop_str_in_output=p.include_stop_str_in_output)
 
     def validate_prompt_ids(self, ids: list[int]) -> None:
-        vocab = self.model_args.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range for a vocabulary of {vocab}",
-                                      param="prompt")
+        """Token ids inside the vocabulary and a prompt that fits (max_tokens: see validate_request)."""
+        check_request(self.limits, ids, 1)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
@@ -301,24 +305,6 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
     return dtype
-
-
-def resolve_max_model_len(config: EngineConfig, args: ModelArgs) -> int:
-    """The context length an engine built from `config` will enforce, computed without building it.
-
-    Includes the KV-capacity cap when the pool size is known up front (explicit num_blocks, or a CPU
-    engine); a GPU engine sized from free memory may cap further at start-up.
-    """
-    limit = _max_model_len(config, args)
-    c = config.cache
-    num_blocks = c.num_blocks
-    if num_blocks is None and config.device == "cpu":
-        dtype = _pick_dtype(config.dtype, torch.device("cpu"))
-        from engine.model_runner import kv_bytes_per_block
-        num_blocks = (c.memory_budget_bytes or _DEFAULT_CPU_KV_BYTES) // kv_bytes_per_block(args, c.block_size, dtype)
-    if num_blocks is not None:
-        limit = min(limit, (num_blocks - 1) * c.block_size)
-    return limit
 
 
 def _max_model_len(config: EngineConfig, args: ModelArgs) -> int:

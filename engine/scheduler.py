@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from engine.config import SchedulerConfig
-from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
+from engine.errors import DuplicateRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
@@ -79,21 +79,8 @@ class Scheduler:
 
     def check_limits(self, n: int, max_tokens: int) -> None:
         """The size checks of validate_request, for callers that have no Request yet."""
-        if n == 0:
-            raise InvalidRequestError("prompt is empty; send at least one token", param="prompt")
-        if n >= self.max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt has {n} tokens but the model's context length is {self.max_model_len}; "
-                f"shorten the prompt to at most {self.max_model_len - 1} tokens")
-        if max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
-        worst = min(n + max_tokens, self.max_model_len)
-        if not self.kv.can_ever_fit(worst):
-            cap = self.kv.max_tokens_capacity()
-            raise ContextLengthExceededError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {worst} tokens of KV cache but "
-                f"this engine holds at most {cap}; lower max_tokens or shorten the prompt",
-                param="max_tokens")
+        from engine.limits import EngineLimits, check_request   # the one limits check (also the ingress's)
+        check_request(EngineLimits(self.max_model_len, None, self.kv.max_tokens_capacity()), n, max_tokens)
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:
@@ -436,6 +423,8 @@ class Scheduler:
             num_scheduled_tokens=self._last_num_scheduled,
             prefix_cache_queries_total=pc.queries,
             prefix_cache_hits_total=pc.hits,
+            recent_prefix_cache_queries=self.kv.recent.queries,
+            recent_prefix_cache_hits=self.kv.recent.hits,
             num_preemptions_total=self._num_preemptions,
         )
 

@@ -57,14 +57,14 @@ def test_bfloat16_load_runs(checkpoints):
     assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
 
 
-def test_max_model_len_capped_by_kv_capacity_and_predictable(checkpoints):
+def test_max_model_len_capped_by_kv_capacity_and_published(checkpoints):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine, resolve_max_model_len
+    from engine.limits import EngineLimits
+    from engine.llm_engine import LLMEngine
     cfg = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 9, "block_size": 4})
     eng = LLMEngine(cfg)
-    assert eng.max_model_len == 32 == resolve_max_model_len(cfg, eng.model_args)
-    roomy = EngineConfig(model=checkpoints["llama"], device="cpu")
-    assert resolve_max_model_len(roomy, eng.model_args) == 512          # the model's own limit
+    assert eng.max_model_len == 32
+    assert eng.limits == EngineLimits(max_model_len=32, vocab_size=eng.model_args.vocab_size, max_kv_tokens=32)
 
 
 def test_linear_backend_choice_and_packed_linear_equals_f_linear():

@@ -1,0 +1,48 @@
+"""The one request-limits check shared by the ingress and the engine (engine.limits)."""
+import pytest
+
+from engine.errors import ContextLengthExceededError, InvalidRequestError
+from engine.limits import EngineLimits, check_request, check_request_fits_context
+
+LIMITS = EngineLimits(max_model_len=16, vocab_size=100, max_kv_tokens=32)
+
+
+@pytest.mark.parametrize("prompt,max_tokens,err,param", [
+    ([], 4, InvalidRequestError, "prompt"),
+    (0, 4, InvalidRequestError, "prompt"),
+    ([1] * 16, 1, ContextLengthExceededError, "prompt"),
+    (16, 1, ContextLengthExceededError, "prompt"),
+    ([1, 100], 4, InvalidRequestError, "prompt"),
+    ([1, -1], 4, InvalidRequestError, "prompt"),
+    ([1, 2], 0, InvalidRequestError, "max_tokens"),
+])
+def test_check_request_rejects(prompt, max_tokens, err, param):
+    with pytest.raises(err) as e:
+        check_request(LIMITS, prompt, max_tokens)
+    assert e.value.param == param and e.value.code and e.value.message
+
+
+def test_check_request_accepts_and_caps_output_at_the_context():
+    check_request(LIMITS, [1, 99], 1000)             # stops at max_model_len with finish_reason "length"
+    check_request(EngineLimits(16, None, 32), [10**6], 4)   # no vocabulary known: ids are not range-checked
+    with pytest.raises(ContextLengthExceededError) as e:
+        check_request(EngineLimits(max_model_len=64, vocab_size=None, max_kv_tokens=32), 10, 100)
+    assert e.value.param == "max_tokens" and "KV cache" in e.value.message
+
+
+def test_the_api_contract_also_needs_prompt_plus_max_tokens_in_the_context():
+    check_request_fits_context(LIMITS, [1] * 10, 6)
+    with pytest.raises(ContextLengthExceededError) as e:
+        check_request_fits_context(LIMITS, [1] * 10, 7)
+    assert e.value.param == "max_tokens" and "16" in e.value.message
+    with pytest.raises(ContextLengthExceededError) as e:
+        check_request_fits_context(LIMITS, [1] * 20, 1)
+    assert e.value.param == "prompt"
+
+
+def test_limits_are_torch_free():
+    import subprocess
+    import sys
+    code = "import sys, engine.limits; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
