@@ -2,6 +2,10 @@
 
 `from engine import LLM, SamplingParams` works; heavy parts (torch, transformers) load on first use so
 the scheduler and the block hashes stay importable without torch.
+
+The public surface is `__all__` plus the torch-free modules in `PUBLIC_MODULES` (boundary types, errors,
+limits, sampling parameters, configuration). Code outside the engine (app/, autoscale/, observability/)
+imports nothing else from it; tests/unit/test_dependency_direction.py keeps that true.
 """
 from __future__ import annotations
 
@@ -10,16 +14,27 @@ from typing import TYPE_CHECKING, Any
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLMEngine
+    from engine.async_engine import AsyncLLMEngine, EngineHealth, EngineLoad
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.models.checkpoint import validate_checkpoint
+    from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
+
+PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.limits", "engine.sampling_params", "engine.types")
 
 _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "AsyncLLMEngine": "engine.async_engine",
+    "EngineLoad": "engine.async_engine",
+    "EngineHealth": "engine.async_engine",
+    "EngineLimits": "engine.limits",
+    "check_request": "engine.limits",
+    "check_request_fits_context": "engine.limits",
+    "load_tokenizer": "engine.tokenizer",
+    "apply_chat_template": "engine.tokenizer",
+    "token_ids_only_error": "engine.tokenizer",
     "EngineConfig": "engine.config",
     "CacheConfig": "engine.config",
     "SchedulerConfig": "engine.config",
@@ -37,5 +52,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "EngineConfig", "CacheConfig",
-           "SchedulerConfig", "write_demo_model", "ensure_demo_model", "validate_checkpoint"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
+           "CacheConfig", "SchedulerConfig", "EngineLimits", "check_request", "check_request_fits_context",
+           "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
+           "validate_checkpoint"]

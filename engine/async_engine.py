@@ -1,7 +1,9 @@
 """AsyncLLMEngine: a background step loop feeding per-request async streams, with abort and health.
 
 Adds and aborts are queued and applied by the loop between steps; each step runs in a worker thread so
-the event loop (HTTP, Ray Serve) stays responsive while the model computes.
+the event loop (HTTP, Ray Serve) stays responsive while the model computes. Callers read the engine only
+through `limits`, `load()` and `health()`: immutable values, the snapshots rebuilt by the loop between
+steps, so nobody reads scheduler structures while the step thread mutates them.
 """
 from __future__ import annotations
 
@@ -14,14 +16,47 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.limits import EngineLimits, check_request
 from engine.llm_engine import LLMEngine, Prompt, StepError
 from engine.outputs import StreamDelta
 from engine.sampling_params import SamplingParams
-from engine.types import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's load as of the last step (or the last add/abort/reset between steps)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_queued_prefill_tokens: int
+    num_free_blocks: int
+    num_blocks: int
+    num_requests: int                     # sequences the scheduler holds (running, waiting, preempted)
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    recent_prefix_cache_queries: int      # over the scheduler's sliding window of recent admissions
+    recent_prefix_cache_hits: int
+    cache_epoch: int                      # bumped by every prefix-cache reset
+    timestamp: float                      # time.monotonic() when the snapshot was taken
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """Whether the step loop is alive, and whether it is making progress."""
+
+    dead_reason: str | None               # None while the engine can serve
+    num_unfinished_reqs: int              # sequences the engine holds, as of the last snapshot
+    last_progress_time: float             # time.monotonic() of the last step, or of the last idle moment
+    num_steps: int
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
 
 
 @dataclass
@@ -53,6 +88,9 @@ class AsyncLLMEngine:
         self._consecutive_failures = 0
         self.last_progress_time = time.monotonic()
         self.num_steps = 0
+        self._step_lock = asyncio.Lock()        # held while a step runs; reset_prefix_cache waits for it
+        self._limits = engine.limits            # fixed once the engine is built
+        self._load = self._snapshot_load()
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kw: Any) -> "AsyncLLMEngine":
@@ -60,12 +98,22 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ public API
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def limits(self) -> EngineLimits:
+        """The request limits (context length after the KV cap, vocabulary, KV slots); immutable."""
+        return self._limits
 
-    @property
-    def stats(self) -> SchedulerStats:
-        return self.engine.last_stats
+    def load(self) -> EngineLoad:
+        """The latest load snapshot; safe from any thread."""
+        return self._load
+
+    def health(self) -> EngineHealth:
+        """Liveness and progress; safe from any thread (reads values the loop replaces atomically)."""
+        dead_reason = None
+        if self._dead is not None:
+            dead_reason = f"engine is dead: {self._dead}"
+        elif self._loop_task is not None and self._loop_task.done():
+            dead_reason = "engine step loop exited"
+        return EngineHealth(dead_reason, self._load.num_requests, self.last_progress_time, self.num_steps)
 
     @property
     def is_dead(self) -> bool:
@@ -88,8 +136,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt_ids(ids)
-        self.engine.scheduler.check_limits(len(ids), params.max_tokens)
+        check_request(self._limits, ids, params.max_tokens)
         stream = _Stream(num_seqs=params.n)
         self._streams[request_id] = stream
         self._pending_adds.append(_PendingAdd(request_id, ids, params, kwargs))
@@ -119,10 +166,16 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         """Raise EngineDeadError when the step loop died or the engine failed unrecoverably."""
-        if self._dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._dead}")
-        if self._loop_task is not None and self._loop_task.done():
-            raise EngineDeadError("engine step loop exited")
+        reason = self.health().dead_reason
+        if reason is not None:
+            raise EngineDeadError(reason)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (False when blocks are in use); runs between steps."""
+        async with self._step_lock:
+            ok = self.engine.reset_prefix_cache()
+            self._load = self._snapshot_load()
+        return ok
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -159,6 +212,24 @@ class AsyncLLMEngine:
         aborts, self._pending_aborts = self._pending_aborts, set()
         if aborts:
             self.engine.abort_request(list(aborts))
+        if adds or aborts:
+            self._load = self._snapshot_load()
+
+    def _snapshot_load(self) -> EngineLoad:
+        """Only between steps: reads the scheduler and KV pool, which the step thread mutates."""
+        st = self.engine.scheduler.make_stats()
+        kv = self.engine.kv_cache_manager
+        return EngineLoad(
+            num_running_reqs=st.num_running_reqs, num_waiting_reqs=st.num_waiting_reqs,
+            kv_cache_usage=st.kv_cache_usage, num_queued_prefill_tokens=st.num_queued_prefill_tokens,
+            num_free_blocks=kv.pool.num_free_blocks, num_blocks=kv.pool.num_blocks,
+            num_requests=len(self.engine.scheduler.requests),
+            prefix_cache_queries_total=st.prefix_cache_queries_total,
+            prefix_cache_hits_total=st.prefix_cache_hits_total,
+            # TODO(issue 8): plain attribute reads once SchedulerStats has the sliding window everywhere
+            recent_prefix_cache_queries=getattr(st, "recent_prefix_cache_queries", 0),
+            recent_prefix_cache_hits=getattr(st, "recent_prefix_cache_hits", 0),
+            cache_epoch=kv.cache_epoch, timestamp=time.monotonic())
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
@@ -172,16 +243,19 @@ class AsyncLLMEngine:
                 await self._wakeup.wait()
                 continue
             try:
-                if self._step_in_thread:
-                    out = await asyncio.to_thread(self.engine.step)
-                else:
-                    out = self.engine.step()
+                async with self._step_lock:
+                    if self._step_in_thread:
+                        out = await asyncio.to_thread(self.engine.step)
+                    else:
+                        out = self.engine.step()
             except StepError as e:
+                self._load = self._snapshot_load()
                 self._on_step_failure(e, e.req_ids)
                 continue
             except Exception as e:     # a bug outside the runner: nothing is trustworthy any more
                 self._die(e)
                 return
+            self._load = self._snapshot_load()
             if out.stats.num_scheduled_tokens:
                 self._consecutive_failures = 0     # only a step that ran the model proves recovery
             self.num_steps += 1
@@ -193,7 +267,9 @@ class AsyncLLMEngine:
             await asyncio.sleep(0)
 
     def _on_step_failure(self, e: StepError, req_ids: set[str]) -> None:
-        logger.error("engine step failed for %d request(s): %s", len(req_ids), e.cause, exc_info=e.cause)
+        # The one place a step failure's traceback is logged; the replica logs each request without it.
+        logger.error("engine step failed for %d request(s) %s: %s", len(req_ids), sorted(req_ids), e.cause,
+                     exc_info=e.cause)
         for rid in req_ids:
             self._fail(rid, e)
         self._consecutive_failures += 1

@@ -1,0 +1,66 @@
+"""AsyncLLMEngine's thread-safe surface: limits, and load()/health() snapshots built by the step loop."""
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+
+from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(checkpoints):
+    return AsyncLLMEngine.from_config(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32,
+                                                                                      "block_size": 4}))
+
+
+async def _collect(gen):
+    return [d async for d in gen]
+
+
+async def test_limits_are_the_built_engines_own(engine):
+    assert engine.limits == EngineLimits(max_model_len=124, vocab_size=engine.engine.model_args.vocab_size,
+                                         max_kv_tokens=124)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.limits.max_model_len = 1
+    await engine.shutdown()
+
+
+async def test_load_is_a_snapshot_taken_between_steps(engine, monkeypatch):
+    idle = engine.load()
+    assert (idle.num_running_reqs, idle.num_waiting_reqs, idle.num_requests) == (0, 0, 0)
+    assert idle.num_free_blocks == idle.num_blocks - 1 == 31
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def gated_step():
+        entered.set()
+        release.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", gated_step)
+    task = asyncio.create_task(_collect(engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, **GREEDY))))
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    during = engine.load()          # the step thread is inside schedule/execute: the snapshot does not move
+    assert during.num_waiting_reqs == 1 and during.num_running_reqs == 0 and during.num_requests == 1
+    assert engine.load() is during
+    release.set()
+    await asyncio.wait_for(task, 10)
+    after = engine.load()
+    assert after.num_requests == 0 and after.num_free_blocks == 31 and after.prefix_cache_queries_total == 5
+    assert after.timestamp > during.timestamp
+    await engine.shutdown()
+
+
+async def test_health_and_prefix_cache_reset(engine):
+    h = engine.health()
+    assert h.is_alive and h.num_unfinished_reqs == 0
+    await _collect(engine.generate(list(range(10, 30)), SamplingParams(max_tokens=2, **GREEDY)))
+    assert engine.health().num_steps >= 2
+    epoch = engine.load().cache_epoch
+    assert await engine.reset_prefix_cache()
+    assert engine.load().cache_epoch == epoch + 1
+    await engine.shutdown()
