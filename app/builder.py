@@ -16,7 +16,7 @@ def resolve_model(config: AppConfig) -> AppConfig:
     """Fill in the demo model directory when no model is configured (generated once, cached)."""
     if config.engine.model:
         return config
-    from engine.demo import ensure_demo_model
+    from engine import ensure_demo_model
     path = ensure_demo_model()
     return config.model_copy(update={"engine": config.engine.model_copy(update={"model": str(path)})})
 

@@ -1,11 +1,18 @@
-"""One mapping from exceptions to HTTP statuses and the OpenAI error body."""
+"""One mapping from exceptions to HTTP statuses and the OpenAI error body, and how a failure is logged.
+
+Logging rule: each failure is logged once, with its request id. A traceback is logged only for an
+unexpected exception, by the code that caught it first (`log_failure`); an APIError or an EngineError was
+raised on purpose (and the engine logs its own step failures with their traceback), so later layers log
+one line. Expected client errors (4xx) are INFO, overload and unavailability (429/503) WARNING. A
+traceback never reaches a response body.
+"""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError, ModelLoadError
-
-logger = logging.getLogger(__name__)
+from engine.errors import (ContextLengthExceededError, EngineDeadError, EngineError, InvalidRequestError,
+                           ModelLoadError)
 
 
 class APIError(Exception):
@@ -29,7 +36,7 @@ class APIError(Exception):
 
 
 def to_api_error(exc: BaseException) -> APIError:
-    """Classify any exception; never leaks a stack trace into the message."""
+    """Classify any exception (pure: logs nothing); never leaks a stack trace into the message."""
     from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
                                       ReplicaUnavailableError, RequestCancelledError)
     from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -39,7 +46,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ContextLengthExceededError):
         return APIError(exc.message, 400, "invalid_request_error", exc.param, "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(exc.message, 400, "invalid_request_error", exc.param, exc.code)
+        return APIError(exc.message, 400, "invalid_request_error", exc.param, exc.code or "invalid_value")
     if isinstance(exc, BackPressureError):
         return APIError("the server is overloaded; retry later", 429, "rate_limit_error", None,
                         "overloaded", retry_after_s=1)
@@ -56,8 +63,21 @@ def to_api_error(exc: BaseException) -> APIError:
         inner = to_api_error(cause)
         if inner.status_code != 500:
             return inner
-    logger.error("internal error: %s: %s", type(exc).__name__, exc)
     return APIError("internal server error", 500, "server_error", None, "internal_error")
+
+
+def log_failure(log: logging.Logger, exc: BaseException, api: APIError, message: str = "request failed",
+                **fields: Any) -> None:
+    """Log one failed request by the rule in the module docstring; `fields` go into the JSON record."""
+    extra = {"status": api.status_code, "code": api.code, "param": api.param, "error": api.message, **fields}
+    if api.status_code < 500 and api.status_code != 429:
+        log.info(message, extra=extra)
+    elif api.status_code != 500:
+        log.warning(message, extra=extra)
+    elif isinstance(exc, (APIError, EngineError)):
+        log.error(message, extra={**extra, "cause": f"{type(exc).__name__}: {exc}"})
+    else:
+        log.error(message, extra=extra, exc_info=exc)
 
 
 def pydantic_error(exc) -> APIError:

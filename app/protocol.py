@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.stats import ReplicaStats
 from engine.sampling_params import SamplingParams
 from engine.types import Logprobs
 
@@ -43,7 +44,8 @@ class _OpenAIRequest(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, n: int) -> SamplingParams:
+        """The engine's parameters; `n` sequences per prompt (more than `self.n` for best_of)."""
         bias = None
         if self.logit_bias:
             from engine.errors import InvalidRequestError
@@ -53,7 +55,7 @@ class _OpenAIRequest(BaseModel):
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            n=n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, repetition_penalty=self.repetition_penalty,
@@ -68,6 +70,8 @@ class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    #: generate best_of sequences per prompt, return the n with the highest cumulative logprob
+    best_of: int | None = Field(None, ge=1, le=20)
 
 
 class ChatMessage(BaseModel):
@@ -97,7 +101,11 @@ class ChatCompletionRequest(_OpenAIRequest):
 # ---------------------------------------------------------------- ingress <-> replica
 @dataclass(slots=True)
 class GenerateRequest:
-    """What the ingress sends a replica: token ids (so routers can see them), params, tracing."""
+    """What the ingress sends a replica: token ids (so routers can see them), params, tracing.
+
+    `request_id` is unique per call (the engine's key); `client_request_id` is the caller's id
+    (x-request-id), which clients may reuse: it only labels logs and spans.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -106,6 +114,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     trace_context: dict[str, str] = field(default_factory=dict)
     arrival_time: float = 0.0
+    client_request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -123,5 +132,6 @@ class ReplicaChunk:
     replica_id: str = ""
     #: set on a sequence's last chunk: monotonic timings measured in the replica (seconds)
     timings: dict[str, float] | None = None
-    #: set on a sequence's last chunk: the replica's routing stats at that moment
-    replica_stats: dict[str, Any] | None = None
+    #: set on a sequence's last chunk: the replica's stats at that moment, and its engine span's trace id
+    replica_stats: ReplicaStats | None = None
+    trace_id: str | None = None

@@ -1,6 +1,8 @@
 """Request and replica metrics (histograms, counters, gauges) recorded at the ingress."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from opentelemetry import metrics
 
 from observability import names
@@ -12,7 +14,8 @@ class ServingMetrics:
     def __init__(self, meter: metrics.Meter):
         self.ttft = meter.create_histogram(names.M_TTFT, unit="s", description="time to first token",
                                            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
-        self.tpot = meter.create_histogram(names.M_TPOT, unit="s", description="time per output token",
+        self.tpot = meter.create_histogram(names.M_TPOT, unit="s",
+                                           description="time per output token, one sample per sequence",
                                            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
         self.e2e = meter.create_histogram(names.M_E2E, unit="s", description="end-to-end request latency",
                                           explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
@@ -23,10 +26,14 @@ class ServingMetrics:
         self.running = meter.create_gauge(names.M_RUNNING, description="running requests per replica")
         self.waiting = meter.create_gauge(names.M_WAITING, description="waiting requests per replica")
         self.kv_usage = meter.create_gauge(names.M_KV_USAGE, description="KV cache usage (0-1) per replica")
-        self.prefix_hit_rate = meter.create_gauge(names.M_PREFIX_HIT, description="prefix-cache hit rate per replica")
+        self.prefix_hit_rate = meter.create_gauge(
+            names.M_PREFIX_HIT, description="prefix-cache hit rate per replica since it started")
+        self.recent_prefix_hit_rate = meter.create_gauge(
+            names.M_PREFIX_HIT_RECENT, description="prefix-cache hit rate per replica over its recent requests")
 
     def record_request(self, *, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
-                       ttft_s: float | None, e2e_s: float) -> None:
+                       ttft_s: float | None, e2e_s: float, tpot_s: Sequence[float] = ()) -> None:
+        """`tpot_s`: one value per generated sequence, (last token time - first) / (its tokens - 1)."""
         attrs = {"model": model}
         self.prompt_tokens.add(prompt_tokens, attrs)
         self.generation_tokens.add(output_tokens, attrs)
@@ -34,16 +41,17 @@ class ServingMetrics:
         self.e2e.record(e2e_s, attrs)
         if ttft_s is not None:
             self.ttft.record(ttft_s, attrs)
-            if output_tokens > 1:
-                self.tpot.record((e2e_s - ttft_s) / (output_tokens - 1), attrs)
+        for t in tpot_s:
+            self.tpot.record(t, attrs)
 
-    def record_replica(self, replica_id: str, stats: dict) -> None:
+    def record_replica(self, replica_id: str, *, num_running: int, num_waiting: int, kv_cache_usage: float,
+                       prefix_hit_rate: float, recent_prefix_hit_rate: float) -> None:
         attrs = {"replica": replica_id}
-        self.running.set(stats.get("num_running", 0), attrs)
-        self.waiting.set(stats.get("num_waiting", 0), attrs)
-        self.kv_usage.set(stats.get("kv_cache_usage", 0.0), attrs)
-        q = stats.get("prefix_cache_queries", 0)
-        self.prefix_hit_rate.set(stats.get("prefix_cache_hits", 0) / q if q else 0.0, attrs)
+        self.running.set(num_running, attrs)
+        self.waiting.set(num_waiting, attrs)
+        self.kv_usage.set(kv_cache_usage, attrs)
+        self.prefix_hit_rate.set(prefix_hit_rate, attrs)
+        self.recent_prefix_hit_rate.set(recent_prefix_hit_rate, attrs)
 
     def record_http(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})

@@ -1,44 +1,55 @@
-"""Ingress and replica logic built synchronously, with fake handles (no Ray cluster)."""
+"""Ingress and replica logic built synchronously, with local handles instead of Ray."""
 import asyncio
 import json
+import logging
 
 import pytest
 
 from app.config import AppConfig
 from app.errors import APIError, to_api_error
-from app.protocol import CompletionRequest, ReplicaChunk
+from app.prompts import RequestKind
+from app.protocol import CompletionRequest, GenerateRequest, ReplicaChunk
+from engine import EngineLimits, SamplingParams
+from engine.types import Logprobs
+from tests.unit.app.conftest import LocalHandle
+
+LIMITS = EngineLimits(max_model_len=64, vocab_size=10**6, max_kv_tokens=64)
 
 
-class _Gen:
-    def __init__(self, agen):
-        self._agen = agen
-        self.cancelled = False
+class FakeReplica:
+    """Streams what `behaviour(req)` yields; publishes LIMITS."""
 
-    def __aiter__(self):
-        return self._agen.__aiter__()
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class FakeReplicaHandle:
-    def __init__(self, behaviour):
+    def __init__(self, behaviour, limits=LIMITS):
         self.behaviour = behaviour
-        self.generate = self
-        self.debug_state = self
+        self._limits = limits
 
-    def options(self, **_):
-        return self
+    async def generate(self, req):
+        async for c in self.behaviour(req):
+            yield c
 
-    def remote(self, req=None):
-        return _Gen(self.behaviour(req))
+    async def limits(self):
+        return self._limits
+
+    async def debug_state(self):
+        return {}
 
 
-def _ingress(checkpoints, behaviour, **serve):
+def _ingress(checkpoints, behaviour, engine=None, **serve):
     from app.ingress import Ingress
-    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
+    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"], **(engine or {})},
                                     "serve": {"first_token_timeout_s": 0.3, **serve}})
-    return Ingress(FakeReplicaHandle(behaviour), cfg.model_dump())
+    handle = LocalHandle(FakeReplica(behaviour))
+    return Ingress(handle, cfg.model_dump()), handle
+
+
+def _tokens(req, n_tokens=2, text="ab"):
+    """A well-behaved replica stream: every sequence yields n_tokens tokens, then finishes."""
+    async def gen():
+        for i in range(req.params.n):
+            for t in range(n_tokens):
+                yield ReplicaChunk(i, text[t % len(text)], [10 + t], "length" if t == n_tokens - 1 else None,
+                                   num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
+    return gen()
 
 
 async def test_no_replica_output_is_503_within_bound(checkpoints):
@@ -46,7 +57,7 @@ async def test_no_replica_output_is_503_within_bound(checkpoints):
         await asyncio.sleep(3600)
         yield None
 
-    ing = _ingress(checkpoints, silent)
+    ing, _ = _ingress(checkpoints, silent)
     t = asyncio.get_running_loop().time()
     with pytest.raises(APIError) as e:
         await ing.completions(CompletionRequest(prompt="hi", max_tokens=2))
@@ -55,14 +66,17 @@ async def test_no_replica_output_is_503_within_bound(checkpoints):
 
 
 async def test_failure_after_stream_started_is_an_sse_error_then_done(checkpoints):
+    from app.http import sse
+
     async def dies(req):
         yield ReplicaChunk(0, "Hel", [5], replica_id="r1")
         raise APIError("generation failed inside the engine", 500, "server_error", None, "engine_error")
 
-    ing = _ingress(checkpoints, dies)
-    gen = ing._stream("completion", CompletionRequest(prompt="hi", max_tokens=5, stream=True), "req-1", {})
+    ing, _ = _ingress(checkpoints, dies)
+    gen = ing.serving.stream(RequestKind.COMPLETION, CompletionRequest(prompt="hi", max_tokens=5, stream=True),
+                             "req-1", {})
     first = await gen.__anext__()
-    events = [e async for e in ing._sse(first, gen)]
+    events = [e async for e in sse(first, gen, lambda e: ing._fail(e, "/v1/completions", count=False))]
     assert json.loads(events[0][6:])["choices"][0]["text"] == "Hel"
     err = json.loads(events[1][6:])
     assert err == {"error": {"message": "generation failed inside the engine", "type": "server_error",
@@ -70,21 +84,61 @@ async def test_failure_after_stream_started_is_an_sse_error_then_done(checkpoint
     assert events[-1] == "data: [DONE]\n\n" and len(events) == 3
 
 
-async def test_context_and_model_checks_happen_before_any_replica_call(checkpoints):
-    calls = []
-
-    async def record(req):
-        calls.append(req)
-        yield ReplicaChunk(0, "", [], finish_reason="length")
-
-    ing = _ingress(checkpoints, record)
+async def test_limit_and_model_checks_use_the_replicas_limits_before_any_generate(checkpoints):
+    ing, handle = _ingress(checkpoints, _tokens)
     with pytest.raises(APIError) as e:
         await ing.completions({"prompt": "hi", "max_tokens": 10**6})
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": [1] * 64})
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     with pytest.raises(APIError) as e:
         await ing.chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
     assert e.value.param == "top_logprobs"
-    assert calls == []
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "model": "gpt-7"})
+    assert e.value.status_code == 404
+    assert [name for name, _ in handle.calls] == ["limits"]          # asked once, cached; nothing generated
+    assert (await ing.models())["data"][0]["max_model_len"] == 64
+
+
+async def test_vocabulary_check_comes_from_the_published_limits(checkpoints):
+    from app.ingress import Ingress
+    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
+    ing = Ingress(LocalHandle(FakeReplica(_tokens, EngineLimits(64, 100, 64))), cfg.model_dump())
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": [5, 100]})
+    assert (e.value.status_code, e.value.param, e.value.code) == (400, "prompt", "invalid_value")
+    assert (await ing.completions({"prompt": [5, 99], "max_tokens": 2}))["usage"]["prompt_tokens"] == 2
+
+
+async def test_reused_client_request_id_never_becomes_the_engine_key(checkpoints):
+    seen: list[GenerateRequest] = []
+
+    def record(req):
+        seen.append(req)
+        return _tokens(req)
+
+    ing, _ = _ingress(checkpoints, record)
+    outs = await asyncio.gather(*[ing.completions({"prompt": "hi", "max_tokens": 2}, request_id="same")
+                                  for _ in range(4)])
+    multi = await ing.completions({"prompt": ["a", "b"], "max_tokens": 2, "request_id": "body-id"})
+    assert all(o["id"] == "same" for o in outs) and multi["id"] == "body-id"
+    assert [r.client_request_id for r in seen] == ["same"] * 4 + ["body-id"] * 2
+    assert len({r.request_id for r in seen}) == 6 and not {r.request_id for r in seen} & {"same", "body-id"}
+
+
+async def test_same_client_id_concurrently_on_one_real_replica(checkpoints):
+    """The defect end to end: one replica, 8 concurrent requests carrying one id -> all succeed."""
+    from app.ingress import Ingress
+    from app.replica import LLMReplica
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
+    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
+    ing = Ingress(LocalHandle(rep), cfg.model_dump())
+    outs = await asyncio.gather(*[ing.completions({"prompt": f"hello {i}", "max_tokens": 6, "ignore_eos": True},
+                                                  request_id="dup") for i in range(8)])
+    assert all(o["id"] == "dup" and o["usage"]["completion_tokens"] == 6 for o in outs)
+    await rep.engine.shutdown()
 
 
 def test_error_mapping_table():
@@ -116,29 +170,190 @@ def test_app_config_yaml_and_strictness(tmp_path):
         AppConfig.from_yaml(p)
 
 
-async def test_replica_reports_small_stats_and_detects_wedge(checkpoints):
+# ---------------------------------------------------------------- best_of (OpenAI conformance)
+@pytest.mark.parametrize("body", [{"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}])
+async def test_best_of_smaller_than_n_or_streamed_is_a_400_naming_best_of(checkpoints, body):
+    ing, handle = _ingress(checkpoints, _tokens)
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "max_tokens": 2, **body})
+    assert (e.value.status_code, e.value.param) == (400, "best_of")
+    assert [name for name, _ in handle.calls] == ["limits"]
+
+
+async def test_best_of_returns_the_n_most_likely_of_best_of_and_bills_them_all(checkpoints):
+    seen = []
+    scores = [-3.0, -0.5, -2.0, -1.0]        # sequence i: two tokens, each with logprob scores[i] / 2
+
+    async def scored(req):
+        seen.append(req)
+        for i in range(req.params.n):
+            lp = Logprobs(7, scores[i] / 2, 1, [], [])
+            yield ReplicaChunk(i, f"s{i}", [7], None, logprobs=[lp], replica_id="r1")
+            yield ReplicaChunk(i, "!", [7], "length", logprobs=[lp], replica_id="r1")
+
+    ing, _ = _ingress(checkpoints, scored)
+    out = await ing.completions({"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 4})
+    assert seen[0].params.n == 4 and seen[0].params.logprobs == 0       # ranking needs each token's logprob
+    assert [c["text"] for c in out["choices"]] == ["s1!", "s3!"] and [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in out["choices"])           # not asked for
+    assert out["usage"]["completion_tokens"] == 8                       # all best_of sequences
+    out = await ing.completions({"prompt": "hi", "max_tokens": 2, "best_of": 4, "logprobs": 1})
+    assert [c["text"] for c in out["choices"]] == ["s1!"]
+    assert out["choices"][0]["logprobs"]["token_logprobs"] == [-0.25, -0.25]
+
+
+# ---------------------------------------------------------------- token-ids-only mode
+async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoints, monkeypatch):
+    import app.ingress
+
+    def no_tokenizer(path):
+        raise AssertionError("no tokenizer may be loaded in token-ids-only mode")
+
+    monkeypatch.setattr(app.ingress, "load_tokenizer", no_tokenizer)
+
+    async def with_logprobs(req):
+        lp = Logprobs(11, -0.1, 1, [11, 12], [-0.1, -2.0])
+        yield ReplicaChunk(0, "", [11], "length", logprobs=[lp], replica_id="r1")
+
+    ing, _ = _ingress(checkpoints, with_logprobs, engine={"skip_tokenizer_init": True})
+    for call, body, param in [(ing.completions, {"prompt": "text"}, "prompt"),
+                              (ing.completions, {"prompt": ["a", "b"]}, "prompt"),
+                              (ing.chat, {"messages": [{"role": "user", "content": "x"}]}, "messages"),
+                              (ing.completions, {"prompt": [1, 2], "stop": ["x"]}, "stop")]:
+        with pytest.raises(APIError) as e:
+            await call(body)
+        assert (e.value.status_code, e.value.param) == (400, param)
+        assert "token ids" in e.value.message
+    out = await ing.completions({"prompt": [1, 2, 3], "max_tokens": 1, "logprobs": 1, "echo": True})
+    choice = out["choices"][0]
+    assert choice["text"] == "" and choice["logprobs"]["tokens"] == ["token_id:11"]
+    assert choice["logprobs"]["top_logprobs"] == [{"token_id:11": -0.1, "token_id:12": -2.0}]
+
+
+# ---------------------------------------------------------------- HTTP body: 415 and friends
+def _http_request(body: bytes, content_type: str | None):
+    from starlette.requests import Request
+    headers = [(b"content-length", str(len(body)).encode())]
+    if content_type is not None:
+        headers.append((b"content-type", content_type.encode()))
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers, "query_string": b""}
+    return Request(scope, receive)
+
+
+@pytest.mark.parametrize("content_type,status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("multipart/form-data; boundary=x", 415),
+    ("application/json", 200), ("application/json; charset=utf-8", 200), ("application/vnd.api+json", 200),
+    (None, 200),
+])
+async def test_non_json_content_type_is_a_415_in_the_openai_envelope(checkpoints, content_type, status):
+    ing, _ = _ingress(checkpoints, _tokens)
+    r = await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi", "max_tokens": 2}', content_type))
+    assert r.status_code == status, r.body
+    if status == 415:
+        err = json.loads(r.body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "unsupported_media_type"
+        assert "application/json" in err["message"]
+
+
+# ---------------------------------------------------------------- errors are logged once, by kind
+async def test_unexpected_ingress_error_logs_its_traceback_once_and_4xx_without(checkpoints, app_logs):
+    async def broken(req):
+        raise KeyError("a bug")
+        yield
+
+    ing, _ = _ingress(checkpoints, broken)
+    r = await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi", "max_tokens": 2}', None))
+    assert r.status_code == 500 and b"Traceback" not in r.body and b"a bug" not in r.body
+    failed = [rec for rec in app_logs.records if rec.levelno >= logging.ERROR]
+    assert len(failed) == 1 and failed[0].exc_info and "a bug" in app_logs.text
+    app_logs.clear()
+    r = await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi", "max_tokens": 0}', None))
+    assert r.status_code == 400
+    rejected = [rec for rec in app_logs.records if getattr(rec, "status", None) == 400]
+    assert len(rejected) == 1 and rejected[0].levelno == logging.INFO and not rejected[0].exc_info
+
+
+async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(checkpoints, app_logs,
+                                                                               monkeypatch):
     from app.replica import LLMReplica
-    from engine.errors import EngineDeadError
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+
+    def boom(so):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(rep.engine.engine.runner, "execute_model", boom)
+    req = GenerateRequest("engine-key-1", [5, 6, 7], SamplingParams(max_tokens=3), client_request_id="client-1")
+    with pytest.raises(APIError) as e:
+        async for _ in rep.generate(req):
+            pass
+    assert e.value.status_code == 500 and "kernel exploded" not in e.value.message
+    with_trace = [rec for rec in app_logs.records if rec.exc_info]
+    assert len(with_trace) == 1 and "engine-key-1" in with_trace[0].getMessage()
+    failed = next(rec for rec in app_logs.records if rec.getMessage() == "sequence failed")
+    assert failed.levelno == logging.ERROR and not failed.exc_info
+    assert (failed.request_id, failed.engine_req_id) == ("client-1", "engine-key-1")
+    await rep.engine.shutdown()
+
+
+# ---------------------------------------------------------------- replica surface
+async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoints):
+    from app.replica import LLMReplica
+    from app.stats import ReplicaStats
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
                      wedge_timeout_s=0.05)
-    from app.protocol import GenerateRequest
-    from engine.sampling_params import SamplingParams
     chunks = [c async for c in rep.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=3,
                                                                                          temperature=0)))]
-    assert chunks[-1].finish_reason == "length" and chunks[-1].timings and chunks[-1].replica_stats
+    last = chunks[-1]
+    assert last.finish_reason == "length" and last.timings and isinstance(last.replica_stats, ReplicaStats)
+    assert last.trace_id is not None
     stats = rep.record_routing_stats()
-    assert set(stats) == {"num_running", "num_waiting", "kv_cache_usage", "num_queued_prefill_tokens",
-                          "prefix_cache_queries", "prefix_cache_hits", "cache_epoch"}
-    assert len(json.dumps(stats)) < 300
+    assert isinstance(stats, dict) and len(json.dumps(stats)) < 300
+    assert ReplicaStats.from_dict(stats) == rep.stats() and ReplicaStats.from_dict({}) == ReplicaStats()
+    assert stats["prefix_cache_queries"] == 3 and stats["num_running"] == 0
     assert all(isinstance(v, float) for v in rep.record_autoscaling_stats().values())
+    assert await rep.limits() == EngineLimits(max_model_len=124, vocab_size=rep.engine.limits.vocab_size,
+                                              max_kv_tokens=124)
     await rep.check_health()
     epoch = stats["cache_epoch"]
     assert await rep.reset_prefix_cache() and rep.record_routing_stats()["cache_epoch"] != epoch
-    # wedge: a running request and no step progress
-    sched = rep.engine.engine.scheduler
-    sched.running.append(object())
-    rep.engine.last_progress_time -= 10
+    state = await rep.debug_state()
+    assert state["num_free_blocks"] == state["num_blocks"] - 1 and state["num_requests"] == 0
+    await rep.engine.shutdown()
+
+
+async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
+    import threading
+
+    from app.replica import LLMReplica
+    from engine.errors import EngineDeadError
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
+                     wedge_timeout_s=0.1)
+    release = threading.Event()
+    real_step = rep.engine.engine.step
+
+    def stuck_step():
+        release.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(rep.engine.engine, "step", stuck_step)
+
+    async def consume():
+        return [c async for c in rep.generate(GenerateRequest("w", [5, 6], SamplingParams(max_tokens=2)))]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
     with pytest.raises(EngineDeadError, match="wedged"):
         await rep.check_health()
-    sched.running.pop()
+    release.set()
+    assert (await asyncio.wait_for(task, 10))[-1].finish_reason is not None
+    await rep.check_health()
     await rep.engine.shutdown()

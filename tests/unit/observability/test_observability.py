@@ -21,16 +21,18 @@ def _points(reader):
 def test_request_and_replica_metrics():
     reader = InMemoryMetricReader()
     m = ServingMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"))
-    m.record_request(model="x", prompt_tokens=10, output_tokens=5, cached_tokens=4, ttft_s=0.2, e2e_s=1.0)
-    m.record_replica("r1", {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5,
-                            "prefix_cache_queries": 10, "prefix_cache_hits": 4})
+    m.record_request(model="x", prompt_tokens=10, output_tokens=5, cached_tokens=4, ttft_s=0.2, e2e_s=1.0,
+                     tpot_s=[0.2])
+    m.record_replica("r1", num_running=3, num_waiting=1, kv_cache_usage=0.5, prefix_hit_rate=0.4,
+                     recent_prefix_hit_rate=0.75)
     m.record_http("/v1/completions", 429)
     pts = _points(reader)
     assert pts["affinity_prompt_tokens"][0].value == 10
     assert pts["affinity_cached_prompt_tokens"][0].value == 4
     assert pts["affinity_time_to_first_token"][0].sum == 0.2
-    assert abs(pts["affinity_time_per_output_token"][0].sum - 0.2) < 1e-9      # (1.0 - 0.2) / 4
+    assert pts["affinity_time_per_output_token"][0].sum == 0.2
     assert pts["affinity_replica_prefix_cache_hit_rate"][0].value == 0.4
+    assert pts["affinity_replica_recent_prefix_cache_hit_rate"][0].value == 0.75
     assert dict(pts["affinity_replica_running_requests"][0].attributes) == {"replica": "r1"}
     assert dict(pts["affinity_http_requests"][0].attributes) == {"route": "/v1/completions", "status": "429"}
 
@@ -70,3 +72,28 @@ def test_json_logs_carry_request_id():
     rec = json.loads(buf.getvalue())
     assert rec["request_id"] == "req-42" and rec["message"] == "request finished"
     assert rec["status"] == 200 and rec["e2e_s"] == 0.5 and rec["level"] == "INFO"
+
+
+def test_json_logs_keep_the_whole_traceback():
+    import io
+    import json
+    import logging
+
+    from observability.logs import JsonFormatter
+
+    def inner():
+        raise ValueError("the real cause")
+
+    buf = io.StringIO()
+    h = logging.StreamHandler(buf)
+    h.setFormatter(JsonFormatter())
+    log = logging.getLogger("affinity.test-json-exc")
+    log.addHandler(h)
+    try:
+        inner()
+    except ValueError:
+        log.error("request failed", exc_info=True, extra={"request_id": "req-7"})
+    rec = json.loads(buf.getvalue())
+    assert rec["exc_type"] == "ValueError" and rec["exc_message"] == "the real cause"
+    assert "Traceback (most recent call last)" in rec["traceback"] and "in inner" in rec["traceback"]
+    assert rec["request_id"] == "req-7"

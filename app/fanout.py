@@ -1,0 +1,172 @@
+"""Fan-out of one prepared request over the replicas and back: one replica stream per prompt (each with
+params.n sequences) under a unique engine id, merged into one stream with a first-output timeout; the
+sequences accumulated, best_of selection, and what the request's telemetry needs."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.errors import APIError
+from app.prompts import PreparedRequest
+from app.protocol import GenerateRequest, ReplicaChunk
+from app.stats import ReplicaStats
+from engine.types import Logprobs
+from observability.requests import RequestRecord
+
+
+def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt, each keyed by a fresh id: a client's x-request-id may be reused
+    (by retries, proxies, or concurrent calls), so it only labels logs and spans."""
+    now = time.time()
+    return [GenerateRequest(uuid.uuid4().hex, ids, p.params, p.priority, p.cache_salt, carrier, now, p.request_id)
+            for ids in p.prompts]
+
+
+async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
+                        first_output_timeout_s: float) -> AsyncIterator[tuple[int, ReplicaChunk]]:
+    """(sequence index, chunk) from every prompt's replica stream, as they arrive.
+
+    Prompt i's sequence j is sequence i * n + j. A stream that yields nothing within the timeout fails
+    the request with a 503; leaving early (or failing) cancels every stream.
+    """
+    handle = replica.options(stream=True)
+    if len(reqs) == 1:
+        async for c in _with_first_timeout(handle.generate.remote(reqs[0]), first_output_timeout_s):
+            yield c.index, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: GenerateRequest) -> None:
+        try:
+            async for c in _with_first_timeout(handle.generate.remote(req), first_output_timeout_s):
+                await queue.put((i * req.params.n + c.index, c))
+            await queue.put((i, None))
+        except BaseException as e:   # noqa: BLE001 - delivered to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        done = 0
+        while done < len(tasks):
+            idx, item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield idx, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _with_first_timeout(gen: Any, timeout_s: float) -> AsyncIterator[ReplicaChunk]:
+    """Iterate a replica stream; if nothing arrives within timeout_s, cancel it and fail with a 503."""
+    it = gen.__aiter__()
+    try:
+        first = await asyncio.wait_for(it.__anext__(), timeout=timeout_s)
+    except StopAsyncIteration:
+        return
+    except asyncio.TimeoutError:
+        gen.cancel()
+        raise APIError(f"no model replica produced output within {timeout_s:.0f}s", 503, "service_unavailable",
+                       None, "replica_unavailable", retry_after_s=1) from None
+    yield first
+    async for c in it:
+        yield c
+
+
+@dataclass(slots=True)
+class SequenceResult:
+    """One generated sequence, accumulated from its chunks."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None below two tokens."""
+        if len(self.token_ids) < 2 or self.first_token_ns is None or self.last_token_ns is None:
+            return None
+        return (self.last_token_ns - self.first_token_ns) / 1e9 / (len(self.token_ids) - 1)
+
+
+class RequestRun:
+    """Everything one request's merged replica streams said: sequences, usage, replicas, timings."""
+
+    def __init__(self, p: PreparedRequest):
+        self.p = p
+        self.seqs = [SequenceResult() for _ in range(len(p.prompts) * p.params.n)]
+        self.cached_by_prompt = [0] * len(p.prompts)
+        self.replica_ids: set[str] = set()
+        self.replica_stats: dict[str, ReplicaStats] = {}
+        self.replica_trace_ids: set[str] = set()
+        self.timings: dict[str, float] | None = None
+        self.first_token_ns: int | None = None
+
+    def add(self, seq_index: int, c: ReplicaChunk) -> SequenceResult:
+        now = time.time_ns()
+        seq = self.seqs[seq_index]
+        seq.text += c.text
+        seq.token_ids += c.token_ids
+        seq.logprobs += c.logprobs or []
+        if c.token_ids:
+            seq.first_token_ns = seq.first_token_ns or now
+            seq.last_token_ns = now
+            self.first_token_ns = self.first_token_ns or now
+        if c.finish_reason:
+            seq.finish_reason = c.finish_reason
+        prompt = seq_index // self.p.params.n
+        self.cached_by_prompt[prompt] = max(self.cached_by_prompt[prompt], c.num_cached_tokens)
+        if c.replica_id:
+            self.replica_ids.add(c.replica_id)
+        if c.timings and self.timings is None:
+            self.timings = c.timings
+        if c.replica_stats is not None:
+            self.replica_stats[c.replica_id] = c.replica_stats
+        if c.trace_id:
+            self.replica_trace_ids.add(c.trace_id)
+        return seq
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Every generated token, the best_of sequences that were not returned included (as OpenAI bills)."""
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_by_prompt)
+
+    def choices(self) -> list[SequenceResult]:
+        """The sequences to return, prompt by prompt: all of them, or the best of each prompt's best_of
+        by cumulative logprob (highest first), as OpenAI and vLLM do."""
+        n_seqs, n_choices = self.p.params.n, self.p.num_choices
+        if n_seqs == n_choices:
+            return list(self.seqs)
+        out: list[SequenceResult] = []
+        for i in range(len(self.p.prompts)):
+            group = self.seqs[i * n_seqs:(i + 1) * n_seqs]
+            out += sorted(group, key=lambda s: s.cumulative_logprob, reverse=True)[:n_choices]
+        return out
+
+    def record(self) -> RequestRecord:
+        timings = self.timings or {}
+        return RequestRecord(
+            request_id=self.p.request_id, model=self.p.model, num_prompt_tokens=self.p.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens,
+            replica_ids=sorted(self.replica_ids), replica_trace_ids=sorted(self.replica_trace_ids),
+            first_token_ns=self.first_token_ns, tpot_s=[s.tpot_s for s in self.seqs if s.tpot_s is not None],
+            queue_s=timings.get("queue_s", 0.0), prefill_s=timings.get("prefill_s", 0.0),
+            decode_s=timings.get("decode_s", 0.0))

@@ -1,0 +1,134 @@
+"""From an OpenAI request to what the replicas run: token-id prompts, SamplingParams, checked limits.
+
+The limits are the engine's own (`EngineLimits`, published by a replica) and are checked with the
+engine's own function, so nothing here predicts what the engine will accept.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from app.errors import APIError
+from app.protocol import ChatCompletionRequest, CompletionRequest
+from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+class RequestKind(str, Enum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request: one token-id prompt per entry, and how to sample and answer it."""
+
+    kind: RequestKind
+    request_id: str                   # the client-visible id (response `id`, logs, spans); not the engine key
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]    # the text of each completion prompt, for echo
+    params: SamplingParams            # params.n sequences per prompt: best_of when given, else n
+    num_choices: int                  # choices returned per prompt (n)
+    logprobs: int | None              # what the client asked for; None: no logprobs in the response
+    echo: bool
+    stream_usage: bool
+    priority: int
+    cache_salt: str | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def is_best_of(self) -> bool:
+        """More sequences are generated than returned: the best `num_choices` per prompt are kept."""
+        return self.params.n > self.num_choices
+
+
+def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest, request_id: str, *,
+                    model_name: str, limits: EngineLimits, tokenizer: Any | None) -> PreparedRequest:
+    """Raise APIError or InvalidRequestError (-> 400/404) for anything the engine would refuse.
+
+    `tokenizer` is None in token-ids-only mode: only token-id prompts are accepted then.
+    """
+    if req.model is not None and req.model != model_name:
+        raise APIError(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
+                       404, "invalid_request_error", "model", "model_not_found")
+    if kind is RequestKind.CHAT:
+        prompts, texts = [chat_prompt_ids(req, tokenizer)], [None]
+        logprobs = _chat_logprobs(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        prompts, texts = completion_prompt_ids(req.prompt, tokenizer)
+        logprobs = req.logprobs
+        max_tokens = req.max_tokens
+    if max_tokens is None:        # OpenAI's defaults: 16 for completions, the rest of the context for chat
+        longest = max(len(p) for p in prompts)
+        max_tokens = 16 if kind is RequestKind.COMPLETION else max(1, limits.max_model_len - longest)
+    _check_limits(kind, limits, prompts, max_tokens)
+    if tokenizer is None and req.stop:
+        raise token_ids_only_error("stop")
+    num_seqs = _num_seqs(req)
+    # ranking best_of sequences needs each sampled token's logprob, even when the client asked for none
+    engine_logprobs = logprobs if logprobs is not None or num_seqs == req.n else 0
+    params = req.sampling_params(max_tokens, engine_logprobs, num_seqs)
+    return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,
+                           getattr(req, "echo", False), bool(req.stream_options and req.stream_options.include_usage),
+                           req.priority, req.cache_salt)
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: Any | None) -> tuple[list[list[int]], list[str | None]]:
+    """A string, a list of strings, token ids, or a list of token-id lists -> (ids per prompt, texts)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if tokenizer is None:
+            raise token_ids_only_error("prompt")
+        return [tokenizer.encode(t) for t in texts], list(texts)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt], [None] * len(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)], [None]
+    raise APIError("prompt must be a string, a list of strings, or token ids", 400, "invalid_request_error",
+                   "prompt", "invalid_value")
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:
+    if tokenizer is None:
+        raise token_ids_only_error("messages")
+    return apply_chat_template(tokenizer, req.rendered_messages())
+
+
+def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs: true", 400, "invalid_request_error", "top_logprobs",
+                       "invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _num_seqs(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Sequences generated per prompt: best_of (completions only, as in OpenAI's API) or n."""
+    best_of = getattr(req, "best_of", None)
+    if best_of is None:
+        return req.n
+    if best_of < req.n:
+        raise APIError(f"best_of ({best_of}) must be greater than or equal to n ({req.n})", 400,
+                       "invalid_request_error", "best_of", "invalid_value")
+    if req.stream and best_of > 1:
+        raise APIError("best_of > 1 cannot be streamed: only the best sequences are returned, once all finished",
+                       400, "invalid_request_error", "best_of", "invalid_value")
+    return best_of
+
+
+def _check_limits(kind: RequestKind, limits: EngineLimits, prompts: list[list[int]], max_tokens: int) -> None:
+    try:
+        for ids in prompts:
+            check_request_fits_context(limits, ids, max_tokens)
+    except InvalidRequestError as e:
+        if kind is RequestKind.CHAT and e.param == "prompt":       # the chat API has no `prompt`
+            raise APIError(e.message, 400, "invalid_request_error", "messages", e.code) from None
+        raise

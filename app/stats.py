@@ -1,0 +1,60 @@
+"""ReplicaStats: what a replica reports for routing and observability (typed, small, JSON-able)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine import EngineLoad
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """One replica's load and prefix-cache state.
+
+    Serve's controller polls `record_routing_stats()` and rebroadcasts every replica's stats to every
+    router whenever one changes, so this stays a handful of numbers (KV usage rounded to 4 digits).
+    Serve carries it as a dict (`to_dict`); routers rebuild it with `from_dict`, which also accepts the
+    `{}` Serve reports before the first poll.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_queued_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0           # prompt tokens looked up since the engine started
+    prefix_cache_hits: int = 0
+    recent_prefix_cache_queries: int = 0    # over the engine's sliding window of recent admissions
+    recent_prefix_cache_hits: int = 0
+    cache_epoch: str = ""                   # "<boot id>:<reset count>": changes when the cache was emptied
+
+    @classmethod
+    def from_load(cls, load: EngineLoad, boot_id: str) -> ReplicaStats:
+        return cls(num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
+                   kv_cache_usage=round(load.kv_cache_usage, 4),
+                   num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+                   prefix_cache_queries=load.prefix_cache_queries_total,
+                   prefix_cache_hits=load.prefix_cache_hits_total,
+                   recent_prefix_cache_queries=load.recent_prefix_cache_queries,
+                   recent_prefix_cache_hits=load.recent_prefix_cache_hits,
+                   cache_epoch=f"{boot_id}:{load.cache_epoch}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ReplicaStats:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Lifetime hit rate (0-1)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def recent_prefix_hit_rate(self) -> float:
+        """Hit rate over the recent window (0-1): what routers and operators should look at."""
+        q = self.recent_prefix_cache_queries
+        return self.recent_prefix_cache_hits / q if q else 0.0

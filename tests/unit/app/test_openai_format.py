@@ -1,0 +1,66 @@
+"""OpenAI response bodies from plain values: no Ray, no tokenizer, no model."""
+import openai.types as oai
+import openai.types.chat as oai_chat
+
+from app import openai_format as fmt
+from engine.types import Logprobs
+
+META = fmt.ResponseMeta("cmpl-1", 1700000000, "tiny")
+LPS = [Logprobs(1, -0.5, 1, [1, 2], [-0.5, -1.5]), Logprobs(22, -0.25, 1, [22], [-0.25])]
+
+
+def token_str(tid: int) -> str:
+    return {1: "a", 2: "b", 22: "cd"}[tid]
+
+
+def test_usage_and_fingerprint():
+    assert fmt.usage(10, 5, 4) == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                                   "prompt_tokens_details": {"cached_tokens": 4}}
+    assert fmt.fingerprint(["r2", "r1"]) == "replica:r1,r2"
+    assert fmt.token_id_str(42) == "token_id:42"
+
+
+def test_completion_logprobs_offsets_follow_the_token_strings():
+    lp = fmt.completion_logprobs(LPS, token_str, text_offset=3)
+    assert lp == {"tokens": ["a", "cd"], "token_logprobs": [-0.5, -0.25],
+                  "top_logprobs": [{"a": -0.5, "b": -1.5}, {"cd": -0.25}], "text_offset": [3, 4]}
+
+
+def test_chat_logprobs_carry_bytes():
+    lp = fmt.chat_logprobs(LPS[1:], token_str)
+    assert lp == {"content": [{"token": "cd", "logprob": -0.25, "bytes": [99, 100],
+                               "top_logprobs": [{"token": "cd", "logprob": -0.25, "bytes": [99, 100]}]}]}
+
+
+def test_completion_response_validates_with_the_openai_client_types():
+    choices = [fmt.Choice("acd", "length", LPS), fmt.Choice("xyz", "stop", None)]
+    body = fmt.completion_response(META, choices, fmt.usage(3, 4, 0), "replica:r1", token_str)
+    parsed = oai.Completion.model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1] and parsed.choices[1].logprobs is None
+    assert parsed.choices[0].logprobs.tokens == ["a", "cd"] and parsed.system_fingerprint == "replica:r1"
+    echo = fmt.completion_response(META, [fmt.Choice("hi acd", "length", LPS, text_offset=3)],
+                                   fmt.usage(3, 2, 0), "replica:r1", token_str)
+    assert echo["choices"][0]["logprobs"]["text_offset"] == [3, 4]
+
+
+def test_chat_response_validates_with_the_openai_client_types():
+    body = fmt.chat_response(META, [fmt.Choice("hello", "stop", LPS)], fmt.usage(3, 2, 1), "replica:r1", token_str)
+    parsed = oai_chat.ChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "hello" and parsed.choices[0].message.role == "assistant"
+    assert [c.token for c in parsed.choices[0].logprobs.content] == ["a", "cd"]
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 1
+
+
+def test_stream_chunks():
+    role = oai_chat.ChatCompletionChunk.model_validate(fmt.chat_role_chunk(META, 1))
+    assert role.choices[0].delta.role == "assistant" and role.choices[0].index == 1
+    chunk = fmt.chat_chunk(META, 0, "he", None, None, "replica:r1", with_usage=True)
+    assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "he"}
+    oai_chat.ChatCompletionChunk.model_validate(chunk)
+    last = fmt.chat_chunk(META, 0, "", "stop", None, "replica:r1", with_usage=False)
+    assert last["choices"][0]["delta"] == {} and "usage" not in last
+    c = fmt.completion_chunk(META, 2, "x", "length", {"tokens": []}, "replica:r1", with_usage=False)
+    assert c["object"] == "text_completion" and c["choices"][0] == {
+        "index": 2, "text": "x", "finish_reason": "length", "logprobs": {"tokens": []}}
+    u = fmt.usage_chunk(META, "chat.completion.chunk", fmt.usage(1, 2, 0))
+    assert u["choices"] == [] and oai_chat.ChatCompletionChunk.model_validate(u).usage.total_tokens == 3
