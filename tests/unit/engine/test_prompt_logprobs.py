@@ -177,3 +177,20 @@ def test_no_extra_logits_without_prompt_logprobs(checkpoints):
         eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=5, logprobs=2, **GREEDY))
     assert _run(eng) == {}
     assert sum(rows) == 3 * 5                           # one logits row per sampled token, nothing else
+
+
+def test_kept_for_a_request_preempted_before_its_first_token_arrived():
+    """schedule() twice: the prompt completes in so1, so2 preempts the request before so1's output is in.
+    Its first token is kept (it resumes without recomputing its prompt), so its prompt logprobs must be too."""
+    from engine.types import Logprobs, ModelRunnerOutput
+    s = make_scheduler(num_blocks=5, block_size=4, long_prefill_token_threshold=4)       # 4 usable blocks
+    s.add_request(make_request("c", [30 + i for i in range(12)], max_tokens=1))
+    s.add_request(make_request("a", [10 + i for i in range(8)], max_tokens=3, prompt_logprobs=0))
+    step(s)                                              # c: 4 of 12, a: 4 of 8
+    so1 = s.schedule()                                   # c: 4 more, a: its last 4 (samples its first token)
+    so2 = s.schedule()                                   # c needs a block: "a" is preempted
+    assert so1.num_scheduled_tokens == {"c": 4, "a": 4} and so2.preempted_req_ids == {"a"}
+    plp = [None] + [Logprobs(11 + i, -1.0, 1, [], []) for i in range(7)]
+    out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]], None, {"a": plp}))
+    assert [(d.req_id, d.new_token_ids, d.prompt_logprobs) for d in out.outputs] == [("a", [61], plp)]
+    assert s.kv.get_computed_blocks(s.requests["a"])[1] == 4       # owes nothing now: reads the cache
