@@ -20,6 +20,9 @@ class CacheConfig(_Strict):
                                 "(unset too: 80% of free GPU memory, or 512 MiB on CPU)")
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
+    prefix_cache_recent_requests: int = Field(
+        1000, ge=1, description="the recent prefix-cache hit rate (stats, metrics) covers this many latest "
+                                "admissions; the lifetime totals are kept too")
 
 
 class SchedulerConfig(_Strict):

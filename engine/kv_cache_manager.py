@@ -1,6 +1,7 @@
 """KVCacheManager: per-request block tables over a BlockPool, prefix-hit lookup, allocation, freeing."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
@@ -21,6 +22,35 @@ class PrefixCacheStats:
     requests: int = 0
 
 
+class RecentPrefixCacheStats:
+    """Prefix-cache queries and hits (tokens) over the last `max_requests` admissions.
+
+    The lifetime ratio barely moves after a while and ignores a cache reset; operators and the
+    router need the recent one (as vLLM's caching metrics keep it).
+    """
+
+    def __init__(self, max_requests: int):
+        if max_requests < 1:
+            raise ValueError(f"the recent prefix-cache window must hold >= 1 request, got {max_requests}")
+        self._window: deque[tuple[int, int]] = deque(maxlen=max_requests)
+        self.queries = 0
+        self.hits = 0
+
+    def record(self, queries: int, hits: int) -> None:
+        w = self._window
+        if len(w) == w.maxlen:
+            old_queries, old_hits = w[0]      # about to fall out of the window
+            self.queries -= old_queries
+            self.hits -= old_hits
+        w.append((queries, hits))
+        self.queries += queries
+        self.hits += hits
+
+    def reset(self) -> None:
+        self._window.clear()
+        self.queries = self.hits = 0
+
+
 class KVCacheManager:
     """Block tables for every live request.
 
@@ -32,7 +62,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *,
-                 enable_caching: bool = True, enable_kv_cache_events: bool = False):
+                 enable_caching: bool = True, enable_kv_cache_events: bool = False,
+                 recent_requests: int = 1000):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -41,6 +72,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        #: the same counts over the last `recent_requests` admissions; cleared by reset_prefix_cache
+        self.recent = RecentPrefixCacheStats(recent_requests)
         #: bumps when the prefix cache is reset, so observers know their view is stale.
         self.cache_epoch = 0
 
@@ -85,6 +118,7 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
+        self.recent.record(request.num_tokens, num_hit_tokens)
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -145,6 +179,7 @@ class KVCacheManager:
         ok = self.pool.reset_prefix_cache()
         if ok:
             self.cache_epoch += 1
+            self.recent.reset()
         return ok
 
     def take_events(self) -> list[KVEvent]:

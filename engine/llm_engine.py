@@ -88,7 +88,8 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
-            enable_kv_cache_events=config.cache.enable_kv_cache_events)
+            enable_kv_cache_events=config.cache.enable_kv_cache_events,
+            recent_requests=config.cache.prefix_cache_recent_requests)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
                                   device=self.device, dtype=self.dtype, seed=config.seed)

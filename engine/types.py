@@ -104,6 +104,9 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0             # this step
     prefix_cache_queries_total: int = 0       # prompt tokens looked up at admission
     prefix_cache_hits_total: int = 0          # of which found in the cache
+    #: the same two over the last N admissions (cache.prefix_cache_recent_requests); 0 after a cache reset
+    recent_prefix_cache_queries: int = 0
+    recent_prefix_cache_hits: int = 0
     num_preemptions_total: int = 0
     step_time_s: float = 0.0
 

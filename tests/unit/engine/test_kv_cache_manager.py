@@ -84,3 +84,25 @@ def test_blocks_only_cached_after_compute():
     assert kv.get_computed_blocks(make_request("b", a.prompt_token_ids))[1] == 0
     _compute(kv, a, 5)
     assert kv.get_computed_blocks(make_request("c", a.prompt_token_ids))[1] == 4
+
+
+def test_recent_prefix_cache_window_slides_and_resets():
+    kv = KVCacheManager(32, 4, 128, recent_requests=3)
+    for i, (queries, hits) in enumerate([(10, 8), (20, 0), (30, 12), (40, 40)]):
+        kv.record_admission(make_request(f"r{i}", queries), hits)
+    assert (kv.stats.queries, kv.stats.hits) == (100, 60)                   # lifetime totals
+    assert (kv.recent.queries, kv.recent.hits) == (20 + 30 + 40, 0 + 12 + 40)  # the last 3 admissions
+    assert kv.reset_prefix_cache()
+    assert (kv.recent.queries, kv.recent.hits) == (0, 0)
+    assert (kv.stats.queries, kv.stats.hits) == (100, 60)                   # totals stay cumulative
+    kv.record_admission(make_request("r9", 8), 4)
+    assert (kv.recent.queries, kv.recent.hits) == (8, 4)
+
+
+def test_recent_window_kept_when_reset_is_refused():
+    kv = KVCacheManager(32, 4, 128)
+    a = make_request("a", 8)
+    kv.allocate_slots(a, 8)
+    kv.record_admission(a, 0)
+    assert not kv.reset_prefix_cache()              # a block is held: nothing was reset
+    assert (kv.recent.queries, kv.recent.hits) == (8, 0)

@@ -384,3 +384,19 @@ def test_request_block_size_must_match_the_kv_cache():
     with pytest.raises(ValueError, match="block_size 8 but the KV cache.s block size is 4"):
         s.add_request(make_request("a", 10, block_size=8))
     assert not s.requests and len(s.waiting) == 0
+
+
+def test_stats_report_the_recent_prefix_cache_hit_rate():
+    s = make_scheduler(max_num_batched_tokens=64)
+    shared = list(range(300, 312))                      # 3 full blocks
+    s.add_request(make_request("a", shared + [1, 2]))
+    run_to_completion(s)
+    s.add_request(make_request("b", shared + [3, 3, 3]))
+    _, out = step(s)
+    st = out.stats
+    assert (st.recent_prefix_cache_queries, st.recent_prefix_cache_hits) == (14 + 15, 12)
+    run_to_completion(s)
+    assert s.reset_prefix_cache()
+    st = s.make_stats()
+    assert (st.recent_prefix_cache_queries, st.recent_prefix_cache_hits) == (0, 0)
+    assert (st.prefix_cache_queries_total, st.prefix_cache_hits_total) == (14 + 15, 12)
