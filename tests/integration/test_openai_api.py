@@ -1,4 +1,6 @@
 """The official openai client (strict response validation) against the real Serve app over HTTP."""
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -133,6 +135,43 @@ def test_request_id_roundtrip(app_url):
     assert r.headers["x-request-id"] == "my-req-123"
 
 
+def test_a_reused_request_id_is_only_a_label(app_url):
+    """8 concurrent requests carrying one x-request-id (clients and proxies reuse ids): with 2 replicas
+    several share one, and none may collide with another in the engine."""
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*[c.post(f"{app_url}/v1/completions", headers={"x-request-id": "same-id"},
+                                                 json={"prompt": f"concurrent {i}", "max_tokens": 16,
+                                                       "ignore_eos": True}) for i in range(8)])
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * 8, [r.text for r in rs if r.status_code != 200]
+    assert all(r.headers["x-request-id"] == "same-id" and r.json()["id"] == "same-id" for r in rs)
+    assert all(r.json()["usage"]["completion_tokens"] == 16 for r in rs)
+
+
+def test_non_json_content_type_is_415(app_url):
+    r = httpx.post(f"{app_url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', timeout=30,
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "unsupported_media_type"
+    r = httpx.post(f"{app_url}/v1/chat/completions", data={"messages": "x"}, timeout=30)     # form-encoded
+    assert r.status_code == 415
+    r = httpx.post(f"{app_url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', timeout=30)
+    assert r.status_code == 200                                 # no Content-Type at all: read as JSON
+
+
+def test_best_of(client):
+    for kw in (dict(n=2, best_of=1), dict(best_of=2, stream=True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)
+        assert e.value.param == "best_of" and e.value.status_code == 400
+    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, best_of=3, n=2, temperature=1.0,
+                                    seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and all(c.logprobs is None for c in out.choices)
+    assert out.usage.completion_tokens == 15                    # every generated sequence is billed
+
+
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
@@ -150,7 +189,8 @@ def test_health_and_metrics(app_url):
                  "affinity_prompt_tokens_total", "affinity_generation_tokens_total",
                  "affinity_cached_prompt_tokens_total", "affinity_http_requests_total",
                  "affinity_replica_running_requests", "affinity_replica_kv_cache_usage",
-                 "affinity_replica_prefix_cache_hit_rate", "affinity_replica_waiting_requests"):
+                 "affinity_replica_prefix_cache_hit_rate", "affinity_replica_recent_prefix_cache_hit_rate",
+                 "affinity_replica_waiting_requests"):
         assert name in text, name
     assert 'status="200"' in text and 'status="400"' in text
     assert "_bucket{" in text and 'replica="' in text
