@@ -4,7 +4,8 @@ Logging rule: each failure is logged once, with its request id. A traceback is l
 unexpected exception, by the code that caught it first (`log_failure`); an APIError or an EngineError was
 raised on purpose (and the engine logs its own step failures with their traceback), so later layers log
 one line. Expected client errors (4xx) are INFO, overload and unavailability (429/503) WARNING. A
-traceback never reaches a response body.
+traceback never reaches a response body. Serve would log every APIError a deployment method raises a
+second time, with its traceback; `drop_serve_duplicate_logs` filters those records out.
 """
 from __future__ import annotations
 
@@ -74,10 +75,27 @@ def log_failure(log: logging.Logger, exc: BaseException, api: APIError, message:
         log.info(message, extra=extra)
     elif api.status_code != 500:
         log.warning(message, extra=extra)
-    elif isinstance(exc, (APIError, EngineError)):
+    elif isinstance(exc, APIError):      # str() of one that crossed a handle is the remote traceback
+        log.error(message, extra=extra)
+    elif isinstance(exc, EngineError):
         log.error(message, extra={**extra, "cause": f"{type(exc).__name__}: {exc}"})
     else:
         log.error(message, extra=extra, exc_info=exc)
+
+
+class _AlreadyLogged(logging.Filter):
+    """Drops a log record about an APIError: whoever raised it logged the failure already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], APIError))
+
+
+def drop_serve_duplicate_logs() -> None:
+    """Serve's replica wrapper logs "Request failed." with a traceback for any exception a deployment
+    method raises (a 400 from the handle API included); ours are logged by the rule above. Idempotent."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _AlreadyLogged) for f in serve_logger.filters):
+        serve_logger.addFilter(_AlreadyLogged())
 
 
 def pydantic_error(exc) -> APIError:

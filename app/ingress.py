@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import AppConfig
-from app.errors import APIError, log_failure, pydantic_error, to_api_error
+from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
 from app.http import check_api_key, error_response, read_json_body, sse
 from app.prompts import RequestKind
 from app.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,6 +48,7 @@ class Ingress:
         self.cfg = AppConfig.model_validate(config)
         obs = self.cfg.observability
         configure_json_logging(obs.log_level)
+        drop_serve_duplicate_logs()
         self.telemetry = setup_telemetry(obs.service_name, obs.traces, obs.otlp_endpoint, obs.max_spans_kept)
         self.metrics = ServingMetrics(self.telemetry.meter)
         model_dir = self.cfg.engine.model

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.errors import APIError, log_failure, to_api_error
+from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.stats import ReplicaStats
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits
@@ -39,6 +39,7 @@ class LLMReplica:
 
         obs = observability or {}
         configure_json_logging(obs.get("log_level", "INFO"))
+        drop_serve_duplicate_logs()
         self.engine = AsyncLLMEngine.from_config(EngineConfig.model_validate(engine_config))
         self.tracer = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
                                       obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),

@@ -226,9 +226,8 @@ class AsyncLLMEngine:
             num_requests=len(self.engine.scheduler.requests),
             prefix_cache_queries_total=st.prefix_cache_queries_total,
             prefix_cache_hits_total=st.prefix_cache_hits_total,
-            # TODO(issue 8): plain attribute reads once SchedulerStats has the sliding window everywhere
-            recent_prefix_cache_queries=getattr(st, "recent_prefix_cache_queries", 0),
-            recent_prefix_cache_hits=getattr(st, "recent_prefix_cache_hits", 0),
+            recent_prefix_cache_queries=st.recent_prefix_cache_queries,
+            recent_prefix_cache_hits=st.recent_prefix_cache_hits,
             cache_epoch=kv.cache_epoch, timestamp=time.monotonic())
 
     async def _run_loop(self) -> None:

@@ -319,6 +319,13 @@ async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoint
     assert isinstance(stats, dict) and len(json.dumps(stats)) < 300
     assert ReplicaStats.from_dict(stats) == rep.stats() and ReplicaStats.from_dict({}) == ReplicaStats()
     assert stats["prefix_cache_queries"] == 3 and stats["num_running"] == 0
+    prompt = list(range(20, 30))
+    for rid in ("b", "c"):
+        [c async for c in rep.generate(GenerateRequest(rid, prompt, SamplingParams(max_tokens=1)))]
+    recent = rep.stats()
+    assert (recent.recent_prefix_cache_queries, recent.recent_prefix_cache_hits) == (23, 8)
+    assert recent.recent_prefix_hit_rate == 8 / 23
+    stats = rep.record_routing_stats()
     assert all(isinstance(v, float) for v in rep.record_autoscaling_stats().values())
     assert await rep.limits() == EngineLimits(max_model_len=124, vocab_size=rep.engine.limits.vocab_size,
                                               max_kv_tokens=124)
@@ -357,3 +364,22 @@ async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
     assert (await asyncio.wait_for(task, 10))[-1].finish_reason is not None
     await rep.check_health()
     await rep.engine.shutdown()
+
+
+def test_serve_does_not_log_our_api_errors_a_second_time(app_logs):
+    from app.errors import drop_serve_duplicate_logs
+    drop_serve_duplicate_logs()
+    drop_serve_duplicate_logs()
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addHandler(app_logs.handler)
+    try:
+        for exc in (APIError("bad", 400), RuntimeError("a bug")):
+            try:
+                raise exc
+            except Exception:
+                serve_logger.exception("Request failed.")
+    finally:
+        serve_logger.removeHandler(app_logs.handler)
+    failed = [r for r in app_logs.records if r.name == "ray.serve"]
+    assert len(failed) == 1 and isinstance(failed[0].exc_info[1], RuntimeError)
+    assert len(serve_logger.filters) == 1

@@ -55,12 +55,17 @@ async def test_load_is_a_snapshot_taken_between_steps(engine, monkeypatch):
     await engine.shutdown()
 
 
-async def test_health_and_prefix_cache_reset(engine):
+async def test_health_recent_hit_rate_and_prefix_cache_reset(engine):
     h = engine.health()
     assert h.is_alive and h.num_unfinished_reqs == 0
-    await _collect(engine.generate(list(range(10, 30)), SamplingParams(max_tokens=2, **GREEDY)))
+    prompt = list(range(10, 30))
+    for _ in range(2):
+        await _collect(engine.generate(prompt, SamplingParams(max_tokens=2, **GREEDY)))
     assert engine.health().num_steps >= 2
-    epoch = engine.load().cache_epoch
+    load = engine.load()
+    assert (load.recent_prefix_cache_queries, load.recent_prefix_cache_hits) == (40, 16)   # 4 full blocks hit
+    epoch = load.cache_epoch
     assert await engine.reset_prefix_cache()
-    assert engine.load().cache_epoch == epoch + 1
+    load = engine.load()
+    assert load.cache_epoch == epoch + 1 and load.recent_prefix_cache_queries == 0
     await engine.shutdown()
