@@ -89,8 +89,18 @@ def _load_config(args) -> "AppConfig":
 
 def check_model(cfg: "AppConfig") -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
-    from engine import validate_checkpoint
-    validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
+    from engine import resolve_context_length, validate_checkpoint
+    from app.config import ConfigError
+    args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
+    try:
+        resolve_context_length(args, cfg.engine.max_model_len)
+    except ValueError as e:
+        raise ConfigError("the configuration", [f"engine.max_model_len: {e}"]) from None
+    if cfg.engine.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("the configuration", ["engine.device: 'cuda' but this machine has no usable CUDA "
+                                                    "GPU; use device: auto or cpu"])
 
 
 def serve_cmd(args) -> int:

@@ -41,6 +41,7 @@ _LAZY = {
     "write_demo_model": "engine.demo",
     "ensure_demo_model": "engine.demo",
     "validate_checkpoint": "engine.models.checkpoint",
+    "resolve_context_length": "engine.models.checkpoint",
 }
 
 
@@ -55,4 +56,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "EngineLimits", "check_request", "check_request_fits_context",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint"]
+           "validate_checkpoint", "resolve_context_length"]

@@ -15,7 +15,7 @@ from engine.errors import EngineError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models.checkpoint import validate_checkpoint
+from engine.models.checkpoint import resolve_context_length, validate_checkpoint
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_supported
 from engine.models.loader import load_model
@@ -309,11 +309,4 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _max_model_len(config: EngineConfig, args: ModelArgs) -> int:
-    limit = args.max_position_embeddings
-    if args.sliding_window is not None:
-        limit = min(limit, args.sliding_window)    # no sliding-window attention: stay inside the window
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
-    return config.max_model_len
+    return resolve_context_length(args, config.max_model_len)

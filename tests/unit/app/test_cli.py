@@ -99,3 +99,19 @@ def test_missing_tokenizer_names_files_and_token_ids_only_mode_passes_the_check(
     assert _engine_message(d) in err
     with pytest.raises(_RayStarted):                    # the checks pass: the next step is starting Ray
         _serve(tmp_path, capsys, {"model": d, "skip_tokenizer_init": True})
+
+
+def test_max_model_len_beyond_the_model_is_caught_before_ray(checkpoints, tmp_path, capsys):
+    d = _copy(checkpoints, tmp_path)
+    positions = json.loads((tmp_path / "m" / "config.json").read_text())["max_position_embeddings"]
+    rc, err = _serve(tmp_path, capsys, {"model": d, "max_model_len": positions + 1})
+    assert rc == 2
+    assert err.startswith("affinity-serve: error: invalid configuration")
+    assert f"engine.max_model_len: max_model_len {positions + 1} exceeds this model's limit of {positions}" in err
+
+
+def test_cuda_without_a_gpu_is_caught_before_ray(checkpoints, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, err = _serve(tmp_path, capsys, {"model": _copy(checkpoints, tmp_path), "device": "cuda"})
+    assert rc == 2 and "engine.device: 'cuda' but this machine has no usable CUDA GPU" in err
