@@ -9,8 +9,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 REPLICAS ?= 2
 PYTEST_ARGS ?=
+PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast bench clean
+.PHONY: venv serve test test-fast test-explore bench clean
 
 venv: $(VENV)/.installed
 
@@ -24,11 +25,16 @@ $(VENV)/.installed: pyproject.toml
 serve: venv
 	$(VENV)/bin/affinity-serve serve --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
+# Deterministic: the "ci" hypothesis profile replays fixed examples (tests/conftest.py).
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Randomized and ten times longer: looks for new failing examples (not part of `make test`).
+test-explore: venv
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q $(PROPERTY_TESTS) $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) benchmarks/scheduler_step.py

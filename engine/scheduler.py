@@ -127,12 +127,12 @@ class Scheduler:
             else:
                 n = self._chunk(req, budget)
                 new_blocks = self._allocate_or_preempt(req, n, i, num_scheduled, cached, preempted)
+                budget += self._refund      # victims' tokens, even when `req` ends up preempting itself
                 if new_blocks is None:
                     continue      # `req` preempted itself; running[i] is now the next request
                 if len(running) <= i or running[i] is not req:
                     i = running.index(req)       # a victim ahead of it left the list
                 block_ids = [b.block_id for b in new_blocks]
-                budget += self._refund
                 rem = req.num_tokens - computed - n
                 if rem > 0:
                     prefill_left += rem

@@ -4,6 +4,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests: "ci" (default; `make test`) replays the same derandomized examples on every run, so a
+# red build means a bug, not bad luck; "explore" (`make test-explore`, or HYPOTHESIS_PROFILE=explore)
+# draws many fresh ones and keeps failures in .hypothesis/ to replay.
+settings.register_profile("ci", max_examples=300, derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", max_examples=3000, derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,6 +1,7 @@
 """Scheduler test helpers: requests and hand-made runner outputs (no model)."""
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 from engine.config import SchedulerConfig
@@ -23,7 +24,8 @@ def make_request(req_id: str, prompt: list[int] | int, *, block_size: int = 4, m
                  priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None,
                  **params) -> Request:
     if isinstance(prompt, int):
-        prompt = [100 + (hash(req_id) + i) % 1000 for i in range(prompt)]
+        # crc32, not hash(): str hashes change with PYTHONHASHSEED, and tests must not
+        prompt = [100 + (zlib.crc32(req_id.encode()) + i) % 1000 for i in range(prompt)]
     return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
                    arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
                    block_size=block_size)

@@ -144,6 +144,21 @@ def test_priority_victim_already_scheduled_this_step_is_unscheduled():
     assert_all_blocks_free(s)
 
 
+def test_priority_refund_kept_when_the_request_then_preempts_itself():
+    # found by `make test-explore`: the budget of a victim scheduled earlier in the step was lost
+    s = make_scheduler(num_blocks=10, policy="priority", max_num_batched_tokens=64, max_num_seqs=4,
+                       long_prefill_token_threshold=8)
+    shared = [11, 12, 13, 14, 15, 16, 17, 18]
+    s.add_request(make_request("low", shared + [43], max_tokens=2, priority=1, arrival_time=0.0))
+    step(s)
+    s.add_request(make_request("a", shared + list(range(40, 53)), max_tokens=1, arrival_time=1.0))
+    s.add_request(make_request("b", list(range(20, 33)), max_tokens=1, arrival_time=2.0))
+    step(s)
+    so = s.schedule()       # low: a decode; a: fits; b: preempts low (already scheduled), then itself
+    assert so.preempted_req_ids == {"low", "b"} and so.num_scheduled_tokens == {"a": 5}
+    assert so.total_num_scheduled_tokens == 5
+
+
 # ---------------------------------------------------------------- stop conditions
 def _run_one(s, req, tokens):
     s.add_request(req)

@@ -1,4 +1,8 @@
-"""Property tests: random add / step / abort interleavings under small KV pools keep every invariant."""
+"""Property tests: random add / step / abort interleavings under small KV pools keep every invariant.
+
+The example count and randomness come from the hypothesis profile (tests/conftest.py): "ci" (the
+default, `make test`) replays a fixed, derandomized set; `make test-explore` draws many fresh ones.
+"""
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
@@ -12,12 +16,22 @@ from tests.unit.engine.helpers import EOS, assert_all_blocks_free, make_request,
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], []]
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 14), st.integers(1, 24), st.integers(0, 3)),
-    st.tuples(st.just("step"), st.integers(0, 10**6)),
-    st.tuples(st.just("step"), st.integers(0, 10**6)),
-    st.tuples(st.just("abort"), st.integers(0, 40)),
-), min_size=4, max_size=80)
+add = st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 14), st.integers(1, 24), st.integers(0, 3))
+step_op = st.tuples(st.just("step"), st.integers(0, 10**6))
+# schedule() twice before the first output arrives (optionally aborting a request in between)
+ahead = st.tuples(st.just("ahead"), st.integers(0, 10**6), st.one_of(st.none(), st.integers(0, 40)))
+ops = st.lists(st.one_of(add, add, step_op, step_op, ahead, st.tuples(st.just("abort"), st.integers(0, 40))),
+               min_size=12, max_size=80)     # long enough that KV pressure builds up
+
+
+def _sample(s, so, seed):
+    """The runner's output for `so`, decided when it is scheduled (it runs before any later schedule)."""
+    sampled = []
+    for rid in so.num_scheduled_tokens:
+        req = s.requests[rid]
+        r = (seed + req.num_tokens) % 29
+        sampled.append([EOS if r == 0 else 40 + r % 12] if req.num_computed_tokens >= req.num_tokens else [])
+    return ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
 
 
 def check_invariants(s, so=None):
@@ -49,9 +63,11 @@ def check_invariants(s, so=None):
         assert all(n > 0 for n in so.num_scheduled_tokens.values())
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(5, 16), budget=st.integers(1, 24), max_seqs=st.integers(1, 6),
-       policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(),
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Hypothesis draws the first value of sampled_from far more often than the others (it is the "simplest"):
+# lead with a pool and batch size that preempt, rather than a single sequence that never can.
+@given(ops=ops, num_blocks=st.sampled_from([10, *range(5, 10), *range(11, 17)]), budget=st.integers(1, 24),
+       max_seqs=st.sampled_from([4, 1, 2, 3, 5, 6]), policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(),
        threshold=st.sampled_from([None, 3, 8]))
 def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs, policy, chunked, threshold):
     if not chunked:
@@ -65,8 +81,11 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs,
         if op[0] == "add":
             _, pre, tail, max_tokens, prio = op
             rid = f"r{n}"
+            prompt = PREFIXES[pre] + [40 + (n + i) % 9 for i in range(tail)]
+            if max_tokens % 4:      # mostly as much as still fits (KV pressure), sometimes too much
+                max_tokens = max(1, min(max_tokens, s.kv.max_tokens_capacity() - len(prompt)))
             try:
-                s.add_request(make_request(rid, PREFIXES[pre] + [40 + (n + i) % 9 for i in range(tail)],
+                s.add_request(make_request(rid, prompt,
                                            max_tokens=max_tokens, priority=prio, stop_token_ids=[47]))
                 ids.append(rid)
             except InvalidRequestError:
@@ -76,18 +95,23 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs,
         elif op[0] == "abort":
             if ids:
                 s.abort_requests(ids[op[1] % len(ids)])
-        else:
+        elif op[0] == "step":
             so = s.schedule()
             check_invariants(s, so)
-            seed = op[1]
-            sampled = []
-            for rid in so.num_scheduled_tokens:
-                req = s.requests[rid]
-                done = req.num_computed_tokens >= req.num_tokens
-                r = (seed + req.num_tokens) % 29
-                sampled.append([EOS if r == 0 else 40 + r % 12] if done else [])
-            out = s.update_from_output(so, ModelRunnerOutput(list(so.num_scheduled_tokens), sampled))
+            out = s.update_from_output(so, _sample(s, so, op[1]))
             finished |= out.finished_req_ids
+        else:
+            so1 = s.schedule()
+            check_invariants(s, so1)
+            out1 = _sample(s, so1, op[1])
+            if op[2] is not None and ids:
+                s.abort_requests(ids[op[2] % len(ids)])
+            so2 = s.schedule()
+            check_invariants(s, so2)
+            out2 = _sample(s, so2, op[1] + 1)
+            finished |= s.update_from_output(so1, out1).finished_req_ids
+            check_invariants(s)
+            finished |= s.update_from_output(so2, out2).finished_req_ids
         check_invariants(s)
     for rid in ids[::3]:
         s.abort_requests(rid)
@@ -112,7 +136,12 @@ PREEMPTIONS_SEEN: list[int] = []
 
 
 def test_property_run_exercised_preemption():
-    """Guards the generator: the interleavings above must actually preempt sometimes."""
+    """Guards the generator: a fair share of the interleavings above must actually preempt.
+
+    Some 15% do, under either profile; the "ci" set is fixed, so this holds or fails every time.
+    """
     if not PREEMPTIONS_SEEN:
         test_random_interleavings_keep_invariants()
-    assert sum(1 for n in PREEMPTIONS_SEEN if n) >= 5
+    runs = len(PREEMPTIONS_SEEN)
+    preempting = sum(1 for n in PREEMPTIONS_SEEN if n)
+    assert preempting >= max(10, runs // 20), f"only {preempting} of {runs} runs preempted"
