@@ -75,7 +75,9 @@ class BlockPool:
     """Owns every KV block. Block 0 is the null block: never handed out, never freed.
 
     Duplicate hashes are allowed (two requests may compute the same block before either is cached;
-    block tables are append-only so neither swaps its block for the other's).
+    block tables are append-only so neither swaps its block for the other's). `cached` maps a hash to its
+    block, or to a dict of blocks only while duplicates exist: one dict per cached block would be the
+    step loop's main source of long-lived garbage-collected objects.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
@@ -90,7 +92,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
-        self.cached: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._events: list[KVEvent] = []
 
     # ------------------------------------------------------------------ queries
@@ -106,9 +108,16 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         entry = self.cached.get(block_hash)
-        if not entry:
-            return None
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
         return next(iter(entry.values()))
+
+    def cached_blocks(self, block_hash: BlockHash) -> list[KVCacheBlock]:
+        """Every block registered under `block_hash` (duplicates included)."""
+        entry = self.cached.get(block_hash)
+        if entry is None:
+            return []
+        return [entry] if type(entry) is KVCacheBlock else list(entry.values())
 
     # ------------------------------------------------------------------ mutation
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -128,10 +137,12 @@ class BlockPool:
         h = block.block_hash
         assert h is not None
         entry = self.cached.get(h)
-        if entry is not None:
+        if entry is block:
+            del self.cached[h]
+        elif type(entry) is dict:
             entry.pop(block.block_id, None)
-            if not entry:
-                del self.cached[h]
+            if len(entry) == 1:
+                self.cached[h] = next(iter(entry.values()))
         block.block_hash = None
         if self.enable_kv_cache_events:
             self._events.append(BlockRemoved([h]))
@@ -167,7 +178,9 @@ class BlockPool:
             block.block_hash = h
             entry = self.cached.get(h)
             if entry is None:
-                self.cached[h] = {block.block_id: block}
+                self.cached[h] = block
+            elif type(entry) is KVCacheBlock:
+                self.cached[h] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
             new_hashes.append(h)

@@ -53,10 +53,13 @@ def test_duplicate_hashes_allowed():
     b1, b2 = pool.get_new_blocks(2)
     pool.cache_full_blocks([b1], h, [7, 7], 0, 1)
     pool.cache_full_blocks([b2], h, [7, 7], 0, 1)
-    assert set(pool.cached[h[0]]) == {b1.block_id, b2.block_id}
+    assert pool.cached_blocks(h[0]) == [b1, b2]
     pool.free_blocks([b1])
     pool.get_new_blocks(2)                # evicts the free spare block 3, then b1
-    assert pool.get_cached_block(h[0]) is b2
+    assert pool.get_cached_block(h[0]) is b2 and pool.cached_blocks(h[0]) == [b2]
+    pool.free_blocks([b2])
+    pool.get_new_blocks(1)                # evicts b2: nothing is left under the hash
+    assert pool.get_cached_block(h[0]) is None and not pool.cached
 
 
 def test_reset_refuses_while_in_use():

@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 
 from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
@@ -415,3 +417,20 @@ def test_stats_report_the_recent_prefix_cache_hit_rate():
     st = s.make_stats()
     assert (st.recent_prefix_cache_queries, st.recent_prefix_cache_hits) == (0, 0)
     assert (st.prefix_cache_queries_total, st.prefix_cache_hits_total) == (14 + 15, 12)
+
+
+def test_steady_decode_leaves_no_gc_tracked_objects_behind():
+    """Long-lived container objects made every step feed full collections (scheduler_step.py's p99)."""
+    s = make_scheduler(num_blocks=256, max_model_len=256)
+    for i in range(16):
+        s.add_request(make_request(f"r{i}", 10, max_tokens=200))
+    for _ in range(5):
+        step(s)
+    s.kv.take_events()
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(40):                 # 16 requests x 10 blocks completed and cached
+        step(s)
+        s.kv.take_events()
+    gc.collect()
+    assert len(gc.get_objects()) - before < 16

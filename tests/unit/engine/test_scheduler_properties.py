@@ -48,8 +48,9 @@ def check_invariants(s, so=None):
         assert b.ref_cnt == holders[b.block_id], (b, holders[b.block_id])
         assert (b.block_id in free_ids) == (b.ref_cnt == 0)
     assert 0 not in free_ids
-    for h, entry in pool.cached.items():
-        assert entry and all(b.block_hash == h for b in entry.values())
+    for h in pool.cached:
+        blocks = pool.cached_blocks(h)
+        assert blocks and all(b.block_hash == h for b in blocks)
     for req in s.requests.values():
         assert 0 <= req.num_computed_tokens <= req.num_tokens
         if req.status is RequestStatus.RUNNING:
