@@ -7,7 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.errors import APIError
@@ -110,13 +110,19 @@ class RequestRun:
         self.p = p
         self.seqs = [SequenceResult() for _ in range(len(p.prompts) * p.params.n)]
         self.cached_by_prompt = [0] * len(p.prompts)
+        #: per prompt, when asked for (params.prompt_logprobs): computed once, on the prompt's sequence 0
+        self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(p.prompts)
         self.replica_ids: set[str] = set()
         self.replica_stats: dict[str, ReplicaStats] = {}
         self.replica_trace_ids: set[str] = set()
         self.timings: dict[str, float] | None = None
         self.first_token_ns: int | None = None
 
-    def add(self, seq_index: int, c: ReplicaChunk) -> SequenceResult:
+    def add(self, seq_index: int, c: ReplicaChunk) -> ReplicaChunk:
+        """Record a chunk; return it as the client sees it (echo_only: the token run is dropped)."""
+        if self.p.echo_only:   # max_tokens 0: the one token run (to get prompt logprobs) is not an output
+            c = replace(c, text="", token_ids=[], logprobs=None,
+                        finish_reason="length" if c.finish_reason == "stop" else c.finish_reason)
         now = time.time_ns()
         seq = self.seqs[seq_index]
         seq.text += c.text
@@ -130,6 +136,8 @@ class RequestRun:
             seq.finish_reason = c.finish_reason
         prompt = seq_index // self.p.params.n
         self.cached_by_prompt[prompt] = max(self.cached_by_prompt[prompt], c.num_cached_tokens)
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = c.prompt_logprobs
         if c.replica_id:
             self.replica_ids.add(c.replica_id)
         if c.timings and self.timings is None:
@@ -138,7 +146,14 @@ class RequestRun:
             self.replica_stats[c.replica_id] = c.replica_stats
         if c.trace_id:
             self.replica_trace_ids.add(c.trace_id)
-        return seq
+        return c
+
+    def prompt_logprobs_of(self, prompt: int) -> list[Logprobs | None]:
+        """Prompt `prompt`'s logprobs; a replica that did not send them (asked for) is a server error."""
+        lps = self.prompt_logprobs[prompt]
+        if lps is None or len(lps) != len(self.p.prompts[prompt]):
+            raise RuntimeError(f"the replica returned no prompt logprobs for prompt {prompt}")
+        return lps
 
     @property
     def num_output_tokens(self) -> int:

@@ -28,13 +28,25 @@ class ResponseMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class EchoedPrompt:
+    """A completion prompt echoed before its choice: its text, its token ids, and (with `logprobs`) one
+    log-probability per token, the first None (it has no context)."""
+
+    text: str
+    token_ids: Sequence[int]
+    logprobs: Sequence[Logprobs | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One finished choice of a non-streamed response."""
 
-    text: str
+    text: str                                # the generated text
     finish_reason: str | None
     logprobs: Sequence[Logprobs] | None      # None: the client did not ask for logprobs
-    text_offset: int = 0                     # where the generated text starts in `text` (echo)
+    echo: EchoedPrompt | None = None         # completions with `echo`: put before the text (and logprobs)
+    #: completions with vLLM's `prompt_logprobs` extension: that field, formatted (vllm_prompt_logprobs)
+    prompt_logprobs: list[dict[int, dict] | None] | None = None
 
 
 def fingerprint(replica_ids: Iterable[str]) -> str:
@@ -49,17 +61,49 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 # ---------------------------------------------------------------- logprobs
-def completion_logprobs(lps: Sequence[Logprobs], token_str: TokenStr, text_offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object; `text_offset` is where the first token starts."""
+def completion_logprobs(lps: Sequence[Logprobs], token_str: TokenStr, num_top: int, *,
+                        echo: EchoedPrompt | None = None, text_offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object over the echoed prompt's tokens (if any), then `lps`.
+
+    As OpenAI's legacy API and vLLM: `top_logprobs` holds each token itself and its `num_top` most likely
+    alternatives (so up to num_top + 1 entries); the first prompt token has null for both. `text_offset`
+    starts at `text_offset` and advances by each token string's length, from the prompt into the completion.
+    """
+    entries: list[tuple[int, Logprobs | None]] = []
+    if echo is not None:
+        assert echo.logprobs is not None and len(echo.logprobs) == len(echo.token_ids), "one per prompt token"
+        entries += zip(echo.token_ids, echo.logprobs)
+    entries += [(lp.token_id, lp) for lp in lps]
     tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        s = token_str(lp.token_id)
+    for token_id, lp in entries:
+        s = token_str(token_id)
         tokens.append(s)
-        token_lps.append(lp.logprob)
-        tops.append({token_str(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        token_lps.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {
+            token_str(lp.token_id): lp.logprob,
+            **{token_str(t): v for t, v in zip(lp.top_token_ids[:num_top], lp.top_logprobs[:num_top])}})
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(token_ids: Sequence[int], lps: Sequence[Logprobs | None], token_str: TokenStr,
+                         num_top: int) -> list[dict[int, dict] | None]:
+    """vLLM's `prompt_logprobs` choice field: None for the first prompt token, then per token a dict
+    token id -> {logprob, rank, decoded_token} holding the token itself and its `num_top` alternatives."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_str(token_id)}
+
+    out: list[dict[int, dict] | None] = []
+    for token_id, lp in zip(token_ids, lps, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        assert lp.token_id == token_id, "prompt logprobs follow the prompt"
+        out.append({lp.token_id: entry(lp.token_id, lp.logprob, lp.rank),
+                    **{t: entry(t, v, r) for r, (t, v) in
+                       enumerate(zip(lp.top_token_ids[:num_top], lp.top_logprobs[:num_top]), start=1)}})
+    return out
 
 
 def chat_logprobs(lps: Sequence[Logprobs], token_str: TokenStr) -> dict:
@@ -75,13 +119,19 @@ def chat_logprobs(lps: Sequence[Logprobs], token_str: TokenStr) -> dict:
 
 # ---------------------------------------------------------------- whole responses
 def completion_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, fingerprint_: str,
-                        token_str: TokenStr) -> dict:
+                        token_str: TokenStr, num_top_logprobs: int = 0) -> dict:
     return {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": fingerprint_, "usage": usage_,
-            "choices": [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                         "logprobs": None if c.logprobs is None
-                         else completion_logprobs(c.logprobs, token_str, c.text_offset)}
-                        for i, c in enumerate(choices)]}
+            "choices": [_completion_choice(i, c, token_str, num_top_logprobs) for i, c in enumerate(choices)]}
+
+
+def _completion_choice(index: int, c: Choice, token_str: TokenStr, num_top: int) -> dict:
+    out = {"index": index, "text": (c.echo.text if c.echo else "") + c.text, "finish_reason": c.finish_reason,
+           "logprobs": None if c.logprobs is None
+           else completion_logprobs(c.logprobs, token_str, num_top, echo=c.echo)}
+    if c.prompt_logprobs is not None:
+        out["prompt_logprobs"] = c.prompt_logprobs
+    return out
 
 
 def chat_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, fingerprint_: str,

@@ -30,11 +30,13 @@ class PreparedRequest:
     request_id: str                   # the client-visible id (response `id`, logs, spans); not the engine key
     model: str
     prompts: list[list[int]]
-    prompt_texts: list[str | None]    # the text of each completion prompt, for echo
+    prompt_texts: list[str | None]    # each completion prompt's text (with echo: token-id prompts decoded)
     params: SamplingParams            # params.n sequences per prompt: best_of when given, else n
     num_choices: int                  # choices returned per prompt (n)
     logprobs: int | None              # what the client asked for; None: no logprobs in the response
-    echo: bool
+    prompt_logprobs: int | None       # vLLM's `prompt_logprobs` field (completions): top-k per prompt token
+    echo: bool                        # completions: each choice starts with its prompt (and its logprobs)
+    echo_only: bool                   # max_tokens 0 with echo: the prompt alone; the one token run is dropped
     stream_usage: bool
     priority: int
     cache_salt: str | None
@@ -67,19 +69,36 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
         prompts, texts = completion_prompt_ids(req.prompt, tokenizer)
         logprobs = req.logprobs
         max_tokens = req.max_tokens
-    if max_tokens is None:        # OpenAI's defaults: 16 for completions, the rest of the context for chat
-        longest = max(len(p) for p in prompts)
-        max_tokens = 16 if kind is RequestKind.COMPLETION else max(1, limits.max_model_len - longest)
-    _check_limits(kind, limits, prompts, max_tokens)
+    echo = kind is RequestKind.COMPLETION and req.echo
+    max_tokens = _resolve_max_tokens(kind, max_tokens, echo, limits, prompts)
+    # max_tokens 0 runs one token (the engine's minimum; prompt logprobs come with it), which is then dropped
+    engine_max_tokens = max(max_tokens, 1)
+    _check_limits(kind, limits, prompts, engine_max_tokens)
     if tokenizer is None and req.stop:
         raise token_ids_only_error("stop")
     num_seqs = _num_seqs(req)
     # ranking best_of sequences needs each sampled token's logprob, even when the client asked for none
     engine_logprobs = logprobs if logprobs is not None or num_seqs == req.n else 0
-    params = req.sampling_params(max_tokens, engine_logprobs, num_seqs)
+    params = req.sampling_params(engine_max_tokens, engine_logprobs, num_seqs, _engine_prompt_logprobs(req))
+    if echo:
+        texts = [_echo_text(ids, tokenizer) if t is None else t for ids, t in zip(prompts, texts)]
     return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,
-                           getattr(req, "echo", False), bool(req.stream_options and req.stream_options.include_usage),
-                           req.priority, req.cache_salt)
+                           getattr(req, "prompt_logprobs", None), echo, max_tokens == 0,
+                           bool(req.stream_options and req.stream_options.include_usage), req.priority,
+                           req.cache_salt)
+
+
+def _resolve_max_tokens(kind: RequestKind, max_tokens: int | None, echo: bool, limits: EngineLimits,
+                        prompts: list[list[int]]) -> int:
+    """The client's max_tokens, or OpenAI's default: 16 for completions, the rest of the context for chat.
+    0 is allowed only with echo (the prompt alone, scored), as in OpenAI's legacy API and vLLM."""
+    if max_tokens is None:
+        longest = max(len(p) for p in prompts)
+        return 16 if kind is RequestKind.COMPLETION else max(1, limits.max_model_len - longest)
+    if max_tokens == 0 and not echo:
+        raise APIError("max_tokens may be 0 only with echo: true (then the prompt alone is returned)", 400,
+                       "invalid_request_error", "max_tokens", "invalid_value")
+    return max_tokens
 
 
 def completion_prompt_ids(prompt: Any, tokenizer: Any | None) -> tuple[list[list[int]], list[str | None]]:
@@ -95,6 +114,25 @@ def completion_prompt_ids(prompt: Any, tokenizer: Any | None) -> tuple[list[list
         return [list(prompt)], [None]
     raise APIError("prompt must be a string, a list of strings, or token ids", 400, "invalid_request_error",
                    "prompt", "invalid_value")
+
+
+def _echo_text(ids: list[int], tokenizer: Any | None) -> str:
+    """The echo of a token-id prompt: its decoded text, special tokens kept (as vLLM); "" without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _engine_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """Top-k the engine computes per prompt token: for `prompt_logprobs`, and for `logprobs` with echo (the
+    echoed prompt's tokens are scored too). Such requests skip the prefix-cache lookup (engine docs)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`", 400, "invalid_request_error",
+                       "prompt_logprobs", "invalid_value")
+    ks = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    return max(ks) if ks else None
 
 
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:

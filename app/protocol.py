@@ -44,7 +44,8 @@ class _OpenAIRequest(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, n: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, n: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; `n` sequences per prompt (more than `self.n` for best_of)."""
         bias = None
         if self.logit_bias:
@@ -58,7 +59,7 @@ class _OpenAIRequest(BaseModel):
             n=n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, repetition_penalty=self.repetition_penalty,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
@@ -68,8 +69,12 @@ class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions; also the typed argument of `handle.completions.remote(...)`."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    #: 0 only with echo: the prompt alone, scored (as OpenAI's legacy API and vLLM allow)
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    #: vLLM's extension: each choice's `prompt_logprobs`, the prompt tokens' logprobs with top-k each
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     #: generate best_of sequences per prompt, return the n with the highest cumulative logprob
     best_of: int | None = Field(None, ge=1, le=20)
 
@@ -127,6 +132,9 @@ class ReplicaChunk:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
+    #: asked for with params.prompt_logprobs: once per prompt, on sequence 0's chunk with its first token;
+    #: one entry per prompt token, the first None
+    prompt_logprobs: list[Logprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     replica_id: str = ""

@@ -69,7 +69,8 @@ class LLMReplica:
                 if first_token is None and d.token_ids:
                     first_token = now
                 chunk = ReplicaChunk(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
-                                     d.num_prompt_tokens, d.num_cached_tokens, self.replica_id)
+                                     prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=d.num_prompt_tokens,
+                                     num_cached_tokens=d.num_cached_tokens, replica_id=self.replica_id)
                 if d.finished:
                     if d.finish_reason == "error":     # the engine logged the failed step's traceback
                         raise APIError("generation failed inside the engine", 500, "server_error", None,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app import openai_format as fmt
-from app.fanout import RequestRun, merged_chunks, replica_requests
+from app.fanout import RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
 from engine import EngineLimits
@@ -58,13 +58,29 @@ class OpenAIServing:
             self._finish(rs, run)
         meta = fmt.ResponseMeta(p.request_id, p.created, p.model)
         usage = fmt.usage(p.num_prompt_tokens, run.num_output_tokens, run.num_cached_tokens)
-        choices = []
-        for i, seq in enumerate(run.choices()):
-            prefix = (p.prompt_texts[i // p.num_choices] or "") if p.echo else ""
-            choices.append(fmt.Choice(prefix + seq.text, seq.finish_reason,
-                                      seq.logprobs if p.logprobs is not None else None, len(prefix)))
-        build = fmt.completion_response if kind is RequestKind.COMPLETION else fmt.chat_response
-        return build(meta, choices, usage, fmt.fingerprint(run.replica_ids), self.token_str)
+        fingerprint = fmt.fingerprint(run.replica_ids)
+        if kind is RequestKind.CHAT:
+            choices = [fmt.Choice(s.text, s.finish_reason, s.logprobs if p.logprobs is not None else None)
+                       for s in run.choices()]
+            return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str)
+        choices = [self._completion_choice(p, run, i // p.num_choices, s) for i, s in enumerate(run.choices())]
+        return fmt.completion_response(meta, choices, usage, fingerprint, self.token_str, p.logprobs or 0)
+
+    def _completion_choice(self, p: PreparedRequest, run: RequestRun, prompt: int,
+                           seq: SequenceResult) -> fmt.Choice:
+        """Every choice of a prompt carries that prompt's echo and prompt logprobs (computed once)."""
+        prompt_lps = None
+        if p.prompt_logprobs is not None:
+            prompt_lps = fmt.vllm_prompt_logprobs(p.prompts[prompt], run.prompt_logprobs_of(prompt),
+                                                  self.token_str, p.prompt_logprobs)
+        return fmt.Choice(seq.text, seq.finish_reason, seq.logprobs if p.logprobs is not None else None,
+                          self._echo(p, run, prompt), prompt_lps)
+
+    def _echo(self, p: PreparedRequest, run: RequestRun, prompt: int) -> fmt.EchoedPrompt | None:
+        if not p.echo:
+            return None
+        return fmt.EchoedPrompt(p.prompt_texts[prompt] or "", p.prompts[prompt],
+                                run.prompt_logprobs_of(prompt) if p.logprobs is not None else None)
 
     # ------------------------------------------------------------------ streams
     async def stream(self, kind: RequestKind, req: OpenAIRequest, request_id: str,
@@ -73,40 +89,44 @@ class OpenAIServing:
         p = await self.prepare(kind, req, request_id)
         meta = fmt.ResponseMeta(p.request_id, p.created, p.model)
         run = RequestRun(p)
-        started: set[int] = set()
+        gate = _EchoGate(p, run)
+        text_offsets: dict[int, int] = {}     # choice -> `text_offset` of its next token; absent: none sent
         with self.observer.span(carrier, _span_attributes(p)) as rs:
             if kind is RequestKind.CHAT:
                 for i in range(len(run.seqs)):
                     yield fmt.chat_role_chunk(meta, i)
             async for idx, c in merged_chunks(self.replica, replica_requests(p, rs.carrier),
                                               self.first_output_timeout_s):
-                is_first = idx not in started
-                started.add(idx)
-                text_before = len(run.seqs[idx].text)
-                run.add(idx, c)
-                chunk = self._chunk(p, meta, idx, c, is_first, text_before)
-                if chunk is not None:
-                    yield chunk
+                for i, ready in gate.release(idx, run.add(idx, c)):
+                    chunk = self._chunk(p, meta, run, i, ready, text_offsets)
+                    if chunk is not None:
+                        yield chunk
+            gate.check_drained()
             self._finish(rs, run)
         if p.stream_usage:
             obj = "text_completion" if kind is RequestKind.COMPLETION else "chat.completion.chunk"
             yield fmt.usage_chunk(meta, obj, fmt.usage(p.num_prompt_tokens, run.num_output_tokens,
                                                        run.num_cached_tokens))
 
-    def _chunk(self, p: PreparedRequest, meta: fmt.ResponseMeta, idx: int, c: ReplicaChunk, is_first: bool,
-               text_before: int) -> dict | None:
-        echo = p.echo and is_first
-        if not c.text and not c.finish_reason and p.logprobs is None and not echo:
+    def _chunk(self, p: PreparedRequest, meta: fmt.ResponseMeta, run: RequestRun, idx: int, c: ReplicaChunk,
+               text_offsets: dict[int, int]) -> dict | None:
+        """Choice `idx`'s chunk for `c`; with echo its first chunk starts with the prompt (and its logprobs)."""
+        echo = self._echo(p, run, idx // p.num_choices) if idx not in text_offsets else None
+        if not c.text and not c.finish_reason and p.logprobs is None and echo is None:
             return None              # text held back (a partial character or a possible stop string)
         fingerprint = fmt.fingerprint([c.replica_id])
         if p.kind is RequestKind.CHAT:
             lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage)
-        prefix = (p.prompt_texts[idx // p.num_choices] or "") if echo else ""
-        offset = (len(p.prompt_texts[idx // p.num_choices] or "") if p.echo else 0) + text_before
-        lps = (fmt.completion_logprobs(c.logprobs or [], self.token_str, offset)
-               if p.logprobs is not None else None)
-        return fmt.completion_chunk(meta, idx, prefix + c.text, c.finish_reason, lps, fingerprint, p.stream_usage)
+        offset = text_offsets.get(idx, 0)
+        lps = None
+        if p.logprobs is not None:
+            lps = fmt.completion_logprobs(c.logprobs or [], self.token_str, p.logprobs, echo=echo,
+                                          text_offset=offset)
+            offset += sum(len(t) for t in lps["tokens"])
+        text_offsets[idx] = offset
+        text = (echo.text if echo else "") + c.text
+        return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage)
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
         self.observer.finish(rs, run.record())
@@ -114,6 +134,33 @@ class OpenAIServing:
             self.metrics.record_replica(replica_id, num_running=st.num_running, num_waiting=st.num_waiting,
                                         kv_cache_usage=st.kv_cache_usage, prefix_hit_rate=st.prefix_hit_rate,
                                         recent_prefix_hit_rate=st.recent_prefix_hit_rate)
+
+
+class _EchoGate:
+    """Holds back stream chunks until they can be formatted. With echo and logprobs a choice's first chunk
+    carries its prompt's logprobs, which the engine computes once, on the prompt's sequence 0 with its first
+    token: a sibling's chunks that arrive before them wait (and are released in order)."""
+
+    def __init__(self, p: PreparedRequest, run: RequestRun):
+        self.n = p.params.n
+        self.run = run
+        self.active = p.echo and p.logprobs is not None
+        self.held: dict[int, list[ReplicaChunk]] = {}
+
+    def release(self, idx: int, c: ReplicaChunk) -> list[tuple[int, ReplicaChunk]]:
+        """(choice, chunk) pairs ready to send now, `c` among them unless it has to wait."""
+        if not self.active:
+            return [(idx, c)]
+        self.held.setdefault(idx, []).append(c)
+        prompt = idx // self.n
+        if self.run.prompt_logprobs[prompt] is None:
+            return []
+        return [(i, held) for i in range(prompt * self.n, (prompt + 1) * self.n) for held in self.held.pop(i, [])]
+
+    def check_drained(self) -> None:
+        """At the end of the streams: chunks still held mean a prompt's logprobs never came (a 500)."""
+        for idx in self.held:
+            self.run.prompt_logprobs_of(idx // self.n)
 
 
 def _span_attributes(p: PreparedRequest) -> dict[str, Any]:

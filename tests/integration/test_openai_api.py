@@ -85,6 +85,37 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
 
 
+def test_echo_logprobs_score_the_prompt(lenient_client, checkpoints, hf_reference):
+    """What lm-eval's local-completions sends (echo, logprobs=1, max_tokens=1): the prompt tokens' logprobs
+    come back, the first null (as from OpenAI: the client's types say float, so the lenient client)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    path = checkpoints["llama"]
+    ids = AutoTokenizer.from_pretrained(path).encode("Knowledge is power. All that glitters is not gold.")
+    ref = torch.log_softmax(hf_reference.logits(path, ids), dim=-1)
+    text = None
+    for prompt in (ids, [ids]):                  # token ids, and a batch of one
+        out = lenient_client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                                temperature=0)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx([float(ref[p - 1, ids[p]]) for p in range(1, len(ids))],
+                                                              abs=1e-4)
+        assert all(lp.token_logprobs[p] in top.values() for p, top in enumerate(lp.top_logprobs) if p)
+        text = text or out.choices[0].text
+        assert out.choices[0].text == text and text.startswith("Knowledge is power.")
+        assert out.usage.completion_tokens == 1 and out.usage.prompt_tokens_details.cached_tokens == 0
+    scored = lenient_client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                               extra_body={"prompt_logprobs": 0})
+    assert scored.choices[0].text == "Knowledge is power. All that glitters is not gold."
+    assert scored.choices[0].logprobs.token_logprobs[0] is None and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
+    plp = scored.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None
+    assert [e[str(t)]["logprob"] for e, t in zip(plp[1:], ids[1:])] == scored.choices[0].logprobs.token_logprobs[1:]
+
+
 def test_cached_tokens_reported_on_repeat(client):
     prompt = "All that glitters is not gold. " * 4
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

@@ -22,7 +22,8 @@ from tests.unit.app.conftest import LocalHandle
 
 def _prepared(num_prompts=1, n=1, num_choices=None, request_id="client-id"):
     return PreparedRequest(RequestKind.COMPLETION, request_id, "m", [[1, 2]] * num_prompts, [None] * num_prompts,
-                           SamplingParams(n=n), num_choices or n, None, False, False, 0, None)
+                           SamplingParams(n=n), num_choices or n, logprobs=None, prompt_logprobs=None, echo=False,
+                           echo_only=False, stream_usage=False, priority=0, cache_salt=None)
 
 
 class _Streams:

@@ -202,6 +202,35 @@ async def test_best_of_returns_the_n_most_likely_of_best_of_and_bills_them_all(c
     assert out["choices"][0]["logprobs"]["token_logprobs"] == [-0.25, -0.25]
 
 
+async def test_stream_holds_a_siblings_chunks_until_its_prompts_logprobs_arrive(checkpoints):
+    """The engine scores a prompt once, on sequence 0 with its first token: sequence 1 may come first."""
+    async def sibling_first(req):
+        prompt_lps = [None] + [Logprobs(t, -1.0, 1, [], []) for t in req.prompt_token_ids[1:]]
+        yield ReplicaChunk(1, "x", [7], None, logprobs=[Logprobs(7, -0.5, 1, [], [])], replica_id="r1")
+        yield ReplicaChunk(0, "y", [8], None, logprobs=[Logprobs(8, -0.5, 1, [], [])], prompt_logprobs=prompt_lps,
+                           replica_id="r1")
+        yield ReplicaChunk(1, "z", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
+        yield ReplicaChunk(0, "w", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
+
+    ing, _ = _ingress(checkpoints, sibling_first)
+    body = {"prompt": [5, 6], "n": 2, "max_tokens": 2, "echo": True, "logprobs": 0, "stream": True}
+    chunks = [c["choices"][0] async for c in ing.completions_stream(body)]
+    assert [(c["index"], c["logprobs"]["token_logprobs"]) for c in chunks] == [
+        (0, [None, -1.0, -0.5]), (1, [None, -1.0, -0.5]), (1, [-0.5]), (0, [-0.5])]
+    assert all(chunks[i]["text"].endswith(("y", "x")[i]) for i in (0, 1))
+
+
+async def test_missing_prompt_logprobs_are_a_server_error_not_zeros(checkpoints):
+    ing, _ = _ingress(checkpoints, _tokens)          # a replica that never sends them
+    for body in ({"prompt": "hi", "echo": True, "logprobs": 1}, {"prompt": "hi", "prompt_logprobs": 1}):
+        with pytest.raises(APIError) as e:
+            await ing.completions(body)
+        assert e.value.status_code == 500
+    with pytest.raises(APIError) as e:
+        [c async for c in ing.completions_stream({"prompt": "hi", "echo": True, "logprobs": 1, "stream": True})]
+    assert e.value.status_code == 500
+
+
 # ---------------------------------------------------------------- token-ids-only mode
 async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoints, monkeypatch):
     import app.ingress
@@ -213,7 +242,9 @@ async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoin
 
     async def with_logprobs(req):
         lp = Logprobs(11, -0.1, 1, [11, 12], [-0.1, -2.0])
-        yield ReplicaChunk(0, "", [11], "length", logprobs=[lp], replica_id="r1")
+        assert req.params.prompt_logprobs == 1        # echo + logprobs: the prompt is scored too
+        prompt_lps = [None] + [Logprobs(t, -1.0, 2, [12], [-0.5]) for t in req.prompt_token_ids[1:]]
+        yield ReplicaChunk(0, "", [11], "length", logprobs=[lp], prompt_logprobs=prompt_lps, replica_id="r1")
 
     ing, _ = _ingress(checkpoints, with_logprobs, engine={"skip_tokenizer_init": True})
     for call, body, param in [(ing.completions, {"prompt": "text"}, "prompt"),
@@ -225,9 +256,11 @@ async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoin
         assert (e.value.status_code, e.value.param) == (400, param)
         assert "token ids" in e.value.message
     out = await ing.completions({"prompt": [1, 2, 3], "max_tokens": 1, "logprobs": 1, "echo": True})
-    choice = out["choices"][0]
-    assert choice["text"] == "" and choice["logprobs"]["tokens"] == ["token_id:11"]
-    assert choice["logprobs"]["top_logprobs"] == [{"token_id:11": -0.1, "token_id:12": -2.0}]
+    choice = out["choices"][0]          # the echo of a token-id prompt without a tokenizer is "", as in vLLM
+    assert choice["text"] == "" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in (1, 2, 3, 11)]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"token_id:2": -1.0, "token_id:12": -0.5},
+                                                  {"token_id:3": -1.0, "token_id:12": -0.5},
+                                                  {"token_id:11": -0.1}]     # logprobs 1: the top one
 
 
 # ---------------------------------------------------------------- HTTP body: 415 and friends

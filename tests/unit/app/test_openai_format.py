@@ -21,9 +21,41 @@ def test_usage_and_fingerprint():
 
 
 def test_completion_logprobs_offsets_follow_the_token_strings():
-    lp = fmt.completion_logprobs(LPS, token_str, text_offset=3)
+    lp = fmt.completion_logprobs(LPS, token_str, 2, text_offset=3)
     assert lp == {"tokens": ["a", "cd"], "token_logprobs": [-0.5, -0.25],
                   "top_logprobs": [{"a": -0.5, "b": -1.5}, {"cd": -0.25}], "text_offset": [3, 4]}
+
+
+def test_top_logprobs_hold_the_token_itself_and_num_top_alternatives():
+    """As OpenAI and vLLM: up to num_top + 1 entries, the token first; 0 -> the token alone."""
+    sampled = Logprobs(2, -1.5, 2, [1, 22], [-0.5, -1.0])
+    assert fmt.completion_logprobs([sampled], token_str, 2)["top_logprobs"] == [{"b": -1.5, "a": -0.5, "cd": -1.0}]
+    assert fmt.completion_logprobs([sampled], token_str, 1)["top_logprobs"] == [{"b": -1.5, "a": -0.5}]
+    assert fmt.completion_logprobs([sampled], token_str, 0)["top_logprobs"] == [{"b": -1.5}]
+
+
+def test_echoed_prompt_comes_first_with_nulls_for_its_first_token_and_offsets_run_on():
+    echo = fmt.EchoedPrompt("bacd", [2, 1, 22], [None, Logprobs(1, -0.7, 1, [1], [-0.7]),
+                                                  Logprobs(22, -2.0, 3, [1], [-0.1])])
+    lp = fmt.completion_logprobs(LPS, token_str, 1, echo=echo)
+    assert lp == {"tokens": ["b", "a", "cd", "a", "cd"], "token_logprobs": [None, -0.7, -2.0, -0.5, -0.25],
+                  "top_logprobs": [None, {"a": -0.7}, {"cd": -2.0, "a": -0.1}, {"a": -0.5}, {"cd": -0.25}],
+                  "text_offset": [0, 1, 2, 4, 5]}
+    body = fmt.completion_response(META, [fmt.Choice("acd", "length", LPS, echo)], fmt.usage(3, 2, 0), "r",
+                                   token_str, 1)
+    assert body["choices"][0]["text"] == "bacdacd" and body["choices"][0]["logprobs"] == lp
+
+
+def test_vllm_prompt_logprobs_format():
+    lps = [None, Logprobs(22, -2.0, 3, [1, 2], [-0.1, -0.3])]
+    assert fmt.vllm_prompt_logprobs([2, 22], lps, token_str, 1) == [
+        None, {22: {"logprob": -2.0, "rank": 3, "decoded_token": "cd"},
+               1: {"logprob": -0.1, "rank": 1, "decoded_token": "a"}}]
+    body = fmt.completion_response(META, [fmt.Choice("x", "length", None, prompt_logprobs=[None])],
+                                   fmt.usage(1, 1, 0), "r", token_str)
+    assert body["choices"][0]["prompt_logprobs"] == [None]
+    plain = fmt.completion_response(META, [fmt.Choice("x", "length", None)], fmt.usage(1, 1, 0), "r", token_str)
+    assert "prompt_logprobs" not in plain["choices"][0]
 
 
 def test_chat_logprobs_carry_bytes():
@@ -38,9 +70,6 @@ def test_completion_response_validates_with_the_openai_client_types():
     parsed = oai.Completion.model_validate(body)
     assert [c.index for c in parsed.choices] == [0, 1] and parsed.choices[1].logprobs is None
     assert parsed.choices[0].logprobs.tokens == ["a", "cd"] and parsed.system_fingerprint == "replica:r1"
-    echo = fmt.completion_response(META, [fmt.Choice("hi acd", "length", LPS, text_offset=3)],
-                                   fmt.usage(3, 2, 0), "replica:r1", token_str)
-    assert echo["choices"][0]["logprobs"]["text_offset"] == [3, 4]
 
 
 def test_chat_response_validates_with_the_openai_client_types():
