@@ -240,6 +240,9 @@ class AsyncLLMEngine:
                 if self._pending_adds or self._pending_aborts:
                     continue
                 await self._wakeup.wait()
+                # Idle is not stuck: the wedge clock restarts with the work that woke us, or a health check
+                # during a long first step after an idle spell would call the engine wedged.
+                self.last_progress_time = time.monotonic()
                 continue
             try:
                 async with self._step_lock:

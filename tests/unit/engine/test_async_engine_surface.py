@@ -2,6 +2,7 @@
 import asyncio
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -68,4 +69,30 @@ async def test_health_recent_hit_rate_and_prefix_cache_reset(engine):
     assert await engine.reset_prefix_cache()
     load = engine.load()
     assert load.cache_epoch == epoch + 1 and load.recent_prefix_cache_queries == 0
+    await engine.shutdown()
+
+
+async def test_an_idle_spell_does_not_count_as_a_wedged_first_step(engine, monkeypatch):
+    """Progress time restarts when work arrives: a replica idle for longer than its wedge timeout must not
+    look wedged while it runs the first step after the idle spell."""
+    await _collect(engine.generate([1, 2, 3], SamplingParams(max_tokens=1, **GREEDY)))   # loop started, now idle
+    await asyncio.sleep(0.05)
+    engine.last_progress_time -= 3600            # as if idle for an hour
+    entered, release = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def gated_step():
+        entered.set()
+        release.wait(10)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", gated_step)
+    task = asyncio.create_task(_collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))))
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    h = engine.health()
+    assert h.num_unfinished_reqs == 1
+    assert time.monotonic() - h.last_progress_time < 5      # not an hour: the idle spell is forgiven
+    release.set()
+    await asyncio.wait_for(task, 10)
     await engine.shutdown()
