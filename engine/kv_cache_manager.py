@@ -93,6 +93,12 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size) <= self.num_usable_blocks
 
     # ------------------------------------------------------------------ lookup
+    def reads_cache(self, request: Request) -> bool:
+        """Whether `request` may take prefix hits now: not while it still owes prompt logprobs, which need
+        every prompt position's logits (it still caches its own blocks for later requests)."""
+        return self.enable_caching and (request.sampling_params.prompt_logprobs is None
+                                        or request.num_output_tokens > 0)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of `request` as (blocks, num_tokens); never covers its last token.
 
@@ -100,8 +106,7 @@ class KVCacheManager:
         owes prompt logprobs gets no hit: they need every prompt position's logits (it still caches
         its own blocks for later requests).
         """
-        if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
-                                       and request.num_output_tokens == 0):
+        if not self.reads_cache(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes

@@ -200,7 +200,7 @@ class Scheduler:
             if self._awaiting_output and req.status is RequestStatus.PREEMPTED and self._output_due(req):
                 break     # resuming now would lose the token in flight; FCFS: the rest waits too
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            if self.kv.enable_caching and len(hits) < (req.num_tokens - 1) // self.block_size:
+            if self.kv.reads_cache(req) and len(hits) < (req.num_tokens - 1) // self.block_size:
                 if inflight is None:
                     inflight = self._inflight_block_hashes()
                 if req.block_hashes[len(hits)] in inflight:

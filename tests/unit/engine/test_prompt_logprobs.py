@@ -194,3 +194,20 @@ def test_kept_for_a_request_preempted_before_its_first_token_arrived():
     out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]], None, {"a": plp}))
     assert [(d.req_id, d.new_token_ids, d.prompt_logprobs) for d in out.outputs] == [("a", [61], plp)]
     assert s.kv.get_computed_blocks(s.requests["a"])[1] == 4       # owes nothing now: reads the cache
+
+
+def test_scoring_requests_do_not_wait_for_blocks_they_will_not_read():
+    """Requests that owe prompt logprobs take no prefix hits, so the in-batch sharing wait (for a block
+    another running request is computing) must not hold them back: lm-eval sends every choice of a
+    question with the same context, and they should prefill together."""
+    s = make_scheduler(block_size=4)
+    ctx = list(range(200, 216))
+    a = make_request("a", ctx + [1, 2], prompt_logprobs=0)
+    b = make_request("b", ctx + [3, 4], prompt_logprobs=0)
+    s.add_request(a)
+    s.add_request(b)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 18, "b": 18}
+    plain = make_request("plain", ctx + [5, 6])
+    s.add_request(plain)
+    assert "plain" not in s.schedule().num_scheduled_tokens      # a plain request still waits to share
