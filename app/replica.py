@@ -14,7 +14,7 @@ from typing import Any
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.stats import ReplicaStats
-from engine import AsyncLLMEngine, EngineConfig, EngineLimits
+from engine import AsyncLLMEngine, EngineConfig, EngineLimits, tune_gc_for_serving
 from engine.errors import EngineDeadError
 from observability import names
 
@@ -41,6 +41,9 @@ class LLMReplica:
         configure_json_logging(obs.get("log_level", "INFO"))
         drop_serve_duplicate_logs()
         self.engine = AsyncLLMEngine.from_config(EngineConfig.model_validate(engine_config))
+        # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
+        # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.
+        tune_gc_for_serving()
         self.tracer = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
                                       obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),
                                       prometheus=False).tracer

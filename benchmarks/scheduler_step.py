@@ -49,7 +49,7 @@ def build(num_reqs: int, prompt_len: int, mode: str) -> Scheduler:
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=num_reqs + 4096, max_num_seqs=num_reqs + 1),
                   kv, max_len)
     if mode == "tuned":
-        tune_gc_for_serving()       # the engine does this at the end of __init__: requests come later
+        tune_gc_for_serving()       # a replica does this once its engine is built: requests come later
     params = SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0)
     for i in range(num_reqs):
         s.add_request(Request(f"d{i}", [(i * 31 + j) % 30000 + 3 for j in range(prompt_len)], params,

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
-    from engine.models.checkpoint import validate_checkpoint
+    from engine.demo import ensure_demo_model, write_demo_model
+    from engine.gc_policy import tune_gc_for_serving
+    from engine.limits import EngineLimits, check_request, check_request_fits_context
+    from engine.models.checkpoint import resolve_context_length, validate_checkpoint
     from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
 
 PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.limits", "engine.sampling_params", "engine.types")
@@ -42,6 +45,7 @@ _LAZY = {
     "ensure_demo_model": "engine.demo",
     "validate_checkpoint": "engine.models.checkpoint",
     "resolve_context_length": "engine.models.checkpoint",
+    "tune_gc_for_serving": "engine.gc_policy",
 }
 
 
@@ -56,4 +60,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "EngineLimits", "check_request", "check_request_fits_context",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint", "resolve_context_length"]
+           "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving"]

@@ -116,10 +116,6 @@ class AsyncLLMEngine:
         return EngineHealth(dead_reason, self._load.num_requests, self.last_progress_time, self.num_steps)
 
     @property
-    def is_dead(self) -> bool:
-        return self._dead is not None
-
-    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

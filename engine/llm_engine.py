@@ -12,7 +12,6 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
-from engine.gc_policy import tune_gc_for_serving
 from engine.kv_cache_manager import KVCacheManager
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -102,8 +101,6 @@ class LLMEngine:
                     "x %d tokens = %d tokens (%.1f MiB)", self.model_args.architecture, self.dtype, self.device,
                     backend.name, self.linear_backend, self.max_model_len, self.num_blocks, block_size, cap,
                     self.num_blocks * kv_bytes_per_block(self.model_args, block_size, self.dtype) / 2**20)
-        # last: the start-up heap is built; keep the garbage collector out of the step loop's tail latency
-        tune_gc_for_serving()
 
     # ------------------------------------------------------------------ sizing
     def _num_blocks(self, block_size: int) -> int:
@@ -123,10 +120,6 @@ class LLMEngine:
             raise ValueError(f"KV memory budget {budget} bytes holds {n} blocks of {per_block} bytes; "
                              "raise cache.memory_budget_bytes")
         return int(n)
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return (self.num_blocks - 1) * self.config.cache.block_size
 
     @property
     def limits(self) -> EngineLimits:

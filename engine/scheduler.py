@@ -11,6 +11,7 @@ import time
 from engine.config import SchedulerConfig
 from engine.errors import DuplicateRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.limits import EngineLimits, check_request
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
 from engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
@@ -75,12 +76,9 @@ class Scheduler:
         """Raise InvalidRequestError if `request` can never be served; pure (changes nothing)."""
         if request.req_id in self.requests:
             raise DuplicateRequestError(request.req_id)
-        self.check_limits(request.num_prompt_tokens, request.sampling_params.max_tokens)
-
-    def check_limits(self, n: int, max_tokens: int) -> None:
-        """The size checks of validate_request, for callers that have no Request yet."""
-        from engine.limits import EngineLimits, check_request   # the one limits check (also the ingress's)
-        check_request(EngineLimits(self.max_model_len, None, self.kv.max_tokens_capacity()), n, max_tokens)
+        # the one limits check, shared with the ingress (vocabulary ids are checked where they arrive)
+        limits = EngineLimits(self.max_model_len, None, self.kv.max_tokens_capacity())
+        check_request(limits, request.num_prompt_tokens, request.sampling_params.max_tokens)
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:

@@ -27,10 +27,16 @@ def test_tune_freezes_the_heap_and_raises_the_young_threshold(restore_gc):
     assert gc.get_threshold()[0] == 0
 
 
-def test_engine_start_up_tunes_the_collector(checkpoints, restore_gc):
+def test_a_replica_tunes_the_collector_but_a_bare_engine_does_not(checkpoints, restore_gc):
+    """Process-wide settings belong to the serving process (a replica), not to every engine built (the
+    offline LLM, tests)."""
+    from app.replica import LLMReplica
     gc.unfreeze()
     gc.set_threshold(700, 10, 10)
-    eng = LLMEngine(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4}))
+    cfg = dict(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4})
+    LLMEngine(EngineConfig(**cfg))
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
+    rep = LLMReplica(cfg)
     assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == STEP_GEN0_THRESHOLD
     # the engine was frozen with the rest of start-up: get_objects() lists only the collected generations
-    assert not any(o is eng for o in gc.get_objects())
+    assert not any(o is rep.engine.engine for o in gc.get_objects())
