@@ -1,0 +1,207 @@
+"""Routing core API: the typed values the pure routing core is fed and returns, and the `RouterCore` protocol.
+
+Nothing here (or anywhere in app/routing/ except serve_router.py) imports Ray, so an offline simulator can
+drive a core with its own clock. The feed, in the order a caller usually produces it:
+
+    membership   core.set_replicas([ReplicaInfo, ...])
+    load         core.on_stats(replica_id, ReplicaLoadView)             (each stats poll)
+    cache state  core.on_kv_events(KVEventBatch) -> bool                (False: fetch a snapshot)
+                 core.replicas_needing_snapshot() / core.on_snapshot(KVSnapshot)
+    a request    core.route(RouteRequest, candidate_ids) -> Decision    (never raises)
+    lifecycle    core.on_routed / on_first_token / on_actual_cached / on_finished
+    inspection   core.recent_decisions(n), core.counters()
+
+Block hashes are the engine's own (`engine.hashing.hash_block_chain` over the prompt's token ids with the
+request's cache salt, full blocks only), computed once at the ingress and passed in `RouteRequest`.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.types import KVEvent
+
+BlockHash = bytes
+
+
+# ---------------------------------------------------------------- inputs
+@dataclass(slots=True, frozen=True)
+class ReplicaInfo:
+    """One member of the replica set. `node_id` (None if unknown) drives the same-node tie-break."""
+
+    replica_id: str
+    node_id: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaLoadView:
+    """The part of a replica's stats snapshot (app.stats.ReplicaStats) the core reads.
+
+    `num_queued_prefill_tokens`: uncached prompt tokens admitted but not yet computed (waiting + chunked).
+    `num_blocks` (KV pool size in blocks) is optional: with it, new-group placement weighs how much of the
+    pool the index sees filled; without it, `kv_cache_usage` alone.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_queued_prefill_tokens: int = 0
+    cache_epoch: str = ""
+    num_blocks: int | None = None
+
+    @classmethod
+    def from_stats(cls, stats: Any) -> ReplicaLoadView:
+        """From a ReplicaStats (or anything with its attribute names) or the dict Serve carries."""
+        get = stats.get if isinstance(stats, Mapping) else (lambda k, d=None: getattr(stats, k, d))
+        return cls(num_running=int(get("num_running", 0) or 0), num_waiting=int(get("num_waiting", 0) or 0),
+                   kv_cache_usage=float(get("kv_cache_usage", 0.0) or 0.0),
+                   num_queued_prefill_tokens=int(get("num_queued_prefill_tokens", 0) or 0),
+                   cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None))
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """Consecutive KV events of one replica: event i has sequence number `first_seq + i`.
+
+    Sequence numbers are per replica and per `epoch`; the epoch changes when the replica restarts or its
+    prefix cache is reset, and numbering may start again from 0.
+    """
+
+    replica_id: str
+    epoch: str
+    first_seq: int
+    events: list[KVEvent]
+
+
+@dataclass(slots=True)
+class KVSnapshot:
+    """A replica's whole cached-block set at one point: `next_seq` is the seq of the first event after it."""
+
+    replica_id: str
+    epoch: str
+    next_seq: int
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """A request to place. `block_hashes`: the engine's chained hashes of the prompt's full blocks."""
+
+    request_id: str
+    block_hashes: list[BlockHash]
+    num_prompt_tokens: int
+    max_tokens: int = 0
+    caller_node_id: str | None = None
+
+
+# ---------------------------------------------------------------- outputs
+class Reason(enum.Enum):
+    AFFINITY = "affinity"          # kept on the replica predicted to hold most of the prompt
+    RELEASED = "released"          # the affinity replica was too slow: best predicted TTFT instead
+    NEW_GROUP = "new_group"        # no replica holds any of the prompt: placed by cache room and load
+    SPILL = "spill"                # the replicas holding the prefix are not candidates (full, excluded)
+    HOT_REPLICA = "hot_replica"    # a hot prefix group spread over k replicas, placed among them by load
+    LOAD = "load"                  # a load-only policy (round_robin, power_of_two)
+    FALLBACK = "fallback"          # internal error: load-only ranking
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """What the policy predicted for one candidate (the decision record's evidence)."""
+
+    replica_id: str
+    predicted_cached_tokens: int
+    predicted_ttft_s: float
+    queued_prefill_tokens: int     # stats + this router's in-flight uncached tokens, before this request
+    decode_load: int               # running requests (stats + this router's in-flight)
+    kv_usage: float
+
+
+@dataclass(slots=True)
+class Decision:
+    """One routing decision: candidates ranked best first, the choice, why, and the scores behind it."""
+
+    request_id: str
+    ranked: list[str]
+    chosen: str
+    reason: Reason
+    candidates: list[CandidateScore]
+    decision_time_s: float
+    affinity_replica_id: str | None = None   # the replica holding most of the prompt, if any
+    num_hot_replicas: int = 1                # k for a hot prefix group (1 otherwise)
+
+
+@dataclass(slots=True)
+class RouterCounters:
+    """Cumulative counters since the core was built (a copy; safe to keep)."""
+
+    num_decisions: int = 0
+    num_by_reason: dict[Reason, int] = field(default_factory=dict)
+    num_errors: int = 0                      # route() calls that fell back after an internal error
+    num_rerouted: int = 0                    # on_routed() with a replica other than the decision's
+    predicted_cached_tokens: int = 0         # over requests that also reported actual cached tokens
+    actual_cached_tokens: int = 0
+    num_accuracy_samples: int = 0
+    num_resyncs: int = 0                     # replicas dropped for a gap, epoch change or clear
+    num_index_entries: int = 0               # (block hash, replica) pairs held now
+    num_index_evictions: int = 0             # entries dropped by the memory bound
+    prefill_tokens_per_s: float = 0.0        # the calibrated prefill rate now
+    decode_step_s: float = 0.0               # the calibrated per-running-request cost now
+
+    @property
+    def index_accuracy(self) -> float:
+        """actual / predicted cached tokens (1.0 exact, > 1 under-predicted); 1.0 before any sample."""
+        if not self.predicted_cached_tokens:
+            return 1.0 if not self.actual_cached_tokens else float("inf")
+        return self.actual_cached_tokens / self.predicted_cached_tokens
+
+
+# ---------------------------------------------------------------- the core
+class RouterCore(Protocol):
+    """What every routing policy implements (prefix_affinity, power_of_two, round_robin).
+
+    Not thread-safe: one caller (a router loop or a simulator) drives it. Methods about unknown replicas or
+    requests are no-ops, never errors.
+    """
+
+    def set_replicas(self, replicas: list[ReplicaInfo]) -> None:
+        """The replica set now. Replicas no longer present lose their index entries, stats and in-flight."""
+
+    def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
+        """A fresh stats snapshot. In-flight requests routed before it are assumed counted in it."""
+
+    def on_kv_events(self, batch: KVEventBatch) -> bool:
+        """Apply a batch. False: a gap, an unknown or changed epoch, or AllBlocksCleared — the replica's
+        entries were dropped and the caller must fetch a snapshot (see replicas_needing_snapshot)."""
+
+    def replicas_needing_snapshot(self) -> list[str]:
+        """Replicas whose index entries are not trustworthy until on_snapshot() (new, gapped, reset)."""
+
+    def on_snapshot(self, snapshot: KVSnapshot) -> None:
+        """Rebuild the replica's entries; events from `snapshot.next_seq` on apply after it."""
+
+    def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
+        """Rank `candidate_ids` (non-empty) for the request. Never raises: on an internal error returns a
+        load-only FALLBACK decision and logs. Records the decision (in-flight load, speculative index
+        entries on the chosen replica) as if the request was sent to `chosen`."""
+
+    def on_routed(self, request_id: str, replica_id: str) -> None:
+        """The request actually went to `replica_id` (call only if it differs from the decision)."""
+
+    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
+        """The request's first token arrived: its prefill left the replica's queue. `num_cached_tokens`
+        (what the engine found cached) feeds index-accuracy counters, as on_actual_cached."""
+
+    def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
+        """The engine's cached-token count for the request (predicted vs actual counters)."""
+
+    def on_finished(self, request_id: str) -> None:
+        """The request ended (success, error or cancel): it stops counting as load anywhere."""
+
+    def recent_decisions(self, n: int) -> list[Decision]:
+        """The last `n` decisions, newest last."""
+
+    def counters(self) -> RouterCounters:
+        """A copy of the cumulative counters."""

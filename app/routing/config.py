@@ -1,0 +1,46 @@
+"""AffinityConfig: the prefix-affinity core's knobs, with the defaults the README documents."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RoutingPolicyName = Literal["prefix_affinity", "power_of_two", "round_robin"]
+
+
+class AffinityConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- index
+    max_index_entries: int = Field(1_000_000, ge=1, description="(block hash, replica) pairs kept; LRU beyond")
+    speculative_ttl_s: float = Field(10.0, gt=0, description="a routed prompt's blocks count as held this long "
+                                     "unless a BlockStored confirms them")
+    # -- TTFT model (seeds; calibrated online from observed TTFTs)
+    prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="prefill rate prior")
+    decode_step_s: float = Field(0.002, ge=0, description="TTFT added per running request (prior)")
+    calibrate: bool = Field(True, description="fit the two above from observed TTFTs")
+    calibration_half_life: float = Field(200.0, gt=0, description="samples for a sample's weight to halve")
+    calibration_prior_weight: float = Field(5.0, gt=0, description="pull towards the priors, in samples")
+    kv_pressure_threshold: float = Field(0.9, ge=0, le=1, description="KV usage where the penalty starts")
+    kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty at full KV usage (linear above "
+                                         "the threshold)")
+    # -- affinity release
+    release_slack: float = Field(0.3, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
+    release_slack_abs_s: float = Field(0.1, ge=0)
+    min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
+    # -- hot prefix groups
+    group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")
+    hot_window_s: float = Field(10.0, gt=0, description="sliding window for per-group demand")
+    hot_target_utilization: float = Field(0.6, gt=0, le=1, description="share of one replica a group may use "
+                                          "before it is spread over more replicas")
+    decode_token_weight: float = Field(2.0, ge=0, description="prefill-token equivalents per output token in "
+                                       "a group's demand")
+    # -- new groups and ties
+    new_group_room_weight_s: float = Field(0.5, ge=0, description="TTFT-seconds charged per unit of cache "
+                                           "occupancy when placing a new group")
+    tie_tolerance_s: float = Field(0.01, ge=0, description="scores this close count as tied (random pick, "
+                                   "caller's node first)")
+    # -- bookkeeping
+    max_in_flight_age_s: float = Field(600.0, gt=0, description="in-flight entries older than this are "
+                                       "dropped (a lost on_finished must not count as load forever)")
+    recent_decisions: int = Field(256, ge=0, description="decision records kept for recent_decisions()")
