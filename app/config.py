@@ -42,7 +42,7 @@ class ServeSection(_Strict):
     ingress_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(64, ge=1, description="per replica")
     max_queued_requests: int = Field(256, ge=-1, description="per caller; beyond it requests get 429")
-    retry_after_s: int = Field(1, ge=0)
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of 429 and 503 responses")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)

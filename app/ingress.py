@@ -84,7 +84,7 @@ class Ingress:
             await asyncio.wait_for(self.replica.debug_state.remote(), timeout=5)
         except asyncio.TimeoutError:
             return error_response(APIError("no model replica answered", 503, "service_unavailable", None,
-                                           "replica_unavailable", 1))
+                                           "replica_unavailable", self.cfg.serve.retry_after_s))
         except Exception as e:
             return error_response(self._fail(e, "/health"))
         return JSONResponse({"status": "ok", "model": self.model_name})
@@ -115,8 +115,11 @@ class Ingress:
             return error_response(self._fail(e, route))
 
     def _fail(self, exc: BaseException, where: str, count: bool = True) -> APIError:
-        """The one exit for failures: classify, log once (traceback only if unexpected), count."""
+        """The one exit for failures: classify, log once (traceback only if unexpected), count. A 429 or 503
+        tells the client to retry after `serve.retry_after_s` (the Retry-After header over HTTP)."""
         api = to_api_error(exc)
+        if api.status_code in (429, 503):
+            api.retry_after_s = self.cfg.serve.retry_after_s
         log_failure(logger, exc, api, route=where)
         if count:
             self.metrics.record_http(where, api.status_code)

@@ -47,6 +47,9 @@ class Choice:
     echo: EchoedPrompt | None = None         # completions with `echo`: put before the text (and logprobs)
     #: completions with vLLM's `prompt_logprobs` extension: that field, formatted (vllm_prompt_logprobs)
     prompt_logprobs: list[dict[int, dict] | None] | None = None
+    #: vLLM's `return_token_ids` extension: the generated ids, and (completions) the prompt's ids; None: omitted
+    token_ids: Sequence[int] | None = None
+    prompt_token_ids: Sequence[int] | None = None
 
 
 def fingerprint(replica_ids: Iterable[str]) -> str:
@@ -131,46 +134,65 @@ def _completion_choice(index: int, c: Choice, token_str: TokenStr, num_top: int)
            else completion_logprobs(c.logprobs, token_str, num_top, echo=c.echo)}
     if c.prompt_logprobs is not None:
         out["prompt_logprobs"] = c.prompt_logprobs
-    return out
+    return _with_token_ids(out, c.token_ids, c.prompt_token_ids)
+
+
+def _with_token_ids(d: dict, token_ids: Sequence[int] | None, prompt_token_ids: Sequence[int] | None) -> dict:
+    """vLLM's `return_token_ids` fields, added to a choice (or a chat body) only when given."""
+    if prompt_token_ids is not None:
+        d["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        d["token_ids"] = list(token_ids)
+    return d
 
 
 def chat_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, fingerprint_: str,
-                  token_str: TokenStr) -> dict:
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+                  token_str: TokenStr, prompt_token_ids: Sequence[int] | None = None) -> dict:
+    """As vLLM, `prompt_token_ids` (return_token_ids) belongs to the whole body: a chat has one prompt."""
+    body = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": fingerprint_, "usage": usage_,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
-                         "finish_reason": c.finish_reason}
-                        for i, c in enumerate(choices)]}
+            "choices": [_chat_choice(i, c, token_str) for i, c in enumerate(choices)]}
+    return _with_token_ids(body, None, prompt_token_ids)
+
+
+def _chat_choice(index: int, c: Choice, token_str: TokenStr) -> dict:
+    out = {"index": index, "message": {"role": "assistant", "content": c.text},
+           "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
+           "finish_reason": c.finish_reason}
+    return _with_token_ids(out, c.token_ids, None)
 
 
 # ---------------------------------------------------------------- stream chunks
 def completion_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None, fingerprint_: str, with_usage: bool) -> dict:
+                     logprobs: dict | None, fingerprint_: str, with_usage: bool, *,
+                     token_ids: Sequence[int] | None = None, prompt_token_ids: Sequence[int] | None = None) -> dict:
+    """`token_ids`: this chunk's generated ids; `prompt_token_ids`: on a choice's first chunk (return_token_ids)."""
+    choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     chunk = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-             "system_fingerprint": fingerprint_,
-             "choices": [{"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+             "system_fingerprint": fingerprint_, "choices": [_with_token_ids(choice, token_ids, prompt_token_ids)]}
     if with_usage:
         chunk["usage"] = None            # OpenAI: null on every chunk but the last one
     return chunk
 
 
 def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-               fingerprint_: str, with_usage: bool) -> dict:
+               fingerprint_: str, with_usage: bool, *, token_ids: Sequence[int] | None = None) -> dict:
     delta = {"content": text} if text or not finish_reason else {}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-             "system_fingerprint": fingerprint_,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "system_fingerprint": fingerprint_, "choices": [_with_token_ids(choice, token_ids, None)]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_role_chunk(meta: ResponseMeta, index: int) -> dict:
-    """The first chunk of each chat choice: OpenAI sends the role before any content."""
-    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]}
+def chat_role_chunk(meta: ResponseMeta, index: int, prompt_token_ids: Sequence[int] | None = None) -> dict:
+    """The first chunk of each chat choice: OpenAI sends the role before any content (and vLLM the body's
+    `prompt_token_ids`, with return_token_ids)."""
+    chunk = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+             "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]}
+    return _with_token_ids(chunk, None, prompt_token_ids)
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, usage_: dict) -> dict:

@@ -40,16 +40,12 @@ class PreparedRequest:
     stream_usage: bool
     priority: int
     cache_salt: str | None
+    return_token_ids: bool = False    # vLLM's extension: prompt and generated token ids in the response
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
-
-    @property
-    def is_best_of(self) -> bool:
-        """More sequences are generated than returned: the best `num_choices` per prompt are kept."""
-        return self.params.n > self.num_choices
 
 
 def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest, request_id: str, *,
@@ -85,7 +81,7 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,
                            getattr(req, "prompt_logprobs", None), echo, max_tokens == 0,
                            bool(req.stream_options and req.stream_options.include_usage), req.priority,
-                           req.cache_salt)
+                           req.cache_salt, req.return_token_ids)
 
 
 def _resolve_max_tokens(kind: RequestKind, max_tokens: int | None, echo: bool, limits: EngineLimits,

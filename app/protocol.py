@@ -43,6 +43,8 @@ class _OpenAIRequest(BaseModel):
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
+    #: vLLM's extension: each choice's generated `token_ids`, and its prompt's `prompt_token_ids`
+    return_token_ids: bool = False
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:

@@ -5,10 +5,12 @@ exceptions and leaves logging them to its caller.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from app import openai_format as fmt
+from app.errors import APIError
 from app.fanout import RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
@@ -32,9 +34,15 @@ class OpenAIServing:
         self._limits: EngineLimits | None = None
 
     async def limits(self) -> EngineLimits:
-        """The engine's limits, asked of a replica once (they are fixed when its KV pool is built)."""
+        """The engine's limits, asked of a replica once (they are fixed when its KV pool is built).
+        No replica answering within the first-output timeout is a 503, as for a generation."""
         if self._limits is None:
-            self._limits = await self.replica.limits.remote()
+            try:
+                self._limits = await asyncio.wait_for(self.replica.limits.remote(),
+                                                      timeout=self.first_output_timeout_s)
+            except asyncio.TimeoutError:
+                raise APIError(f"no model replica answered within {self.first_output_timeout_s:g}s", 503,
+                               "service_unavailable", None, "replica_unavailable", retry_after_s=1) from None
         return self._limits
 
     def token_str(self, token_id: int) -> str:
@@ -60,9 +68,10 @@ class OpenAIServing:
         usage = fmt.usage(p.num_prompt_tokens, run.num_output_tokens, run.num_cached_tokens)
         fingerprint = fmt.fingerprint(run.replica_ids)
         if kind is RequestKind.CHAT:
-            choices = [fmt.Choice(s.text, s.finish_reason, s.logprobs if p.logprobs is not None else None)
+            choices = [fmt.Choice(s.text, s.finish_reason, s.logprobs if p.logprobs is not None else None,
+                                  token_ids=s.token_ids if p.return_token_ids else None)
                        for s in run.choices()]
-            return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str)
+            return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str, _prompt_ids(p, 0))
         choices = [self._completion_choice(p, run, i // p.num_choices, s) for i, s in enumerate(run.choices())]
         return fmt.completion_response(meta, choices, usage, fingerprint, self.token_str, p.logprobs or 0)
 
@@ -74,7 +83,9 @@ class OpenAIServing:
             prompt_lps = fmt.vllm_prompt_logprobs(p.prompts[prompt], run.prompt_logprobs_of(prompt),
                                                   self.token_str, p.prompt_logprobs)
         return fmt.Choice(seq.text, seq.finish_reason, seq.logprobs if p.logprobs is not None else None,
-                          self._echo(p, run, prompt), prompt_lps)
+                          self._echo(p, run, prompt), prompt_lps,
+                          token_ids=seq.token_ids if p.return_token_ids else None,
+                          prompt_token_ids=_prompt_ids(p, prompt))
 
     def _echo(self, p: PreparedRequest, run: RequestRun, prompt: int) -> fmt.EchoedPrompt | None:
         if not p.echo:
@@ -94,7 +105,7 @@ class OpenAIServing:
         with self.observer.span(carrier, _span_attributes(p)) as rs:
             if kind is RequestKind.CHAT:
                 for i in range(len(run.seqs)):
-                    yield fmt.chat_role_chunk(meta, i)
+                    yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
             async for idx, c in merged_chunks(self.replica, replica_requests(p, rs.carrier),
                                               self.first_output_timeout_s):
                 for i, ready in gate.release(idx, run.add(idx, c)):
@@ -110,14 +121,19 @@ class OpenAIServing:
 
     def _chunk(self, p: PreparedRequest, meta: fmt.ResponseMeta, run: RequestRun, idx: int, c: ReplicaChunk,
                text_offsets: dict[int, int]) -> dict | None:
-        """Choice `idx`'s chunk for `c`; with echo its first chunk starts with the prompt (and its logprobs)."""
-        echo = self._echo(p, run, idx // p.num_choices) if idx not in text_offsets else None
-        if not c.text and not c.finish_reason and p.logprobs is None and echo is None:
+        """Choice `idx`'s chunk for `c`; with echo its first chunk starts with the prompt (and its logprobs),
+        with return_token_ids it carries the prompt's ids (chat: on the role chunks) and each chunk its own ids."""
+        first = idx not in text_offsets
+        prompt = idx // p.num_choices
+        echo = self._echo(p, run, prompt) if first else None
+        token_ids = c.token_ids if p.return_token_ids else None
+        if not c.text and not c.finish_reason and p.logprobs is None and echo is None and not token_ids:
             return None              # text held back (a partial character or a possible stop string)
         fingerprint = fmt.fingerprint([c.replica_id])
         if p.kind is RequestKind.CHAT:
             lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
-            return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage)
+            return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
+                                  token_ids=token_ids)
         offset = text_offsets.get(idx, 0)
         lps = None
         if p.logprobs is not None:
@@ -126,7 +142,8 @@ class OpenAIServing:
             offset += sum(len(t) for t in lps["tokens"])
         text_offsets[idx] = offset
         text = (echo.text if echo else "") + c.text
-        return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage)
+        return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage,
+                                    token_ids=token_ids, prompt_token_ids=_prompt_ids(p, prompt) if first else None)
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
         self.observer.finish(rs, run.record())
@@ -161,6 +178,11 @@ class _EchoGate:
         """At the end of the streams: chunks still held mean a prompt's logprobs never came (a 500)."""
         for idx in self.held:
             self.run.prompt_logprobs_of(idx // self.n)
+
+
+def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:
+    """Prompt `prompt`'s token ids when the client asked for them (return_token_ids), else None."""
+    return p.prompts[prompt] if p.return_token_ids else None
 
 
 def _span_attributes(p: PreparedRequest) -> dict[str, Any]:

@@ -61,13 +61,13 @@ def app_url(ray_serve, checkpoints):
 
 @pytest.fixture(scope="session")
 def secure_url(ray_serve, checkpoints):
-    """A second app with an API key and a tiny admission limit (1 ongoing + 1 queued)."""
+    """A second app with an API key, a tiny admission limit (1 ongoing + 1 queued) and Retry-After 3."""
     from ray import serve
 
     from app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, api_key=API_KEY, max_ongoing_requests=1,
-                     max_queued_requests=1, graceful_shutdown_timeout_s=30.0)
+                     max_queued_requests=1, graceful_shutdown_timeout_s=30.0, retry_after_s=3)
     serve.run(build_app(cfg), name=SECURE_APP, route_prefix="/secure")
     _wait_running(SECURE_APP, "LLMReplica", 1)
     return ray_serve + "/secure"

@@ -85,6 +85,22 @@ def test_logprobs(client):
     assert len(content) == 3 and all(len(c.top_logprobs) == 3 for c in content)
 
 
+def test_return_token_ids(client, lenient_client, checkpoints, hf_reference):
+    """vLLM's extension through the openai client (`extra_body`, read back from the extra fields)."""
+    prompt = [1, 415, 293, 606, 285]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = client.completions.create(**kw).choices[0]
+    assert choice.model_extra["token_ids"] == hf_reference(checkpoints["llama"], prompt, 6)
+    assert choice.model_extra["prompt_token_ids"] == prompt
+    chunks = [c.choices[0].to_dict() for c in lenient_client.completions.create(stream=True, **kw)]
+    assert [t for c in chunks for t in c["token_ids"]] == choice.model_extra["token_ids"]
+    assert chunks[0]["prompt_token_ids"] == prompt
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          extra_body={"return_token_ids": True}).to_dict()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+
+
 def test_echo_logprobs_score_the_prompt(lenient_client, checkpoints, hf_reference):
     """What lm-eval's local-completions sends (echo, logprobs=1, max_tokens=1): the prompt tokens' logprobs
     come back, the first null (as from OpenAI: the client's types say float, so the lenient client)."""

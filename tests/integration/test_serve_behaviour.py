@@ -193,7 +193,7 @@ def test_overload_returns_429_with_retry_after(secure_url):
     codes = sorted(r.status_code for r in rs)
     assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
     limited = next(r for r in rs if r.status_code == 429)
-    assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
+    assert limited.headers["retry-after"] == "3" and limited.json()["error"]["type"] == "rate_limit_error"
 
 
 def test_graceful_drain_lets_in_flight_streams_finish(secure_url):

@@ -65,6 +65,49 @@ async def test_no_replica_output_is_503_within_bound(checkpoints):
     assert asyncio.get_running_loop().time() - t < 2
 
 
+async def test_no_replica_answering_for_limits_is_a_503_not_a_hang(checkpoints):
+    """/v1/models and a first completion ask a replica for the engine's limits: none up -> a bounded 503."""
+    from app.ingress import Ingress
+
+    class NoLimits(FakeReplica):
+        async def limits(self):
+            await asyncio.sleep(3600)
+
+    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
+                                    "serve": {"first_token_timeout_s": 0.2, "retry_after_s": 7}})
+    ing = Ingress(LocalHandle(NoLimits(_tokens)), cfg.model_dump())
+    t = asyncio.get_running_loop().time()
+    for r in [await ing.http_models(_http_request(b"", None)),
+              await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi"}', None))]:
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        assert json.loads(r.body)["error"]["code"] == "replica_unavailable"
+    with pytest.raises(APIError) as e:
+        await ing.chat({"messages": [{"role": "user", "content": "x"}]})
+    assert (e.value.status_code, e.value.retry_after_s) == (503, 7)
+    assert asyncio.get_running_loop().time() - t < 2
+
+
+async def test_retry_after_is_the_configured_serve_retry_after_s(checkpoints):
+    from ray.serve.exceptions import BackPressureError
+
+    from app.http import error_response
+
+    async def silent(req):
+        await asyncio.sleep(3600)
+        yield None
+
+    ing, _ = _ingress(checkpoints, silent, retry_after_s=5)
+    overload = error_response(ing._fail(BackPressureError(num_queued_requests=3, max_queued_requests=2), "/x"))
+    assert overload.status_code == 429 and overload.headers["retry-after"] == "5"
+    r = await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi", "max_tokens": 2}', None))
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"          # no output within the timeout
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "max_tokens": 2})
+    assert e.value.retry_after_s == 5
+    bad = error_response(ing._fail(APIError("bad", 400), "/x"))
+    assert bad.status_code == 400 and "retry-after" not in bad.headers
+
+
 async def test_failure_after_stream_started_is_an_sse_error_then_done(checkpoints):
     from app.http import sse
 

@@ -93,3 +93,24 @@ def test_stream_chunks():
         "index": 2, "text": "x", "finish_reason": "length", "logprobs": {"tokens": []}}
     u = fmt.usage_chunk(META, "chat.completion.chunk", fmt.usage(1, 2, 0))
     assert u["choices"] == [] and oai_chat.ChatCompletionChunk.model_validate(u).usage.total_tokens == 3
+
+
+def test_return_token_ids_fields_where_vllm_puts_them_and_read_by_the_openai_types():
+    """Completions: both on each choice (streamed: prompt ids on a choice's first chunk). Chat: prompt ids on
+    the body (streamed: the role chunks), generated ids on each choice. Absent unless given."""
+    c = fmt.completion_response(META, [fmt.Choice("x", "length", None, token_ids=[22], prompt_token_ids=[1, 2])],
+                                fmt.usage(2, 1, 0), "r", token_str)
+    parsed = oai.Completion.model_validate(c).choices[0]
+    assert parsed.model_extra == {"token_ids": [22], "prompt_token_ids": [1, 2]}
+    chat = fmt.chat_response(META, [fmt.Choice("x", "stop", None, token_ids=[22])], fmt.usage(2, 1, 0), "r",
+                             token_str, prompt_token_ids=[1, 2])
+    parsed = oai_chat.ChatCompletion.model_validate(chat)
+    assert parsed.model_extra == {"prompt_token_ids": [1, 2]} and parsed.choices[0].model_extra == {"token_ids": [22]}
+    chunk = fmt.completion_chunk(META, 0, "", None, None, "r", False, token_ids=[22], prompt_token_ids=[1, 2])
+    assert (chunk["choices"][0]["token_ids"], chunk["choices"][0]["prompt_token_ids"]) == ([22], [1, 2])
+    assert fmt.chat_chunk(META, 0, "x", None, None, "r", False, token_ids=[5])["choices"][0]["token_ids"] == [5]
+    assert fmt.chat_role_chunk(META, 0, [1, 2])["prompt_token_ids"] == [1, 2]
+    plain = [fmt.completion_chunk(META, 0, "x", None, None, "r", False)["choices"][0],
+             fmt.chat_chunk(META, 0, "x", None, None, "r", False)["choices"][0], fmt.chat_role_chunk(META, 0),
+             fmt.chat_response(META, [fmt.Choice("x", "stop", None)], fmt.usage(1, 1, 0), "r", token_str)]
+    assert not any({"token_ids", "prompt_token_ids"} & set(d) for d in plain)
