@@ -145,7 +145,7 @@ class RouterCounters:
     actual_cached_tokens: int = 0
     num_accuracy_samples: int = 0
     num_resyncs: int = 0                     # replicas dropped for a gap, epoch change or clear
-    num_index_entries: int = 0               # (block hash, replica) pairs held now
+    num_index_entries: int = 0               # block hashes indexed now (<= max_index_entries)
     num_index_evictions: int = 0             # entries dropped by the memory bound
     prefill_tokens_per_s: float = 0.0        # the calibrated prefill rate now
     decode_step_s: float = 0.0               # the calibrated per-running-request cost now

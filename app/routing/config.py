@@ -12,7 +12,7 @@ class AffinityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # -- index
-    max_index_entries: int = Field(1_000_000, ge=1, description="(block hash, replica) pairs kept; LRU beyond")
+    max_index_entries: int = Field(1_000_000, ge=1, description="block hashes indexed; LRU beyond")
     speculative_ttl_s: float = Field(10.0, gt=0, description="a routed prompt's blocks count as held this long "
                                      "unless a BlockStored confirms them")
     # -- TTFT model (seeds; calibrated online from observed TTFTs)

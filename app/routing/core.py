@@ -1,58 +1,197 @@
-"""PrefixAffinityRouterCore: the facade over PrefixIndex + AffinityPolicy that a router shell or simulator drives."""
+"""PrefixAffinityRouterCore: the facade over PrefixIndex, LoadTracker and AffinityPolicy that a shell drives."""
 from __future__ import annotations
 
+import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (Decision, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView, RouterCounters,
-                             RouteRequest)
-from app.routing.config import AffinityConfig
+from app.routing.api import (Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo, ReplicaLoadView, RouterCore,
+                             RouterCounters, RouteRequest)
+from app.routing.config import AffinityConfig, RoutingPolicyName
+from app.routing.load import LoadTracker, TTFTModel
+from app.routing.policy import AffinityPolicy, CandidateState
+from app.routing.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
 
 
 class PrefixAffinityRouterCore:
     """The prefix-affinity policy (implements api.RouterCore; see its method contracts).
 
-    `block_size` must be the engines' KV block size (the hashes in RouteRequest are per full block of it).
-    `clock` returns seconds (monotonic); `rng` breaks near-ties. Both injectable for simulators and tests.
+    `block_size` must be the engines' KV block size (RouteRequest carries one hash per full block of it).
+    `clock` returns seconds (monotonic) and drives TTLs, windows and the TTFT calibration; `rng` breaks
+    near-ties. Both injectable for simulators and tests. `decision_time_s` is always wall time
+    (time.perf_counter), whatever the clock.
     """
 
     def __init__(self, config: AffinityConfig, block_size: int,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
-        raise NotImplementedError
+        self.config = config
+        self.block_size = block_size
+        self.clock = clock
+        self.rng = rng if rng is not None else random.Random(0)
+        self.index = PrefixIndex(config.max_index_entries, config.speculative_ttl_s)
+        self.loads = LoadTracker(config.max_in_flight_age_s)
+        self.model = TTFTModel(config)
+        self.policy = AffinityPolicy(config, block_size, self.model, self.rng)
+        self._nodes: dict[str, str | None] = {}
+        self._decisions: deque[Decision] = deque(maxlen=config.recent_decisions)
+        self._counters = RouterCounters()
 
+    # ------------------------------------------------------------ membership, stats, events
     def set_replicas(self, replicas: list[ReplicaInfo]) -> None:
-        raise NotImplementedError
+        new = {r.replica_id: r.node_id for r in replicas}
+        for rid in [r for r in self._nodes if r not in new]:
+            self.index.remove_replica(rid)
+            self.loads.remove_replica(rid)
+        for rid in new:
+            self.index.add_replica(rid)
+            self.loads.add_replica(rid)
+        self._nodes = new
 
     def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
-        raise NotImplementedError
+        self.loads.set_stats(replica_id, load)
 
     def on_kv_events(self, batch: KVEventBatch) -> bool:
-        raise NotImplementedError
+        return self.index.apply_events(batch)
 
     def replicas_needing_snapshot(self) -> list[str]:
-        raise NotImplementedError
+        return self.index.replicas_needing_snapshot()
 
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
-        raise NotImplementedError
+        self.index.apply_snapshot(snapshot)
 
+    # ------------------------------------------------------------ routing
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
-        raise NotImplementedError
+        start = time.perf_counter()
+        try:
+            decision = self._route(request, candidate_ids, start)
+        except Exception:
+            logger.exception("routing %s failed; falling back to load-only ranking", request.request_id)
+            self._counters.num_errors += 1
+            decision = self._fallback(request, candidate_ids, start)
+        self._record(decision)
+        return decision
 
+    def _route(self, request: RouteRequest, candidate_ids: list[str], start: float) -> Decision:
+        now = self.clock()
+        self.index.expire(now)
+        self.loads.expire(now)
+        self.policy.groups.expire(now)
+        for rid in candidate_ids:
+            if rid not in self._nodes:           # a replica Serve knows before set_replicas told us
+                self._add_member(rid)
+        matched = self.index.match(request.block_hashes, candidate_ids)
+        cands = [self._candidate(rid, matched.get(rid, 0)) for rid in candidate_ids]
+        held_elsewhere = (not matched and bool(request.block_hashes)
+                          and self.index.holds_any(request.block_hashes[0]))
+        result = self.policy.decide(request, cands, held_elsewhere, now)
+        chosen = cands[result.chosen_index]
+        score = result.scores[result.chosen_index]
+        self.loads.add(request.request_id, chosen.replica_id,
+                       uncached_tokens=request.num_prompt_tokens - score.predicted_cached_tokens,
+                       predicted_cached_tokens=score.predicted_cached_tokens,
+                       num_prompt_tokens=request.num_prompt_tokens, block_hashes=request.block_hashes, now=now)
+        self.index.insert_speculative(chosen.replica_id, request.block_hashes[chosen.matched_blocks:], now)
+        return Decision(request.request_id, result.ranked, chosen.replica_id, result.reason, result.scores,
+                        time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
+
+    def _candidate(self, replica_id: str, matched_blocks: int) -> CandidateState:
+        load = self.loads.get(replica_id)
+        stats = load.stats
+        if stats.num_blocks:
+            occupancy = min(1.0, self.index.num_held(replica_id) / stats.num_blocks)
+        else:
+            occupancy = stats.kv_cache_usage
+        return CandidateState(replica_id, self._nodes.get(replica_id), matched_blocks, load.queued_prefill_tokens,
+                              load.decode_load, stats.kv_cache_usage, occupancy)
+
+    def _fallback(self, request: RouteRequest, candidate_ids: list[str], start: float) -> Decision:
+        """Load-only ranking that cannot fail on bad state: least queued prefill, random among equals."""
+        ids = list(candidate_ids)
+        self.rng.shuffle(ids)
+        try:
+            ids.sort(key=lambda rid: (self.loads.get(rid).queued_prefill_tokens, self.loads.get(rid).decode_load))
+            if ids:
+                self.loads.add(request.request_id, ids[0], uncached_tokens=request.num_prompt_tokens,
+                               predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
+                               block_hashes=request.block_hashes, now=self.clock())
+        except Exception:
+            logger.exception("load-only fallback ranking failed too; candidates in random order")
+        return Decision(request.request_id, ids, ids[0] if ids else "", Reason.FALLBACK, [],
+                        time.perf_counter() - start)
+
+    def _record(self, decision: Decision) -> None:
+        c = self._counters
+        c.num_decisions += 1
+        c.num_by_reason[decision.reason] = c.num_by_reason.get(decision.reason, 0) + 1
+        if self._decisions.maxlen:
+            self._decisions.append(decision)
+
+    def _add_member(self, replica_id: str) -> None:
+        self._nodes[replica_id] = None
+        self.index.add_replica(replica_id)
+        self.loads.add_replica(replica_id)
+
+    # ------------------------------------------------------------ request lifecycle
     def on_routed(self, request_id: str, replica_id: str) -> None:
-        raise NotImplementedError
+        f = self.loads.in_flight(request_id)
+        if f is None or f.replica_id == replica_id:
+            return
+        if replica_id not in self._nodes:
+            self._add_member(replica_id)
+        now = self.clock()
+        matched = self.index.match(f.block_hashes, [replica_id]).get(replica_id, 0)
+        cached = min(matched, max(0, f.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        self.loads.move(request_id, replica_id, uncached_tokens=f.num_prompt_tokens - cached,
+                        predicted_cached_tokens=cached, now=now)
+        self.index.insert_speculative(replica_id, f.block_hashes[matched:], now)
+        self._counters.num_rerouted += 1
 
     def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
-        raise NotImplementedError
+        if num_cached_tokens is not None:
+            self.on_actual_cached(request_id, num_cached_tokens)
+        f = self.loads.start(request_id)
+        if f is None:
+            return
+        ttft = self.clock() - f.routed_at
+        uncached = f.uncached_tokens if num_cached_tokens is None else f.num_prompt_tokens - num_cached_tokens
+        self.model.observe(f.work_ahead_tokens + uncached, f.running_ahead, ttft)
 
     def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
-        raise NotImplementedError
+        f = self.loads.in_flight(request_id)
+        if f is None:
+            return
+        c = self._counters
+        c.predicted_cached_tokens += f.predicted_cached_tokens
+        c.actual_cached_tokens += num_cached_tokens
+        c.num_accuracy_samples += 1
 
     def on_finished(self, request_id: str) -> None:
-        raise NotImplementedError
+        self.loads.finish(request_id)
 
+    # ------------------------------------------------------------ inspection
     def recent_decisions(self, n: int) -> list[Decision]:
-        raise NotImplementedError
+        return list(self._decisions)[-n:] if n > 0 else []
 
     def counters(self) -> RouterCounters:
-        raise NotImplementedError
+        c = self._counters
+        return RouterCounters(
+            c.num_decisions, dict(c.num_by_reason), c.num_errors, c.num_rerouted, c.predicted_cached_tokens,
+            c.actual_cached_tokens, c.num_accuracy_samples, self.index.num_resyncs, self.index.num_entries,
+            self.index.num_evictions, self.model.prefill_tokens_per_s, self.model.decode_step_s)
+
+
+def make_core(policy: RoutingPolicyName, config: AffinityConfig, block_size: int,
+              clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> RouterCore:
+    """The core for `routing.policy`: prefix_affinity | power_of_two | round_robin."""
+    from app.routing.baselines import PowerOfTwoCore, RoundRobinCore
+    if policy == "prefix_affinity":
+        return PrefixAffinityRouterCore(config, block_size, clock, rng)
+    if policy == "power_of_two":
+        return PowerOfTwoCore(config, clock, rng)
+    if policy == "round_robin":
+        return RoundRobinCore(config, clock, rng)
+    raise ValueError(f"unknown routing policy {policy!r}")

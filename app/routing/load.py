@@ -1,0 +1,214 @@
+"""Per-replica load as the router sees it (stats snapshot + its own in-flight requests) and the TTFT model.
+
+`LoadTracker` answers "how much uncached prefill is queued on replica r, and how many requests decode
+there" between stats polls: the replica's latest snapshot, minus this router's requests that were counted
+in it and have since started (or finished), plus this router's requests sent after it. All updates are O(1).
+
+`TTFTModel` predicts TTFT = work / prefill_rate + running x step_cost + KV-pressure penalty, and fits the
+first two online from observed TTFTs (ridge regression towards the configured priors, exponentially
+forgetting old samples), so the rate is measured, not assumed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from app.routing.api import BlockHash, ReplicaLoadView
+from app.routing.config import AffinityConfig
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One request this router sent and has not seen finish."""
+
+    replica_id: str
+    uncached_tokens: int
+    predicted_cached_tokens: int
+    num_prompt_tokens: int
+    block_hashes: list[BlockHash]
+    routed_at: float
+    generation: int            # the replica's stats generation when sent (newer snapshots count it)
+    work_ahead_tokens: int     # queued prefill tokens ahead of it when sent (for calibration)
+    running_ahead: int
+    started: bool = False
+
+
+@dataclass(slots=True)
+class _ReplicaLoad:
+    stats: ReplicaLoadView
+    generation: int = 0
+    pending_tokens: int = 0    # uncached tokens of requests sent since the snapshot, not started
+    num_pending: int = 0       # requests sent since the snapshot, not finished
+    retired_tokens: int = 0    # tokens counted in the snapshot's queue that have started since
+    num_retired: int = 0       # requests counted in the snapshot that have finished since
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return max(0, self.stats.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
+
+    @property
+    def decode_load(self) -> int:
+        return max(0, self.stats.num_running - self.num_retired) + self.num_pending
+
+
+class LoadTracker:
+    """Replica loads plus the router's in-flight requests. Unknown ids are ignored, never errors."""
+
+    def __init__(self, max_in_flight_age_s: float) -> None:
+        self.max_in_flight_age_s = max_in_flight_age_s
+        self._loads: dict[str, _ReplicaLoad] = {}
+        self._in_flight: dict[str, InFlight] = {}
+        self._by_age: deque[tuple[float, str]] = deque()
+
+    def add_replica(self, replica_id: str) -> None:
+        self._loads.setdefault(replica_id, _ReplicaLoad(ReplicaLoadView()))
+
+    def remove_replica(self, replica_id: str) -> None:
+        self._loads.pop(replica_id, None)
+        for req_id in [r for r, f in self._in_flight.items() if f.replica_id == replica_id]:
+            del self._in_flight[req_id]
+
+    def set_stats(self, replica_id: str, stats: ReplicaLoadView) -> None:
+        load = self._loads.get(replica_id)
+        if load is None:
+            return
+        load.stats = stats
+        load.generation += 1
+        load.pending_tokens = load.num_pending = load.retired_tokens = load.num_retired = 0
+
+    # ------------------------------------------------------------ reads
+    def get(self, replica_id: str) -> _ReplicaLoad:
+        load = self._loads.get(replica_id)
+        return load if load is not None else _ReplicaLoad(ReplicaLoadView())
+
+    def in_flight(self, req_id: str) -> InFlight | None:
+        return self._in_flight.get(req_id)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------ request lifecycle
+    def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
+            num_prompt_tokens: int, block_hashes: list[BlockHash], now: float) -> None:
+        if req_id in self._in_flight:
+            self.finish(req_id)
+        load = self._loads.get(replica_id)
+        if load is None:
+            return
+        self._in_flight[req_id] = InFlight(
+            replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
+            load.generation, load.queued_prefill_tokens, load.decode_load)
+        load.pending_tokens += uncached_tokens
+        load.num_pending += 1
+        self._by_age.append((now, req_id))
+
+    def move(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
+             now: float) -> InFlight | None:
+        """The request went to another replica than recorded: re-account it there (not yet started)."""
+        f = self._in_flight.get(req_id)
+        if f is None or f.replica_id == replica_id:
+            return f
+        self.finish(req_id)
+        self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
+                 num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now)
+        return self._in_flight.get(req_id)
+
+    def start(self, req_id: str) -> InFlight | None:
+        """First token seen: the request's prefill left the replica's queue."""
+        f = self._in_flight.get(req_id)
+        if f is None or f.started:
+            return None
+        f.started = True
+        load = self._loads.get(f.replica_id)
+        if load is not None:
+            if f.generation == load.generation:
+                load.pending_tokens -= f.uncached_tokens
+            else:
+                load.retired_tokens += f.uncached_tokens
+        return f
+
+    def finish(self, req_id: str) -> InFlight | None:
+        f = self._in_flight.pop(req_id, None)
+        if f is None:
+            return None
+        load = self._loads.get(f.replica_id)
+        if load is not None:
+            if f.generation == load.generation:
+                load.num_pending -= 1
+                if not f.started:
+                    load.pending_tokens -= f.uncached_tokens
+            else:
+                load.num_retired += 1
+                if not f.started:
+                    load.retired_tokens += f.uncached_tokens
+        return f
+
+    def expire(self, now: float) -> None:
+        """Forget requests older than max_in_flight_age_s (a lost on_finished must not be load forever)."""
+        by_age, cutoff = self._by_age, now - self.max_in_flight_age_s
+        while by_age and by_age[0][0] <= cutoff:
+            routed_at, req_id = by_age.popleft()
+            f = self._in_flight.get(req_id)
+            if f is not None and f.routed_at == routed_at:
+                self.finish(req_id)
+
+
+class TTFTModel:
+    """TTFT(work, running, kv) = work/rate + running*step + kv_penalty, with rate and step fitted online.
+
+    The fit is in prior-normalised units: z1 = work/rate0, z2 = running*step0 (both seconds), y = observed
+    TTFT ~ a*z1 + b*z2, ridge towards a = b = 1 with the prior worth `prior_weight` average samples, old
+    samples halving in weight every `half_life` samples. rate = rate0/a, step = step0*b, each clamped to
+    [1/20, 20] x its prior so one odd sample cannot zero or explode it.
+    """
+
+    def __init__(self, config: AffinityConfig) -> None:
+        self.rate0 = config.prefill_tokens_per_s
+        self.step0 = config.decode_step_s
+        self.calibrate = config.calibrate
+        self.decay = 0.5 ** (1.0 / config.calibration_half_life)
+        self.prior_weight = config.calibration_prior_weight
+        self.kv_threshold = config.kv_pressure_threshold
+        self.kv_penalty_s = config.kv_pressure_penalty_s
+        self.prefill_tokens_per_s = self.rate0
+        self.decode_step_s = self.step0
+        self.num_samples = 0
+        self._w = self._s11 = self._s12 = self._s22 = self._s1y = self._s2y = 0.0
+
+    def predict(self, work_tokens: int, running: int, kv_usage: float) -> float:
+        ttft = work_tokens / self.prefill_tokens_per_s + running * self.decode_step_s
+        if kv_usage > self.kv_threshold and self.kv_threshold < 1.0:
+            ttft += self.kv_penalty_s * min(1.0, (kv_usage - self.kv_threshold) / (1.0 - self.kv_threshold))
+        return ttft
+
+    def observe(self, work_tokens: int, running: int, ttft_s: float) -> None:
+        """One request's TTFT with the prefill work (queued ahead + its own uncached) and running load."""
+        if not self.calibrate or ttft_s <= 0:
+            return
+        z1 = work_tokens / self.rate0
+        z2 = running * self.step0
+        if z1 + z2 <= 1e-6:
+            return                       # nothing to learn from a free request (fully cached, idle)
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._s11 = self._s11 * d + z1 * z1
+        self._s12 = self._s12 * d + z1 * z2
+        self._s22 = self._s22 * d + z2 * z2
+        self._s1y = self._s1y * d + z1 * ttft_s
+        self._s2y = self._s2y * d + z2 * ttft_s
+        self.num_samples += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        lam1 = self.prior_weight * self._s11 / self._w + 1e-12
+        lam2 = self.prior_weight * self._s22 / self._w + 1e-12
+        a11, a12, a22 = self._s11 + lam1, self._s12, self._s22 + lam2
+        b1, b2 = self._s1y + lam1, self._s2y + lam2
+        det = a11 * a22 - a12 * a12
+        if det <= 0:
+            return
+        a = min(20.0, max(0.05, (b1 * a22 - b2 * a12) / det))
+        b = min(20.0, max(0.05, (a11 * b2 - a12 * b1) / det))
+        self.prefill_tokens_per_s = self.rate0 / a
+        self.decode_step_s = self.step0 * b

@@ -1,0 +1,172 @@
+"""AffinityPolicy: ranks candidates by predicted TTFT, with prefix affinity as a constraint a request releases.
+
+The rule (README "Routing core API" writes it out with the defaults):
+  1. Per candidate: cached = matched blocks x block size (at most the prompt's full blocks before its last
+     token), uncached = prompt - cached, TTFT = TTFTModel(queued + uncached, decode load, KV usage).
+  2. No candidate holds any block: SPILL (some non-candidate holds it) or NEW_GROUP, placed by TTFT plus a
+     cache-room charge (occupancy x new_group_room_weight_s).
+  3. The prompt's prefix group (its first K block hashes) is hot, i.e. its demand over the window needs
+     k > 1 replicas' prefill capacity: while fewer than k candidates hold the group, the best TTFT of all
+     (so new holders join), else the best TTFT among the holders: HOT_REPLICA, released as in 4.
+  4. Otherwise the affinity replica A (most predicted cached tokens, ties by TTFT) is kept while
+     TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s: AFFINITY; else RELEASED to
+     the best TTFT.
+Scores within tie_tolerance_s of the best count as tied: a random one, the caller's node first.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from app.routing.api import BlockHash, CandidateScore, Reason, RouteRequest
+from app.routing.config import AffinityConfig
+from app.routing.load import TTFTModel
+
+
+@dataclass(slots=True)
+class CandidateState:
+    """What the policy knows about one candidate for one request."""
+
+    replica_id: str
+    node_id: str | None
+    matched_blocks: int
+    queued_prefill_tokens: int
+    decode_load: int
+    kv_usage: float
+    occupancy: float              # share of its KV pool the index sees filled (0-1); new-group placement
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    ranked: list[str]
+    chosen_index: int
+    reason: Reason
+    scores: list[CandidateScore]
+    affinity_replica_id: str | None
+    num_hot_replicas: int
+
+
+class HotGroups:
+    """Per prefix-group demand (prefill-token equivalents) over a sliding window; O(1) amortized."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._sums: dict[BlockHash, float] = {}
+        self._events: deque[tuple[float, BlockHash, float]] = deque()
+        self._first_time: float | None = None
+
+    def expire(self, now: float) -> None:
+        events, cutoff = self._events, now - self.window_s
+        while events and events[0][0] <= cutoff:
+            _, key, work = events.popleft()
+            left = self._sums[key] - work
+            if left <= 1e-9:
+                del self._sums[key]
+            else:
+                self._sums[key] = left
+
+    def record(self, key: BlockHash, work_tokens: float, now: float) -> None:
+        if self._first_time is None:
+            self._first_time = now
+        self._sums[key] = self._sums.get(key, 0.0) + work_tokens
+        self._events.append((now, key, work_tokens))
+
+    def demand_tokens_per_s(self, key: BlockHash, now: float) -> float:
+        """Window demand; while the router is younger than the window, over its age (at least 1 s)."""
+        total = self._sums.get(key, 0.0)
+        if not total or self._first_time is None:
+            return 0.0
+        return total / max(1.0, min(self.window_s, now - self._first_time))
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+
+class AffinityPolicy:
+    """Pure decision logic over CandidateStates (no index, no clocks of its own)."""
+
+    def __init__(self, config: AffinityConfig, block_size: int, model: TTFTModel, rng: random.Random) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.model = model
+        self.rng = rng
+        self.groups = HotGroups(config.hot_window_s)
+
+    def group_key(self, request: RouteRequest) -> BlockHash | None:
+        hashes = request.block_hashes
+        return hashes[min(self.config.group_blocks, len(hashes)) - 1] if hashes else None
+
+    def decide(self, request: RouteRequest, cands: list[CandidateState], held_elsewhere: bool,
+               now: float) -> PolicyResult:
+        cfg, bs = self.config, self.block_size
+        max_blocks = max(0, request.num_prompt_tokens - 1) // bs
+        cached = [min(c.matched_blocks, max_blocks) * bs for c in cands]
+        ttft = [self.model.predict(c.queued_prefill_tokens + request.num_prompt_tokens - cached[i],
+                                   c.decode_load, c.kv_usage) for i, c in enumerate(cands)]
+        everyone = range(len(cands))
+        holders = [i for i in everyone if cands[i].matched_blocks >= cfg.min_affinity_blocks]
+        key = self.group_key(request)
+        k = self._hot_k(key, len(cands), now)
+        affinity: int | None = None
+        if not holders:
+            if held_elsewhere:
+                chosen, reason = self._pick(everyone, ttft, cands, request), Reason.SPILL
+            else:
+                room = [t + cfg.new_group_room_weight_s * c.occupancy for t, c in zip(ttft, cands)]
+                chosen, reason = self._pick(everyone, room, cands, request), Reason.NEW_GROUP
+        elif k > 1:
+            group_len = min(cfg.group_blocks, len(request.block_hashes))
+            group = [i for i in holders if cands[i].matched_blocks >= group_len]
+            if len(group) < k:
+                chosen, reason = self._pick(everyone, ttft, cands, request), Reason.HOT_REPLICA
+            else:
+                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA)
+        else:
+            most = max(cached[i] for i in holders)
+            affinity = self._pick([i for i in holders if cached[i] == most], ttft, cands, request)
+            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY)
+        if key is not None:
+            work = request.num_prompt_tokens - cached[chosen] + cfg.decode_token_weight * request.max_tokens
+            self.groups.record(key, work, now)
+        return self._result(cands, cached, ttft, chosen, reason, affinity, k)
+
+    def _hot_k(self, key: BlockHash | None, num_cands: int, now: float) -> int:
+        if key is None:
+            return 1
+        capacity = self.model.prefill_tokens_per_s * self.config.hot_target_utilization
+        k = math.ceil(self.groups.demand_tokens_per_s(key, now) / capacity)
+        return max(1, min(num_cands, k))
+
+    def _pick_released(self, pool: list[int], ttft: list[float], cands: list[CandidateState],
+                       request: RouteRequest, reason: Reason) -> tuple[int, Reason]:
+        """Best of `pool` unless a replica outside it beats it by more than the release slack."""
+        cfg = self.config
+        best_in = self._pick(pool, ttft, cands, request)
+        inside = set(pool)
+        outside = [i for i in range(len(cands)) if i not in inside]
+        if not outside:
+            return best_in, reason
+        best_out = min(ttft[i] for i in outside)
+        if ttft[best_in] <= best_out * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s:
+            return best_in, reason
+        return self._pick(outside, ttft, cands, request), Reason.RELEASED
+
+    def _pick(self, pool, score: list[float], cands: list[CandidateState], request: RouteRequest) -> int:
+        """Lowest score in `pool`; near-ties to the caller's node, then at random."""
+        best = min(score[i] for i in pool)
+        tied = [i for i in pool if score[i] <= best + self.config.tie_tolerance_s]
+        if len(tied) > 1 and request.caller_node_id is not None:
+            local = [i for i in tied if cands[i].node_id == request.caller_node_id]
+            tied = local or tied
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def _result(self, cands: list[CandidateState], cached: list[int], ttft: list[float], chosen: int,
+                reason: Reason, affinity: int | None, k: int) -> PolicyResult:
+        order = sorted(range(len(cands)), key=ttft.__getitem__)
+        ranked = [cands[chosen].replica_id] + [cands[i].replica_id for i in order if i != chosen]
+        scores = [CandidateScore(c.replica_id, cached[i], ttft[i], c.queued_prefill_tokens, c.decode_load,
+                                 c.kv_usage) for i, c in enumerate(cands)]
+        return PolicyResult(ranked, chosen, reason, scores,
+                            cands[affinity].replica_id if affinity is not None else None, k)
