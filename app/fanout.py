@@ -22,8 +22,9 @@ def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[Genera
     """One GenerateRequest per prompt, each keyed by a fresh id: a client's x-request-id may be reused
     (by retries, proxies, or concurrent calls), so it only labels logs and spans."""
     now = time.time()
-    return [GenerateRequest(uuid.uuid4().hex, ids, p.params, p.priority, p.cache_salt, carrier, now, p.request_id)
-            for ids in p.prompts]
+    hashes = p.block_hashes or [None] * len(p.prompts)
+    return [GenerateRequest(uuid.uuid4().hex, ids, p.params, p.priority, p.cache_salt, carrier, now, p.request_id,
+                            h) for ids, h in zip(p.prompts, hashes)]
 
 
 async def merged_chunks(replica: Any, reqs: list[GenerateRequest],

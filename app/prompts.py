@@ -14,6 +14,7 @@ from app.errors import APIError
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
 from engine.errors import InvalidRequestError
+from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,8 @@ class PreparedRequest:
     priority: int
     cache_salt: str | None
     return_token_ids: bool = False    # vLLM's extension: prompt and generated token ids in the response
+    #: each prompt's full-block hashes, as the engine computes them (None: the replica's block size is unknown)
+    block_hashes: list[list[BlockHash]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -81,7 +84,17 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,
                            getattr(req, "prompt_logprobs", None), echo, max_tokens == 0,
                            bool(req.stream_options and req.stream_options.include_usage), req.priority,
-                           req.cache_salt, req.return_token_ids)
+                           req.cache_salt, req.return_token_ids,
+                           prompt_block_hashes(prompts, limits.block_size, req.cache_salt))
+
+
+def prompt_block_hashes(prompts: list[list[int]], block_size: int | None,
+                        cache_salt: str | None) -> list[list[BlockHash]] | None:
+    """The engine's block hashes of each prompt, computed once here: the router matches them against the
+    replicas' caches and the replica's engine uses them instead of hashing the prompt again."""
+    if block_size is None:
+        return None
+    return [hash_block_chain(ids, block_size, cache_salt) for ids in prompts]
 
 
 def _resolve_max_tokens(kind: RequestKind, max_tokens: int | None, echo: bool, limits: EngineLimits,

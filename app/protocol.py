@@ -122,6 +122,9 @@ class GenerateRequest:
     trace_context: dict[str, str] = field(default_factory=dict)
     arrival_time: float = 0.0
     client_request_id: str | None = None
+    #: the prompt's full-block hashes (engine.hashing.hash_block_chain, the engine's block size and this
+    #: cache_salt), computed once at the ingress for routing; the engine uses them instead of rehashing
+    block_hashes: list[bytes] | None = None
 
 
 @dataclass(slots=True)

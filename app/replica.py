@@ -1,7 +1,9 @@
 """LLMReplica: one AsyncLLMEngine per Serve replica; streaming generate, published limits, stats for
-routing/autoscaling, health (dead or wedged step loop). Serve options are set by builder.py, not here.
+routing/autoscaling, the KV event feed routers pull, health (dead or wedged step loop). Serve options are
+set by builder.py, not here.
 
-Reads the engine only through its thread-safe surface: `limits`, `load()`, `health()`.
+Reads the engine only through its thread-safe surface: `limits`, `load()`, `health()`, `kv_events_since()`,
+`kv_snapshot()`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from app.protocol import GenerateRequest, ReplicaChunk
 from app.stats import ReplicaStats
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits, tune_gc_for_serving
 from engine.errors import EngineDeadError
+from engine.types import KVCacheSnapshot, KVEventsReply
 from observability import names
 
 logger = logging.getLogger("affinity.replica")
@@ -29,6 +32,13 @@ def _replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:6]}"
 
 
+def serving_engine_config(engine_config: dict[str, Any]) -> EngineConfig:
+    """The engine config a serving replica runs: the given one with KV cache events on, which the
+    prefix-affinity router needs (they cost a list append per completed block; unread ones are bounded)."""
+    cache = {**engine_config.get("cache", {}), "enable_kv_cache_events": True}
+    return EngineConfig.model_validate({**engine_config, "cache": cache})
+
+
 class LLMReplica:
     """Takes its engine as configuration; can be built synchronously in tests without Serve."""
 
@@ -40,7 +50,7 @@ class LLMReplica:
         obs = observability or {}
         configure_json_logging(obs.get("log_level", "INFO"))
         drop_serve_duplicate_logs()
-        self.engine = AsyncLLMEngine.from_config(EngineConfig.model_validate(engine_config))
+        self.engine = AsyncLLMEngine.from_config(serving_engine_config(engine_config))
         # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
         # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.
         tune_gc_for_serving()
@@ -48,7 +58,6 @@ class LLMReplica:
                                       obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),
                                       prometheus=False).tracer
         self.replica_id = _replica_id()
-        self.boot_id = uuid.uuid4().hex[:8]        # changes when the replica (and its cache) restarts
         self.wedge_timeout_s = wedge_timeout_s
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
@@ -66,7 +75,8 @@ class LLMReplica:
                                       attributes={"replica": self.replica_id, **ids})
         try:
             gen = self.engine.generate(req.prompt_token_ids, req.params, req.request_id, priority=req.priority,
-                                       cache_salt=req.cache_salt, trace_context=req.trace_context or None)
+                                       cache_salt=req.cache_salt, trace_context=req.trace_context or None,
+                                       block_hashes=req.block_hashes)
             async for d in gen:
                 now = time.monotonic()
                 if first_token is None and d.token_ids:
@@ -103,7 +113,20 @@ class LLMReplica:
         return self.engine.limits
 
     def stats(self) -> ReplicaStats:
-        return ReplicaStats.from_load(self.engine.load(), self.boot_id)
+        return ReplicaStats.from_load(self.engine.load())
+
+    # ------------------------------------------------------------------ KV event feed (pulled by routers)
+    async def kv_events_since(self, next_seq: int, epoch: str | None = None) -> KVEventsReply:
+        """The engine's KV events numbered `next_seq` on (at most 10,000); see `KVEventsReply`.
+
+        Routers pull this on a timer, off the request path, never through `record_routing_stats` (a change
+        there rebroadcasts every replica's stats to every handle).
+        """
+        return self.engine.kv_events_since(next_seq, epoch)
+
+    async def kv_snapshot(self) -> KVCacheSnapshot:
+        """Every cached block hash, with the event number to follow on from (taken between steps)."""
+        return await self.engine.kv_snapshot()
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:

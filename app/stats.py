@@ -28,9 +28,11 @@ class ReplicaStats:
     recent_prefix_cache_queries: int = 0    # over the engine's sliding window of recent admissions
     recent_prefix_cache_hits: int = 0
     cache_epoch: str = ""                   # "<boot id>:<reset count>": changes when the cache was emptied
+    #                                         (the epoch of the replica's KV events too)
+    num_blocks: int = 0                     # KV pool size in blocks (fixed; lets routers weigh cache room)
 
     @classmethod
-    def from_load(cls, load: EngineLoad, boot_id: str) -> ReplicaStats:
+    def from_load(cls, load: EngineLoad) -> ReplicaStats:
         return cls(num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
                    kv_cache_usage=round(load.kv_cache_usage, 4),
                    num_queued_prefill_tokens=load.num_queued_prefill_tokens,
@@ -38,7 +40,7 @@ class ReplicaStats:
                    prefix_cache_hits=load.prefix_cache_hits_total,
                    recent_prefix_cache_queries=load.recent_prefix_cache_queries,
                    recent_prefix_cache_hits=load.recent_prefix_cache_hits,
-                   cache_epoch=f"{boot_id}:{load.cache_epoch}")
+                   cache_epoch=load.cache_epoch, num_blocks=load.num_blocks)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaStats:

@@ -4,7 +4,7 @@
 the scheduler and the block hashes stay importable without torch.
 
 The public surface is `__all__` plus the torch-free modules in `PUBLIC_MODULES` (boundary types, errors,
-limits, sampling parameters, configuration). Code outside the engine (app/, autoscale/, observability/)
+limits, block hashes, sampling parameters, configuration). Code outside the engine (app/, autoscale/, observability/)
 imports nothing else from it; tests/unit/test_dependency_direction.py keeps that true.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from engine.models.checkpoint import resolve_context_length, validate_checkpoint
     from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
 
-PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.limits", "engine.sampling_params", "engine.types")
+PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.hashing", "engine.limits", "engine.sampling_params",
+                  "engine.types")
 
 _LAZY = {
     "LLM": "engine.llm",

@@ -2,24 +2,28 @@
 
 Adds and aborts are queued and applied by the loop between steps; each step runs in a worker thread so
 the event loop (HTTP, Ray Serve) stays responsive while the model computes. Callers read the engine only
-through `limits`, `load()` and `health()`: immutable values, the snapshots rebuilt by the loop between
-steps, so nobody reads scheduler structures while the step thread mutates them.
+through `limits`, `load()`, `health()` and the KV event feed (`kv_events_since`, `kv_snapshot`): immutable
+values, snapshots and events the loop takes between steps, so nobody reads scheduler structures while the
+step thread mutates them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from engine.kv_events import KVEventLog
 from engine.limits import EngineLimits, check_request
 from engine.llm_engine import LLMEngine, Prompt, StepError
 from engine.outputs import StreamDelta
 from engine.sampling_params import SamplingParams
+from engine.types import KVCacheSnapshot, KVEventsReply
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ class EngineLoad:
     prefix_cache_hits_total: int
     recent_prefix_cache_queries: int      # over the scheduler's sliding window of recent admissions
     recent_prefix_cache_hits: int
-    cache_epoch: int                      # bumped by every prefix-cache reset
+    cache_epoch: str                      # "<boot id>:<resets>": changes on restart and on every cache reset
     timestamp: float                      # time.monotonic() when the snapshot was taken
 
 
@@ -90,6 +94,11 @@ class AsyncLLMEngine:
         self.num_steps = 0
         self._step_lock = asyncio.Lock()        # held while a step runs; reset_prefix_cache waits for it
         self._limits = engine.limits            # fixed once the engine is built
+        #: names this engine's life in cache epochs: a restarted engine's events never pass for this one's
+        self.boot_id = uuid.uuid4().hex[:8]
+        cache = engine.config.cache
+        self._kv_events_enabled = cache.enable_kv_cache_events
+        self._kv_events = KVEventLog(self._cache_epoch(), cache.kv_event_buffer_blocks)
         self._load = self._snapshot_load()
 
     @classmethod
@@ -124,7 +133,7 @@ class AsyncLLMEngine:
         """Stream deltas for one request. Validation errors raise before anything is queued.
 
         Closing or cancelling the consumer aborts the request; its KV blocks are freed by the next step.
-        kwargs: priority, cache_salt, trace_context.
+        kwargs: priority, cache_salt, trace_context, block_hashes (see LLMEngine.add_request).
         """
         self._ensure_alive()
         params = params or SamplingParams()
@@ -167,11 +176,36 @@ class AsyncLLMEngine:
             raise EngineDeadError(reason)
 
     async def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block (False when blocks are in use); runs between steps."""
+        """Drop every cached prefix block (False when blocks are in use); runs between steps.
+
+        Success starts a new cache epoch, whose first KV event is AllBlocksCleared.
+        """
         async with self._step_lock:
+            self._collect_kv_events()           # the old epoch's last events, if any were left
             ok = self.engine.reset_prefix_cache()
+            self._collect_kv_events()
             self._load = self._snapshot_load()
         return ok
+
+    def kv_events_since(self, next_seq: int, epoch: str | None = None,
+                        max_events: int | None = 10_000) -> KVEventsReply:
+        """KV events numbered `next_seq` on, as the step loop collected them (call on the engine's loop).
+
+        `epoch` is the epoch of the asker's view (None: not checked). `snapshot_required` in the reply
+        means the asker cannot follow on (see KVEventsReply): take `kv_snapshot()`. Raises EngineError
+        when the engine records no events (cache.enable_kv_cache_events is off).
+        """
+        if not self._kv_events_enabled:
+            raise EngineError("this engine records no KV events: set cache.enable_kv_cache_events")
+        return self._kv_events.since(next_seq, epoch, max_events)
+
+    async def kv_snapshot(self) -> KVCacheSnapshot:
+        """Every block hash in the prefix cache and the event number to follow on from, taken between
+        steps, so `block_hashes` plus events `next_seq`.. of the same epoch is exact."""
+        async with self._step_lock:
+            self._collect_kv_events()
+            log = self._kv_events
+            return KVCacheSnapshot(log.epoch, log.next_seq, list(self.engine.kv_cache_manager.pool.cached))
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -211,6 +245,14 @@ class AsyncLLMEngine:
         if adds or aborts:
             self._load = self._snapshot_load()
 
+    def _cache_epoch(self) -> str:
+        return f"{self.boot_id}:{self.engine.kv_cache_manager.cache_epoch}"
+
+    def _collect_kv_events(self) -> None:
+        """Only between steps: move the KV pool's new events into the numbered log."""
+        if self._kv_events_enabled:
+            self._kv_events.append(self._cache_epoch(), self.engine.take_kv_events())
+
     def _snapshot_load(self) -> EngineLoad:
         """Only between steps: reads the scheduler and KV pool, which the step thread mutates."""
         st = self.engine.scheduler.make_stats()
@@ -224,7 +266,7 @@ class AsyncLLMEngine:
             prefix_cache_hits_total=st.prefix_cache_hits_total,
             recent_prefix_cache_queries=st.recent_prefix_cache_queries,
             recent_prefix_cache_hits=st.recent_prefix_cache_hits,
-            cache_epoch=kv.cache_epoch, timestamp=time.monotonic())
+            cache_epoch=self._cache_epoch(), timestamp=time.monotonic())
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
@@ -247,12 +289,14 @@ class AsyncLLMEngine:
                     else:
                         out = self.engine.step()
             except StepError as e:
+                self._collect_kv_events()
                 self._load = self._snapshot_load()
                 self._on_step_failure(e, e.req_ids)
                 continue
             except Exception as e:     # a bug outside the runner: nothing is trustworthy any more
                 self._die(e)
                 return
+            self._collect_kv_events()
             self._load = self._snapshot_load()
             if out.stats.num_scheduled_tokens:
                 self._consecutive_failures = 0     # only a step that ran the model proves recovery

@@ -78,6 +78,11 @@ class BlockPool:
     block tables are append-only so neither swaps its block for the other's). `cached` maps a hash to its
     block, or to a dict of blocks only while duplicates exist: one dict per cached block would be the
     step loop's main source of long-lived garbage-collected objects.
+
+    KV events (when enabled) describe the *set of hashes* a request can hit, not individual blocks:
+    `BlockStored` when a hash enters `cached`, `BlockRemoved` when its last block is evicted,
+    `AllBlocksCleared` on a reset. A duplicate block is silent both ways, so replaying the events into a
+    set gives exactly `cached.keys()` (tests/unit/engine/test_kv_events.py).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True,
@@ -137,15 +142,15 @@ class BlockPool:
         h = block.block_hash
         assert h is not None
         entry = self.cached.get(h)
+        block.block_hash = None
         if entry is block:
             del self.cached[h]
+            if self.enable_kv_cache_events:     # the last block under `h`: the hash leaves the cache
+                self._events.append(BlockRemoved([h]))
         elif type(entry) is dict:
             entry.pop(block.block_id, None)
             if len(entry) == 1:
                 self.cached[h] = next(iter(entry.values()))
-        block.block_hash = None
-        if self.enable_kv_cache_events:
-            self._events.append(BlockRemoved([h]))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks (pulling free ones out of the free queue)."""
@@ -169,28 +174,38 @@ class BlockPool:
         """Register blocks [num_cached_blocks, num_full_blocks) of a request under their hashes."""
         if num_cached_blocks >= num_full_blocks:
             return
-        new_hashes: list[BlockHash] = []
+        events = self.enable_kv_cache_events
+        run_start: int | None = None          # first block of the current run of hashes new to the cache
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:      # a prefix hit: already registered
-                continue
-            h = block_hashes[i]
-            block.block_hash = h
-            entry = self.cached.get(h)
-            if entry is None:
-                self.cached[h] = block
-            elif type(entry) is KVCacheBlock:
-                self.cached[h] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
-            new_hashes.append(h)
-        if self.enable_kv_cache_events and new_hashes:
-            bs = self.block_size
-            self._events.append(BlockStored(
-                block_hashes=new_hashes,
-                parent_block_hash=block_hashes[num_cached_blocks - 1] if num_cached_blocks else None,
-                token_ids=list(token_ids[num_cached_blocks * bs:num_full_blocks * bs]),
-                block_size=bs))
+            is_new = False
+            if block.block_hash is None:      # else a prefix hit: already registered
+                h = block_hashes[i]
+                block.block_hash = h
+                entry = self.cached.get(h)
+                if entry is None:
+                    self.cached[h] = block
+                    is_new = True
+                elif type(entry) is KVCacheBlock:
+                    self.cached[h] = {entry.block_id: entry, block.block_id: block}
+                else:
+                    entry[block.block_id] = block
+            if events and is_new and run_start is None:
+                run_start = i
+            elif events and not is_new and run_start is not None:
+                self._emit_stored(block_hashes, token_ids, run_start, i)
+                run_start = None
+        if run_start is not None:
+            self._emit_stored(block_hashes, token_ids, run_start, num_full_blocks)
+
+    def _emit_stored(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int,
+                     end: int) -> None:
+        """One BlockStored for blocks [start, end) of a request: a chain whose hashes are new to the cache."""
+        bs = self.block_size
+        self._events.append(BlockStored(
+            block_hashes=list(block_hashes[start:end]),
+            parent_block_hash=block_hashes[start - 1] if start else None,
+            token_ids=list(token_ids[start * bs:end * bs]), block_size=bs))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refuses (returns False) while any block is held by a request."""

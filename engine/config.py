@@ -20,6 +20,10 @@ class CacheConfig(_Strict):
                                 "(unset too: 80% of free GPU memory, or 512 MiB on CPU)")
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
+    kv_event_buffer_blocks: int = Field(
+        100_000, ge=1, description="the async engine keeps its latest KV events for pulling routers up to this "
+                                   "many block hashes (about 200 bytes each); a router further behind resyncs "
+                                   "from a snapshot")
     prefix_cache_recent_requests: int = Field(
         1000, ge=1, description="the recent prefix-cache hit rate (stats, metrics) covers this many latest "
                                 "admissions; the lifetime totals are kept too")

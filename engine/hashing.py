@@ -63,3 +63,25 @@ def hash_block_chain(token_ids: Sequence[int], block_size: int, cache_salt: str 
                                    cache_salt if i == 0 else None)
         out.append(parent)
     return out
+
+
+def check_block_hashes(block_hashes: Sequence[BlockHash], token_ids: Sequence[int], block_size: int,
+                       cache_salt: str | None = None) -> str | None:
+    """Why `block_hashes` cannot be `hash_block_chain(token_ids, block_size, cache_salt)`; None if they pass.
+
+    Cheap, whatever the length: the count, the types, and the first and last links recomputed (two block
+    hashes), which catches another block size, salt or prompt. A wrong link in the middle is not caught,
+    so hashes must come from a trusted hasher (the ingress runs this module's code).
+    """
+    num_full = len(token_ids) // block_size
+    if len(block_hashes) != num_full:
+        return f"{len(block_hashes)} hashes for {num_full} full blocks of {block_size} tokens"
+    if not all(type(h) is bytes and len(h) == 32 for h in block_hashes):
+        return "hashes must be 32-byte strings"
+    if num_full and hash_block_tokens(None, token_ids[:block_size], cache_salt) != block_hashes[0]:
+        return "the first block's hash does not match (block size, salt or prompt differ)"
+    last = num_full - 1
+    if last > 0 and hash_block_tokens(block_hashes[last - 1], token_ids[last * block_size:num_full * block_size]
+                                      ) != block_hashes[last]:
+        return "the last block's hash does not match"
+    return None

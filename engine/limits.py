@@ -18,11 +18,14 @@ class EngineLimits:
     max_model_len: the context length (prompt + output tokens), already capped at the KV capacity.
     vocab_size: prompt token ids must lie in [0, vocab_size); None where the caller only knows lengths.
     max_kv_tokens: the KV slots one request can ever hold.
+    block_size: tokens per KV block, which the prompt's block hashes must be computed with (the ingress
+        hashes prompts once for routing and hands the hashes on); None where unknown: send no hashes.
     """
 
     max_model_len: int
     vocab_size: int | None
     max_kv_tokens: int
+    block_size: int | None = None
 
 
 def check_request(limits: EngineLimits, prompt: Sequence[int] | int, max_tokens: int) -> None:

@@ -12,6 +12,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
+from engine.hashing import BlockHash, check_block_hashes
 from engine.kv_cache_manager import KVCacheManager
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -24,7 +25,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer, token_ids_only_error
-from engine.types import SchedulerStats
+from engine.types import KVEvent, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class LLMEngine:
     def limits(self) -> EngineLimits:
         """The limits requests are checked against (`engine.limits.check_request`), after the KV cap."""
         return EngineLimits(self.max_model_len, self.model_args.vocab_size,
-                            self.kv_cache_manager.max_tokens_capacity())
+                            self.kv_cache_manager.max_tokens_capacity(), self.config.cache.block_size)
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -164,14 +165,26 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    trace_context: dict[str, str] | None = None) -> list[int]:
-        """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError, changing nothing."""
+                    trace_context: dict[str, str] | None = None,
+                    block_hashes: list[BlockHash] | None = None) -> list[int]:
+        """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError, changing nothing.
+
+        `block_hashes`: the prompt's full-block hashes, computed by the caller with `hash_block_chain` (the
+        ingress does, once, for routing); used instead of hashing the prompt again when they pass
+        `check_block_hashes`, else recomputed (logged at debug).
+        """
         params = params or SamplingParams()
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         self._check_stop_strings(params)
+        if block_hashes is not None:
+            problem = check_block_hashes(block_hashes, ids, self.config.cache.block_size, cache_salt)
+            if problem is not None:
+                logger.debug("request %s: rehashing its prompt, the block hashes it brought are wrong: %s",
+                             request_id, problem)
+                block_hashes = None
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = []
@@ -183,7 +196,7 @@ class LLMEngine:
             reqs.append(Request(sid, ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
                                 priority=priority, cache_salt=cache_salt,
                                 block_size=self.config.cache.block_size, trace_context=trace_context,
-                                block_hashes=reqs[0].block_hashes if reqs else None))
+                                block_hashes=reqs[0].block_hashes if reqs else block_hashes))
         for req in reqs:          # all sequences share prompt and limits: validate before adding any
             self.scheduler.validate_request(req)
         for i, req in enumerate(reqs):
@@ -266,6 +279,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events since the last call (cache.enable_kv_cache_events; else always [])."""
+        return self.kv_cache_manager.take_events()
 
 
 def _eos_token_id(tokenizer, args: ModelArgs) -> int | None:

@@ -141,3 +141,33 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True, frozen=True)
+class KVEventsReply:
+    """An engine's KV events from `first_seq` on (`AsyncLLMEngine.kv_events_since`).
+
+    Event `events[i]` has sequence number `first_seq + i`; `next_seq` is the one to ask for next. Numbers
+    are consecutive for the engine's life and `epoch` names the cache they describe: it changes when the
+    engine restarts or its prefix cache is reset. With `snapshot_required` (the asked number fell out of
+    the buffer or lies ahead of `next_seq`, or the asker's epoch is not `epoch`) `events` is empty: take a
+    `kv_snapshot()` and follow on from its `next_seq`.
+    """
+
+    epoch: str
+    first_seq: int
+    events: list[KVEvent]
+    next_seq: int
+    snapshot_required: bool
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSnapshot:
+    """Every block hash an engine's prefix cache holds, taken between steps (`AsyncLLMEngine.kv_snapshot`).
+
+    Applying the events numbered `next_seq` onwards (same `epoch`) to `block_hashes` keeps it exact.
+    """
+
+    epoch: str
+    next_seq: int
+    block_hashes: list[BlockHash]

@@ -404,7 +404,7 @@ async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoint
     stats = rep.record_routing_stats()
     assert all(isinstance(v, float) for v in rep.record_autoscaling_stats().values())
     assert await rep.limits() == EngineLimits(max_model_len=124, vocab_size=rep.engine.limits.vocab_size,
-                                              max_kv_tokens=124)
+                                              max_kv_tokens=124, block_size=4)
     await rep.check_health()
     epoch = stats["cache_epoch"]
     assert await rep.reset_prefix_cache() and rep.record_routing_stats()["cache_epoch"] != epoch

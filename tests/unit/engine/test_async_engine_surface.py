@@ -23,7 +23,7 @@ async def _collect(gen):
 
 async def test_limits_are_the_built_engines_own(engine):
     assert engine.limits == EngineLimits(max_model_len=124, vocab_size=engine.engine.model_args.vocab_size,
-                                         max_kv_tokens=124)
+                                         max_kv_tokens=124, block_size=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         engine.limits.max_model_len = 1
     await engine.shutdown()
@@ -68,7 +68,7 @@ async def test_health_recent_hit_rate_and_prefix_cache_reset(engine):
     epoch = load.cache_epoch
     assert await engine.reset_prefix_cache()
     load = engine.load()
-    assert load.cache_epoch == epoch + 1 and load.recent_prefix_cache_queries == 0
+    assert load.cache_epoch == f"{engine.boot_id}:1" != epoch and load.recent_prefix_cache_queries == 0
     await engine.shutdown()
 
 

@@ -64,7 +64,8 @@ def test_max_model_len_capped_by_kv_capacity_and_published(checkpoints):
     cfg = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 9, "block_size": 4})
     eng = LLMEngine(cfg)
     assert eng.max_model_len == 32
-    assert eng.limits == EngineLimits(max_model_len=32, vocab_size=eng.model_args.vocab_size, max_kv_tokens=32)
+    assert eng.limits == EngineLimits(max_model_len=32, vocab_size=eng.model_args.vocab_size, max_kv_tokens=32,
+                                      block_size=4)
 
 
 def test_linear_backend_choice_and_packed_linear_equals_f_linear():
