@@ -12,7 +12,7 @@ class AffinityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # -- index
-    max_index_entries: int = Field(1_000_000, ge=1, description="block hashes indexed; LRU beyond")
+    max_index_entries: int = Field(500_000, ge=1, description="block hashes indexed; LRU beyond")
     speculative_ttl_s: float = Field(10.0, gt=0, description="a routed prompt's blocks count as held this long "
                                      "unless a BlockStored confirms them")
     # -- TTFT model (seeds; calibrated online from observed TTFTs)
@@ -20,7 +20,7 @@ class AffinityConfig(BaseModel):
     decode_step_s: float = Field(0.002, ge=0, description="TTFT added per running request (prior)")
     calibrate: bool = Field(True, description="fit the two above from observed TTFTs")
     calibration_half_life: float = Field(200.0, gt=0, description="samples for a sample's weight to halve")
-    calibration_prior_weight: float = Field(5.0, gt=0, description="pull towards the priors, in samples")
+    calibration_prior_weight: float = Field(1.0, gt=0, description="pull towards the priors, in samples")
     kv_pressure_threshold: float = Field(0.9, ge=0, le=1, description="KV usage where the penalty starts")
     kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty at full KV usage (linear above "
                                          "the threshold)")

@@ -6,8 +6,9 @@ The rule (README "Routing core API" writes it out with the defaults):
   2. No candidate holds any block: SPILL (some non-candidate holds it) or NEW_GROUP, placed by TTFT plus a
      cache-room charge (occupancy x new_group_room_weight_s).
   3. The prompt's prefix group (its first K block hashes) is hot, i.e. its demand over the window needs
-     k > 1 replicas' prefill capacity: while fewer than k candidates hold the group, the best TTFT of all
-     (so new holders join), else the best TTFT among the holders: HOT_REPLICA, released as in 4.
+     k > 1 replicas' capacity: while fewer than k candidates hold the group, the least loaded of all (TTFT
+     as if each held what the best holder holds, so new holders join), else the best TTFT among the
+     holders: HOT_REPLICA, released as in 4.
   4. Otherwise the affinity replica A (most predicted cached tokens, ties by TTFT) is kept while
      TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s: AFFINITY; else RELEASED to
      the best TTFT.
@@ -119,8 +120,11 @@ class AffinityPolicy:
         elif k > 1:
             group_len = min(cfg.group_blocks, len(request.block_hashes))
             group = [i for i in holders if cands[i].matched_blocks >= group_len]
-            if len(group) < k:
-                chosen, reason = self._pick(everyone, ttft, cands, request), Reason.HOT_REPLICA
+            if len(group) < k:        # grow: place by load as if every candidate held what the best holds
+                best = max(cached)
+                grow = [self.model.predict(c.queued_prefill_tokens + request.num_prompt_tokens - best,
+                                           c.decode_load, c.kv_usage) for c in cands]
+                chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
                 chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA)
         else:

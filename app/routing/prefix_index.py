@@ -11,10 +11,11 @@ AND; a replica's match length is recorded when its bit drops out. Each replica a
 it holds, so dropping it costs O(its blocks) and never a scan of the index.
 
 Memory bound: at most `max_blocks` hashes (LRU: a lookup or an event touches a hash). Measured with
-tracemalloc (tests/unit/routing/test_prefix_index.py::test_memory_per_entry): about 330 bytes per hash held
-by one replica, plus about 60 bytes per further replica holding it (its hash-set slot). So the default
-1,000,000 hashes cost about 0.35-0.5 GB at worst; size `max_index_entries` to about
-(replicas x KV blocks per replica) / (average replicas per hash).
+tracemalloc (tests/unit/routing/test_prefix_index.py::test_memory_per_entry, 20k and 100k hashes): 190-260
+bytes per hash held by one replica, counting the 65-byte hash object itself, plus 40-120 bytes per further
+replica holding it (its hash-set slot; sets grow in powers of two). So the default 500,000 hashes cost at
+most about 130 MB with one holder each, 130 MB + 60 MB per extra copy on average; size
+`max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
 """
 from __future__ import annotations
 

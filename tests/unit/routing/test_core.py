@@ -1,0 +1,316 @@
+"""PrefixAffinityRouterCore + AffinityPolicy with hand-built stats and events, an injected clock and rng."""
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+
+import pytest
+
+from app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, Reason, ReplicaInfo,
+                         ReplicaLoadView, RouteRequest)
+
+from .helpers import BS, Clock, chain, stored
+
+RATE = 10_000.0          # prior prefill tokens/s in these tests
+PREFIX = chain("sys", 64)                     # 1024 tokens
+
+
+def make(replicas=(("a", "n1"), ("b", "n1"), ("c", "n2")), seed=0, **cfg):
+    cfg.setdefault("calibrate", False)
+    clock = Clock()
+    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=RATE, **cfg), BS, clock=clock,
+                                    rng=random.Random(seed))
+    core.set_replicas([ReplicaInfo(r, n) for r, n in replicas])
+    for r, _ in replicas:
+        assert core.on_kv_events(KVEventBatch(r, "e0", 0, []))
+    return core, clock
+
+
+def req(rid: str, prefix=PREFIX, suffix: str | None = None, extra_blocks=6, max_tokens=0, node=None):
+    hashes = list(prefix) + chain(suffix or rid, extra_blocks)
+    return RouteRequest(rid, hashes, len(hashes) * BS + 4, max_tokens, node)
+
+
+def hold(core, rid: str, hashes, seq: int = 0):
+    assert core.on_kv_events(KVEventBatch(rid, "e0", seq, [stored(hashes)]))
+
+
+def stats(core, rid: str, **kw):
+    core.on_stats(rid, ReplicaLoadView(**kw))
+
+
+def done(core, rid: str):
+    core.on_first_token(rid)
+    core.on_finished(rid)
+
+
+def score(decision, rid):
+    return next(c for c in decision.candidates if c.replica_id == rid)
+
+
+# ---------------------------------------------------------------- affinity and release
+def test_affinity_is_kept_while_the_holder_is_within_the_slack():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    stats(core, "a", num_queued_prefill_tokens=2000)
+    d = core.route(req("r1"), ["a", "b", "c"])
+    assert (d.chosen, d.reason, d.affinity_replica_id) == ("a", Reason.AFFINITY, "a")
+    assert score(d, "a").predicted_cached_tokens == 1024 and score(d, "b").predicted_cached_tokens == 0
+    assert score(d, "a").queued_prefill_tokens == 2000
+    assert score(d, "a").predicted_ttft_s == pytest.approx((2000 + 100) / RATE)
+    assert d.ranked[0] == "a" and sorted(d.ranked) == ["a", "b", "c"]
+
+
+def test_affinity_is_released_to_the_best_ttft_when_the_holder_is_too_slow():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    stats(core, "a", num_queued_prefill_tokens=5000)
+    stats(core, "c", num_running=20)
+    d = core.route(req("r1"), ["a", "b", "c"])
+    assert (d.chosen, d.reason, d.affinity_replica_id) == ("b", Reason.RELEASED, "a")
+    # the release is per request: once a drains, the group goes back to it
+    stats(core, "a", num_queued_prefill_tokens=0)
+    assert core.route(req("r2"), ["a", "c"]).reason == Reason.AFFINITY
+
+
+def test_release_bound_is_relative_plus_absolute_slack():
+    core, _ = make(release_slack=0.5, release_slack_abs_s=0.0)
+    hold(core, "a", PREFIX)
+    other = 1124 / RATE                                          # b and c: the whole prompt
+    stats(core, "a", num_queued_prefill_tokens=int(1.5 * other * RATE) - 100)
+    assert core.route(req("r1"), ["a", "b"]).reason == Reason.AFFINITY
+    core.on_finished("r1")
+    stats(core, "a", num_queued_prefill_tokens=int(1.5 * other * RATE) - 100 + 2)
+    assert core.route(req("r2"), ["a", "b"]).reason == Reason.RELEASED
+
+
+def test_the_longest_match_is_the_affinity_replica():
+    core, _ = make()
+    hold(core, "a", PREFIX[:10])
+    hold(core, "b", PREFIX)
+    d = core.route(req("r1"), ["a", "b", "c"])
+    assert (d.chosen, d.reason) == ("b", Reason.AFFINITY)
+    assert score(d, "a").predicted_cached_tokens == 160
+
+
+def test_kv_pressure_releases_the_holder():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    stats(core, "a", kv_cache_usage=1.0)
+    d = core.route(req("r1"), ["a", "b"])
+    assert (d.chosen, d.reason) == ("b", Reason.RELEASED)
+    assert score(d, "a").predicted_ttft_s == pytest.approx(100 / RATE + 1.0)
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    r = RouteRequest("r1", PREFIX, 1024, 0)
+    assert score(core.route(r, ["a"]), "a").predicted_cached_tokens == 1008
+
+
+def test_sibling_bursts_follow_the_first_decision_before_any_event():
+    core, _ = make()
+    first = core.route(req("s0", suffix="q0"), ["a", "b", "c"])
+    assert first.reason == Reason.NEW_GROUP
+    later = [core.route(req(f"s{i}", suffix=f"q{i}"), ["a", "b", "c"]) for i in range(1, 8)]
+    assert {d.chosen for d in later} == {first.chosen}
+    assert all(d.reason == Reason.AFFINITY for d in later)
+
+
+def test_spill_when_only_non_candidates_hold_the_prefix():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    d = core.route(req("r1"), ["b", "c"])
+    assert d.reason == Reason.SPILL and d.chosen in ("b", "c")
+
+
+# ---------------------------------------------------------------- new groups, ties, hot groups
+def test_new_groups_go_where_the_cache_has_room():
+    core, _ = make()
+    stats(core, "a", kv_cache_usage=0.9)
+    stats(core, "b", kv_cache_usage=0.2)
+    stats(core, "c", kv_cache_usage=0.5)
+    d = core.route(req("r1", prefix=chain("fresh", 8)), ["a", "b", "c"])
+    assert (d.chosen, d.reason) == ("b", Reason.NEW_GROUP)
+
+
+def test_new_group_room_uses_the_indexed_share_of_the_pool_when_its_size_is_known():
+    core, _ = make()
+    hold(core, "a", chain("big", 90))
+    hold(core, "b", chain("small", 10))
+    stats(core, "a", num_blocks=100, kv_cache_usage=0.1)
+    stats(core, "b", num_blocks=100, kv_cache_usage=0.1)
+    d = core.route(req("r1", prefix=chain("fresh", 8)), ["a", "b"])
+    assert (d.chosen, d.reason) == ("b", Reason.NEW_GROUP)
+
+
+def test_near_ties_are_random_and_prefer_the_callers_node():
+    core, _ = make()
+    picks = Counter()
+    for i in range(300):
+        d = core.route(req(f"r{i}", prefix=chain(f"u{i}", 4)), ["a", "b", "c"])
+        picks[d.chosen] += 1
+        done(core, f"r{i}")
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 60
+    on_n1 = set()
+    for i in range(50):
+        on_n1.add(core.route(req(f"x{i}", prefix=chain(f"v{i}", 4), node="n1"), ["a", "b", "c"]).chosen)
+        done(core, f"x{i}")
+    assert on_n1 == {"a", "b"}
+    assert core.route(req("y", prefix=chain("w", 4), node="n2"), ["a", "b", "c"]).chosen == "c"
+
+
+def test_same_seed_same_decisions():
+    runs = []
+    for _ in range(2):
+        core, _ = make(seed=7)
+        runs.append([core.route(req(f"r{i}", prefix=chain(f"u{i}", 4)), ["a", "b", "c"]).chosen
+                     for i in range(20)])
+    assert runs[0] == runs[1]
+
+
+def _drive_group(core, clock, n: int, gap_s: float):
+    out = []
+    for i in range(n):
+        clock.t += gap_s
+        d = core.route(req(f"h{i}", max_tokens=1000), ["a", "b", "c"])
+        out.append(d)
+        done(core, f"h{i}")
+    return out
+
+
+def test_a_hot_prefix_is_spread_over_k_replicas_sized_by_its_demand():
+    core, clock = make(hot_target_utilization=0.5, decode_token_weight=2.0)
+    hold(core, "a", PREFIX)
+    decisions = _drive_group(core, clock, 60, gap_s=0.05)      # ~20 req/s x 2100 tok-eq = 42k tok/s
+    late = decisions[20:]
+    assert all(d.reason == Reason.HOT_REPLICA and d.num_hot_replicas == 3 for d in late)
+    counts = Counter(d.chosen for d in late)
+    assert set(counts) == {"a", "b", "c"} and min(counts.values()) >= 8
+
+
+def test_a_cold_prefix_stays_on_one_replica():
+    core, clock = make(hot_target_utilization=0.5, decode_token_weight=2.0)
+    hold(core, "a", PREFIX)
+    decisions = _drive_group(core, clock, 30, gap_s=2.0)       # 0.5 req/s: ~1k tok/s, under one replica
+    assert {(d.chosen, d.reason, d.num_hot_replicas) for d in decisions} == {("a", Reason.AFFINITY, 1)}
+
+
+def test_hot_demand_decays_after_the_window():
+    core, clock = make(hot_target_utilization=0.5, hot_window_s=5.0)
+    hold(core, "a", PREFIX)
+    _drive_group(core, clock, 60, gap_s=0.05)
+    clock.t += 6.0
+    d = core.route(req("late", max_tokens=1000), ["a", "b", "c"])
+    assert d.num_hot_replicas == 1 and d.reason == Reason.AFFINITY
+
+
+# ---------------------------------------------------------------- load accounting and calibration
+def test_in_flight_load_is_counted_until_started_and_snapshots_take_over():
+    core, _ = make()
+    d1 = core.route(req("r1", prefix=chain("p1", 4)), ["a"])
+    uncached = score(d1, "a").predicted_ttft_s * RATE
+    d2 = core.route(req("r2", prefix=chain("p2", 4)), ["a"])
+    assert score(d2, "a").queued_prefill_tokens == round(uncached)
+    assert score(d2, "a").decode_load == 1
+    core.on_first_token("r1")
+    stats(core, "a", num_queued_prefill_tokens=500, num_running=3)     # r2 is in this snapshot
+    d3 = core.route(req("r3", prefix=chain("p3", 4)), ["a"])
+    assert score(d3, "a").queued_prefill_tokens == 500 and score(d3, "a").decode_load == 3
+    core.on_first_token("r2")                                           # retired from the snapshot's queue
+    core.on_finished("r1")
+    d4 = core.route(req("r4", prefix=chain("p4", 4)), ["a"])
+    r2_r3_uncached = 10 * BS + 4
+    assert score(d4, "a").queued_prefill_tokens == 500 - r2_r3_uncached + r2_r3_uncached   # -r2 +r3
+    assert score(d4, "a").decode_load == 3 - 1 + 1
+
+
+def test_a_lost_finish_stops_counting_after_max_age():
+    core, clock = make(max_in_flight_age_s=30.0)
+    core.route(req("r1", prefix=chain("p1", 4)), ["a"])
+    clock.t += 31.0
+    d = core.route(req("r2", prefix=chain("p2", 4)), ["a"])
+    assert score(d, "a").queued_prefill_tokens == 0
+
+
+def test_on_routed_moves_the_load_and_the_speculative_blocks():
+    core, _ = make()
+    d = core.route(req("r1"), ["a"])
+    assert d.chosen == "a"
+    core.on_routed("r1", "b")
+    d2 = core.route(req("r2", suffix="other"), ["a", "b"])
+    assert score(d2, "a").queued_prefill_tokens == 0 and score(d2, "b").queued_prefill_tokens == 1124
+    assert score(d2, "b").predicted_cached_tokens == 1024
+    assert core.counters().num_rerouted == 1
+
+
+def test_the_prefill_rate_and_step_cost_are_calibrated_from_observed_ttfts():
+    core, clock = make(calibrate=True, decode_step_s=0.002)
+    rng = random.Random(3)
+    for i in range(300):
+        q, running = rng.randrange(0, 20_000), rng.randrange(0, 64)
+        stats(core, "a", num_queued_prefill_tokens=q, num_running=running)
+        r = req(f"r{i}", prefix=chain(f"c{i}", 4), extra_blocks=rng.randrange(1, 100))
+        core.route(r, ["a"])
+        clock.t += (q + r.num_prompt_tokens) / 4000.0 + running * 0.01
+        core.on_first_token(r.request_id, num_cached_tokens=0)
+        core.on_finished(r.request_id)
+    c = core.counters()
+    assert c.prefill_tokens_per_s == pytest.approx(4000, rel=0.05)
+    assert c.decode_step_s == pytest.approx(0.01, rel=0.1)
+
+
+# ---------------------------------------------------------------- explainability, counters, fallback
+def test_recent_decisions_and_counters():
+    core, _ = make(recent_decisions=3)
+    hold(core, "a", PREFIX)
+    ds = [core.route(req(f"r{i}"), ["a", "b"]) for i in range(5)]
+    assert [d.request_id for d in core.recent_decisions(10)] == ["r2", "r3", "r4"]
+    assert core.recent_decisions(1) == [ds[-1]] and core.recent_decisions(0) == []
+    core.on_first_token("r0", num_cached_tokens=1024)
+    core.on_actual_cached("r1", 512)
+    c = core.counters()
+    assert c.num_decisions == 5 and c.num_by_reason[Reason.AFFINITY] == 5
+    assert (c.predicted_cached_tokens, c.actual_cached_tokens, c.num_accuracy_samples) == (2048, 1536, 2)
+    assert c.index_accuracy == pytest.approx(0.75)
+    assert c.num_index_entries == len(PREFIX) + 5 * 6
+    assert all(d.decision_time_s > 0 for d in ds)
+
+
+def test_an_internal_error_falls_back_to_load_only_and_logs(monkeypatch, caplog):
+    core, _ = make()
+    stats(core, "a", num_queued_prefill_tokens=9000)
+
+    def boom(*a, **k):
+        raise RuntimeError("policy bug")
+
+    monkeypatch.setattr(core.policy, "decide", boom)
+    with caplog.at_level(logging.ERROR, logger="app.routing.core"):
+        d = core.route(req("r1"), ["a", "b", "c"])
+    assert d.reason == Reason.FALLBACK and sorted(d.ranked) == ["a", "b", "c"] and d.ranked[-1] == "a"
+    assert d.chosen == d.ranked[0] and core.counters().num_errors == 1
+    assert "policy bug" in caplog.text
+    monkeypatch.undo()
+    d2 = core.route(req("r2", prefix=chain("z", 4)), ["b", "c"])
+    assert score(d2, d.chosen).queued_prefill_tokens == 1124        # the fallback's send counts as load
+
+
+def test_route_never_raises_on_bad_input():
+    core, _ = make()
+    assert core.route(req("r1"), []).reason == Reason.FALLBACK
+    d = core.route(RouteRequest("r2", [], 0), ["a", "new-replica"])
+    assert d.chosen in ("a", "new-replica")
+
+
+def test_membership_changes_drop_state():
+    core, _ = make()
+    hold(core, "a", PREFIX)
+    core.route(req("r1"), ["a"])
+    core.set_replicas([ReplicaInfo("b"), ReplicaInfo("c")])
+    assert core.counters().num_index_entries == 0
+    core.on_first_token("r1")
+    core.on_finished("r1")                                              # unknown by now: a no-op
+    core.set_replicas([ReplicaInfo("a"), ReplicaInfo("b")])
+    assert core.replicas_needing_snapshot() == ["a"]
