@@ -120,6 +120,34 @@ class CandidateScore:
 
 
 @dataclass(slots=True)
+class CandidateScores:
+    """Every candidate's scores as columns (index i = `replica_ids[i]`, in the order route() got them).
+
+    Columns rather than one object per candidate: a decision at 128 replicas would otherwise carry 128
+    objects, and the recent-decisions ring keeping hundreds of decisions would make every full garbage
+    collection walk tens of thousands of them. `Decision.candidates` builds the per-candidate view.
+    """
+
+    replica_ids: list[str]
+    predicted_cached_tokens: list[int]
+    predicted_ttft_s: list[float]
+    queued_prefill_tokens: list[int]
+    decode_load: list[int]
+    kv_usage: list[float]
+
+    @classmethod
+    def empty(cls) -> CandidateScores:
+        return cls([], [], [], [], [], [])
+
+    def __len__(self) -> int:
+        return len(self.replica_ids)
+
+    def __getitem__(self, i: int) -> CandidateScore:
+        return CandidateScore(self.replica_ids[i], self.predicted_cached_tokens[i], self.predicted_ttft_s[i],
+                              self.queued_prefill_tokens[i], self.decode_load[i], self.kv_usage[i])
+
+
+@dataclass(slots=True)
 class Decision:
     """One routing decision: candidates ranked best first, the choice, why, and the scores behind it."""
 
@@ -127,10 +155,21 @@ class Decision:
     ranked: list[str]
     chosen: str
     reason: Reason
-    candidates: list[CandidateScore]
+    scores: CandidateScores
     decision_time_s: float
     affinity_replica_id: str | None = None   # the replica holding most of the prompt, if any
     num_hot_replicas: int = 1                # k for a hot prefix group (1 otherwise)
+
+    @property
+    def candidates(self) -> list[CandidateScore]:
+        """One CandidateScore per candidate (built on each access)."""
+        return [self.scores[i] for i in range(len(self.scores))]
+
+    def score_of(self, replica_id: str) -> CandidateScore | None:
+        try:
+            return self.scores[self.scores.replica_ids.index(replica_id)]
+        except ValueError:
+            return None
 
 
 @dataclass(slots=True)

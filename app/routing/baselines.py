@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (CandidateScore, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
+from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
                              ReplicaLoadView, RouterCounters, RouteRequest)
 from app.routing.config import AffinityConfig
 from app.routing.load import LoadTracker
@@ -49,7 +49,8 @@ class _LoadOnlyCore:
         start = time.perf_counter()
         if not candidate_ids:
             self._counters.num_errors += 1
-            return Decision(request.request_id, [], "", Reason.FALLBACK, [], time.perf_counter() - start)
+            return Decision(request.request_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
+                            time.perf_counter() - start)
         now = self.clock()
         self.loads.expire(now)
         for rid in candidate_ids:
@@ -60,7 +61,10 @@ class _LoadOnlyCore:
         self.loads.add(request.request_id, ranked[0], uncached_tokens=request.num_prompt_tokens,
                        predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=[], now=now)
-        scores = [self._score(rid) for rid in candidate_ids]
+        loads = [self.loads.get(rid) for rid in candidate_ids]
+        scores = CandidateScores(list(candidate_ids), [0] * len(loads), [0.0] * len(loads),
+                                 [c.queued_prefill_tokens for c in loads], [c.decode_load for c in loads],
+                                 [c.kv_usage for c in loads])
         decision = Decision(request.request_id, ranked, ranked[0], Reason.LOAD, scores, time.perf_counter() - start)
         self._counters.num_decisions += 1
         self._counters.num_by_reason[decision.reason] = self._counters.num_by_reason.get(decision.reason, 0) + 1
@@ -74,11 +78,6 @@ class _LoadOnlyCore:
     def _load_key(self, replica_id: str) -> tuple[int, int]:
         load = self.loads.get(replica_id)
         return load.queued_prefill_tokens, load.decode_load
-
-    def _score(self, replica_id: str) -> CandidateScore:
-        load = self.loads.get(replica_id)
-        return CandidateScore(replica_id, 0, 0.0, load.queued_prefill_tokens, load.decode_load,
-                              load.stats.kv_cache_usage)
 
     def on_routed(self, request_id: str, replica_id: str) -> None:
         f = self.loads.in_flight(request_id)

@@ -7,11 +7,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo, ReplicaLoadView, RouterCore,
+from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo, ReplicaLoadView, RouterCore,
                              RouterCounters, RouteRequest)
 from app.routing.config import AffinityConfig, RoutingPolicyName
-from app.routing.load import LoadTracker, TTFTModel
-from app.routing.policy import AffinityPolicy, CandidateState
+from app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
+from app.routing.policy import AffinityPolicy
 from app.routing.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,9 @@ class PrefixAffinityRouterCore:
         for rid in [r for r in self._nodes if r not in new]:
             self.index.remove_replica(rid)
             self.loads.remove_replica(rid)
-        for rid in new:
+        for rid, node_id in new.items():
             self.index.add_replica(rid)
-            self.loads.add_replica(rid)
+            self.loads.add_replica(rid, node_id)
         self._nodes = new
 
     def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
@@ -84,29 +84,25 @@ class PrefixAffinityRouterCore:
             if rid not in self._nodes:           # a replica Serve knows before set_replicas told us
                 self._add_member(rid)
         matched = self.index.match(request.block_hashes, candidate_ids)
-        cands = [self._candidate(rid, matched.get(rid, 0)) for rid in candidate_ids]
+        cands = [self.loads.get(rid) for rid in candidate_ids]
         held_elsewhere = (not matched and bool(request.block_hashes)
                           and self.index.holds_any(request.block_hashes[0]))
-        result = self.policy.decide(request, cands, held_elsewhere, now)
-        chosen = cands[result.chosen_index]
-        score = result.scores[result.chosen_index]
-        self.loads.add(request.request_id, chosen.replica_id,
-                       uncached_tokens=request.num_prompt_tokens - score.predicted_cached_tokens,
-                       predicted_cached_tokens=score.predicted_cached_tokens,
-                       num_prompt_tokens=request.num_prompt_tokens, block_hashes=request.block_hashes, now=now)
-        self.index.insert_speculative(chosen.replica_id, request.block_hashes[chosen.matched_blocks:], now)
-        return Decision(request.request_id, result.ranked, chosen.replica_id, result.reason, result.scores,
+        result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now)
+        chosen = cands[result.chosen_index].replica_id
+        cached = result.scores.predicted_cached_tokens[result.chosen_index]
+        self.loads.add(request.request_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
+                       predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
+                       block_hashes=request.block_hashes, now=now)
+        self.index.insert_speculative(chosen, request.block_hashes[matched.get(chosen, 0):], now)
+        return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
-    def _candidate(self, replica_id: str, matched_blocks: int) -> CandidateState:
-        load = self.loads.get(replica_id)
-        stats = load.stats
-        if stats.num_blocks:
-            occupancy = min(1.0, self.index.num_held(replica_id) / stats.num_blocks)
-        else:
-            occupancy = stats.kv_cache_usage
-        return CandidateState(replica_id, self._nodes.get(replica_id), matched_blocks, load.queued_prefill_tokens,
-                              load.decode_load, stats.kv_cache_usage, occupancy)
+    def _occupancy(self, load: ReplicaLoad) -> float:
+        """Cache fill for new-group placement: the indexed share of the pool if its size is known."""
+        num_blocks = load.stats.num_blocks
+        if num_blocks:
+            return min(1.0, self.index.num_held(load.replica_id) / num_blocks)
+        return load.kv_usage
 
     def _fallback(self, request: RouteRequest, candidate_ids: list[str], start: float) -> Decision:
         """Load-only ranking that cannot fail on bad state: least queued prefill, random among equals."""
@@ -120,7 +116,7 @@ class PrefixAffinityRouterCore:
                                block_hashes=request.block_hashes, now=self.clock())
         except Exception:
             logger.exception("load-only fallback ranking failed too; candidates in random order")
-        return Decision(request.request_id, ids, ids[0] if ids else "", Reason.FALLBACK, [],
+        return Decision(request.request_id, ids, ids[0] if ids else "", Reason.FALLBACK, CandidateScores.empty(),
                         time.perf_counter() - start)
 
     def _record(self, decision: Decision) -> None:

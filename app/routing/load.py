@@ -11,7 +11,7 @@ forgetting old samples), so the rate is measured, not assumed.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.routing.api import BlockHash, ReplicaLoadView
 from app.routing.config import AffinityConfig
@@ -34,21 +34,27 @@ class InFlight:
 
 
 @dataclass(slots=True)
-class _ReplicaLoad:
-    stats: ReplicaLoadView
+class ReplicaLoad:
+    """One replica's load as this router sees it; `queued_prefill_tokens` and `decode_load` are kept
+    current on every change (the policy reads them per candidate per request, so they are plain fields)."""
+
+    replica_id: str
+    node_id: str | None = None
+    stats: ReplicaLoadView = field(default_factory=ReplicaLoadView)
     generation: int = 0
     pending_tokens: int = 0    # uncached tokens of requests sent since the snapshot, not started
     num_pending: int = 0       # requests sent since the snapshot, not finished
     retired_tokens: int = 0    # tokens counted in the snapshot's queue that have started since
     num_retired: int = 0       # requests counted in the snapshot that have finished since
+    queued_prefill_tokens: int = 0
+    decode_load: int = 0
+    kv_usage: float = 0.0
 
-    @property
-    def queued_prefill_tokens(self) -> int:
-        return max(0, self.stats.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
-
-    @property
-    def decode_load(self) -> int:
-        return max(0, self.stats.num_running - self.num_retired) + self.num_pending
+    def refresh(self) -> None:
+        s = self.stats
+        self.queued_prefill_tokens = max(0, s.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
+        self.decode_load = max(0, s.num_running - self.num_retired) + self.num_pending
+        self.kv_usage = s.kv_cache_usage
 
 
 class LoadTracker:
@@ -56,12 +62,16 @@ class LoadTracker:
 
     def __init__(self, max_in_flight_age_s: float) -> None:
         self.max_in_flight_age_s = max_in_flight_age_s
-        self._loads: dict[str, _ReplicaLoad] = {}
+        self._loads: dict[str, ReplicaLoad] = {}
         self._in_flight: dict[str, InFlight] = {}
         self._by_age: deque[tuple[float, str]] = deque()
 
-    def add_replica(self, replica_id: str) -> None:
-        self._loads.setdefault(replica_id, _ReplicaLoad(ReplicaLoadView()))
+    def add_replica(self, replica_id: str, node_id: str | None = None) -> None:
+        load = self._loads.get(replica_id)
+        if load is None:
+            self._loads[replica_id] = ReplicaLoad(replica_id, node_id)
+        else:
+            load.node_id = node_id
 
     def remove_replica(self, replica_id: str) -> None:
         self._loads.pop(replica_id, None)
@@ -75,11 +85,13 @@ class LoadTracker:
         load.stats = stats
         load.generation += 1
         load.pending_tokens = load.num_pending = load.retired_tokens = load.num_retired = 0
+        load.refresh()
 
     # ------------------------------------------------------------ reads
-    def get(self, replica_id: str) -> _ReplicaLoad:
+    def get(self, replica_id: str) -> ReplicaLoad:
+        """The replica's load (an idle placeholder for an unknown id)."""
         load = self._loads.get(replica_id)
-        return load if load is not None else _ReplicaLoad(ReplicaLoadView())
+        return load if load is not None else ReplicaLoad(replica_id)
 
     def in_flight(self, req_id: str) -> InFlight | None:
         return self._in_flight.get(req_id)
@@ -101,6 +113,7 @@ class LoadTracker:
             load.generation, load.queued_prefill_tokens, load.decode_load)
         load.pending_tokens += uncached_tokens
         load.num_pending += 1
+        load.refresh()
         self._by_age.append((now, req_id))
 
     def move(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
@@ -126,6 +139,7 @@ class LoadTracker:
                 load.pending_tokens -= f.uncached_tokens
             else:
                 load.retired_tokens += f.uncached_tokens
+            load.refresh()
         return f
 
     def finish(self, req_id: str) -> InFlight | None:
@@ -142,6 +156,7 @@ class LoadTracker:
                 load.num_retired += 1
                 if not f.started:
                     load.retired_tokens += f.uncached_tokens
+            load.refresh()
         return f
 
     def expire(self, now: float) -> None:
@@ -181,6 +196,14 @@ class TTFTModel:
         if kv_usage > self.kv_threshold and self.kv_threshold < 1.0:
             ttft += self.kv_penalty_s * min(1.0, (kv_usage - self.kv_threshold) / (1.0 - self.kv_threshold))
         return ttft
+
+    def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int]) -> list[float]:
+        """predict() per replica: its queued prefill plus `own_tokens[i]` (this request's uncached there)."""
+        rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
+        span = 1.0 - thr if thr < 1.0 else 1.0
+        return [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
+                + (pen * min(1.0, (c.kv_usage - thr) / span) if c.kv_usage > thr else 0.0)
+                for c, u in zip(loads, own_tokens)]
 
     def observe(self, work_tokens: int, running: int, ttft_s: float) -> None:
         """One request's TTFT with the prefill work (queued ahead + its own uncached) and running load."""

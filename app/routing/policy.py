@@ -19,24 +19,12 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.routing.api import BlockHash, CandidateScore, Reason, RouteRequest
+from app.routing.api import BlockHash, CandidateScores, Reason, RouteRequest
 from app.routing.config import AffinityConfig
-from app.routing.load import TTFTModel
-
-
-@dataclass(slots=True)
-class CandidateState:
-    """What the policy knows about one candidate for one request."""
-
-    replica_id: str
-    node_id: str | None
-    matched_blocks: int
-    queued_prefill_tokens: int
-    decode_load: int
-    kv_usage: float
-    occupancy: float              # share of its KV pool the index sees filled (0-1); new-group placement
+from app.routing.load import ReplicaLoad, TTFTModel
 
 
 @dataclass(slots=True)
@@ -44,7 +32,7 @@ class PolicyResult:
     ranked: list[str]
     chosen_index: int
     reason: Reason
-    scores: list[CandidateScore]
+    scores: CandidateScores
     affinity_replica_id: str | None
     num_hot_replicas: int
 
@@ -99,15 +87,17 @@ class AffinityPolicy:
         hashes = request.block_hashes
         return hashes[min(self.config.group_blocks, len(hashes)) - 1] if hashes else None
 
-    def decide(self, request: RouteRequest, cands: list[CandidateState], held_elsewhere: bool,
-               now: float) -> PolicyResult:
-        cfg, bs = self.config, self.block_size
-        max_blocks = max(0, request.num_prompt_tokens - 1) // bs
-        cached = [min(c.matched_blocks, max_blocks) * bs for c in cands]
-        ttft = [self.model.predict(c.queued_prefill_tokens + request.num_prompt_tokens - cached[i],
-                                   c.decode_load, c.kv_usage) for i, c in enumerate(cands)]
+    def decide(self, request: RouteRequest, cands: list[ReplicaLoad], matched: dict[str, int],
+               held_elsewhere: bool, occupancy: Callable[[ReplicaLoad], float], now: float) -> PolicyResult:
+        """Choose among `cands` (non-empty). `matched`: leading blocks each holds (absent = 0);
+        `held_elsewhere`: a non-candidate holds the first block; `occupancy(c)`: its cache fill (0-1)."""
+        cfg, bs, prompt = self.config, self.block_size, request.num_prompt_tokens
+        max_blocks = max(0, prompt - 1) // bs
+        blocks = [matched.get(c.replica_id, 0) for c in cands] if matched else [0] * len(cands)
+        cached = [min(b, max_blocks) * bs for b in blocks]
+        ttft = self.model.predict_many(cands, [prompt - k for k in cached])
         everyone = range(len(cands))
-        holders = [i for i in everyone if cands[i].matched_blocks >= cfg.min_affinity_blocks]
+        holders = [i for i in everyone if blocks[i] >= cfg.min_affinity_blocks]
         key = self.group_key(request)
         k = self._hot_k(key, len(cands), now)
         affinity: int | None = None
@@ -115,15 +105,13 @@ class AffinityPolicy:
             if held_elsewhere:
                 chosen, reason = self._pick(everyone, ttft, cands, request), Reason.SPILL
             else:
-                room = [t + cfg.new_group_room_weight_s * c.occupancy for t, c in zip(ttft, cands)]
+                room = [t + cfg.new_group_room_weight_s * occupancy(c) for t, c in zip(ttft, cands)]
                 chosen, reason = self._pick(everyone, room, cands, request), Reason.NEW_GROUP
         elif k > 1:
             group_len = min(cfg.group_blocks, len(request.block_hashes))
-            group = [i for i in holders if cands[i].matched_blocks >= group_len]
+            group = [i for i in holders if blocks[i] >= group_len]
             if len(group) < k:        # grow: place by load as if every candidate held what the best holds
-                best = max(cached)
-                grow = [self.model.predict(c.queued_prefill_tokens + request.num_prompt_tokens - best,
-                                           c.decode_load, c.kv_usage) for c in cands]
+                grow = self.model.predict_many(cands, [prompt - max(cached)] * len(cands))
                 chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
                 chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA)
@@ -132,8 +120,7 @@ class AffinityPolicy:
             affinity = self._pick([i for i in holders if cached[i] == most], ttft, cands, request)
             chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY)
         if key is not None:
-            work = request.num_prompt_tokens - cached[chosen] + cfg.decode_token_weight * request.max_tokens
-            self.groups.record(key, work, now)
+            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * request.max_tokens, now)
         return self._result(cands, cached, ttft, chosen, reason, affinity, k)
 
     def _hot_k(self, key: BlockHash | None, num_cands: int, now: float) -> int:
@@ -143,7 +130,7 @@ class AffinityPolicy:
         k = math.ceil(self.groups.demand_tokens_per_s(key, now) / capacity)
         return max(1, min(num_cands, k))
 
-    def _pick_released(self, pool: list[int], ttft: list[float], cands: list[CandidateState],
+    def _pick_released(self, pool: list[int], ttft: list[float], cands: list[ReplicaLoad],
                        request: RouteRequest, reason: Reason) -> tuple[int, Reason]:
         """Best of `pool` unless a replica outside it beats it by more than the release slack."""
         cfg = self.config
@@ -157,7 +144,7 @@ class AffinityPolicy:
             return best_in, reason
         return self._pick(outside, ttft, cands, request), Reason.RELEASED
 
-    def _pick(self, pool, score: list[float], cands: list[CandidateState], request: RouteRequest) -> int:
+    def _pick(self, pool, score: list[float], cands: list[ReplicaLoad], request: RouteRequest) -> int:
         """Lowest score in `pool`; near-ties to the caller's node, then at random."""
         best = min(score[i] for i in pool)
         tied = [i for i in pool if score[i] <= best + self.config.tie_tolerance_s]
@@ -166,11 +153,12 @@ class AffinityPolicy:
             tied = local or tied
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
-    def _result(self, cands: list[CandidateState], cached: list[int], ttft: list[float], chosen: int,
+    def _result(self, cands: list[ReplicaLoad], cached: list[int], ttft: list[float], chosen: int,
                 reason: Reason, affinity: int | None, k: int) -> PolicyResult:
         order = sorted(range(len(cands)), key=ttft.__getitem__)
         ranked = [cands[chosen].replica_id] + [cands[i].replica_id for i in order if i != chosen]
-        scores = [CandidateScore(c.replica_id, cached[i], ttft[i], c.queued_prefill_tokens, c.decode_load,
-                                 c.kv_usage) for i, c in enumerate(cands)]
+        scores = CandidateScores([c.replica_id for c in cands], cached, ttft,
+                                 [c.queued_prefill_tokens for c in cands], [c.decode_load for c in cands],
+                                 [c.kv_usage for c in cands])
         return PolicyResult(ranked, chosen, reason, scores,
                             cands[affinity].replica_id if affinity is not None else None, k)

@@ -4,36 +4,34 @@ Exact where the events are: each replica's view follows its event stream (per-re
 cache epoch); a gap or a changed epoch drops that replica's entries and waits for a snapshot. Between a
 routing decision and the chosen engine's BlockStored, the prompt's blocks count as held speculatively (TTL).
 
-Layout, chosen so a lookup costs O(matched blocks) whatever the number of replicas: one entry per block
-hash holding two bit masks (bit i = replica slot i), `confirmed` (from events) and `spec` (speculative).
-Matching ANDs the masks of the prompt's hashes in order, so each block costs one dict lookup and one int
-AND; a replica's match length is recorded when its bit drops out. Each replica also keeps the set of hashes
-it holds, so dropping it costs O(its blocks) and never a scan of the index.
+Layout, chosen so a lookup costs O(matched blocks) whatever the number of replicas, and so the garbage
+collector never walks the index: only plain dicts of bytes -> int/float/None, which CPython untracks (an
+OrderedDict or a set of 500k hashes would cost a full collection tens of milliseconds):
+  `_held`  block hash -> bit mask of the replica slots holding it (bit i = slot i), in LRU order (a touch
+           re-inserts the key at the end; eviction takes keys from the front).
+  `_spec`  block hash -> the subset of those bits that are speculative (only hashes with any).
+  `_spec_expiry[slot]`  block hash -> when that slot's speculative hold ends.
+A slot's bit is confirmed or speculative for a hash, never both (a BlockStored turns one into the other).
+Matching ANDs the masks of the prompt's hashes in order, one dict lookup and one int AND per block; a
+replica's match length is recorded when its bit drops out. Each replica also keeps the hashes it holds
+(a dict used as a set), so dropping it costs O(its blocks), never a scan of the index.
 
-Memory bound: at most `max_blocks` hashes (LRU: a lookup or an event touches a hash). Measured with
-tracemalloc (tests/unit/routing/test_prefix_index.py::test_memory_per_entry, 20k and 100k hashes): 190-260
-bytes per hash held by one replica, counting the 65-byte hash object itself, plus 40-120 bytes per further
-replica holding it (its hash-set slot; sets grow in powers of two). So the default 500,000 hashes cost at
-most about 130 MB with one holder each, 130 MB + 60 MB per extra copy on average; size
-`max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
+Memory bound: at most `max_blocks` hashes, least recently touched evicted first (down to 99% of the
+bound, in one pass); a lookup or store touches a chain's tail first so its head, which every longer prompt
+needs, is evicted last. Measured with tracemalloc (tests/unit/routing/test_prefix_index.py::
+test_memory_per_entry; 20k-300k hashes): 125-170 bytes per hash held by one replica, counting the 65-byte
+hash object itself, plus 40-70 bytes per further replica holding it (its entry in that replica's dict).
+The default 500,000 hashes thus cost at most about 90 MB with one holder each, plus up to 35 MB per extra
+copy; size `max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 
 from engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 from app.routing.api import BlockHash, KVEventBatch, KVSnapshot
-
-
-class _Entry:
-    __slots__ = ("confirmed", "spec", "spec_expiry")
-
-    def __init__(self) -> None:
-        self.confirmed = 0                               # bit mask of replica slots (from events)
-        self.spec = 0                                    # bit mask of slots holding it speculatively
-        self.spec_expiry: dict[int, float] | None = None  # slot -> expiry time, for the bits in `spec`
 
 
 class _ReplicaState:
@@ -44,7 +42,7 @@ class _ReplicaState:
         self.epoch: str | None = None
         self.next_seq = 0
         self.needs_snapshot = True          # nothing known until a snapshot or the stream's seq 0
-        self.held: set[BlockHash] = set()   # hashes whose entry has this replica's bit (either mask)
+        self.held: dict[BlockHash, None] = {}   # hashes with this replica's bit (confirmed or speculative)
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -65,7 +63,9 @@ class PrefixIndex:
     def __init__(self, max_blocks: int, speculative_ttl_s: float) -> None:
         self.max_blocks = max_blocks
         self.speculative_ttl_s = speculative_ttl_s
-        self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()
+        self._held: dict[BlockHash, int] = {}
+        self._spec: dict[BlockHash, int] = {}
+        self._spec_expiry: list[dict[BlockHash, float]] = []
         self._replicas: dict[str, _ReplicaState] = {}
         self._slot_owner: list[str | None] = []
         self._spec_records: deque[tuple[float, int, list[BlockHash]]] = deque()   # FIFO: one TTL for all
@@ -86,6 +86,7 @@ class PrefixIndex:
         except ValueError:
             slot = len(self._slot_owner)
             self._slot_owner.append(replica_id)
+            self._spec_expiry.append({})
         self._replicas[replica_id] = _ReplicaState(slot)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -109,7 +110,12 @@ class PrefixIndex:
         if batch.first_seq > st.next_seq:
             return self._lose(st)
         for event in events[st.next_seq - batch.first_seq:]:
-            self._apply(st, event)
+            if isinstance(event, BlockStored):
+                self._store(st, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._remove(st, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._drop(st)
         st.next_seq = max(st.next_seq, batch.first_seq + len(events))
         return True
 
@@ -121,12 +127,8 @@ class PrefixIndex:
         if st is None:
             return
         self._drop(st)
-        bit = 1 << st.slot
-        for h in snapshot.block_hashes:
-            self._entry(h).confirmed |= bit
-            st.held.add(h)
+        self._store(st, snapshot.block_hashes)
         st.epoch, st.next_seq, st.needs_snapshot = snapshot.epoch, snapshot.next_seq, False
-        self._enforce_bound()
 
     def _lose(self, st: _ReplicaState) -> bool:
         self._drop(st)
@@ -134,42 +136,43 @@ class PrefixIndex:
         self.num_resyncs += 1
         return False
 
-    def _apply(self, st: _ReplicaState, event: object) -> None:
-        bit = 1 << st.slot
-        if isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                e = self._entry(h)
-                e.confirmed |= bit
-                if e.spec & bit:
-                    self._clear_spec(e, st.slot)
-                st.held.add(h)
-            self._enforce_bound()
-        elif isinstance(event, BlockRemoved):
-            # A speculative bit set after the block was stored stays: it predicts a newer store.
-            for h in event.block_hashes:
-                e = self._entries.get(h)
-                if e is not None and e.confirmed & bit:
-                    e.confirmed &= ~bit
-                    if not e.spec & bit:
-                        st.held.discard(h)
-                    if not (e.confirmed or e.spec):
-                        del self._entries[h]
-        elif isinstance(event, AllBlocksCleared):
-            self._drop(st)
+    def _store(self, st: _ReplicaState, hashes: list[BlockHash]) -> None:
+        bit, held, spec = 1 << st.slot, self._held, self._spec
+        for h in reversed(hashes):                           # tail first: the chain's head ends up newest
+            mask = held.pop(h, 0)
+            held[h] = mask | bit                             # (re)inserted last: most recently used
+            if mask and spec.get(h, 0) & bit:
+                self._clear_spec(h, st.slot)
+            st.held[h] = None
+        self._enforce_bound()
+
+    def _remove(self, st: _ReplicaState, hashes: list[BlockHash]) -> None:
+        # A speculative bit is kept: set after the block was stored, it predicts a newer store.
+        bit, held, spec = 1 << st.slot, self._held, self._spec
+        for h in hashes:
+            mask = held.get(h)
+            if mask is None or not mask & bit or spec.get(h, 0) & bit:
+                continue
+            st.held.pop(h, None)
+            if mask == bit:
+                del held[h]
+            else:
+                held[h] = mask & ~bit
 
     def _drop(self, st: _ReplicaState) -> None:
         """Forget every hash the replica holds: O(its blocks)."""
-        slot, keep = st.slot, ~(1 << st.slot)
+        bit, held, spec = 1 << st.slot, self._held, self._spec
         for h in st.held:
-            e = self._entries.get(h)
-            if e is None:
+            mask = held.get(h)
+            if mask is None:
                 continue
-            e.confirmed &= keep
-            if e.spec & ~keep:
-                self._clear_spec(e, slot)
-            if not (e.confirmed or e.spec):
-                del self._entries[h]
-        st.held = set()
+            if spec.get(h, 0) & bit:
+                self._clear_spec(h, st.slot)
+            if mask == bit:
+                del held[h]
+            else:
+                held[h] = mask & ~bit
+        st.held = {}
 
     # ------------------------------------------------------------ speculative inserts
     def insert_speculative(self, replica_id: str, block_hashes: list[BlockHash], now: float) -> None:
@@ -178,16 +181,16 @@ class PrefixIndex:
         if st is None or not block_hashes:
             return
         slot, bit, expiry = st.slot, 1 << st.slot, now + self.speculative_ttl_s
+        held, spec, expiries = self._held, self._spec, self._spec_expiry[st.slot]
         fresh = []
-        for h in block_hashes:
-            e = self._entry(h)
-            if e.confirmed & bit:
-                continue
-            e.spec |= bit
-            if e.spec_expiry is None:
-                e.spec_expiry = {}
-            e.spec_expiry[slot] = expiry
-            st.held.add(h)
+        for h in reversed(block_hashes):
+            mask = held.pop(h, 0)
+            held[h] = mask | bit
+            if mask & bit and not spec.get(h, 0) & bit:
+                continue                                      # confirmed already
+            spec[h] = spec.get(h, 0) | bit
+            expiries[h] = expiry
+            st.held[h] = None
             fresh.append(h)
         if fresh:
             self._spec_records.append((expiry, slot, fresh))
@@ -195,28 +198,33 @@ class PrefixIndex:
 
     def expire(self, now: float) -> None:
         """Drop speculative bits whose TTL ended unconfirmed (amortized O(1) per inserted hash)."""
-        records = self._spec_records
+        records, held = self._spec_records, self._held
         while records and records[0][0] <= now:
             expiry, slot, hashes = records.popleft()
-            owner = self._slot_owner[slot] if slot < len(self._slot_owner) else None
-            st = self._replicas.get(owner) if owner is not None else None
+            owner = self._slot_owner[slot]
+            st = self._replicas[owner] if owner is not None else None
+            expiries, bit = self._spec_expiry[slot], 1 << slot
             for h in hashes:
-                e = self._entries.get(h)
-                if e is None or e.spec_expiry is None or e.spec_expiry.get(slot) != expiry:
+                if expiries.get(h) != expiry:
                     continue                     # confirmed, dropped or re-inserted later since
-                self._clear_spec(e, slot)
-                if not e.confirmed >> slot & 1 and st is not None:
-                    st.held.discard(h)
-                if not (e.confirmed or e.spec):
-                    del self._entries[h]
+                self._clear_spec(h, slot)
+                mask = held.get(h)
+                if mask is not None:
+                    if mask == bit:
+                        del held[h]
+                    else:
+                        held[h] = mask & ~bit
+                if st is not None:
+                    st.held.pop(h, None)
 
-    @staticmethod
-    def _clear_spec(e: _Entry, slot: int) -> None:
-        e.spec &= ~(1 << slot)
-        if e.spec_expiry is not None:
-            e.spec_expiry.pop(slot, None)
-            if not e.spec_expiry:
-                e.spec_expiry = None
+    def _clear_spec(self, h: BlockHash, slot: int) -> None:
+        """Clear the slot's speculative bit (not its bit in `_held`)."""
+        mask = self._spec.get(h, 0) & ~(1 << slot)
+        if mask:
+            self._spec[h] = mask
+        else:
+            self._spec.pop(h, None)
+        self._spec_expiry[slot].pop(h, None)
 
     # ------------------------------------------------------------ lookup
     def match(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> dict[str, int]:
@@ -224,39 +232,40 @@ class PrefixIndex:
         are absent. Cost: one dict lookup and one int AND per matched block, plus one step per drop-out."""
         slots = {}
         active = 0
+        replicas = self._replicas
         for rid in replica_ids:
-            st = self._replicas.get(rid)
+            st = replicas.get(rid)
             if st is not None:
                 slots[st.slot] = rid
                 active |= 1 << st.slot
         out: dict[str, int] = {}
-        entries = self._entries
+        get = self._held.get
         n = 0
         for h in block_hashes:
-            if not active:
+            mask = get(h)
+            if mask is None:
                 break
-            e = entries.get(h)
-            if e is None:
-                break
-            held = active & (e.confirmed | e.spec)
-            if held != active:
-                for slot in _bits(active & ~held):
+            both = active & mask
+            if both != active:
+                for slot in _bits(active ^ both):
                     if n:
                         out[slots[slot]] = n
-                active = held
+                active = both
                 if not active:
                     break
-            entries.move_to_end(h)
             n += 1
         if n:
             for slot in _bits(active):
                 out[slots[slot]] = n
+            held, pop = self._held, self._held.pop
+            for i in range(n - 1, -1, -1):                   # LRU: tail first, so the head is newest
+                h = block_hashes[i]
+                held[h] = pop(h)
         return out
 
     def holds_any(self, block_hash: BlockHash) -> bool:
         """Whether any replica (candidate or not) holds the hash."""
-        e = self._entries.get(block_hash)
-        return e is not None and bool(e.confirmed | e.spec)
+        return block_hash in self._held
 
     def num_held(self, replica_id: str) -> int:
         st = self._replicas.get(replica_id)
@@ -265,23 +274,22 @@ class PrefixIndex:
     @property
     def num_entries(self) -> int:
         """Block hashes held by at least one replica (the bounded quantity)."""
-        return len(self._entries)
+        return len(self._held)
 
     # ------------------------------------------------------------ bound
-    def _entry(self, h: BlockHash) -> _Entry:
-        e = self._entries.get(h)
-        if e is None:
-            e = self._entries[h] = _Entry()
-        else:
-            self._entries.move_to_end(h)
-        return e
-
     def _enforce_bound(self) -> None:
-        entries = self._entries
-        while len(entries) > self.max_blocks:
-            h, e = entries.popitem(last=False)
-            for slot in _bits(e.confirmed | e.spec):
+        """Evict least recently used hashes down to 99% of the bound, in one pass from the dict's front."""
+        held = self._held
+        if len(held) <= self.max_blocks:
+            return
+        num_evict = len(held) - self.max_blocks * 99 // 100
+        for h in [h for h, _ in zip(held, range(num_evict))]:
+            mask = held.pop(h)
+            spec = self._spec.pop(h, 0)
+            for slot in _bits(mask):
+                if spec >> slot & 1:
+                    self._spec_expiry[slot].pop(h, None)
                 owner = self._slot_owner[slot]
                 if owner is not None:
-                    self._replicas[owner].held.discard(h)
+                    self._replicas[owner].held.pop(h, None)
             self.num_evictions += 1

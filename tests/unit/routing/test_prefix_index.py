@@ -159,17 +159,18 @@ def test_removing_a_replica_frees_its_slot_without_leaking_entries():
 
 
 def test_the_lru_bound_evicts_the_least_recently_touched_hashes():
-    ix = index("a", "b", max_blocks=10)
-    old, new = chain("old", 6), chain("new", 6)
+    ix = index("a", "b", max_blocks=100)
+    old, new = chain("old", 60), chain("new", 42)
     feed(ix, "a", 0, [stored(old)])
-    feed(ix, "b", 0, [stored(old[:3])])
-    assert ix.match(old[:3], ["a"]) == {"a": 3}                  # touches old[0:3]
-    feed(ix, "a", 1, [stored(new)])
-    assert ix.num_entries == 10 and ix.num_evictions == 2
-    assert ix.match(old, ["a"]) == {"a": 3}                      # old[3:5] were evicted
-    assert ix.num_held("a") == 10 and ix.num_held("b") == 3
-    ix.apply_snapshot(KVSnapshot("b", "e0", 1, chain("snap", 20)))
-    assert ix.num_entries == 10 and ix.num_held("a") + ix.num_held("b") >= 10
+    feed(ix, "b", 0, [stored(old[:30])])
+    assert ix.match(old[:30], ["a"]) == {"a": 30}                # touches old[0:30], tail first
+    feed(ix, "a", 1, [stored(new)])                              # 102 > 100: evict down to 99
+    assert ix.num_entries == 99 and ix.num_evictions == 3
+    assert ix.match(old, ["a"]) == {"a": 57}                     # a chain loses its tail first
+    assert ix.match(new, ["a"]) == {"a": 42}
+    assert ix.num_held("a") == 99 and ix.num_held("b") == 30
+    ix.apply_snapshot(KVSnapshot("b", "e0", 1, chain("snap", 200)))
+    assert ix.num_entries <= 100 and ix.num_held("b") <= 100
 
 
 def _measure(build) -> float:
@@ -185,7 +186,7 @@ def _measure(build) -> float:
 
 
 def test_memory_per_entry():
-    """The bound the module docstring states: <= 260 B per hash for one holder, <= 120 B per further one."""
+    """The bound the module docstring states: <= 175 B per hash for one holder, <= 75 B per further one."""
     n = 20_000
     hashes = chain("m", n)                                       # the keys exist anyway (the request's)
 
@@ -203,8 +204,8 @@ def test_memory_per_entry():
     hash_bytes = 33 + 32                                         # bytes object header + 32-byte digest
     per_entry = _measure(one_holder) / n + hash_bytes
     per_extra = (_measure(four_holders) / n + hash_bytes - per_entry) / 3
-    assert per_entry < 270, per_entry
-    assert per_extra < 130, per_extra
+    assert per_entry < 175, per_entry
+    assert per_extra < 75, per_extra
 
 
 # -------------------------------------------------------------------- replay property
