@@ -26,7 +26,7 @@ class AffinityConfig(BaseModel):
                                          "the threshold)")
     # -- affinity release
     release_slack: float = Field(0.3, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
-    release_slack_abs_s: float = Field(0.1, ge=0)
+    release_slack_abs_s: float = Field(0.1, ge=0, description="the absolute part of that bound, seconds")
     min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
     # -- hot prefix groups
     group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")
