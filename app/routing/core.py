@@ -7,8 +7,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo, ReplicaLoadView, RouterCore,
-                             RouterCounters, RouteRequest)
+from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
+                             ReplicaLoadView, RouterCore, RouterCounters, RouteRequest)
 from app.routing.config import AffinityConfig, RoutingPolicyName
 from app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
 from app.routing.policy import AffinityPolicy

@@ -191,14 +191,8 @@ class TTFTModel:
         self.num_samples = 0
         self._w = self._s11 = self._s12 = self._s22 = self._s1y = self._s2y = 0.0
 
-    def predict(self, work_tokens: int, running: int, kv_usage: float) -> float:
-        ttft = work_tokens / self.prefill_tokens_per_s + running * self.decode_step_s
-        if kv_usage > self.kv_threshold and self.kv_threshold < 1.0:
-            ttft += self.kv_penalty_s * min(1.0, (kv_usage - self.kv_threshold) / (1.0 - self.kv_threshold))
-        return ttft
-
     def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int]) -> list[float]:
-        """predict() per replica: its queued prefill plus `own_tokens[i]` (this request's uncached there)."""
+        """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]`."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
         return [(c.queued_prefill_tokens + u) / rate + c.decode_load * step

@@ -46,7 +46,9 @@ def done(core, rid: str):
 
 
 def score(decision, rid):
-    return next(c for c in decision.candidates if c.replica_id == rid)
+    found = decision.score_of(rid)
+    assert found is not None and found in decision.candidates
+    return found
 
 
 # ---------------------------------------------------------------- affinity and release
