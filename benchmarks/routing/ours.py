@@ -1,0 +1,78 @@
+"""Our router in the simulator: the pure core from app/routing driven the way the Ray Serve shell drives it.
+
+Per request: `route(RouteRequest(block hashes from the ingress), all replicas)`; the first token reports
+the engine's cached-token count (`on_first_token`), the end `on_finished`. Per replica and pull period:
+a stats snapshot (`on_stats`), then the KV events since the last pull (`kv_events_since`), or a snapshot
+when the core or the replica asks for one (new replica, gap, epoch change). The core's clock is the
+simulation's.
+"""
+from __future__ import annotations
+
+import random
+
+from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView, RouteRequest,
+                         make_core)
+from benchmarks.routing.replica import ReplicaSpec, SimReplica
+from benchmarks.routing.routers import ClusterView, SimRequest, _Base
+
+
+class OursRouter(_Base):
+    def __init__(self, replica: ReplicaSpec, config: AffinityConfig | None = None,
+                 policy: str = "prefix_affinity", name: str = "ours (prefix affinity)"):
+        self.block_size = replica.block_size
+        self.config = config or AffinityConfig()
+        self.policy = policy
+        self.name = name
+
+    def setup(self, cluster: ClusterView, seed: int) -> None:
+        super().setup(cluster, seed)
+        self.now = 0.0
+        self.core = make_core(self.policy, self.config, self.block_size, clock=lambda: self.now,
+                              rng=random.Random(seed))
+        self.ids = [f"replica-{i:03d}" for i in range(self.n)]
+        self.index_of = {rid: i for i, rid in enumerate(self.ids)}
+        self.core.set_replicas([ReplicaInfo(rid) for rid in self.ids])
+        self.next_seq: list[int | None] = [None] * self.n
+        self.epoch: list[str | None] = [None] * self.n
+
+    def route(self, req: SimRequest, now: float) -> int:
+        self.now = now
+        d = self.core.route(RouteRequest(req.req_id, req.block_hashes, len(req.prompt_token_ids), req.max_tokens),
+                            self.ids)
+        return self.index_of[d.chosen]
+
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
+        self.now = now
+        self.core.on_first_token(req_id, num_cached_tokens)
+
+    def on_finished(self, req_id: str, replica: int, now: float) -> None:
+        self.now = now
+        self.core.on_finished(req_id)
+
+    def on_pull(self, replica: int, feed: SimReplica, now: float) -> None:
+        self.now = now
+        rid = self.ids[replica]
+        self.core.on_stats(rid, ReplicaLoadView.from_stats(feed.load_view()))
+        if self.next_seq[replica] is None or rid in self.core.replicas_needing_snapshot():
+            self._resync(replica, feed)
+            return
+        reply = feed.kv_events_since(self.next_seq[replica], self.epoch[replica])
+        if reply.snapshot_required:
+            self._resync(replica, feed)
+            return
+        self.next_seq[replica] = reply.next_seq
+        if not self.core.on_kv_events(KVEventBatch(rid, reply.epoch, reply.first_seq, reply.events)):
+            self._resync(replica, feed)
+
+    def _resync(self, replica: int, feed: SimReplica) -> None:
+        snap = feed.kv_snapshot()
+        self.core.on_snapshot(KVSnapshot(self.ids[replica], snap.epoch, snap.next_seq, snap.block_hashes))
+        self.next_seq[replica], self.epoch[replica] = snap.next_seq, snap.epoch
+
+    def summary(self) -> dict:
+        """The core's own counters: decisions by reason, index accuracy, the calibrated TTFT model."""
+        c = self.core.counters()
+        return {"decisions_by_reason": {r.value: n for r, n in c.num_by_reason.items()},
+                "errors": c.num_errors, "index_accuracy": c.index_accuracy, "resyncs": c.num_resyncs,
+                "index_entries": c.num_index_entries, "prefill_tokens_per_s": c.prefill_tokens_per_s,
+                "decode_step_s": c.decode_step_s}

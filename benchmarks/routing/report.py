@@ -1,0 +1,147 @@
+"""Results of one configuration as a JSON document, a table, a figure (TTFT CDF, hit rate per router), and
+the issue's targets checked against them."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from benchmarks.routing.simulator import PreparedTrace, RunResult
+
+OURS = "ours"
+RAY_DEFAULT = "ray prefix-aware, imbalance inf (default)"
+SHARED = "oracle: shared cache"
+CDF_QUANTILES = [q / 100 for q in range(100)] + [0.995, 0.999, 1.0]
+
+
+def to_json(prepared: PreparedTrace, results: list[RunResult], *, pull_period_s: float) -> dict:
+    meta = prepared.trace.meta
+    runs = []
+    for r in results:
+        d = asdict(r)
+        ttft = d.pop("ttft_s")
+        d["hit_vs_separate_bound"] = r.hit_rate / prepared.pinned_bound if prepared.pinned_bound else None
+        d["ttft_cdf"] = {"q": CDF_QUANTILES, "s": np.quantile(ttft, CDF_QUANTILES).tolist()}
+        runs.append(d)
+    doc = {
+        "config": {"replicas": meta.spec.num_replicas, "pressure_target": meta.spec.pressure,
+                   "load_target": meta.spec.load, "hot_prefix": meta.spec.hot, "seed": meta.spec.seed,
+                   "pressure": meta.measured_pressure, "load": meta.measured_load,
+                   "requests": meta.num_requests, "duration_s": meta.duration_s, "warmup_s": meta.warmup_s,
+                   "saturation_rps_per_replica": meta.saturation_rps_per_replica,
+                   "pull_period_s": pull_period_s, "replica": asdict(meta.replica),
+                   "components": meta.component_counts},
+        "bounds": {"shared_cache_hit_rate": prepared.shared_bound,
+                   "separate_caches_hit_rate": prepared.pinned_bound},
+        "results": runs,
+    }
+    doc["targets"] = check_targets(doc)
+    return doc
+
+
+def _by_name(doc: dict) -> dict[str, dict]:
+    return {r["router"]: r for r in doc["results"]}
+
+
+def check_targets(doc: dict) -> list[dict]:
+    """Issue 9's targets that this configuration speaks to, for our router: value, target, ratio, met."""
+    runs = _by_name(doc)
+    ours = next((r for name, r in runs.items() if name.startswith(OURS)), None)
+    if ours is None:
+        return []
+    cfg = doc["config"]
+    out = []
+
+    def add(what: str, value: float, target: float, higher_is_better: bool) -> None:
+        ratio = value / target if target else float("nan")
+        out.append({"target": what, "value": value, "bound": target, "ratio": ratio,
+                    "met": value >= target if higher_is_better else value <= target})
+
+    n = cfg["replicas"]
+    sep = doc["bounds"]["separate_caches_hit_rate"]
+    if not cfg["hot_prefix"] and n in (8, 128):
+        need = 0.97 if n == 8 else 0.95
+        add(f"hit rate >= {need} x separate-caches bound", ours["hit_rate"], need * sep, True)
+    ray = runs.get(RAY_DEFAULT)
+    if ray is not None and not cfg["hot_prefix"] and cfg["load_target"] >= 1.0:
+        add("TTFT p99 <= 0.8 x Ray's (default)", ours["ttft_p99_s"], 0.8 * ray["ttft_p99_s"], False)
+    if cfg["hot_prefix"]:
+        add("hot prefix: max/mean load <= 1.5", ours["max_over_mean_load"], 1.5, False)
+        shared = runs.get(SHARED)
+        if shared is not None:
+            add("hot prefix: mean e2e <= 1.2 x shared-cache oracle", ours["e2e_mean_s"], 1.2 * shared["e2e_mean_s"], False)
+    if n >= 128:
+        add("decision p99 < 1 ms", ours["decision_p99_ms"], 1.0, False)
+    return out
+
+
+def header(doc: dict) -> str:
+    c, b = doc["config"], doc["bounds"]
+    mode = "hot prefix (90%)" if c["hot_prefix"] else "mixed A/B/C/D"
+    return (f"{c['replicas']} replicas, {mode}, pressure {c['pressure']:.2f} (target {c['pressure_target']}), "
+            f"load {c['load']:.2f} (target {c['load_target']}), {c['requests']} requests over {c['duration_s']:.0f} s, "
+            f"stats/events pulled every {c['pull_period_s']} s\n"
+            f"hit-rate bounds: shared infinite cache {b['shared_cache_hit_rate']:.3f}, "
+            f"separate caches (pinned groups, LRU) {b['separate_caches_hit_rate']:.3f}")
+
+
+def table_doc(doc: dict) -> str:
+    rows = [header(doc), "",
+            "| router | hit rate | / separate bound | TTFT p50 s | TTFT p99 s | mean e2e s | max/mean load "
+            "| decision p50 ms | decision p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        rows.append(f"| {r['router']} | {r['hit_rate']:.3f} | {r['hit_vs_separate_bound']:.2f} | "
+                    f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.2f} | {r['e2e_mean_s']:.2f} | "
+                    f"{r['max_over_mean_load']:.2f} | {r['decision_p50_ms']:.3f} | {r['decision_p99_ms']:.3f} |")
+    for t in doc["targets"]:
+        rows.append(f"target {t['target']}: {t['value']:.3f} vs {t['bound']:.3f} "
+                    f"({t['ratio']:.2f}x) {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(rows)
+
+
+def write_json(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def plot_doc(doc: dict, path: Path) -> None:
+    """Left: TTFT CDF per router (log time axis). Right: token hit rate per router, with both bounds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
+    for r in doc["results"]:
+        cdf = r["ttft_cdf"]
+        ax1.plot(np.maximum(cdf["s"], 1e-3), cdf["q"], label=r["router"],
+                 linestyle="--" if r["router"].startswith("oracle") else "-")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TTFT (s)")
+    ax1.set_ylabel("fraction of requests")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=7, loc="lower right")
+    names = [r["router"] for r in doc["results"]]
+    ax2.barh(range(len(names)), [r["hit_rate"] for r in doc["results"]], color="tab:blue")
+    ax2.set_yticks(range(len(names)), names, fontsize=7)
+    ax2.invert_yaxis()
+    b = doc["bounds"]
+    ax2.axvline(b["shared_cache_hit_rate"], color="k", linestyle=":", label="shared infinite cache bound")
+    ax2.axvline(b["separate_caches_hit_rate"], color="tab:red", linestyle="--", label="separate caches bound")
+    ax2.set_xlabel("token hit rate")
+    ax2.set_xlim(0, 1)
+    ax2.legend(fontsize=7, loc="lower right")
+    fig.suptitle(header(doc).replace("\n", "; "), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary_markdown(docs: list[dict]) -> str:
+    """Every configuration's table, one after the other."""
+    return "\n\n".join(table_doc(d) for d in docs) + "\n"

@@ -1,0 +1,350 @@
+"""Discrete-event simulation of N replicas (the real Scheduler + KVCacheManager, a timing-model runner)
+behind each router, all on the same trace; prints a table and writes optional JSON and a PNG.
+
+Time advances from event to event: a request's release (its trace arrival; a session turn think_s after
+its parent finished), a replica's step end (duration from replica.TimingModel), and a periodic pull of
+each replica's stats snapshot and KV events (every --pull-period seconds, replicas staggered), so
+routers that read replica state see it up to one period stale, as the real shell does. A router's
+decision is timed in wall-clock time around its route() call (for Ray's router: choose_replicas,
+the shortest-queue pick and its on_request_routed tree insert).
+
+    python benchmarks/routing/simulator.py --replicas 8 --pressure 0.75 --load 1.0
+    python benchmarks/routing/simulator.py --hot --replicas 8 --json out.json --png out.png
+    python benchmarks/routing/simulator.py --suite headline --out-dir bench-out
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.routing import report  # noqa: E402
+from benchmarks.routing.bounds import (footprint_partition, pinned_lru_hit_rate,  # noqa: E402
+                                       shared_cache_hit_rate)
+from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
+from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,  # noqa: E402
+                                        RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
+from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,  # noqa: E402
+                                         spec_from_args)
+from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+
+_STEP_END, _RELEASE, _PULL = 0, 1, 2
+RAY_IMBALANCED_THRESHOLD = 16       # a quarter of max_num_seqs; Ray's docs example uses 10-20
+
+
+def default_pull_period_s(num_replicas: int) -> float:
+    """How often a router pulls each replica: what README's KV-event-feed costs suggest (0.1 s at 8
+    replicas, 0.5 s at 128, where each pull is an actor call costing the router ~0.4 ms of CPU)."""
+    return 0.1 if num_replicas <= 8 else 0.25 if num_replicas <= 32 else 0.5
+
+
+@dataclass(slots=True)
+class PreparedTrace:
+    """A trace plus what every run shares: block hashes (prompt, and prompt + answer) and the bounds."""
+
+    trace: Trace
+    prompt_hashes: list[list[BlockHash]]
+    full_hashes: list[list[BlockHash]]
+    measured: list[bool]              # counted in the metrics (arrived after the warm-up)
+    partition: dict[str, int]
+    shared_bound: float
+    pinned_bound: float
+
+
+def prepare(trace: Trace) -> PreparedTrace:
+    bs = trace.meta.replica.block_size
+    prompt_hashes, full_hashes = [], []
+    for r in trace.requests:
+        p = hash_block_chain(r.prompt_token_ids, bs)
+        n = len(r.prompt_token_ids) // bs
+        rest = hash_block_chain(r.prompt_token_ids + r.output_token_ids, bs, None, p[-1] if p else None, n)
+        prompt_hashes.append(p)
+        full_hashes.append(p + rest)
+    measured = [r.arrival_s >= trace.meta.warmup_s for r in trace.requests]
+    n_rep = trace.meta.spec.num_replicas
+    partition = footprint_partition(trace.requests, full_hashes, n_rep)
+    shared = shared_cache_hit_rate(trace.requests, full_hashes, bs, measured)
+    pinned = pinned_lru_hit_rate(trace.requests, full_hashes, bs, measured, partition,
+                                 trace.meta.replica.num_blocks - 1)
+    return PreparedTrace(trace, prompt_hashes, full_hashes, measured, partition, shared, pinned)
+
+
+@dataclass(slots=True)
+class RunResult:
+    router: str
+    num_replicas: int
+    hit_rate: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_mean_s: float
+    max_over_mean_load: float
+    decision_p50_ms: float
+    decision_p99_ms: float
+    num_requests: int
+    num_measured: int
+    sim_wall_s: float
+    ttft_s: list[float] = field(default_factory=list)        # measured requests, for the CDF
+    requests_per_replica: list[int] = field(default_factory=list)
+    router_summary: dict = field(default_factory=dict)       # the router's own counters, if it has any
+
+
+class Simulation:
+    """One router over one trace. `run()` returns the metrics; `replicas` stay for inspection."""
+
+    def __init__(self, prepared: PreparedTrace, router: SimRouter, *, timing: TimingModel = TimingModel(),
+                 pull_period_s: float | None = None, seed: int = 0, progress=None):
+        self.p = prepared
+        self.router = router
+        self.timing = timing
+        self.seed = seed
+        self.say = progress or (lambda msg: None)
+        meta = prepared.trace.meta
+        n = meta.spec.num_replicas
+        self.pull_period_s = pull_period_s or default_pull_period_s(n)
+        shared: set[BlockHash] | None = set() if router.shared_cache else None
+        self.replicas = [SimReplica(i, meta.replica, timing, shared_cache=shared) for i in range(n)]
+        self.cluster = ClusterView(n)
+
+    def run(self) -> RunResult:
+        reqs = self.p.trace.requests
+        index = {r.req_id: i for i, r in enumerate(reqs)}
+        children: dict[str, list[int]] = {}
+        heap: list[tuple[float, int, int, int]] = []
+        seq = 0
+        for i, r in enumerate(reqs):
+            if r.parent_id is None:
+                heap.append((r.arrival_s, seq, _RELEASE, i))
+                seq += 1
+            else:
+                children.setdefault(r.parent_id, []).append(i)
+        n_rep = len(self.replicas)
+        for k in range(n_rep):
+            heap.append((self.pull_period_s * (k + 1) / n_rep, seq, _PULL, k))
+            seq += 1
+        heapq.heapify(heap)
+        self.router.setup(self.cluster, self.seed)
+
+        n = len(reqs)
+        release = np.full(n, np.nan)
+        first = np.full(n, np.nan)
+        finish = np.full(n, np.nan)
+        cached = np.zeros(n, dtype=np.int64)
+        where = np.full(n, -1, dtype=np.int64)
+        decision_s: list[float] = []
+        done = 0
+        wall0 = time.perf_counter()
+        next_report = wall0 + 10.0
+        ongoing = self.cluster.ongoing
+        router = self.router
+        pull = self.pull_period_s
+        gc_was = gc.isenabled()
+        gc.disable()         # the heap holds millions of long-lived ints; collections only cost time here
+        try:
+            while done < n:
+                now, _, kind, arg = heapq.heappop(heap)
+                if kind == _STEP_END:
+                    rep = self.replicas[arg]
+                    res = rep.end_step()
+                    for req_id in res.first_token_ids:
+                        i = index[req_id]
+                        first[i] = now
+                        cached[i] = res.num_cached_tokens[req_id]
+                        router.on_first_token(req_id, arg, int(cached[i]), now)
+                    for req_id in res.finished_ids:
+                        i = index[req_id]
+                        finish[i] = now
+                        done += 1
+                        ongoing[arg] -= 1
+                        router.on_finished(req_id, arg, now)
+                        for c in children.get(req_id, ()):
+                            heapq.heappush(heap, (now + reqs[c].think_s, seq, _RELEASE, c))
+                            seq += 1
+                    seq = self._start_step(rep, now, heap, seq)
+                elif kind == _RELEASE:
+                    r = reqs[arg]
+                    release[arg] = now
+                    sim_req = SimRequest(r.req_id, r.prompt_token_ids, self.p.prompt_hashes[arg],
+                                         len(r.output_token_ids), r.group)
+                    t0 = time.perf_counter()
+                    k = router.route(sim_req, now)
+                    decision_s.append(time.perf_counter() - t0)
+                    where[arg] = k
+                    ongoing[k] += 1
+                    rep = self.replicas[k]
+                    rep.add_request(r.req_id, r.prompt_token_ids, r.output_token_ids, self.p.prompt_hashes[arg])
+                    if not rep.is_busy:
+                        seq = self._start_step(rep, now, heap, seq)
+                else:
+                    rep = self.replicas[arg]
+                    router.on_pull(arg, rep, now)
+                    heapq.heappush(heap, (now + pull, seq, _PULL, arg))
+                    seq += 1
+                if time.perf_counter() > next_report:
+                    next_report += 10.0
+                    self.say(f"  {router.name}: {done}/{n} finished, sim t={now:.1f} s, "
+                             f"wall {time.perf_counter() - wall0:.0f} s")
+        finally:
+            if gc_was:
+                gc.enable()
+        self._check_conservation()
+        return self._metrics(release, first, finish, cached, where, decision_s, time.perf_counter() - wall0)
+
+    def _start_step(self, rep: SimReplica, now: float, heap: list, seq: int) -> int:
+        dt = rep.start_step()
+        if dt is not None:
+            heapq.heappush(heap, (now + dt, seq, _STEP_END, rep.index))
+            seq += 1
+        return seq
+
+    def _check_conservation(self) -> None:
+        for rep in self.replicas:
+            if rep.has_work or rep.num_held_blocks():
+                raise AssertionError(f"replica {rep.index} ended with {rep.scheduler.num_unfinished_requests} "
+                                     f"requests and {rep.num_held_blocks()} held KV blocks")
+        if any(self.cluster.ongoing):
+            raise AssertionError(f"requests left in flight: {self.cluster.ongoing}")
+
+    def _metrics(self, release, first, finish, cached, where, decision_s, wall_s) -> RunResult:
+        reqs = self.p.trace.requests
+        m = np.array(self.p.measured)
+        prompt = np.array([len(r.prompt_token_ids) for r in reqs])
+        ttft = (first - release)[m]
+        e2e = (finish - release)[m]
+        per_rep = np.bincount(where[m], minlength=len(self.replicas))
+        dec_ms = np.array(decision_s) * 1e3
+        return RunResult(
+            router=self.router.name, num_replicas=len(self.replicas),
+            hit_rate=float(cached[m].sum() / prompt[m].sum()),
+            ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+            e2e_mean_s=float(e2e.mean()), max_over_mean_load=float(per_rep.max() / per_rep.mean()),
+            decision_p50_ms=float(np.percentile(dec_ms, 50)), decision_p99_ms=float(np.percentile(dec_ms, 99)),
+            num_requests=len(reqs), num_measured=int(m.sum()), sim_wall_s=wall_s,
+            ttft_s=sorted(float(x) for x in ttft), requests_per_replica=per_rep.tolist(),
+            router_summary=self.router.summary() if hasattr(self.router, "summary") else {})
+
+
+# ================================================================== routers by name
+ROUTER_NAMES = ("round-robin", "power-of-two", "ray", "ray-threshold", "ours", "shared", "pinned")
+
+
+def ours_available() -> bool:
+    try:
+        import app.routing.api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_router(name: str, prepared: PreparedTrace, text: TokenText) -> SimRouter:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "power-of-two":
+        return PowerOfTwo()
+    if name == "ray":
+        return RayPrefixAffinity(float("inf"), text)
+    if name == "ray-threshold":
+        return RayPrefixAffinity(RAY_IMBALANCED_THRESHOLD, text)
+    if name == "shared":
+        return SharedCacheOracle()
+    if name == "pinned":
+        return PinnedOracle(prepared.partition)
+    if name == "ours":
+        from benchmarks.routing.ours import OursRouter
+        return OursRouter(prepared.trace.meta.replica)
+    raise ValueError(f"unknown router {name!r}; one of {', '.join(ROUTER_NAMES)}")
+
+
+def default_routers() -> list[str]:
+    return [n for n in ROUTER_NAMES if n != "ours" or ours_available()]
+
+
+def run_all(trace: Trace, routers: list[str], *, pull_period_s: float | None = None, seed: int = 0,
+            say=lambda m: None) -> tuple[PreparedTrace, list[RunResult]]:
+    t0 = time.perf_counter()
+    prepared = prepare(trace)
+    say(f"prepared (hashes, bounds) in {time.perf_counter() - t0:.1f} s: shared-cache bound "
+        f"{prepared.shared_bound:.3f}, separate-caches bound {prepared.pinned_bound:.3f}")
+    text = TokenText(trace.meta.spec.vocab_size)
+    results = []
+    for name in routers:
+        sim = Simulation(prepared, make_router(name, prepared, text), pull_period_s=pull_period_s, seed=seed,
+                         progress=say)
+        res = sim.run()
+        say(f"  {res.router}: hit {res.hit_rate:.3f}, TTFT p99 {res.ttft_p99_s:.2f} s "
+            f"({res.sim_wall_s:.1f} s wall)")
+        results.append(res)
+    return prepared, results
+
+
+# ================================================================== CLI
+HEADLINE = [  # (replicas, pressure, load, hot, requests per replica)
+    (8, 0.75, 1.0, False, 150), (8, 0.75, 1.5, False, 150), (8, 1.5, 1.0, False, 150), (8, 1.5, 1.5, False, 150),
+    (8, 0.75, 1.0, True, 150),
+    (32, 0.75, 1.0, False, 100), (32, 0.75, 1.5, False, 100), (32, 1.5, 1.0, False, 100),
+    (32, 1.5, 1.5, False, 100), (32, 0.75, 1.0, True, 100),
+    (128, 0.75, 1.0, False, 40),
+]
+
+
+def _run_one(args, spec, say, out_stem: Path | None) -> dict:
+    t0 = time.perf_counter()
+    trace = read_trace(args.trace) if getattr(args, "trace", None) else generate(spec, progress=say)
+    say(f"{describe(trace.meta)} (built in {time.perf_counter() - t0:.1f} s)")
+    routers = args.routers.split(",") if args.routers else default_routers()
+    prepared, results = run_all(trace, routers, pull_period_s=args.pull_period, seed=args.seed, say=say)
+    doc = report.to_json(prepared, results,
+                         pull_period_s=args.pull_period or default_pull_period_s(trace.meta.spec.num_replicas))
+    print(report.table_doc(doc), flush=True)
+    if out_stem is not None:
+        report.write_json(doc, out_stem.with_suffix(".json"))
+        report.plot_doc(doc, out_stem.with_suffix(".png"))
+    return doc
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_spec_args(p)
+    p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
+    p.add_argument("--routers", help=f"comma-separated subset of {','.join(ROUTER_NAMES)} (default: all available)")
+    p.add_argument("--pull-period", type=float, help="seconds between a router's pulls of each replica "
+                   "(default: 0.1 up to 8 replicas, 0.25 up to 32, else 0.5)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="write the TTFT CDF and hit-rate figure here")
+    p.add_argument("--suite", choices=["headline"], help="run the headline configurations one at a time")
+    p.add_argument("--out-dir", default="benchmarks/routing/results", help="with --suite: JSON, PNG and a summary here")
+    a = p.parse_args()
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if a.suite:
+        out = Path(a.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        docs = []
+        for k, (n, rho, load, hot, rpr) in enumerate(HEADLINE):
+            say(f"[{k + 1}/{len(HEADLINE)}] {n} replicas, pressure {rho}, load {load}{', hot prefix' if hot else ''}")
+            a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
+            stem = out / f"n{n}_p{rho}_l{load}{'_hot' if hot else ''}"
+            docs.append(_run_one(a, spec_from_args(a), say, stem))
+            report.write_json({"runs": docs}, out / "summary.json")
+        (out / "summary.md").write_text(report.summary_markdown(docs))
+        print(report.summary_markdown(docs))
+        return
+    doc = _run_one(a, spec_from_args(a), say, None)
+    if a.json:
+        report.write_json(doc, Path(a.json))
+    if a.png:
+        report.plot_doc(doc, Path(a.png))
+
+
+if __name__ == "__main__":
+    main()
