@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 from app.config import AppConfig
 from app.ingress import IngressServer
 from app.replica import LLMReplica
+from app.routing.serve_router import AffinityRequestRouter
 
 
 def resolve_model(config: AppConfig) -> AppConfig:
@@ -19,6 +20,14 @@ def resolve_model(config: AppConfig) -> AppConfig:
     from engine import ensure_demo_model
     path = ensure_demo_model()
     return config.model_copy(update={"engine": config.engine.model_copy(update={"model": str(path)})})
+
+
+def router_kwargs(config: AppConfig) -> dict[str, Any]:
+    """AffinityRequestRouter.initialize_state's kwargs (JSON: Serve ships them to every handle)."""
+    r = config.routing
+    return {"policy": r.policy, "block_size": config.engine.cache.block_size,
+            "affinity": r.affinity.model_dump(mode="json"), "kv_events_period_s": r.kv_events_period_s,
+            "kv_events_timeout_s": r.kv_events_timeout_s}
 
 
 def replica_deployment(config: AppConfig):
@@ -37,6 +46,7 @@ def replica_deployment(config: AppConfig):
         health_check_period_s=s.health_check_period_s,
         health_check_timeout_s=s.health_check_timeout_s,
         request_router_config=RequestRouterConfig(
+            request_router_class=AffinityRequestRouter, request_router_kwargs=router_kwargs(config),
             request_routing_stats_period_s=r.request_routing_stats_period_s,
             request_routing_stats_timeout_s=r.request_routing_stats_timeout_s),
     )

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.routing.config import AffinityConfig, RoutingPolicyName
 from engine.config import EngineConfig
 
 
@@ -53,8 +54,15 @@ class ServeSection(_Strict):
 
 
 class RoutingSection(_Strict):
+    """Which replica serves a request (app/routing; README "Routing")."""
+
+    policy: RoutingPolicyName = Field("prefix_affinity", description="prefix_affinity | power_of_two | round_robin")
     request_routing_stats_period_s: float = Field(1.0, gt=0)
     request_routing_stats_timeout_s: float = Field(5.0, gt=0)
+    kv_events_period_s: float = Field(0.25, gt=0, description="how often each router pulls every replica's KV "
+                                      "events (about 0.5 at 128 replicas)")
+    kv_events_timeout_s: float = Field(1.0, gt=0, description="a replica slower than this is skipped for a period")
+    affinity: AffinityConfig = AffinityConfig()
 
 
 class AutoscalingSection(_Strict):

@@ -23,6 +23,7 @@ from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydanti
 from app.http import check_api_key, error_response, read_json_body, sse
 from app.prompts import RequestKind
 from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.routing import debug as routing_debug
 from app.serving import OpenAIRequest, OpenAIServing
 from engine import load_tokenizer
 from observability.logs import configure_json_logging, request_id_var
@@ -180,6 +181,25 @@ class Ingress:
 
     async def replica_state(self) -> dict:
         return await self.replica.debug_state.remote()
+
+    async def routing_decisions(self, n: int = 20) -> dict:
+        """The routing state of THIS ingress replica's router (each ingress replica runs its own): the last
+        `n` decisions, counters, the feed's counters and, per model replica, the indexed block count, the
+        feed's cursor (epoch, next event) and whether a snapshot is due. `{"routers": []}` before the first
+        request (Serve builds the router lazily)."""
+        from ray import serve
+        ctx = serve.get_replica_context()
+        routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
+        states = [await r.run_on_loop(r.state, n) for r in routers]
+        return {"ingress_replica_id": ctx.replica_id.unique_id, "routers": states}
+
+    async def debug_inject_routing_errors(self, n: int) -> int:
+        """Test hook: the next `n` routing decisions of this ingress replica's router(s) raise inside the
+        router shell, which must fall back to a load-only ranking. Returns the number of routers armed."""
+        routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
+        for r in routers:
+            await r.run_on_loop(r.inject_errors, n)
+        return len(routers)
 
 
 def _new_request_id(kind: RequestKind) -> str:

@@ -35,3 +35,17 @@ def test_ingress_binds_loopback_by_default_and_is_cpu_only():
     assert cfg.serve.host == "127.0.0.1"
     d = ingress_deployment(cfg)
     assert d.ray_actor_options["num_cpus"] == 0.0 and "num_gpus" not in d.ray_actor_options
+
+
+def test_replicas_are_routed_by_the_affinity_router_with_json_kwargs_from_the_config():
+    import json
+
+    from app.builder import router_kwargs
+    cfg = _cfg(engine={"cache": {"block_size": 8}},
+               routing={"policy": "round_robin", "kv_events_period_s": 0.5, "affinity": {"release_slack": 0.5}})
+    rc = replica_deployment(cfg)._deployment_config.request_router_config
+    assert rc.request_router_class.endswith("serve_router.AffinityRequestRouter")
+    kw = router_kwargs(cfg)
+    assert json.loads(json.dumps(kw)) == kw == rc.request_router_kwargs
+    assert kw["policy"] == "round_robin" and kw["block_size"] == 8 and kw["kv_events_period_s"] == 0.5
+    assert kw["affinity"]["release_slack"] == 0.5

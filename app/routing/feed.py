@@ -1,0 +1,136 @@
+"""KVEventFeed: keeps a router core's prefix index fed from every replica's KV event log, off the request path.
+
+Every `period_s` the feed starts, for each replica without a pull still in flight, one call: the events
+after the replica's cursor (`kv_events_since(next_seq, epoch)`), or a whole `kv_snapshot()` when the core
+says the replica's entries are not trustworthy (new, gapped, restarted, reset) or the replica asked for one.
+Each call has its own `timeout_s`; a replica that does not answer is skipped until the next period and
+never delays the others. Everything runs as tasks on the caller's event loop (the router loop), so the
+core is only ever touched from that loop. No Ray here: the shell supplies a `ReplicaFeedClient` per
+replica (tests supply fakes).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.routing.api import KVEventBatch, KVSnapshot, RouterCore
+from engine.types import KVCacheSnapshot, KVEventsReply
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaFeedClient(Protocol):
+    """How the feed reaches one replica's KV event log (LLMReplica.kv_events_since / kv_snapshot)."""
+
+    async def events_since(self, next_seq: int, epoch: str | None) -> KVEventsReply: ...
+
+    async def snapshot(self) -> KVCacheSnapshot: ...
+
+
+@dataclass(slots=True)
+class _Cursor:
+    epoch: str | None = None
+    next_seq: int = 0
+    wants_snapshot: bool = True
+
+
+@dataclass(slots=True)
+class FeedCounters:
+    num_pulls: int = 0
+    num_events: int = 0
+    num_snapshots: int = 0
+    num_timeouts: int = 0
+    num_errors: int = 0
+
+
+class KVEventFeed:
+    """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now."""
+
+    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient]],
+                 period_s: float, timeout_s: float) -> None:
+        self.core = core
+        self.replicas = replicas
+        self.period_s = period_s
+        self.timeout_s = timeout_s
+        self.counters = FeedCounters()
+        self._cursors: dict[str, _Cursor] = {}
+        self._in_flight: dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        """Tick forever (cancel the task to stop); a failing tick is logged and the next one runs."""
+        while True:
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("KV event feed tick failed")
+            await asyncio.sleep(self.period_s)
+
+    def tick(self) -> list[asyncio.Task]:
+        """Start one pull per replica that has none in flight; returns the tasks started (tests await them)."""
+        clients = self.replicas()
+        for rid in [r for r in self._cursors if r not in clients]:
+            del self._cursors[rid]
+        needing = set(self.core.replicas_needing_snapshot())
+        started = []
+        for rid, client in clients.items():
+            task = self._in_flight.get(rid)
+            if task is not None and not task.done():
+                continue
+            cursor = self._cursors.setdefault(rid, _Cursor())
+            snapshot = cursor.wants_snapshot or rid in needing
+            task = asyncio.get_running_loop().create_task(self._pull(rid, client, cursor, snapshot))
+            self._in_flight[rid] = task
+            started.append(task)
+        return started
+
+    async def _pull(self, rid: str, client: ReplicaFeedClient, cursor: _Cursor, snapshot: bool) -> None:
+        try:
+            if snapshot:
+                snap = await asyncio.wait_for(client.snapshot(), self.timeout_s)
+                self._apply_snapshot(rid, cursor, snap)
+            else:
+                reply = await asyncio.wait_for(client.events_since(cursor.next_seq, cursor.epoch), self.timeout_s)
+                self._apply_events(rid, cursor, reply)
+        except asyncio.TimeoutError:
+            self.counters.num_timeouts += 1
+            logger.debug("replica %s did not answer the KV event pull within %.2fs", rid, self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:        # a dying replica, a bad reply: skip it this period
+            self.counters.num_errors += 1
+            logger.warning("KV event pull from replica %s failed: %r", rid, e)
+        finally:
+            self.counters.num_pulls += 1
+
+    def _apply_snapshot(self, rid: str, cursor: _Cursor, snap: KVCacheSnapshot) -> None:
+        if self._cursors.get(rid) is not cursor:
+            return                           # the replica left while we waited
+        self.core.on_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, list(snap.block_hashes)))
+        cursor.epoch, cursor.next_seq, cursor.wants_snapshot = snap.epoch, snap.next_seq, False
+        self.counters.num_snapshots += 1
+
+    def _apply_events(self, rid: str, cursor: _Cursor, reply: KVEventsReply) -> None:
+        if self._cursors.get(rid) is not cursor:
+            return
+        if reply.snapshot_required:
+            cursor.wants_snapshot = True
+            return
+        if reply.events:
+            ok = self.core.on_kv_events(KVEventBatch(rid, reply.epoch, reply.first_seq, list(reply.events)))
+            self.counters.num_events += len(reply.events)
+            if not ok:
+                cursor.wants_snapshot = True
+                return
+        cursor.epoch, cursor.next_seq = reply.epoch, reply.next_seq
+
+    def cursors(self) -> dict[str, tuple[str | None, int]]:
+        """Replica id -> (epoch, next event number) as the feed last saw them."""
+        return {rid: (c.epoch, c.next_seq) for rid, c in self._cursors.items()}
+
+    def stop(self) -> None:
+        for task in self._in_flight.values():
+            task.cancel()
+        self._in_flight.clear()

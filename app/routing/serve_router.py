@@ -1,0 +1,235 @@
+"""AffinityRequestRouter: the thin Ray Serve shell over the pure routing core (app/routing/core.py).
+
+It only adapts Serve's callbacks: membership and `routing_stats` -> core.set_replicas/on_stats; a pending
+request's GenerateRequest -> RouteRequest -> core.route -> ranks; routed/completed/died -> the core's
+lifecycle calls; and it runs the KV event feed (app/routing/feed.py) as a task on the router loop.
+
+Serve runs one router per (process, handle) on its router loop thread and pickles this module by value:
+other modules it imports are imported by reference where the router runs (the ingress replica, a driver).
+`choose_replicas` never raises (in Ray 2.60 an exception there hangs the request): on any error it logs
+and returns a load-only ranking.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import random
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.serve._private.common import RequestMetadata
+from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
+                                      RunningReplica)
+
+from app.protocol import GenerateRequest
+from app.routing import debug
+from app.routing.api import ReplicaInfo, ReplicaLoadView, RouteRequest
+from app.routing.config import AffinityConfig
+from app.routing.core import make_core
+from app.routing.feed import KVEventFeed, ReplicaFeedClient
+from engine.types import KVCacheSnapshot, KVEventsReply
+
+logger = logging.getLogger("affinity.router")
+
+_MAX_TRACKED_CALLS = 100_000       # (internal id, replica) -> our ids whose completion never came: bounded
+
+
+class ReplicaMethodClient:
+    """Calls a deployment method on ONE replica, off the routing path: Serve's own request entry point on
+    the replica actor (`handle_request`) with a RequestMetadata naming the method, as Serve's router does
+    when it sends a non-streaming request (ActorReplicaWrapper.send_request_python without rejection)."""
+
+    def __init__(self, replica: RunningReplica) -> None:
+        self._actor = replica._actor_handle          # noqa: SLF001 - Serve keeps no public handle to it
+        self._app_name = replica.replica_id.deployment_id.app_name
+
+    async def events_since(self, next_seq: int, epoch: str | None) -> KVEventsReply:
+        return await self._call("kv_events_since", next_seq, epoch)
+
+    async def snapshot(self) -> KVCacheSnapshot:
+        return await self._call("kv_snapshot")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        meta = RequestMetadata(request_id=f"kv-feed-{method}", internal_request_id=uuid.uuid4().hex,
+                               call_method=method, app_name=self._app_name)
+        ref = self._actor.handle_request.remote(pickle.dumps(meta), *args)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)
+            raise
+
+
+def _replica_key(replica_id: ReplicaID) -> str:
+    return replica_id.unique_id
+
+
+def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """The ingress's GenerateRequest, if this call carries one (pre-warm calls, drivers: None)."""
+    if pending_request is None:
+        return None
+    args = getattr(pending_request, "args", None) or ()
+    return args[0] if isinstance(args[0] if args else None, GenerateRequest) else None
+
+
+class AffinityRequestRouter(LocalityMixin, RequestRouter):
+    """Serve's RequestRouter for LLMReplica; kwargs (RequestRouterConfig.request_router_kwargs, built by
+    app/builder.py from `routing`): policy, block_size, affinity (AffinityConfig fields),
+    kv_events_period_s, kv_events_timeout_s."""
+
+    def initialize_state(self, policy: str = "prefix_affinity", block_size: int = 16,
+                         affinity: dict[str, Any] | None = None, kv_events_period_s: float = 0.25,
+                         kv_events_timeout_s: float = 1.0) -> None:
+        self.policy = policy
+        self.core = make_core(policy, AffinityConfig(**(affinity or {})), block_size)  # type: ignore[arg-type]
+        self._clients: dict[str, ReplicaMethodClient] = {}
+        self._last_stats: dict[str, Mapping[str, Any]] = {}
+        self._calls: dict[tuple[str, str], list[str]] = {}
+        self._rng = random.Random()
+        self.num_shell_errors = 0
+        self._inject_errors = 0
+        self.feed = (KVEventFeed(self.core, self._feed_clients, kv_events_period_s, kv_events_timeout_s)
+                     if policy == "prefix_affinity" else None)
+        self._feed_task: asyncio.Task | None = None
+        debug.register(self._deployment_id.app_name, self._deployment_id.name, self)
+
+    # ------------------------------------------------------------ membership and stats
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._sync_members(replicas)
+            if self.feed is not None and self._feed_task is None:
+                self._feed_task = self._event_loop.create_task(self.feed.run())
+        except Exception:
+            logger.exception("routing: replica update failed (routing continues on the previous view)")
+
+    def _sync_members(self, replicas: list[RunningReplica]) -> None:
+        keys = {_replica_key(r.replica_id): r for r in replicas}
+        self._clients = {k: self._clients.get(k) or ReplicaMethodClient(r) for k, r in keys.items()}
+        self.core.set_replicas([ReplicaInfo(k, r.node_id) for k, r in keys.items()])
+        self._last_stats = {k: v for k, v in self._last_stats.items() if k in keys}
+        for k, r in keys.items():
+            stats = r.routing_stats
+            # Serve rebroadcasts every replica's stats when one changes: only a changed snapshot is news
+            # (feeding an old one again would retire this router's in-flight requests a second time).
+            if stats and stats != self._last_stats.get(k):
+                self._last_stats[k] = dict(stats)
+                self.core.on_stats(k, ReplicaLoadView.from_stats(stats))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        try:
+            self._sync_members(list(self.curr_replicas.values()))
+        except Exception:
+            logger.exception("routing: dropping replica %s failed", replica_id)
+
+    def _feed_clients(self) -> Mapping[str, ReplicaFeedClient]:
+        return self._clients
+
+    # ------------------------------------------------------------ routing
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        try:
+            return self._rank(candidate_replicas, pending_request)
+        except Exception:
+            self.num_shell_errors += 1
+            logger.exception("routing failed; falling back to a load-only ranking")
+            return self._load_only(candidate_replicas)
+
+    def _rank(self, candidates: list[RunningReplica],
+              pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        if self._inject_errors > 0:
+            self._inject_errors -= 1
+            raise RuntimeError("injected routing error (debug_inject_routing_errors)")
+        req = _generate_request(pending_request)
+        if req is None or not candidates:
+            return self._load_only(candidates)
+        by_key = {_replica_key(r.replica_id): r for r in candidates}
+        params = req.params
+        route = RouteRequest(req.request_id, list(req.block_hashes or []), len(req.prompt_token_ids),
+                             (params.max_tokens or 0) * max(1, params.n), self._self_node_id)
+        decision = self.core.route(route, list(by_key))
+        ranked = [by_key[k] for k in decision.ranked if k in by_key]
+        if not ranked:
+            return self._load_only(candidates)
+        # One replica per rank, best first: the core already broke near-ties randomly, and Serve walks down
+        # the ranks when a replica is full. Candidates the core left out come last.
+        seen = {id(r) for r in ranked}
+        rest = [r for r in candidates if id(r) not in seen]
+        return [[r] for r in ranked] + ([rest] if rest else [])
+
+    def _load_only(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Serve's power-of-two shape: two random candidates (Serve takes the shorter queue), then the rest."""
+        if len(candidates) <= 2:
+            return [list(candidates)] if candidates else []
+        pair = self._rng.sample(candidates, 2)
+        return [pair, [r for r in candidates if r is not pair[0] and r is not pair[1]]]
+
+    # ------------------------------------------------------------ request lifecycle
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        try:
+            req = _generate_request(pending_request)
+            if req is None:
+                return
+            key = _replica_key(replica_id)
+            self.core.on_routed(req.request_id, key)
+            if len(self._calls) >= _MAX_TRACKED_CALLS:
+                self._calls.pop(next(iter(self._calls)))
+            self._calls.setdefault((pending_request.metadata.internal_request_id, key), []).append(req.request_id)
+        except Exception:
+            logger.exception("routing: on_request_routed failed")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        try:
+            call = (internal_request_id, _replica_key(replica_id))
+            ids = self._calls.get(call)
+            if not ids:
+                return
+            self.core.on_finished(ids.pop(0))    # a fan-out's calls share Serve's internal id: one each
+            if not ids:
+                del self._calls[call]
+        except Exception:
+            logger.exception("routing: on_request_completed failed")
+
+    # ------------------------------------------------------------ called from other threads (the ingress)
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """Run `fn(*args)` on the router loop (the core is not thread-safe)."""
+        self._event_loop.call_soon_threadsafe(fn, *args)
+
+    async def run_on_loop(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` run on the router loop, awaited from any loop."""
+        async def call() -> Any:
+            return fn(*args)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._event_loop))
+
+    def inject_errors(self, n: int) -> None:
+        """Test hook: the next `n` choose_replicas calls fail inside the shell (and must fall back)."""
+        self._inject_errors = n
+
+    def state(self, num_decisions: int) -> dict[str, Any]:
+        """Decisions, counters and the index as this router sees them (JSON-able; run on the router loop)."""
+        c = self.core.counters()
+        index = getattr(self.core, "index", None)
+        needing = set(self.core.replicas_needing_snapshot())
+        cursors = self.feed.cursors() if self.feed is not None else {}
+        return {
+            "policy": self.policy, "node_id": self._self_node_id, "num_shell_errors": self.num_shell_errors,
+            "decisions": [debug.decision_to_dict(d) for d in self.core.recent_decisions(num_decisions)],
+            "counters": {"num_decisions": c.num_decisions, "num_errors": c.num_errors,
+                         "num_rerouted": c.num_rerouted, "num_resyncs": c.num_resyncs,
+                         "num_index_entries": c.num_index_entries, "num_index_evictions": c.num_index_evictions,
+                         "index_accuracy": c.index_accuracy, "prefill_tokens_per_s": c.prefill_tokens_per_s,
+                         "by_reason": {r.value: n for r, n in c.num_by_reason.items()}},
+            "feed": None if self.feed is None else vars_of(self.feed.counters),
+            "replicas": {k: {"num_held_blocks": index.num_held(k) if index is not None else None,
+                             "needs_snapshot": k in needing, "epoch": cursors.get(k, (None, 0))[0],
+                             "next_seq": cursors.get(k, (None, 0))[1]} for k in self._clients},
+        }
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    return {f: getattr(obj, f) for f in obj.__slots__}

@@ -1,0 +1,172 @@
+"""The Ray Serve shell over the routing core, without a cluster: the KV event feed against fake replicas,
+and AffinityRequestRouter's callbacks with stand-in RunningReplicas (Serve's base class, no Ray started)."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from app.builder import router_kwargs
+from app.config import AppConfig
+from app.protocol import GenerateRequest
+from app.routing import AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo
+from app.routing.feed import KVEventFeed
+from engine import SamplingParams
+from engine.types import AllBlocksCleared, BlockStored, KVCacheSnapshot, KVEventsReply
+
+H = [bytes([i]) * 8 for i in range(8)]
+
+
+class FakeReplica:
+    """A replica's KV log: stored hashes as events, numbered from 0, epoch changes on reset."""
+
+    def __init__(self, epoch: str = "boot:0", hang: bool = False) -> None:
+        self.epoch, self.events, self.hang = epoch, [], hang
+        self.calls: list[str] = []
+
+    def store(self, *hashes: bytes) -> None:
+        self.events.append(BlockStored(list(hashes), None, [], 4))
+
+    def reset(self) -> None:
+        self.epoch = self.epoch.split(":")[0] + ":1"
+        self.events.append(AllBlocksCleared())
+
+    def held(self) -> list[bytes]:
+        out: dict[bytes, None] = {}
+        for e in self.events:
+            if isinstance(e, AllBlocksCleared):
+                out.clear()
+            else:
+                out.update(dict.fromkeys(e.block_hashes))
+        return list(out)
+
+    async def events_since(self, next_seq: int, epoch: str | None) -> KVEventsReply:
+        self.calls.append("events")
+        if self.hang:
+            await asyncio.sleep(3600)
+        if epoch not in (None, self.epoch) or next_seq > len(self.events):
+            return KVEventsReply(self.epoch, next_seq, [], len(self.events), True)
+        return KVEventsReply(self.epoch, next_seq, self.events[next_seq:], len(self.events), False)
+
+    async def snapshot(self) -> KVCacheSnapshot:
+        self.calls.append("snapshot")
+        if self.hang:
+            await asyncio.sleep(3600)
+        return KVCacheSnapshot(self.epoch, len(self.events), self.held())
+
+
+def _core() -> PrefixAffinityRouterCore:
+    core = PrefixAffinityRouterCore(AffinityConfig(), block_size=4)
+    core.set_replicas([ReplicaInfo("a"), ReplicaInfo("b")])
+    return core
+
+
+async def _ticks(feed: KVEventFeed, n: int = 1) -> None:
+    for _ in range(n):
+        await asyncio.gather(*feed.tick())
+
+
+async def test_feed_snapshots_first_then_follows_events_and_resyncs_after_a_reset():
+    core, a, b = _core(), FakeReplica(), FakeReplica()
+    a.store(H[0], H[1])
+    feed = KVEventFeed(core, lambda: {"a": a, "b": b}, period_s=0.01, timeout_s=1.0)
+    await _ticks(feed)
+    assert a.calls == ["snapshot"] and core.replicas_needing_snapshot() == []
+    assert core.index.num_held("a") == 2
+    a.store(H[2])
+    await _ticks(feed)
+    assert a.calls[-1] == "events" and core.index.num_held("a") == 3
+    assert feed.cursors()["a"] == ("boot:0", 2)
+    a.reset()
+    a.store(H[5])
+    await _ticks(feed, 3)                      # events say "another epoch" -> snapshot -> follow on
+    assert "snapshot" in a.calls[2:] and core.index.num_held("a") == 1
+    assert feed.cursors()["a"] == ("boot:1", len(a.events))
+
+
+async def test_feed_skips_a_replica_that_does_not_answer_without_delaying_the_others():
+    core, a, slow = _core(), FakeReplica(), FakeReplica(hang=True)
+    a.store(H[0])
+    feed = KVEventFeed(core, lambda: {"a": a, "b": slow}, period_s=0.01, timeout_s=0.05)
+    started = feed.tick()
+    await asyncio.wait_for(started[0], 1.0)    # a's pull finished while b's hangs
+    assert core.index.num_held("a") == 1
+    assert [t.done() for t in feed.tick()] == [False] and len(slow.calls) == 1   # b still in flight: not re-sent
+    await asyncio.sleep(0.1)
+    assert feed.counters.num_timeouts == 1
+    await _ticks(feed)
+    assert len(slow.calls) == 2                # retried next period
+    feed.stop()
+
+
+async def test_feed_drops_replicas_that_left():
+    core, a = _core(), FakeReplica()
+    members = {"a": a}
+    feed = KVEventFeed(core, lambda: members, period_s=0.01, timeout_s=1.0)
+    await _ticks(feed)
+    members.clear()
+    await _ticks(feed)
+    assert feed.cursors() == {}
+
+
+# ---------------------------------------------------------------- AffinityRequestRouter with stand-ins
+def _router(**kwargs):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from app.routing.serve_router import AffinityRequestRouter
+    r = AffinityRequestRouter(deployment_id=DeploymentID(name="LLMReplica", app_name="t"),
+                              handle_source=DeploymentHandleSource.UNKNOWN, self_node_id="node-1")
+    r.initialize_state(**kwargs)
+    return r
+
+
+def _replica(key: str, stats: dict | None = None):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    return SimpleNamespace(replica_id=ReplicaID(key, DeploymentID(name="LLMReplica", app_name="t")),
+                           node_id="node-1", routing_stats=stats or {}, _actor_handle=None)
+
+
+def _pending(req_id: str, hashes: list[bytes]):
+    req = GenerateRequest(req_id, list(range(4 * len(hashes) + 1)), SamplingParams(max_tokens=4),
+                          block_hashes=hashes)
+    return SimpleNamespace(args=[req], kwargs={}, metadata=SimpleNamespace(internal_request_id="int-" + req_id))
+
+
+async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_request():
+    router = _router(**router_kwargs(AppConfig.model_validate({"engine": {"cache": {"block_size": 4}}})))
+    a, b = _replica("a", {"num_running": 0, "cache_epoch": "e"}), _replica("b")
+    router._sync_members([a, b])
+    router.core.on_snapshot(__import__("app.routing", fromlist=["KVSnapshot"]).KVSnapshot("b", "e", 0, H[:4]))
+    ranks = await router.choose_replicas([a, b], _pending("r1", H[:4]))
+    assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"], ["a"]]
+    router.on_request_routed(_pending("r1", H[:4]), b.replica_id, None)
+    assert router.core.loads.in_flight("r1") is not None
+    router.on_request_completed(b.replica_id, "int-r1")
+    assert router.core.loads.in_flight("r1") is None
+    state = router.state(5)
+    assert state["decisions"][-1]["chosen"] == "b" and state["decisions"][-1]["reason"] == "affinity"
+    assert state["replicas"]["b"]["num_held_blocks"] == 4 and state["node_id"] == "node-1"
+
+
+async def test_router_never_raises_and_routes_other_calls_load_only():
+    router = _router(policy="prefix_affinity", block_size=4)
+    reps = [_replica(k) for k in "abc"]
+    router._sync_members(reps)
+    router.inject_errors(1)
+    ranks = await router.choose_replicas(reps, _pending("r1", H[:2]))
+    assert router.num_shell_errors == 1 and sorted(len(r) for r in ranks) == [1, 2]
+    router.core = None                                          # any failure inside the shell
+    assert sum(len(r) for r in await router.choose_replicas(reps, _pending("r2", H[:2]))) == 3
+    assert router.num_shell_errors == 2
+    assert sum(len(r) for r in await router.choose_replicas(reps, None)) == 3       # pre-warm call
+    bad = SimpleNamespace(args=["not a GenerateRequest"], kwargs={}, metadata=None)
+    assert sum(len(r) for r in await router.choose_replicas(reps, bad)) == 3
+
+
+async def test_stats_are_fed_only_when_a_replica_reports_new_ones():
+    router = _router(policy="power_of_two", block_size=4)
+    seen = []
+    router.core.on_stats = lambda rid, view: seen.append((rid, view.num_running))
+    router._sync_members([_replica("a", {"num_running": 1}), _replica("b")])
+    router._sync_members([_replica("a", {"num_running": 1}), _replica("b", {"num_running": 2})])
+    assert seen == [("a", 1), ("b", 2)]
+    assert router.feed is None
