@@ -193,13 +193,14 @@ class Ingress:
         states = [await r.run_on_loop(r.state, n) for r in routers]
         return {"ingress_replica_id": ctx.replica_id.unique_id, "routers": states}
 
-    async def debug_inject_routing_errors(self, n: int) -> int:
+    async def debug_inject_routing_errors(self, n: int) -> dict:
         """Test hook: the next `n` routing decisions of this ingress replica's router(s) raise inside the
-        router shell, which must fall back to a load-only ranking. Returns the number of routers armed."""
+        router shell, which must fall back to a load-only ranking."""
+        from ray import serve
         routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
         for r in routers:
             await r.run_on_loop(r.inject_errors, n)
-        return len(routers)
+        return {"ingress_replica_id": serve.get_replica_context().replica_id.unique_id, "num_routers": len(routers)}
 
 
 def _new_request_id(kind: RequestKind) -> str:

@@ -12,6 +12,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 APP = "affinity"
 SECURE_APP = "affinity-secure"
+ROUTING_APP = "affinity-routing"
 API_KEY = "test-secret-key"
 
 
@@ -71,6 +72,22 @@ def secure_url(ray_serve, checkpoints):
     serve.run(build_app(cfg), name=SECURE_APP, route_prefix="/secure")
     _wait_running(SECURE_APP, "LLMReplica", 1)
     return ray_serve + "/secure"
+
+
+@pytest.fixture(scope="session")
+def routing_url(ray_serve, checkpoints):
+    """The routing app at /routing: 2 model replicas of 4 ongoing requests each (a hot prefix saturates
+    one), a small KV pool, 2 ingress replicas (each runs its own router), events pulled every 0.25 s."""
+    from ray import serve
+
+    from app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"], ingress_replicas=2, max_ongoing_requests=4)
+    cfg["routing"] |= {"policy": "prefix_affinity", "kv_events_period_s": 0.25}
+    serve.run(build_app(cfg), name=ROUTING_APP, route_prefix="/routing")
+    _wait_running(ROUTING_APP, "LLMReplica", 2)
+    _wait_running(ROUTING_APP, "Ingress", 2)
+    return ray_serve + "/routing"
 
 
 def _wait_running(app: str, deployment: str, n: int, timeout_s: float = 120) -> None:
