@@ -1,10 +1,10 @@
 """Our router in the simulator: the pure core from app/routing driven the way the Ray Serve shell drives it.
 
 Per request: `route(RouteRequest(block hashes from the ingress), all replicas)`; the first token reports
-the engine's cached-token count (`on_first_token`), the end `on_finished`. Per replica and pull period:
-a stats snapshot (`on_stats`), then the KV events since the last pull (`kv_events_since`), or a snapshot
-when the core or the replica asks for one (new replica, gap, epoch change). The core's clock is the
-simulation's.
+the engine's cached-token count (`on_first_token`), the end `on_finished`. Per replica, every events
+period: the KV events since the last pull (`kv_events_since`), or a snapshot when the core or the replica
+asks for one (new replica, gap, epoch change); every stats period: the stats snapshot (`on_stats`). The
+core's clock is the simulation's.
 """
 from __future__ import annotations
 
@@ -49,10 +49,13 @@ class OursRouter(_Base):
         self.now = now
         self.core.on_finished(req_id)
 
-    def on_pull(self, replica: int, feed: SimReplica, now: float) -> None:
+    def on_stats(self, replica: int, feed: SimReplica, now: float) -> None:
+        self.now = now
+        self.core.on_stats(self.ids[replica], ReplicaLoadView.from_stats(feed.load_view()))
+
+    def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
         self.now = now
         rid = self.ids[replica]
-        self.core.on_stats(rid, ReplicaLoadView.from_stats(feed.load_view()))
         if self.next_seq[replica] is None or rid in self.core.replicas_needing_snapshot():
             self._resync(replica, feed)
             return

@@ -3,6 +3,7 @@ the issue's targets checked against them."""
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,21 @@ SHARED = "oracle: shared cache"
 CDF_QUANTILES = [q / 100 for q in range(100)] + [0.995, 0.999, 1.0]
 
 
-def to_json(prepared: PreparedTrace, results: list[RunResult], *, pull_period_s: float) -> dict:
+def _source_version() -> dict:
+    """The commit the numbers came from, and whether the routing core had uncommitted changes."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "app/routing", "engine", "benchmarks/routing"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "uncommitted_changes": bool(dirty)}
+
+
+def to_json(prepared: PreparedTrace, results: list[RunResult], *, events_period_s: float,
+            stats_period_s: float) -> dict:
     meta = prepared.trace.meta
     runs = []
     for r in results:
@@ -33,8 +48,10 @@ def to_json(prepared: PreparedTrace, results: list[RunResult], *, pull_period_s:
                    "pressure": meta.measured_pressure, "load": meta.measured_load,
                    "requests": meta.num_requests, "duration_s": meta.duration_s, "warmup_s": meta.warmup_s,
                    "saturation_rps_per_replica": meta.saturation_rps_per_replica,
-                   "pull_period_s": pull_period_s, "replica": asdict(meta.replica),
+                   "events_period_s": events_period_s, "stats_period_s": stats_period_s,
+                   "replica": asdict(meta.replica),
                    "components": meta.component_counts},
+        "source": _source_version(),
         "bounds": {"shared_cache_hit_rate": prepared.shared_bound,
                    "separate_caches_hit_rate": prepared.pinned_bound},
         "results": runs,
@@ -82,9 +99,10 @@ def check_targets(doc: dict) -> list[dict]:
 def header(doc: dict) -> str:
     c, b = doc["config"], doc["bounds"]
     mode = "hot prefix (90%)" if c["hot_prefix"] else "mixed A/B/C/D"
-    return (f"{c['replicas']} replicas, {mode}, pressure {c['pressure']:.2f} (target {c['pressure_target']}), "
+    target = "hot mode: not sized" if c["hot_prefix"] else f"target {c['pressure_target']}"
+    return (f"{c['replicas']} replicas, {mode}, pressure {c['pressure']:.2f} ({target}), "
             f"load {c['load']:.2f} (target {c['load_target']}), {c['requests']} requests over {c['duration_s']:.0f} s, "
-            f"stats/events pulled every {c['pull_period_s']} s\n"
+            f"KV events every {c['events_period_s']} s, stats every {c['stats_period_s']} s\n"
             f"hit-rate bounds: shared infinite cache {b['shared_cache_hit_rate']:.3f}, "
             f"separate caches (pinned groups, LRU) {b['separate_caches_hit_rate']:.3f}")
 
@@ -126,15 +144,18 @@ def plot_doc(doc: dict, path: Path) -> None:
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=7, loc="lower right")
     names = [r["router"] for r in doc["results"]]
-    ax2.barh(range(len(names)), [r["hit_rate"] for r in doc["results"]], color="tab:blue")
+    hits = [r["hit_rate"] for r in doc["results"]]
+    ax2.barh(range(len(names)), hits, color="tab:blue")
+    for i, h in enumerate(hits):
+        ax2.text(h + 0.01, i, f"{h:.3f}", va="center", fontsize=7)
     ax2.set_yticks(range(len(names)), names, fontsize=7)
     ax2.invert_yaxis()
     b = doc["bounds"]
     ax2.axvline(b["shared_cache_hit_rate"], color="k", linestyle=":", label="shared infinite cache bound")
     ax2.axvline(b["separate_caches_hit_rate"], color="tab:red", linestyle="--", label="separate caches bound")
     ax2.set_xlabel("token hit rate")
-    ax2.set_xlim(0, 1)
-    ax2.legend(fontsize=7, loc="lower right")
+    ax2.set_xlim(0, 1.15)
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.suptitle(header(doc).replace("\n", "; "), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@
   §4.3): the module's `ray` is swapped for a shim whose `get` returns its argument and the prefix tree
   is a local `PrefixTree` behind an object that answers `method.remote(...)`. It matches characters, so
   it sees a text rendering of the token ids (one fixed 2-6 letter word per token id);
-- ours: the pure routing core in app/routing (fed stats and KV events by periodic pulls, like the real
-  shell), when that package exists;
+- ours: the pure routing core in app/routing, fed stats snapshots and KV events periodically as the real
+  shell feeds it (benchmarks/routing/ours.py);
 - oracles: `shared` (every replica hits one shared infinite cache; least-loaded placement) and
   `pinned` (prefix groups pinned by the footprint-balanced partition that the separate-caches bound uses).
 """
@@ -57,9 +57,12 @@ class SimRouter(Protocol):
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None: ...
 
-    def on_pull(self, replica: int, feed: SimReplica, now: float) -> None:
-        """Time for this router's periodic pull of one replica: `feed.load_view()`, `feed.kv_events_since()`
-        and `feed.kv_snapshot()` answer as the real replica's pull API does."""
+    def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
+        """Time for this router's periodic KV-event pull of one replica: `feed.kv_events_since()` and
+        `feed.kv_snapshot()` answer as the real replica's pull API does."""
+
+    def on_stats(self, replica: int, feed: SimReplica, now: float) -> None:
+        """A fresh stats snapshot of one replica is available: `feed.load_view()`."""
 
 
 class _Base:
@@ -76,7 +79,10 @@ class _Base:
     def on_finished(self, req_id: str, replica: int, now: float) -> None:
         pass
 
-    def on_pull(self, replica: int, feed: SimReplica, now: float) -> None:
+    def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
+        pass
+
+    def on_stats(self, replica: int, feed: SimReplica, now: float) -> None:
         pass
 
     def least_loaded(self) -> int:

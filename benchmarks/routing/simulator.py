@@ -2,9 +2,11 @@
 behind each router, all on the same trace; prints a table and writes optional JSON and a PNG.
 
 Time advances from event to event: a request's release (its trace arrival; a session turn think_s after
-its parent finished), a replica's step end (duration from replica.TimingModel), and a periodic pull of
-each replica's stats snapshot and KV events (every --pull-period seconds, replicas staggered), so
-routers that read replica state see it up to one period stale, as the real shell does. A router's
+its parent finished), a replica's step end (duration from replica.TimingModel), and, per replica and
+staggered, the two periodic feeds the real shell has: the KV events pulled every --events-period seconds
+(routing.kv_events_period_s: 0.25 s, 0.5 s recommended at 128 replicas) and the stats snapshot Serve
+delivers every --stats-period seconds (request_routing_stats_period_s: 1 s). Routers that read replica
+state therefore see it up to one period stale. A router's
 decision is timed in wall-clock time around its route() call (for Ray's router: choose_replicas,
 the shortest-queue pick and its on_request_routed tree insert).
 
@@ -37,14 +39,22 @@ from benchmarks.routing.workload import (Trace, add_spec_args, describe, generat
                                          spec_from_args)
 from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
 
-_STEP_END, _RELEASE, _PULL = 0, 1, 2
+_STEP_END, _RELEASE, _EVENTS, _STATS = 0, 1, 2, 3
 RAY_IMBALANCED_THRESHOLD = 16       # a quarter of max_num_seqs; Ray's docs example uses 10-20
 
 
-def default_pull_period_s(num_replicas: int) -> float:
-    """How often a router pulls each replica: what README's KV-event-feed costs suggest (0.1 s at 8
-    replicas, 0.5 s at 128, where each pull is an actor call costing the router ~0.4 ms of CPU)."""
-    return 0.1 if num_replicas <= 8 else 0.25 if num_replicas <= 32 else 0.5
+@dataclass(frozen=True, slots=True)
+class FeedPeriods:
+    """How stale a router's view of the replicas is allowed to get (the real shell's two feeds)."""
+
+    events_s: float
+    stats_s: float = 1.0
+
+    @classmethod
+    def default(cls, num_replicas: int) -> FeedPeriods:
+        """The shell's defaults: KV events every 0.25 s, 0.5 s from 128 replicas (README, Routing), and
+        Serve's routing-stats period of 1 s."""
+        return cls(0.25 if num_replicas < 128 else 0.5, 1.0)
 
 
 @dataclass(slots=True)
@@ -101,7 +111,7 @@ class Simulation:
     """One router over one trace. `run()` returns the metrics; `replicas` stay for inspection."""
 
     def __init__(self, prepared: PreparedTrace, router: SimRouter, *, timing: TimingModel = TimingModel(),
-                 pull_period_s: float | None = None, seed: int = 0, progress=None):
+                 periods: FeedPeriods | None = None, seed: int = 0, progress=None):
         self.p = prepared
         self.router = router
         self.timing = timing
@@ -109,7 +119,7 @@ class Simulation:
         self.say = progress or (lambda msg: None)
         meta = prepared.trace.meta
         n = meta.spec.num_replicas
-        self.pull_period_s = pull_period_s or default_pull_period_s(n)
+        self.periods = periods or FeedPeriods.default(n)
         shared: set[BlockHash] | None = set() if router.shared_cache else None
         self.replicas = [SimReplica(i, meta.replica, timing, shared_cache=shared) for i in range(n)]
         self.cluster = ClusterView(n)
@@ -128,8 +138,9 @@ class Simulation:
                 children.setdefault(r.parent_id, []).append(i)
         n_rep = len(self.replicas)
         for k in range(n_rep):
-            heap.append((self.pull_period_s * (k + 1) / n_rep, seq, _PULL, k))
-            seq += 1
+            for kind, period in ((_EVENTS, self.periods.events_s), (_STATS, self.periods.stats_s)):
+                heap.append((period * (k + 1) / n_rep, seq, kind, k))
+                seq += 1
         heapq.heapify(heap)
         self.router.setup(self.cluster, self.seed)
 
@@ -145,7 +156,7 @@ class Simulation:
         next_report = wall0 + 10.0
         ongoing = self.cluster.ongoing
         router = self.router
-        pull = self.pull_period_s
+        period = {_EVENTS: self.periods.events_s, _STATS: self.periods.stats_s}
         gc_was = gc.isenabled()
         gc.disable()         # the heap holds millions of long-lived ints; collections only cost time here
         try:
@@ -184,9 +195,11 @@ class Simulation:
                     if not rep.is_busy:
                         seq = self._start_step(rep, now, heap, seq)
                 else:
-                    rep = self.replicas[arg]
-                    router.on_pull(arg, rep, now)
-                    heapq.heappush(heap, (now + pull, seq, _PULL, arg))
+                    if kind == _EVENTS:
+                        router.on_kv_events(arg, self.replicas[arg], now)
+                    else:
+                        router.on_stats(arg, self.replicas[arg], now)
+                    heapq.heappush(heap, (now + period[kind], seq, kind, arg))
                     seq += 1
                 if time.perf_counter() > next_report:
                     next_report += 10.0
@@ -267,7 +280,7 @@ def default_routers() -> list[str]:
     return [n for n in ROUTER_NAMES if n != "ours" or ours_available()]
 
 
-def run_all(trace: Trace, routers: list[str], *, pull_period_s: float | None = None, seed: int = 0,
+def run_all(trace: Trace, routers: list[str], *, periods: FeedPeriods | None = None, seed: int = 0,
             say=lambda m: None) -> tuple[PreparedTrace, list[RunResult]]:
     t0 = time.perf_counter()
     prepared = prepare(trace)
@@ -276,7 +289,7 @@ def run_all(trace: Trace, routers: list[str], *, pull_period_s: float | None = N
     text = TokenText(trace.meta.spec.vocab_size)
     results = []
     for name in routers:
-        sim = Simulation(prepared, make_router(name, prepared, text), pull_period_s=pull_period_s, seed=seed,
+        sim = Simulation(prepared, make_router(name, prepared, text), periods=periods, seed=seed,
                          progress=say)
         res = sim.run()
         say(f"  {res.router}: hit {res.hit_rate:.3f}, TTFT p99 {res.ttft_p99_s:.2f} s "
@@ -286,12 +299,12 @@ def run_all(trace: Trace, routers: list[str], *, pull_period_s: float | None = N
 
 
 # ================================================================== CLI
-HEADLINE = [  # (replicas, pressure, load, hot, requests per replica)
-    (8, 0.75, 1.0, False, 150), (8, 0.75, 1.5, False, 150), (8, 1.5, 1.0, False, 150), (8, 1.5, 1.5, False, 150),
-    (8, 0.75, 1.0, True, 150),
-    (32, 0.75, 1.0, False, 100), (32, 0.75, 1.5, False, 100), (32, 1.5, 1.0, False, 100),
-    (32, 1.5, 1.5, False, 100), (32, 0.75, 1.0, True, 100),
-    (128, 0.75, 1.0, False, 40),
+HEADLINE = [  # (replicas, pressure, load, hot prefix, requests per replica)
+    (8, 0.75, 1.0, False, 300), (8, 0.75, 1.5, False, 300), (8, 1.5, 1.0, False, 300), (8, 1.5, 1.5, False, 300),
+    (8, 0.75, 1.0, True, 300), (8, 0.75, 1.5, True, 300),
+    (32, 0.75, 1.0, False, 300), (32, 0.75, 1.5, False, 300), (32, 1.5, 1.0, False, 300),
+    (32, 1.5, 1.5, False, 300), (32, 0.75, 1.5, True, 300),
+    (128, 0.75, 1.0, False, 150),
 ]
 
 
@@ -300,9 +313,10 @@ def _run_one(args, spec, say, out_stem: Path | None) -> dict:
     trace = read_trace(args.trace) if getattr(args, "trace", None) else generate(spec, progress=say)
     say(f"{describe(trace.meta)} (built in {time.perf_counter() - t0:.1f} s)")
     routers = args.routers.split(",") if args.routers else default_routers()
-    prepared, results = run_all(trace, routers, pull_period_s=args.pull_period, seed=args.seed, say=say)
-    doc = report.to_json(prepared, results,
-                         pull_period_s=args.pull_period or default_pull_period_s(trace.meta.spec.num_replicas))
+    periods = FeedPeriods.default(trace.meta.spec.num_replicas)
+    periods = FeedPeriods(args.events_period or periods.events_s, args.stats_period or periods.stats_s)
+    prepared, results = run_all(trace, routers, periods=periods, seed=args.seed, say=say)
+    doc = report.to_json(prepared, results, events_period_s=periods.events_s, stats_period_s=periods.stats_s)
     print(report.table_doc(doc), flush=True)
     if out_stem is not None:
         report.write_json(doc, out_stem.with_suffix(".json"))
@@ -315,8 +329,9 @@ def main() -> None:
     add_spec_args(p)
     p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
     p.add_argument("--routers", help=f"comma-separated subset of {','.join(ROUTER_NAMES)} (default: all available)")
-    p.add_argument("--pull-period", type=float, help="seconds between a router's pulls of each replica "
-                   "(default: 0.1 up to 8 replicas, 0.25 up to 32, else 0.5)")
+    p.add_argument("--events-period", type=float, help="seconds between a router's KV-event pulls of each "
+                   "replica (default 0.25; 0.5 from 128 replicas)")
+    p.add_argument("--stats-period", type=float, help="seconds between stats snapshots of each replica (default 1)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the TTFT CDF and hit-rate figure here")
     p.add_argument("--suite", choices=["headline"], help="run the headline configurations one at a time")
@@ -333,7 +348,7 @@ def main() -> None:
         for k, (n, rho, load, hot, rpr) in enumerate(HEADLINE):
             say(f"[{k + 1}/{len(HEADLINE)}] {n} replicas, pressure {rho}, load {load}{', hot prefix' if hot else ''}")
             a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
-            stem = out / f"n{n}_p{rho}_l{load}{'_hot' if hot else ''}"
+            stem = out / (f"n{n}_hot_l{load}" if hot else f"n{n}_p{rho}_l{load}")
             docs.append(_run_one(a, spec_from_args(a), say, stem))
             report.write_json({"runs": docs}, out / "summary.json")
         (out / "summary.md").write_text(report.summary_markdown(docs))

@@ -254,12 +254,16 @@ def measure_pressure(requests: list[TraceRequest], block_size: int, total_kv_tok
     first: dict[int, tuple[float, str]] = {}
     last: dict[int, float] = {}
     bs = block_size
+    weights = np.random.default_rng(0).integers(1, 1 << 62, bs, dtype=np.int64)
     for r in sorted(requests, key=lambda r: r.arrival_s):
         toks = r.prompt_token_ids + r.output_token_ids
+        num_blocks = len(toks) // bs
         num_prompt_blocks = len(r.prompt_token_ids) // bs
+        # a 64-bit content key per block (wrapping arithmetic), chained so equal keys mean equal prefixes
+        content = (np.asarray(toks[:num_blocks * bs], dtype=np.int64).reshape(num_blocks, bs) * weights).sum(1)
         key = 0
-        for i in range(len(toks) // bs):
-            key = hash((key, tuple(toks[i * bs:(i + 1) * bs])))
+        for i, c in enumerate(content.tolist()):
+            key = hash((key, c))
             if key not in first:
                 first[key] = (r.arrival_s, r.component)
             elif i < num_prompt_blocks:
