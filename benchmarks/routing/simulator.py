@@ -319,8 +319,8 @@ def _run_one(args, spec, say, out_stem: Path | None) -> dict:
     doc = report.to_json(prepared, results, events_period_s=periods.events_s, stats_period_s=periods.stats_s)
     print(report.table_doc(doc), flush=True)
     if out_stem is not None:
-        report.write_json(doc, out_stem.with_suffix(".json"))
-        report.plot_doc(doc, out_stem.with_suffix(".png"))
+        report.write_json(doc, Path(f"{out_stem}.json"))      # not with_suffix: stems hold dots (l1.5)
+        report.plot_doc(doc, Path(f"{out_stem}.png"))
     return doc
 
 
