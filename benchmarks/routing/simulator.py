@@ -107,6 +107,35 @@ class RunResult:
     router_summary: dict = field(default_factory=dict)       # the router's own counters, if it has any
 
 
+class _EventQueue:
+    """Time-ordered events; ties in the order they were pushed (so a run is deterministic)."""
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+
+    def push(self, t: float, kind: int, arg: int) -> None:
+        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+        self._seq += 1
+
+    def pop(self) -> tuple[float, int, int]:
+        t, _, kind, arg = heapq.heappop(self._heap)
+        return t, kind, arg
+
+
+class _Record:
+    """Per-request times (s, simulated), cached tokens and replica; decision wall times."""
+
+    def __init__(self, n: int):
+        self.release = np.full(n, np.nan)
+        self.first = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.replica = np.full(n, -1, dtype=np.int64)
+        self.decision_s: list[float] = []
+        self.num_finished = 0
+
+
 class Simulation:
     """One router over one trace. `run()` returns the metrics; `replicas` stay for inspection."""
 
@@ -125,98 +154,91 @@ class Simulation:
         self.cluster = ClusterView(n)
 
     def run(self) -> RunResult:
+        """Replay the whole trace; raises AssertionError if a request or a KV block is left behind."""
         reqs = self.p.trace.requests
-        index = {r.req_id: i for i, r in enumerate(reqs)}
-        children: dict[str, list[int]] = {}
-        heap: list[tuple[float, int, int, int]] = []
-        seq = 0
+        self.index = {r.req_id: i for i, r in enumerate(reqs)}
+        self.children: dict[str, list[int]] = {}
+        self.events = _EventQueue()
         for i, r in enumerate(reqs):
             if r.parent_id is None:
-                heap.append((r.arrival_s, seq, _RELEASE, i))
-                seq += 1
+                self.events.push(r.arrival_s, _RELEASE, i)
             else:
-                children.setdefault(r.parent_id, []).append(i)
+                self.children.setdefault(r.parent_id, []).append(i)
         n_rep = len(self.replicas)
+        self.period = {_EVENTS: self.periods.events_s, _STATS: self.periods.stats_s}
         for k in range(n_rep):
-            for kind, period in ((_EVENTS, self.periods.events_s), (_STATS, self.periods.stats_s)):
-                heap.append((period * (k + 1) / n_rep, seq, kind, k))
-                seq += 1
-        heapq.heapify(heap)
+            for kind, period in self.period.items():
+                self.events.push(period * (k + 1) / n_rep, kind, k)     # staggered
         self.router.setup(self.cluster, self.seed)
-
-        n = len(reqs)
-        release = np.full(n, np.nan)
-        first = np.full(n, np.nan)
-        finish = np.full(n, np.nan)
-        cached = np.zeros(n, dtype=np.int64)
-        where = np.full(n, -1, dtype=np.int64)
-        decision_s: list[float] = []
-        done = 0
+        self.rec = _Record(len(reqs))
         wall0 = time.perf_counter()
-        next_report = wall0 + 10.0
-        ongoing = self.cluster.ongoing
-        router = self.router
-        period = {_EVENTS: self.periods.events_s, _STATS: self.periods.stats_s}
         gc_was = gc.isenabled()
-        gc.disable()         # the heap holds millions of long-lived ints; collections only cost time here
+        gc.disable()         # millions of long-lived ints (token ids); collections would only cost time
         try:
-            while done < n:
-                now, _, kind, arg = heapq.heappop(heap)
-                if kind == _STEP_END:
-                    rep = self.replicas[arg]
-                    res = rep.end_step()
-                    for req_id in res.first_token_ids:
-                        i = index[req_id]
-                        first[i] = now
-                        cached[i] = res.num_cached_tokens[req_id]
-                        router.on_first_token(req_id, arg, int(cached[i]), now)
-                    for req_id in res.finished_ids:
-                        i = index[req_id]
-                        finish[i] = now
-                        done += 1
-                        ongoing[arg] -= 1
-                        router.on_finished(req_id, arg, now)
-                        for c in children.get(req_id, ()):
-                            heapq.heappush(heap, (now + reqs[c].think_s, seq, _RELEASE, c))
-                            seq += 1
-                    seq = self._start_step(rep, now, heap, seq)
-                elif kind == _RELEASE:
-                    r = reqs[arg]
-                    release[arg] = now
-                    sim_req = SimRequest(r.req_id, r.prompt_token_ids, self.p.prompt_hashes[arg],
-                                         len(r.output_token_ids), r.group)
-                    t0 = time.perf_counter()
-                    k = router.route(sim_req, now)
-                    decision_s.append(time.perf_counter() - t0)
-                    where[arg] = k
-                    ongoing[k] += 1
-                    rep = self.replicas[k]
-                    rep.add_request(r.req_id, r.prompt_token_ids, r.output_token_ids, self.p.prompt_hashes[arg])
-                    if not rep.is_busy:
-                        seq = self._start_step(rep, now, heap, seq)
-                else:
-                    if kind == _EVENTS:
-                        router.on_kv_events(arg, self.replicas[arg], now)
-                    else:
-                        router.on_stats(arg, self.replicas[arg], now)
-                    heapq.heappush(heap, (now + period[kind], seq, kind, arg))
-                    seq += 1
-                if time.perf_counter() > next_report:
-                    next_report += 10.0
-                    self.say(f"  {router.name}: {done}/{n} finished, sim t={now:.1f} s, "
-                             f"wall {time.perf_counter() - wall0:.0f} s")
+            self._loop(wall0)
         finally:
             if gc_was:
                 gc.enable()
         self._check_conservation()
-        return self._metrics(release, first, finish, cached, where, decision_s, time.perf_counter() - wall0)
+        return self._metrics(time.perf_counter() - wall0)
 
-    def _start_step(self, rep: SimReplica, now: float, heap: list, seq: int) -> int:
+    def _loop(self, wall0: float) -> None:
+        n = len(self.p.trace.requests)
+        next_report = wall0 + 10.0
+        handlers = {_STEP_END: self._on_step_end, _RELEASE: self._on_release,
+                    _EVENTS: self._on_feed_events, _STATS: self._on_feed_stats}
+        while self.rec.num_finished < n:
+            now, kind, arg = self.events.pop()
+            handlers[kind](arg, now)
+            if time.perf_counter() > next_report:
+                next_report += 10.0
+                self.say(f"  {self.router.name}: {self.rec.num_finished}/{n} finished, sim t={now:.1f} s, "
+                         f"wall {time.perf_counter() - wall0:.0f} s")
+
+    def _on_release(self, i: int, now: float) -> None:
+        r, rec = self.p.trace.requests[i], self.rec
+        rec.release[i] = now
+        hashes = self.p.prompt_hashes[i]
+        req = SimRequest(r.req_id, r.prompt_token_ids, hashes, len(r.output_token_ids), r.group)
+        t0 = time.perf_counter()
+        k = self.router.route(req, now)
+        rec.decision_s.append(time.perf_counter() - t0)
+        rec.replica[i] = k
+        self.cluster.ongoing[k] += 1
+        rep = self.replicas[k]
+        rep.add_request(r.req_id, r.prompt_token_ids, r.output_token_ids, hashes)
+        if not rep.is_busy:
+            self._start_step(rep, now)
+
+    def _on_step_end(self, k: int, now: float) -> None:
+        rep, rec, router = self.replicas[k], self.rec, self.router
+        res = rep.end_step()
+        for req_id in res.first_token_ids:
+            i = self.index[req_id]
+            rec.first[i] = now
+            rec.cached[i] = res.num_cached_tokens[req_id]
+            router.on_first_token(req_id, k, int(rec.cached[i]), now)
+        for req_id in res.finished_ids:
+            rec.finish[self.index[req_id]] = now
+            rec.num_finished += 1
+            self.cluster.ongoing[k] -= 1
+            router.on_finished(req_id, k, now)
+            for c in self.children.get(req_id, ()):      # the session's next turn, after thinking
+                self.events.push(now + self.p.trace.requests[c].think_s, _RELEASE, c)
+        self._start_step(rep, now)
+
+    def _on_feed_events(self, k: int, now: float) -> None:
+        self.router.on_kv_events(k, self.replicas[k], now)
+        self.events.push(now + self.period[_EVENTS], _EVENTS, k)
+
+    def _on_feed_stats(self, k: int, now: float) -> None:
+        self.router.on_stats(k, self.replicas[k], now)
+        self.events.push(now + self.period[_STATS], _STATS, k)
+
+    def _start_step(self, rep: SimReplica, now: float) -> None:
         dt = rep.start_step()
         if dt is not None:
-            heapq.heappush(heap, (now + dt, seq, _STEP_END, rep.index))
-            seq += 1
-        return seq
+            self.events.push(now + dt, _STEP_END, rep.index)
 
     def _check_conservation(self) -> None:
         for rep in self.replicas:
@@ -226,14 +248,15 @@ class Simulation:
         if any(self.cluster.ongoing):
             raise AssertionError(f"requests left in flight: {self.cluster.ongoing}")
 
-    def _metrics(self, release, first, finish, cached, where, decision_s, wall_s) -> RunResult:
-        reqs = self.p.trace.requests
+    def _metrics(self, wall_s: float) -> RunResult:
+        reqs, rec = self.p.trace.requests, self.rec
         m = np.array(self.p.measured)
         prompt = np.array([len(r.prompt_token_ids) for r in reqs])
+        release, first, finish, cached = rec.release, rec.first, rec.finish, rec.cached
         ttft = (first - release)[m]
         e2e = (finish - release)[m]
-        per_rep = np.bincount(where[m], minlength=len(self.replicas))
-        dec_ms = np.array(decision_s) * 1e3
+        per_rep = np.bincount(rec.replica[m], minlength=len(self.replicas))
+        dec_ms = np.array(rec.decision_s) * 1e3
         return RunResult(
             router=self.router.name, num_replicas=len(self.replicas),
             hit_rate=float(cached[m].sum() / prompt[m].sum()),
