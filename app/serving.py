@@ -14,6 +14,7 @@ from app.errors import APIError
 from app.fanout import RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
+from app.routing import debug as routing_debug
 from engine import EngineLimits
 from observability.metrics import ServingMetrics
 from observability.requests import RequestObserver, RequestSpan
@@ -60,8 +61,7 @@ class OpenAIServing:
         p = await self.prepare(kind, req, request_id)
         run = RequestRun(p)
         with self.observer.span(carrier, _span_attributes(p)) as rs:
-            async for idx, chunk in merged_chunks(self.replica, replica_requests(p, rs.carrier),
-                                                  self.first_output_timeout_s):
+            async for idx, chunk in self._chunks(p, rs.carrier):
                 run.add(idx, chunk)
             self._finish(rs, run)
         meta = fmt.ResponseMeta(p.request_id, p.created, p.model)
@@ -106,8 +106,7 @@ class OpenAIServing:
             if kind is RequestKind.CHAT:
                 for i in range(len(run.seqs)):
                     yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
-            async for idx, c in merged_chunks(self.replica, replica_requests(p, rs.carrier),
-                                              self.first_output_timeout_s):
+            async for idx, c in self._chunks(p, rs.carrier):
                 for i, ready in gate.release(idx, run.add(idx, c)):
                     chunk = self._chunk(p, meta, run, i, ready, text_offsets)
                     if chunk is not None:
@@ -144,6 +143,29 @@ class OpenAIServing:
         text = (echo.text if echo else "") + c.text
         return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage,
                                     token_ids=token_ids, prompt_token_ids=_prompt_ids(p, prompt) if first else None)
+
+    async def _chunks(self, p: PreparedRequest, carrier: dict[str, str]) -> AsyncIterator[tuple[int, ReplicaChunk]]:
+        """The replicas' merged chunks; each prompt's first token (and the cached tokens the engine found)
+        is reported to this process's router, which calibrates its TTFT model and index accuracy on it."""
+        reqs = replica_requests(p, carrier)
+        started: set[int] = set()
+        chunks = merged_chunks(self.replica, reqs, self.first_output_timeout_s)
+        try:
+            async for idx, c in chunks:
+                prompt = idx // p.params.n
+                if c.token_ids and prompt not in started:
+                    started.add(prompt)
+                    self._report_first_token(reqs[prompt].request_id, c.num_cached_tokens)
+                yield idx, c
+        finally:
+            await chunks.aclose()      # leaving early cancels the replica streams now, not at GC
+
+    def _report_first_token(self, engine_req_id: str, num_cached_tokens: int) -> None:
+        try:
+            for router in routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name):
+                router.call_soon(router.on_first_token, engine_req_id, num_cached_tokens)
+        except Exception:      # no router here (a test double for the handle), or it is gone: routing only
+            pass
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
         self.observer.finish(rs, run.record())

@@ -162,9 +162,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         return [[r] for r in ranked] + ([rest] if rest else [])
 
     def _load_only(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-        """Serve's power-of-two shape: two random candidates (Serve takes the shorter queue), then the rest."""
+        """Serve's power-of-two shape: two random candidates (Serve takes the shorter queue, the first of
+        equals: hence shuffled), then the rest."""
         if len(candidates) <= 2:
-            return [list(candidates)] if candidates else []
+            return [self._rng.sample(candidates, len(candidates))] if candidates else []
         pair = self._rng.sample(candidates, 2)
         return [pair, [r for r in candidates if r is not pair[0] and r is not pair[1]]]
 
@@ -195,6 +196,13 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         except Exception:
             logger.exception("routing: on_request_completed failed")
 
+    def on_first_token(self, request_id: str, num_cached_tokens: int) -> None:
+        """The ingress saw the request's first token (run on the router loop via call_soon)."""
+        try:
+            self.core.on_first_token(request_id, num_cached_tokens)
+        except Exception:
+            logger.exception("routing: on_first_token failed")
+
     # ------------------------------------------------------------ called from other threads (the ingress)
     def call_soon(self, fn: Any, *args: Any) -> None:
         """Run `fn(*args)` on the router loop (the core is not thread-safe)."""
@@ -222,7 +230,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             "counters": {"num_decisions": c.num_decisions, "num_errors": c.num_errors,
                          "num_rerouted": c.num_rerouted, "num_resyncs": c.num_resyncs,
                          "num_index_entries": c.num_index_entries, "num_index_evictions": c.num_index_evictions,
-                         "index_accuracy": c.index_accuracy, "prefill_tokens_per_s": c.prefill_tokens_per_s,
+                         "index_accuracy": c.index_accuracy, "num_accuracy_samples": c.num_accuracy_samples,
+                         "prefill_tokens_per_s": c.prefill_tokens_per_s,
                          "by_reason": {r.value: n for r, n in c.num_by_reason.items()}},
             "feed": None if self.feed is None else vars_of(self.feed.counters),
             "replicas": {k: {"num_held_blocks": index.num_held(k) if index is not None else None,

@@ -86,6 +86,7 @@ def test_shared_prefix_lands_on_one_replica_and_hits_the_cache_from_both_ingress
     sts = _states(200)
     assert len(sts) == 2
     for st in sts.values():                        # each ingress's router chose the holder on its own
+        assert st["routers"][0]["counters"]["num_accuracy_samples"] > 0    # first tokens reach the router
         decisions = st["routers"][0]["decisions"]
         assert any(d["chosen"] == target and d["reason"] in ("affinity", "hot_replica")
                    and max(c["predicted_cached_tokens"] for c in d["candidates"]) >= 88 for d in decisions)
