@@ -3,8 +3,10 @@
 The rule (README "Routing core API" writes it out with the defaults):
   1. Per candidate: cached = matched blocks x block size (at most the prompt's full blocks before its last
      token), uncached = prompt - cached, TTFT = TTFTModel(queued + uncached, decode load, KV usage).
-  2. No candidate holds any block: SPILL (some non-candidate holds it) or NEW_GROUP, placed by TTFT plus a
-     cache-room charge (occupancy x new_group_room_weight_s).
+  2. No candidate holds any block: SPILL (some non-candidate holds it, placed by TTFT) or NEW_GROUP: among
+     the candidates whose TTFT is within tie_tolerance_s of the best, the one with the most cache room
+     (occupancies within new_group_room_tolerance count as equal). Room only breaks load ties, so a burst of
+     new groups cannot herd onto the emptiest replica: its own pending load soon takes it out of the tie.
   3. The prompt's prefix group (its first K block hashes) is hot, i.e. its demand over the window needs
      k > 1 replicas' capacity: while fewer than k candidates hold the group, the least loaded of all (TTFT
      as if each held what the best holder holds, so new holders join), else the best TTFT among the
@@ -105,8 +107,7 @@ class AffinityPolicy:
             if held_elsewhere:
                 chosen, reason = self._pick(everyone, ttft, cands, request), Reason.SPILL
             else:
-                room = [t + cfg.new_group_room_weight_s * occupancy(c) for t, c in zip(ttft, cands)]
-                chosen, reason = self._pick(everyone, room, cands, request), Reason.NEW_GROUP
+                chosen, reason = self._pick_room(ttft, cands, occupancy, request), Reason.NEW_GROUP
         elif k > 1:
             group_len = min(cfg.group_blocks, len(request.block_hashes))
             group = [i for i in holders if blocks[i] >= group_len]
@@ -144,10 +145,22 @@ class AffinityPolicy:
             return best_in, reason
         return self._pick(outside, ttft, cands, request), Reason.RELEASED
 
-    def _pick(self, pool, score: list[float], cands: list[ReplicaLoad], request: RouteRequest) -> int:
+    def _pick_room(self, ttft: list[float], cands: list[ReplicaLoad],
+                   occupancy: Callable[[ReplicaLoad], float], request: RouteRequest) -> int:
+        """Among the TTFT near-ties, the most cache room (a random one of equals, the caller's node first)."""
+        best = min(ttft)
+        near = [i for i in range(len(cands)) if ttft[i] <= best + self.config.tie_tolerance_s]
+        occ = [occupancy(cands[i]) if i in near else 0.0 for i in range(len(cands))]
+        least = min(occ[i] for i in near)
+        roomy = [i for i in near if occ[i] <= least + self.config.new_group_room_tolerance]
+        return self._pick(roomy, ttft, cands, request, tolerance=math.inf)
+
+    def _pick(self, pool, score: list[float], cands: list[ReplicaLoad], request: RouteRequest,
+              tolerance: float | None = None) -> int:
         """Lowest score in `pool`; near-ties to the caller's node, then at random."""
         best = min(score[i] for i in pool)
-        tied = [i for i in pool if score[i] <= best + self.config.tie_tolerance_s]
+        tol = self.config.tie_tolerance_s if tolerance is None else tolerance
+        tied = [i for i in pool if score[i] <= best + tol]
         if len(tied) > 1 and request.caller_node_id is not None:
             local = [i for i in tied if cands[i].node_id == request.caller_node_id]
             tied = local or tied

@@ -148,6 +148,18 @@ def test_new_group_room_uses_the_indexed_share_of_the_pool_when_its_size_is_know
     assert (d.chosen, d.reason) == ("b", Reason.NEW_GROUP)
 
 
+def test_a_burst_of_new_groups_does_not_herd_onto_the_roomiest_replica():
+    """Room breaks load ties only: the roomy replica's own pending requests soon take it out of the tie."""
+    core, _ = make()
+    hold(core, "a", chain("big", 60))
+    stats(core, "a", num_blocks=100)
+    stats(core, "b", num_blocks=100)
+    chosen = [core.route(req(f"r{i}", prefix=chain(f"burst{i}", 2)), ["a", "b"]).chosen for i in range(16)]
+    picks = Counter(chosen)
+    assert chosen[0] == "b"                      # the first new group goes where the room is
+    assert picks["b"] >= picks["a"] >= 6         # then load spreads the burst (the old room charge sent all 16 to b)
+
+
 def test_near_ties_are_random_and_prefer_the_callers_node():
     core, _ = make()
     picks = Counter()
