@@ -15,7 +15,7 @@ from app.prompts import PreparedRequest
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.stats import ReplicaStats
 from engine.types import Logprobs
-from observability.requests import RequestRecord
+from observability.requests import RequestRecord, RoutingRecord
 
 
 def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[GenerateRequest]:
@@ -118,6 +118,7 @@ class RequestRun:
         self.replica_trace_ids: set[str] = set()
         self.timings: dict[str, float] | None = None
         self.first_token_ns: int | None = None
+        self.routing: list[RoutingRecord] = []      # per prompt, in first-token order
 
     def add(self, seq_index: int, c: ReplicaChunk) -> ReplicaChunk:
         """Record a chunk; return it as the client sees it (echo_only: the token run is dropped)."""
@@ -185,4 +186,4 @@ class RequestRun:
             replica_ids=sorted(self.replica_ids), replica_trace_ids=sorted(self.replica_trace_ids),
             first_token_ns=self.first_token_ns, tpot_s=[s.tpot_s for s in self.seqs if s.tpot_s is not None],
             queue_s=timings.get("queue_s", 0.0), prefill_s=timings.get("prefill_s", 0.0),
-            decode_s=timings.get("decode_s", 0.0))
+            decode_s=timings.get("decode_s", 0.0), routing=list(self.routing))

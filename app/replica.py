@@ -15,6 +15,7 @@ from typing import Any
 
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from app.protocol import GenerateRequest, ReplicaChunk
+from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 from app.stats import ReplicaStats
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits, tune_gc_for_serving
 from engine.errors import EngineDeadError
@@ -30,6 +31,26 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:   # outside Serve (unit tests)
         return f"local-{uuid.uuid4().hex[:6]}"
+
+
+class DropKVFeedAccessLogs(logging.Filter):
+    """Drops Serve's access-log lines for the routers' KV feed pulls: every router calls every replica
+    several times a second, which would bury the real requests. Serve's replica logs one access record per
+    call on the "ray.serve" logger with `serve_access_log` and `request_id` set (ray/serve/_private/
+    replica.py, `_access_log_context`); other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = getattr(record, "request_id", None)
+        return not (getattr(record, "serve_access_log", False) and isinstance(request_id, str)
+                    and request_id.startswith(KV_FEED_REQUEST_ID_PREFIX))
+
+
+def drop_kv_feed_access_logs() -> None:
+    """Install DropKVFeedAccessLogs on Serve's logger (a logger filter: Serve logs access records on that
+    logger itself). Idempotent."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, DropKVFeedAccessLogs) for f in serve_logger.filters):
+        serve_logger.addFilter(DropKVFeedAccessLogs())
 
 
 def serving_engine_config(engine_config: dict[str, Any]) -> EngineConfig:
@@ -50,6 +71,7 @@ class LLMReplica:
         obs = observability or {}
         configure_json_logging(obs.get("log_level", "INFO"))
         drop_serve_duplicate_logs()
+        drop_kv_feed_access_logs()
         self.engine = AsyncLLMEngine.from_config(serving_engine_config(engine_config))
         # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
         # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.

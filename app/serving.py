@@ -61,7 +61,7 @@ class OpenAIServing:
         p = await self.prepare(kind, req, request_id)
         run = RequestRun(p)
         with self.observer.span(carrier, _span_attributes(p)) as rs:
-            async for idx, chunk in self._chunks(p, rs.carrier):
+            async for idx, chunk in self._chunks(p, rs.carrier, run):
                 run.add(idx, chunk)
             self._finish(rs, run)
         meta = fmt.ResponseMeta(p.request_id, p.created, p.model)
@@ -106,7 +106,7 @@ class OpenAIServing:
             if kind is RequestKind.CHAT:
                 for i in range(len(run.seqs)):
                     yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
-            async for idx, c in self._chunks(p, rs.carrier):
+            async for idx, c in self._chunks(p, rs.carrier, run):
                 for i, ready in gate.release(idx, run.add(idx, c)):
                     chunk = self._chunk(p, meta, run, i, ready, text_offsets)
                     if chunk is not None:
@@ -144,9 +144,11 @@ class OpenAIServing:
         return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage,
                                     token_ids=token_ids, prompt_token_ids=_prompt_ids(p, prompt) if first else None)
 
-    async def _chunks(self, p: PreparedRequest, carrier: dict[str, str]) -> AsyncIterator[tuple[int, ReplicaChunk]]:
+    async def _chunks(self, p: PreparedRequest, carrier: dict[str, str],
+                      run: RequestRun) -> AsyncIterator[tuple[int, ReplicaChunk]]:
         """The replicas' merged chunks; each prompt's first token (and the cached tokens the engine found)
-        is reported to this process's router, which calibrates its TTFT model and index accuracy on it."""
+        is reported to this process's router, which calibrates its TTFT model and index accuracy on it,
+        and the router's decision for that prompt joins `run.routing` (for the span and the metrics)."""
         reqs = replica_requests(p, carrier)
         started: set[int] = set()
         chunks = merged_chunks(self.replica, reqs, self.first_output_timeout_s)
@@ -156,9 +158,13 @@ class OpenAIServing:
                 if c.token_ids and prompt not in started:
                     started.add(prompt)
                     self._report_first_token(reqs[prompt].request_id, c.num_cached_tokens)
+                    self._take_decision(run, reqs[prompt].request_id, c)
                 yield idx, c
         finally:
             await chunks.aclose()      # leaving early cancels the replica streams now, not at GC
+            for i, r in enumerate(reqs):
+                if i not in started:
+                    routing_debug.take_decision(r.request_id)     # never reported: do not keep it
 
     def _report_first_token(self, engine_req_id: str, num_cached_tokens: int) -> None:
         try:
@@ -166,6 +172,13 @@ class OpenAIServing:
                 router.call_soon(router.on_first_token, engine_req_id, num_cached_tokens)
         except Exception:      # no router here (a test double for the handle), or it is gone: routing only
             pass
+
+    @staticmethod
+    def _take_decision(run: RequestRun, engine_req_id: str, c: ReplicaChunk) -> None:
+        """The router made its decision before sending the request, so it is there by the first token."""
+        decision = routing_debug.take_decision(engine_req_id)
+        if decision is not None:
+            run.routing.append(routing_debug.routing_record(decision, c.replica_id, c.num_cached_tokens))
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
         self.observer.finish(rs, run.record())

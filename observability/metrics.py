@@ -8,6 +8,7 @@ from opentelemetry import metrics
 from observability import names
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_DECISION_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05]
 
 
 class ServingMetrics:
@@ -30,6 +31,17 @@ class ServingMetrics:
             names.M_PREFIX_HIT, description="prefix-cache hit rate per replica since it started")
         self.recent_prefix_hit_rate = meter.create_gauge(
             names.M_PREFIX_HIT_RECENT, description="prefix-cache hit rate per replica over its recent requests")
+        self.routing_decisions = meter.create_counter(
+            names.M_ROUTING_DECISIONS, description="routing decisions by reason (affinity, released, ...)")
+        self.routing_decision_time = meter.create_histogram(
+            names.M_ROUTING_DECISION_TIME, unit="s", description="router decision time (wall)",
+            explicit_bucket_boundaries_advisory=_DECISION_BUCKETS)
+        self.routing_predicted_cached = meter.create_counter(
+            names.M_ROUTING_PREDICTED_CACHED, description="cached prompt tokens the router predicted, on "
+            "the replica the request ran on (decisions whose engine reported its cached tokens)")
+        self.routing_actual_cached = meter.create_counter(
+            names.M_ROUTING_ACTUAL_CACHED, description="cached prompt tokens the engine found, for the same "
+            "decisions (index accuracy = actual / predicted)")
 
     def record_request(self, *, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                        ttft_s: float | None, e2e_s: float, tpot_s: Sequence[float] = ()) -> None:
@@ -52,6 +64,16 @@ class ServingMetrics:
         self.kv_usage.set(kv_cache_usage, attrs)
         self.prefix_hit_rate.set(prefix_hit_rate, attrs)
         self.recent_prefix_hit_rate.set(recent_prefix_hit_rate, attrs)
+
+    def record_routing(self, *, reason: str, decision_time_s: float, predicted_cached_tokens: int,
+                       actual_cached_tokens: int | None) -> None:
+        """One routing decision (at the ingress, when its request finishes)."""
+        attrs = {"reason": reason}
+        self.routing_decisions.add(1, attrs)
+        self.routing_decision_time.record(decision_time_s, attrs)
+        if actual_cached_tokens is not None:
+            self.routing_predicted_cached.add(predicted_cached_tokens, attrs)
+            self.routing_actual_cached.add(actual_cached_tokens, attrs)
 
     def record_http(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})

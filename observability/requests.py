@@ -19,6 +19,48 @@ logger = logging.getLogger("affinity.requests")
 
 
 @dataclass(slots=True)
+class RoutingRecord:
+    """One routing decision as the ingress reports it (plain values; built from app.routing's Decision).
+
+    `candidate_*` are columns, index i = `candidate_ids[i]` (empty for a fallback). `predicted_cached_tokens`
+    is what the router predicted for the replica the request ran on (0 if it was not scored there);
+    `actual_cached_tokens` what that replica's engine found (None if it never said).
+    """
+
+    reason: str
+    chosen: str
+    replica_id: str
+    decision_time_s: float
+    predicted_cached_tokens: int
+    actual_cached_tokens: int | None
+    predicted_ttft_s: float | None = None            # the chosen replica's
+    affinity_replica_id: str | None = None
+    candidate_ids: list[str] = field(default_factory=list)
+    candidate_predicted_cached_tokens: list[int] = field(default_factory=list)
+    candidate_predicted_ttft_s: list[float] = field(default_factory=list)
+    candidate_queued_prefill_tokens: list[int] = field(default_factory=list)
+    candidate_num_running: list[int] = field(default_factory=list)
+    candidate_kv_cache_usage: list[float] = field(default_factory=list)
+
+    def span_attributes(self) -> dict[str, Any]:
+        """OpenTelemetry attributes (primitives and homogeneous lists; None values left out)."""
+        attrs: dict[str, Any] = {
+            "routing.reason": self.reason, "routing.chosen": self.chosen, "routing.replica": self.replica_id,
+            "routing.decision_time_s": self.decision_time_s,
+            "routing.predicted_cached_tokens": self.predicted_cached_tokens,
+            "routing.actual_cached_tokens": self.actual_cached_tokens,
+            "routing.predicted_ttft_s": self.predicted_ttft_s,
+            "routing.affinity_replica": self.affinity_replica_id,
+            "routing.candidates": list(self.candidate_ids),
+            "routing.candidates.predicted_cached_tokens": [int(v) for v in self.candidate_predicted_cached_tokens],
+            "routing.candidates.predicted_ttft_s": [float(v) for v in self.candidate_predicted_ttft_s],
+            "routing.candidates.queued_prefill_tokens": [int(v) for v in self.candidate_queued_prefill_tokens],
+            "routing.candidates.num_running": [int(v) for v in self.candidate_num_running],
+            "routing.candidates.kv_cache_usage": [float(v) for v in self.candidate_kv_cache_usage]}
+        return {k: v for k, v in attrs.items() if v is not None}
+
+
+@dataclass(slots=True)
 class RequestRecord:
     """What the ingress learned about one finished request."""
 
@@ -35,6 +77,8 @@ class RequestRecord:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    #: one per prompt whose first token arrived, in that order (none: no router in this process routed it)
+    routing: list[RoutingRecord] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -89,9 +133,15 @@ class RequestObserver:
         self.metrics.record_request(model=r.model, prompt_tokens=r.num_prompt_tokens,
                                     output_tokens=r.num_output_tokens, cached_tokens=r.num_cached_tokens,
                                     ttft_s=ttft, e2e_s=e2e, tpot_s=r.tpot_s)
+        for d in r.routing:
+            self.metrics.record_routing(reason=d.reason, decision_time_s=d.decision_time_s,
+                                        predicted_cached_tokens=d.predicted_cached_tokens,
+                                        actual_cached_tokens=d.actual_cached_tokens)
 
     def _phase_spans(self, rs: RequestSpan, r: RequestRecord, end: int, replica: str) -> None:
-        """routing | queue | prefill | decode, laid back from the end with the replica's own timings."""
+        """routing | queue | prefill | decode, laid back from the end with the replica's own timings. The
+        routing span carries the first prompt's decision (`routing.num_decisions`: how many prompts were
+        routed; each one is in the metrics)."""
         decode_start = end - int(r.decode_s * 1e9)
         prefill_start = decode_start - int(r.prefill_s * 1e9)
         queue_start = max(rs.start_ns, prefill_start - int(r.queue_s * 1e9))
@@ -101,5 +151,8 @@ class RequestObserver:
         phases = ((names.SPAN_ROUTING, rs.start_ns, queue_start), (names.SPAN_QUEUE, queue_start, prefill_start),
                   (names.SPAN_PREFILL, prefill_start, decode_start), (names.SPAN_DECODE, decode_start, end))
         for name, a, b in phases:
-            child = self.tracer.start_span(name, context=ctx, start_time=a, attributes={"replica": replica})
+            attrs: dict[str, Any] = {"replica": replica}
+            if name == names.SPAN_ROUTING and r.routing:
+                attrs |= r.routing[0].span_attributes() | {"routing.num_decisions": len(r.routing)}
+            child = self.tracer.start_span(name, context=ctx, start_time=a, attributes=attrs)
             child.end(end_time=max(a, b))

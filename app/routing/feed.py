@@ -19,6 +19,9 @@ from typing import Protocol
 from app.routing.api import KVEventBatch, KVSnapshot, RouterCore
 from engine.types import KVCacheSnapshot, KVEventsReply
 
+#: Serve request ids of the feed's calls start with this (app/replica.py drops their access-log lines).
+KV_FEED_REQUEST_ID_PREFIX = "kv-feed-"
+
 logger = logging.getLogger(__name__)
 
 

@@ -26,10 +26,11 @@ from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, 
 
 from app.protocol import GenerateRequest
 from app.routing import debug
-from app.routing.api import ReplicaInfo, ReplicaLoadView, RouteRequest
+from app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, ReplicaLoadView,
+                             RouteRequest)
 from app.routing.config import AffinityConfig
 from app.routing.core import make_core
-from app.routing.feed import KVEventFeed, ReplicaFeedClient
+from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX, KVEventFeed, ReplicaFeedClient
 from engine.types import KVCacheSnapshot, KVEventsReply
 
 logger = logging.getLogger("affinity.router")
@@ -53,7 +54,7 @@ class ReplicaMethodClient:
         return await self._call("kv_snapshot")
 
     async def _call(self, method: str, *args: Any) -> Any:
-        meta = RequestMetadata(request_id=f"kv-feed-{method}", internal_request_id=uuid.uuid4().hex,
+        meta = RequestMetadata(request_id=f"{KV_FEED_REQUEST_ID_PREFIX}{method}", internal_request_id=uuid.uuid4().hex,
                                call_method=method, app_name=self._app_name)
         ref = self._actor.handle_request.remote(pickle.dumps(meta), *args)
         try:
@@ -137,7 +138,9 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         except Exception:
             self.num_shell_errors += 1
             logger.exception("routing failed; falling back to a load-only ranking")
-            return self._load_only(candidate_replicas)
+            ranks = self._load_only(candidate_replicas)
+            self._post_fallback(pending_request, ranks)
+            return ranks
 
     def _rank(self, candidates: list[RunningReplica],
               pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
@@ -152,6 +155,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         route = RouteRequest(req.request_id, list(req.block_hashes or []), len(req.prompt_token_ids),
                              (params.max_tokens or 0) * max(1, params.n), self._self_node_id)
         decision = self.core.route(route, list(by_key))
+        debug.post_decision(decision)                  # for the ingress's span and metrics
         ranked = [by_key[k] for k in decision.ranked if k in by_key]
         if not ranked:
             return self._load_only(candidates)
@@ -160,6 +164,18 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         seen = {id(r) for r in ranked}
         rest = [r for r in candidates if id(r) not in seen]
         return [[r] for r in ranked] + ([rest] if rest else [])
+
+    @staticmethod
+    def _post_fallback(pending_request: PendingRequest | None, ranks: list[list[RunningReplica]]) -> None:
+        """A FALLBACK decision for the ingress, so a shell error shows on the request's span and metrics."""
+        try:
+            req = _generate_request(pending_request)
+            ids = [_replica_key(r.replica_id) for rank in ranks for r in rank]
+            if req is not None and ids:
+                debug.post_decision(Decision(req.request_id, ids, ids[0], Reason.FALLBACK,
+                                             CandidateScores.empty(), 0.0))
+        except Exception:
+            logger.exception("routing: recording the fallback decision failed")
 
     def _load_only(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Serve's power-of-two shape: two random candidates (Serve takes the shorter queue, the first of

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import ROUTING_APP
+from tests.integration.conftest import ROUTING_APP, wait_running
 
 pytestmark = pytest.mark.slow
 PERIOD_S = 0.25
@@ -139,3 +139,72 @@ def test_a_router_error_falls_back_instead_of_hanging(url):
             _post(c, url, _prompt(4, 16, i))
     after = _states()
     assert sum(st["routers"][0]["num_shell_errors"] for st in after.values()) > before
+
+
+def _span(trace_id: str, name: str, tries: int = 40) -> dict:
+    """A span of `trace_id` from whichever ingress replica served it (debug_spans lands on a random one)."""
+    for _ in range(tries):
+        for s in _ingress().debug_spans.remote().result(timeout_s=30):
+            if s["trace_id"] == trace_id and s["name"] == name:
+                return s
+    raise AssertionError(f"no {name} span for trace {trace_id}")
+
+
+def test_the_routing_span_and_metrics_explain_the_decision(url):
+    trace_id = "5cf92f3577b34da6a3ce929d0e0e4736"
+    with httpx.Client(timeout=60) as c:
+        _post(c, url, _prompt(5, 96, 0))
+        time.sleep(4 * PERIOD_S)                   # both routers pull the stored blocks
+        r = c.post(f"{url}/v1/completions", json={"prompt": _prompt(5, 96, 1), "max_tokens": 4},
+                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        assert r.status_code == 200
+        metrics = c.get(f"{url}/metrics").text
+    a = _span(trace_id, "llm.routing")["attributes"]
+    assert a["routing.reason"] in ("affinity", "hot_replica") and a["routing.replica"] == a["routing.chosen"]
+    assert a["routing.chosen"] == r.json()["system_fingerprint"].removeprefix("replica:")
+    assert len(a["routing.candidates"]) == 2 and a["routing.chosen"] in a["routing.candidates"]
+    for col in ("predicted_cached_tokens", "predicted_ttft_s", "queued_prefill_tokens", "num_running",
+                "kv_cache_usage"):
+        assert len(a[f"routing.candidates.{col}"]) == 2, col
+    assert a["routing.predicted_cached_tokens"] >= 88 and a["routing.actual_cached_tokens"] >= 88
+    assert 0 < a["routing.decision_time_s"] < 0.1 and a["routing.predicted_ttft_s"] >= 0
+    for name in ("affinity_routing_decisions_total", "affinity_routing_decision_time",
+                 "affinity_routing_predicted_cached_tokens_total", "affinity_routing_actual_cached_tokens_total"):
+        assert name in metrics, name
+    decisions = [line for line in metrics.splitlines() if line.startswith("affinity_routing_decisions_total{")]
+    assert decisions and all('reason="' in line for line in decisions)    # /metrics: whichever ingress answered
+
+
+def test_a_killed_replica_leaves_both_indexes_and_its_replacement_is_synced(url):
+    """Serve replaces a killed replica with a new one (new id, new cache epoch): both routers drop the
+    dead one's entries and snapshot the new one within a few event periods of Serve announcing it."""
+    import ray
+    with httpx.Client(timeout=60) as c:
+        victim = _post(c, url, _prompt(6, 64, 0))["system_fingerprint"].removeprefix("replica:")
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{ROUTING_APP}#LLMReplica#{victim}", namespace="serve"),
+             no_restart=True)
+    with httpx.Client(timeout=60) as c:            # the survivor keeps serving while Serve replaces it
+        statuses = [c.post(f"{url}/v1/completions", json={"prompt": _prompt(6, 64, i), "max_tokens": 2}).status_code
+                    for i in range(1, 7)]
+    assert statuses.count(200) >= 4, statuses      # only calls already sent to the dead replica may fail
+    wait_running(ROUTING_APP, "LLMReplica", 2, timeout_s=90)
+    h, epochs = _model_replicas(), {}
+
+    def both_answered():                           # this driver's handle learns of the new replica too
+        s = h.debug_state.remote().result(timeout_s=30)
+        epochs[s["replica_id"]] = s["stats"]["cache_epoch"]
+        return len(epochs) == 2
+    _wait_until(both_answered, 30, "the replacement replica to answer")
+    assert victim not in epochs
+    start = time.monotonic()
+
+    def synced():
+        sts = _states()
+        return len(sts) == 2 and all(
+            {k: v["epoch"] for k, v in st["routers"][0]["replicas"].items()} == epochs
+            and not any(v["needs_snapshot"] for v in st["routers"][0]["replicas"].values()) for st in sts.values())
+    _wait_until(synced, 8 * PERIOD_S + 10, "both routers to drop the dead replica and sync its replacement")
+    print(f"routers synced {time.monotonic() - start:.2f}s after the replacement answered")
+    with httpx.Client(timeout=60) as c:
+        for i in range(8):
+            _post(c, url, _prompt(7, 32, i))

@@ -66,3 +66,43 @@ async def test_a_prompt_hashed_at_the_ingress_is_not_hashed_again_by_the_engine(
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 20
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     await rep.engine.shutdown()
+
+
+def test_serve_access_log_lines_of_kv_feed_pulls_are_dropped():
+    """Serve's replica logs one access record per call on "ray.serve" with `serve_access_log` and the
+    call's `request_id` (ray/serve/_private/replica.py): the feed's are dropped, everything else kept."""
+    import logging
+
+    from app.replica import DropKVFeedAccessLogs, drop_kv_feed_access_logs
+    from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    serve_logger, keep = logging.getLogger("ray.serve"), Keep()
+    saved = (serve_logger.level, list(serve_logger.filters))
+    serve_logger.addHandler(keep)
+    serve_logger.setLevel(logging.INFO)
+    try:
+        drop_kv_feed_access_logs()
+        drop_kv_feed_access_logs()
+        assert sum(isinstance(f, DropKVFeedAccessLogs) for f in serve_logger.filters) == 1
+        access = {"serve_access_log": True, "skip_context_filter": True}
+        serve_logger.info("CALL kv_events_since OK 0.4ms",
+                          extra={**access, "request_id": f"{KV_FEED_REQUEST_ID_PREFIX}kv_events_since"})
+        serve_logger.info("CALL kv_snapshot OK 2ms", extra={**access, "request_id": "kv-feed-kv_snapshot"})
+        serve_logger.info("CALL generate OK 80ms", extra={**access, "request_id": "3f2a"})
+        serve_logger.info("POST /v1/completions 200 90ms", extra={**access, "request_id": "kv-feed-not-access"}
+                          | {"serve_access_log": False})
+        serve_logger.warning("replica kv-feed-x is slow", extra={"request_id": "kv-feed-kv_snapshot"})
+        assert keep.messages == ["CALL generate OK 80ms", "POST /v1/completions 200 90ms",
+                                 "replica kv-feed-x is slow"]
+    finally:
+        serve_logger.removeHandler(keep)
+        serve_logger.setLevel(saved[0])
+        serve_logger.filters[:] = saved[1]

@@ -145,6 +145,9 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
     state = router.state(5)
     assert state["decisions"][-1]["chosen"] == "b" and state["decisions"][-1]["reason"] == "affinity"
     assert state["replicas"]["b"]["num_held_blocks"] == 4 and state["node_id"] == "node-1"
+    from app.routing import debug
+    left = debug.take_decision("r1")                            # left for the ingress that sent r1
+    assert left is not None and left.chosen == "b" and debug.take_decision("r1") is None
 
 
 async def test_router_never_raises_and_routes_other_calls_load_only():
@@ -154,6 +157,9 @@ async def test_router_never_raises_and_routes_other_calls_load_only():
     router.inject_errors(1)
     ranks = await router.choose_replicas(reps, _pending("r1", H[:2]))
     assert router.num_shell_errors == 1 and sorted(len(r) for r in ranks) == [1, 2]
+    from app.routing import debug
+    fallback = debug.take_decision("r1")                        # the ingress's span still says why
+    assert fallback.reason.value == "fallback" and fallback.chosen == ranks[0][0].replica_id.unique_id
     router.core = None                                          # any failure inside the shell
     assert sum(len(r) for r in await router.choose_replicas(reps, _pending("r2", H[:2]))) == 3
     assert router.num_shell_errors == 2
