@@ -1,0 +1,483 @@
+"""Routing on a real local cluster: the demo model on N Serve replicas (127.0.0.1 only), one trace replayed
+over HTTP under each routing policy in turn, in one run.
+
+Per policy the app is deployed fresh (new engines: empty prefix caches, counters from zero, a new router),
+warmed up with a few requests that share nothing with the trace, driven with the same seeded trace at a
+bounded concurrency (streaming completions), measured, and deleted. Token hit rate comes from the engines'
+own counters (each replica's `ReplicaStats.prefix_cache_hits / prefix_cache_queries`, deltas over the
+trace); TTFT is the time to the first chunk carrying text; throughput is output tokens per second of wall
+time. `power_of_two` (Serve's default behaviour) and `round_robin` are the baselines.
+
+The trace: `--tenants` system prompts (token ids, about `--system-tokens` each) with Zipf popularity, each
+request one of them plus a short question, `--max-tokens` lo..hi output tokens (ignore_eos). The KV pool
+(`--num-blocks` per replica) holds about half of all system prompts: a replica that sees every tenant
+thrashes, one that sees half of them keeps its tenants cached.
+
+    python benchmarks/routing/real.py --json real.json --png real.png
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest  # noqa: E402
+
+POLICIES = ("prefix_affinity", "power_of_two", "round_robin")
+APP_NAME = "routing-bench"
+ROUTE = "/bench"
+NUM_WARMUP_REQUESTS = 6
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSpec:
+    replicas: int = 2
+    num_threads: int = 1
+    num_blocks: int = 96                 # per replica, incl. the null block
+    block_size: int = 16
+    tenants: int = 8
+    system_tokens: int = 240             # median; each tenant's is within ±20%
+    question_tokens: tuple[int, int] = (8, 32)
+    max_tokens: tuple[int, int] = (8, 16)
+    zipf_alpha: float = 0.8
+    requests: int = 400
+    concurrency: int = 8
+    seed: int = 0
+    time_limit_s: float = 240.0          # the whole run, start-up included
+    request_timeout_s: float = 60.0
+    policies: tuple[str, ...] = POLICIES
+    affinity: tuple[tuple[str, Any], ...] = ()      # routing.affinity knobs to override (name, JSON value)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    req_id: str
+    ok: bool
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    replica_id: str = ""
+    error: str = ""
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    num_sent: int
+    num_completed: int
+    num_failed: int
+    wall_s: float
+    token_hit_rate: float                # engines' counters: hits / queries over the trace
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    usage_hit_rate: float                # the responses' usage.cached_tokens / prompt tokens (cross-check)
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    requests_per_replica: dict[str, int]
+    ttfts_ms: list[float] = field(repr=False)
+    errors: list[str] = field(default_factory=list)
+    router: dict[str, Any] = field(default_factory=dict)    # the ingress router's counters after the trace
+
+
+# ================================================================== trace
+def build_trace(spec: BenchSpec, vocab_size: int) -> list[TraceRequest]:
+    """Seeded tenant trace: Zipf-popular system prompts + short questions; closed loop, so no arrival times."""
+    rng = np.random.default_rng(spec.seed)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
+
+    systems = [tokens(int(spec.system_tokens * rng.uniform(0.8, 1.2))) for _ in range(spec.tenants)]
+    weights = 1.0 / np.arange(1, spec.tenants + 1) ** spec.zipf_alpha
+    picks = rng.choice(spec.tenants, size=spec.requests, p=weights / weights.sum())
+    out = []
+    for i, k in enumerate(picks):
+        question = tokens(int(rng.integers(spec.question_tokens[0], spec.question_tokens[1] + 1)))
+        output = [0] * int(rng.integers(spec.max_tokens[0], spec.max_tokens[1] + 1))   # only its length is used
+        out.append(TraceRequest(f"R{i:05d}", 0.0, "A", f"tenant{k}", systems[k] + question, output))
+    return out
+
+
+def hit_rate_bound(trace: list[TraceRequest], block_size: int) -> float:
+    """Token hit rate of one shared, unbounded cache over the trace in order: every full block seen before
+    is a hit (the upper bound for any router; cold misses and each prompt's unique tail still miss)."""
+    seen: set[int] = set()
+    hits = total = 0
+    for r in trace:
+        ids, chain, hitting = r.prompt_token_ids, 0, True
+        for end in range(block_size, len(ids) + 1, block_size):
+            chain = hash((chain, tuple(ids[end - block_size:end])))
+            hitting = hitting and chain in seen
+            hits += block_size if hitting else 0
+            seen.add(chain)
+        total += len(ids)
+    return hits / total if total else 0.0
+
+
+def warmup_trace(spec: BenchSpec, vocab_size: int) -> list[TraceRequest]:
+    """Requests sharing nothing with the trace (another seed): they warm the replicas' kernels only."""
+    rng = np.random.default_rng(spec.seed + 10_000)
+    return [TraceRequest(f"W{i}", 0.0, "D", "", rng.integers(FIRST_TOKEN_ID, vocab_size, 64).tolist(), [0] * 4)
+            for i in range(NUM_WARMUP_REQUESTS)]
+
+
+# ================================================================== cluster
+def start_cluster(spec: BenchSpec) -> str:
+    """Ray + Serve on 127.0.0.1 (a free port); returns the HTTP base URL."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=spec.replicas + 2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING", log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    return f"http://127.0.0.1:{port}{ROUTE}"
+
+
+def stop_cluster() -> None:
+    import ray
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+
+
+def app_config(spec: BenchSpec, policy: str, model: str) -> dict[str, Any]:
+    return {"engine": {"model": model, "num_threads": spec.num_threads,
+                       "cache": {"num_blocks": spec.num_blocks, "block_size": spec.block_size}},
+            "serve": {"num_replicas": spec.replicas, "replica_num_cpus": 1.0, "model_name": "demo",
+                      "max_queued_requests": -1, "first_token_timeout_s": spec.request_timeout_s},
+            "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "affinity": dict(spec.affinity)},
+            "observability": {"traces": "none", "log_level": "WARNING"}}
+
+
+def deploy(spec: BenchSpec, policy: str, model: str) -> None:
+    from ray import serve
+
+    from app.builder import build_app
+    serve.run(build_app(app_config(spec, policy, model)), name=APP_NAME, route_prefix=ROUTE)
+    _wait_running("LLMReplica", spec.replicas)
+
+
+def undeploy() -> None:
+    from ray import serve
+    serve.delete(APP_NAME)
+
+
+def _wait_running(deployment: str, n: int, timeout_s: float = 120) -> None:
+    from ray import serve
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = serve.status().applications.get(APP_NAME)
+        dep = st.deployments.get(deployment) if st is not None else None
+        if dep is not None and dep.replica_states.get("RUNNING", 0) == n and len(dep.replica_states) == 1:
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{APP_NAME}/{deployment} did not reach {n} running replicas")
+
+
+def replica_counters(num_replicas: int, max_calls: int = 100) -> dict[str, tuple[int, int]]:
+    """Replica id -> (prefix_cache_queries, prefix_cache_hits), from each replica's own `debug_state`.
+
+    A handle call lands on one replica (load-only ranking for calls without a prompt), so call until every
+    replica answered; the trace is idle by then, so the counters do not move between calls.
+    """
+    from ray import serve
+    h = serve.get_deployment_handle("LLMReplica", APP_NAME)
+    seen: dict[str, tuple[int, int]] = {}
+    for _ in range(max_calls):
+        st = h.debug_state.remote().result(timeout_s=30)
+        seen[st["replica_id"]] = (st["stats"]["prefix_cache_queries"], st["stats"]["prefix_cache_hits"])
+        if len(seen) == num_replicas:
+            return seen
+    raise RuntimeError(f"only {len(seen)} of {num_replicas} replicas answered debug_state in {max_calls} calls")
+
+
+def router_counters() -> dict[str, Any]:
+    """The (one) ingress replica's router counters: decisions by reason, index accuracy, feed counters."""
+    from ray import serve
+    state = serve.get_app_handle(APP_NAME).routing_decisions.remote(0).result(timeout_s=30)
+    return {k: v for k, v in (state["routers"] or [{}])[0].items() if k in ("policy", "counters", "feed")}
+
+
+# ================================================================== HTTP driver
+async def _one_request(client: Any, url: str, r: TraceRequest, timeout_s: float) -> RequestResult:
+    body = {"model": "demo", "prompt": r.prompt_token_ids, "max_tokens": len(r.output_token_ids),
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = RequestResult(r.req_id, ok=False, num_prompt_tokens=len(r.prompt_token_ids))
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                _read_chunk(json.loads(line[6:]), res, time.perf_counter() - start)
+        res.e2e_s = time.perf_counter() - start
+        res.ok = res.ttft_s is not None and res.num_output_tokens == len(r.output_token_ids)
+        if not res.ok:
+            res.error = f"incomplete: {res.num_output_tokens} of {len(r.output_token_ids)} tokens"
+    except Exception as e:          # a failed request is a result, not a crash
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _read_chunk(chunk: dict, res: RequestResult, elapsed_s: float) -> None:
+    if "error" in chunk:
+        res.error = json.dumps(chunk["error"])[:200]
+    if chunk.get("system_fingerprint"):
+        res.replica_id = chunk["system_fingerprint"].removeprefix("replica:")
+    if res.ttft_s is None and any(c.get("text") for c in chunk.get("choices") or []):
+        res.ttft_s = elapsed_s
+    usage = chunk.get("usage")
+    if usage:
+        res.num_output_tokens = usage["completion_tokens"]
+        res.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+async def drive(url: str, trace: list[TraceRequest], concurrency: int, deadline: float, timeout_s: float,
+                label: str) -> tuple[list[RequestResult], float]:
+    """Replay `trace` in order with `concurrency` requests in flight; stop sending at `deadline` (monotonic).
+    Returns the results of the requests sent, and the wall time."""
+    import httpx
+    results: list[RequestResult] = []
+    next_idx = 0
+    start = time.monotonic()
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal next_idx
+        while next_idx < len(trace) and time.monotonic() < deadline:
+            r = trace[next_idx]
+            next_idx += 1
+            results.append(await _one_request(client, url, r, min(timeout_s, max(1.0, deadline - time.monotonic()))))
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            failed = sum(not r.ok for r in results)
+            print(f"  [{label}] {len(results)}/{len(trace)} done, {failed} failed, "
+                  f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
+        ticker = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        finally:
+            ticker.cancel()
+    return results, time.monotonic() - start
+
+
+# ================================================================== one policy
+def run_policy(spec: BenchSpec, policy: str, model: str, url: str, trace: list[TraceRequest],
+               warmup: list[TraceRequest], deadline: float) -> PolicyResult:
+    t0 = time.monotonic()
+    deploy(spec, policy, model)
+    print(f"[{policy}] deployed {spec.replicas} replicas in {time.monotonic() - t0:.1f} s", file=sys.stderr,
+          flush=True)
+    try:
+        asyncio.run(drive(url, warmup, len(warmup), deadline, spec.request_timeout_s, f"{policy} warmup"))
+        before = replica_counters(spec.replicas)
+        results, wall = asyncio.run(drive(url, trace, spec.concurrency, deadline, spec.request_timeout_s, policy))
+        after = replica_counters(spec.replicas)
+        router = router_counters()
+    finally:
+        undeploy()
+    out = summarize(policy, results, wall, before, after)
+    out.router = router
+    print(f"[{policy}] {out.num_completed} ok, {out.num_failed} failed in {wall:.1f} s; hit rate "
+          f"{out.token_hit_rate:.3f}, TTFT p50 {out.ttft_p50_ms:.0f} ms p99 {out.ttft_p99_ms:.0f} ms",
+          file=sys.stderr, flush=True)
+    if out.router.get("counters"):
+        c = out.router["counters"]
+        print(f"[{policy}] router: {c['by_reason']}, index accuracy {c['index_accuracy']:.2f}, prefill "
+              f"{c['prefill_tokens_per_s']:.0f} tok/s (calibrated)", file=sys.stderr, flush=True)
+    for e in out.errors:
+        print(f"[{policy}] failure: {e}", file=sys.stderr, flush=True)
+    return out
+
+
+def summarize(policy: str, results: list[RequestResult], wall_s: float, before: dict[str, tuple[int, int]],
+              after: dict[str, tuple[int, int]]) -> PolicyResult:
+    ok = [r for r in results if r.ok]
+    queries = sum(q - before.get(rid, (0, 0))[0] for rid, (q, _) in after.items())
+    hits = sum(h - before.get(rid, (0, 0))[1] for rid, (_, h) in after.items())
+    ttfts = sorted(r.ttft_s * 1e3 for r in ok)
+    prompt_tokens = sum(r.num_prompt_tokens for r in ok)
+    per_replica: dict[str, int] = {}
+    for r in ok:
+        per_replica[r.replica_id] = per_replica.get(r.replica_id, 0) + 1
+
+    def pct(xs: list[float], p: float) -> float:
+        return float(np.percentile(xs, p)) if xs else float("nan")
+
+    return PolicyResult(
+        policy=policy, num_sent=len(results), num_completed=len(ok), num_failed=len(results) - len(ok),
+        wall_s=wall_s, token_hit_rate=hits / queries if queries else 0.0, prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        usage_hit_rate=sum(r.num_cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+        ttft_p50_ms=pct(ttfts, 50), ttft_p99_ms=pct(ttfts, 99), e2e_p50_ms=pct([r.e2e_s * 1e3 for r in ok], 50),
+        output_tokens_per_s=sum(r.num_output_tokens for r in ok) / wall_s, requests_per_s=len(ok) / wall_s,
+        requests_per_replica=dict(sorted(per_replica.items())), ttfts_ms=ttfts,
+        errors=sorted({r.error for r in results if not r.ok})[:5])
+
+
+# ================================================================== report
+def table(results: list[PolicyResult]) -> str:
+    head = ("| policy | ok / sent | failed | token hit rate | TTFT p50 ms | TTFT p99 ms | output tok/s | "
+            "requests per replica |\n|---|---:|---:|---:|---:|---:|---:|---|")
+    rows = [f"| {r.policy} | {r.num_completed} / {r.num_sent} | {r.num_failed} | {r.token_hit_rate:.3f} | "
+            f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.output_tokens_per_s:.0f} | "
+            f"{' / '.join(str(n) for n in r.requests_per_replica.values())} |" for r in results]
+    return "\n".join([head, *rows])
+
+
+def ratios(results: list[PolicyResult], ours: str = "prefix_affinity") -> dict[str, dict[str, float]]:
+    """Ours over each baseline: hit rate and throughput (higher is better), TTFT (lower is better)."""
+    by = {r.policy: r for r in results}
+    if ours not in by:
+        return {}
+    o = by[ours]
+
+    def div(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    return {p: {"token_hit_rate": div(o.token_hit_rate, b.token_hit_rate),
+                "ttft_p50": div(o.ttft_p50_ms, b.ttft_p50_ms), "ttft_p99": div(o.ttft_p99_ms, b.ttft_p99_ms),
+                "output_tokens_per_s": div(o.output_tokens_per_s, b.output_tokens_per_s)}
+            for p, b in by.items() if p != ours}
+
+
+def ratio_lines(rs: dict[str, dict[str, float]]) -> str:
+    return "\n".join(f"prefix_affinity vs {p}: hit rate {r['token_hit_rate']:.2f}x, TTFT p50 {r['ttft_p50']:.2f}x, "
+                     f"p99 {r['ttft_p99']:.2f}x, throughput {r['output_tokens_per_s']:.2f}x (TTFT < 1 is better)"
+                     for p, r in rs.items())
+
+
+def plot(results: list[PolicyResult], bound: float, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no PNG", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for r in results:
+        if r.ttfts_ms:
+            ax1.plot(r.ttfts_ms, np.arange(1, len(r.ttfts_ms) + 1) / len(r.ttfts_ms), label=r.policy)
+    ax1.set(xscale="log", xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    bars = ax2.bar([r.policy for r in results], [r.token_hit_rate for r in results],
+                   color=[f"C{i}" for i in range(len(results))])
+    ax2.bar_label(bars, fmt="%.3f")
+    ax2.axhline(bound, color="gray", linestyle="--", linewidth=1, label=f"bound {bound:.3f}")
+    ax2.legend(loc="lower right")
+    ax2.set(ylim=(0, 1), ylabel="token hit rate (engine counters)", title="Prefix cache hit rate")
+    ax2.tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ================================================================== main
+def run(spec: BenchSpec) -> tuple[list[PolicyResult], float]:
+    """Every policy in turn on one cluster; returns their results and the trace's hit rate bound."""
+    from engine import ensure_demo_model
+    start = time.monotonic()
+    deadline = start + spec.time_limit_s
+    model = str(ensure_demo_model())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    trace, warmup = build_trace(spec, vocab), warmup_trace(spec, vocab)
+    bound = hit_rate_bound(trace, spec.block_size)
+    prefix_blocks = spec.tenants * spec.system_tokens // spec.block_size
+    print(f"trace: {len(trace)} requests, {spec.tenants} tenants x ~{spec.system_tokens} tokens "
+          f"(~{prefix_blocks} blocks of prefixes) on {spec.replicas} replicas x {spec.num_blocks - 1} KV blocks; "
+          f"concurrency {spec.concurrency}; hit rate bound (one unbounded cache) "
+          f"{bound:.3f}", file=sys.stderr, flush=True)
+    url = start_cluster(spec)
+    results = []
+    try:
+        for i, policy in enumerate(spec.policies):
+            # each remaining policy gets an equal share of the time left, so a slow one cannot starve the rest
+            share = (deadline - time.monotonic()) / (len(spec.policies) - i)
+            results.append(run_policy(spec, policy, model, url, trace, warmup, time.monotonic() + share))
+    finally:
+        stop_cluster()
+    print(f"total {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return results, bound
+
+
+def _hard_stop(signum: int, frame: Any) -> None:
+    raise TimeoutError("hard time limit reached")
+
+
+def main() -> None:
+    d = BenchSpec()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads per replica")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per replica")
+    p.add_argument("--tenants", type=int, default=d.tenants)
+    p.add_argument("--system-tokens", type=int, default=d.system_tokens)
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--time-limit-s", type=float, default=d.time_limit_s, help="hard limit for the whole run")
+    p.add_argument("--policies", default=",".join(d.policies))
+    p.add_argument("--affinity", action="append", default=[], metavar="KNOB=VALUE",
+                   help="override a routing.affinity knob (repeatable), e.g. release_slack_abs_s=0.02")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--png", help="write the figure (TTFT CDF, hit rate) here")
+    a = p.parse_args()
+    spec = BenchSpec(replicas=a.replicas, num_threads=a.num_threads, num_blocks=a.num_blocks, tenants=a.tenants,
+                     system_tokens=a.system_tokens, requests=a.requests, concurrency=a.concurrency, seed=a.seed,
+                     time_limit_s=a.time_limit_s, policies=tuple(a.policies.split(",")),
+                     affinity=tuple((k, json.loads(v)) for k, v in (kv.split("=", 1) for kv in a.affinity)))
+    # the hard stop: a hung deploy or shutdown must not outlive the limit by more than a minute
+    signal.signal(signal.SIGALRM, _hard_stop)
+    signal.alarm(int(spec.time_limit_s) + 60)
+    results, bound = run(spec)
+    signal.alarm(0)
+    print(table(results))
+    print(f"token hit rate bound (one shared unbounded cache): {bound:.3f}")
+    rs = ratios(results)
+    print(ratio_lines(rs))
+    if a.json:
+        doc = {"spec": asdict(spec), "hit_rate_bound": bound, "ratios_vs_baselines": rs,
+               "results": [{k: v for k, v in asdict(r).items() if k != "ttfts_ms"} for r in results]}
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    if a.png:
+        plot(results, bound, a.png)
+    if any(r.num_failed for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
