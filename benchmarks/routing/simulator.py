@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -347,6 +348,30 @@ def _run_one(args, spec, say, out_stem: Path | None) -> dict:
     return doc
 
 
+def _stem(out: Path, n: int, rho: float, load: float, hot: bool) -> Path:
+    return out / (f"n{n}_hot_l{load}" if hot else f"n{n}_p{rho}_l{load}")
+
+
+def _run_suite(a: argparse.Namespace, say) -> None:
+    """Run the headline configurations (or those --only names) one at a time, each to its own JSON and PNG,
+    then summarize every configuration whose JSON is in the output folder."""
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    only = {int(k) for k in a.only.split(",")} if a.only else None
+    for k, (n, rho, load, hot, rpr) in enumerate(HEADLINE, 1):
+        if only is not None and k not in only:
+            continue
+        say(f"[{k}/{len(HEADLINE)}] {n} replicas, pressure {rho}, load {load}{', hot prefix' if hot else ''}")
+        a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
+        _run_one(a, spec_from_args(a), say, _stem(out, n, rho, load, hot))
+    docs = [json.loads(p.read_text()) for p in (Path(f"{_stem(out, *c[:4])}.json") for c in HEADLINE) if p.exists()]
+    for d in docs:
+        d["targets"] = report.check_targets(d)      # as this version of the targets reads them
+    report.write_json({"runs": docs}, out / "summary.json")
+    (out / "summary.md").write_text(report.summary_markdown(docs))
+    print(report.headline_markdown(docs) + "\n\n" + report.targets_markdown(docs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_args(p)
@@ -359,23 +384,18 @@ def main() -> None:
     p.add_argument("--png", help="write the TTFT CDF and hit-rate figure here")
     p.add_argument("--suite", choices=["headline"], help="run the headline configurations one at a time")
     p.add_argument("--out-dir", default="benchmarks/routing/results", help="with --suite: JSON, PNG and a summary here")
+    p.add_argument("--only", help="with --suite: run only these configurations (1-based, comma-separated)")
     a = p.parse_args()
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if ours_available():
+        import benchmarks.routing.ours  # noqa: F401  (load the core now: every run uses this version)
+    say(f"source: {report.source_version()}")
+
     if a.suite:
-        out = Path(a.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        docs = []
-        for k, (n, rho, load, hot, rpr) in enumerate(HEADLINE):
-            say(f"[{k + 1}/{len(HEADLINE)}] {n} replicas, pressure {rho}, load {load}{', hot prefix' if hot else ''}")
-            a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
-            stem = out / (f"n{n}_hot_l{load}" if hot else f"n{n}_p{rho}_l{load}")
-            docs.append(_run_one(a, spec_from_args(a), say, stem))
-            report.write_json({"runs": docs}, out / "summary.json")
-        (out / "summary.md").write_text(report.summary_markdown(docs))
-        print(report.summary_markdown(docs))
+        _run_suite(a, say)
         return
     doc = _run_one(a, spec_from_args(a), say, None)
     if a.json:
