@@ -192,12 +192,18 @@ class RayPrefixAffinity(_Base):
     async def _update_replicas(self) -> None:
         self.router.update_replicas(self.replicas)
 
+    async def _choose(self, prompt, md):
+        # PendingRequest makes an asyncio.Future on construction: build it on the router's loop (outside a
+        # running loop there may be no current one, e.g. after pytest-asyncio tests closed theirs).
+        pr = self._PendingRequest(args=[prompt], kwargs={}, metadata=md)
+        ranks = await self.router.choose_replicas(candidate_replicas=list(self.router.curr_replicas.values()),
+                                                  pending_request=pr)
+        return pr, ranks
+
     def route(self, req: SimRequest, now: float) -> int:
         self.now = now
         md = self._RequestMetadata(request_id=req.req_id, internal_request_id=req.req_id)
-        pr = self._PendingRequest(args=[_Prompt(self.text.render(req.prompt_token_ids))], kwargs={}, metadata=md)
-        ranks = self.loop.run_until_complete(self.router.choose_replicas(
-            candidate_replicas=list(self.router.curr_replicas.values()), pending_request=pr))
+        pr, ranks = self.loop.run_until_complete(self._choose(_Prompt(self.text.render(req.prompt_token_ids)), md))
         q = self.cluster.ongoing
         low = min(q[r.index] for r in ranks[0])
         chosen = self.rng.choice([r for r in ranks[0] if q[r.index] == low])
