@@ -1,5 +1,3 @@
-import gc
-
 import pytest
 
 from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
@@ -419,18 +417,34 @@ def test_stats_report_the_recent_prefix_cache_hit_rate():
     assert (st.prefix_cache_queries_total, st.prefix_cache_hits_total) == (14 + 15, 12)
 
 
-def test_steady_decode_leaves_no_gc_tracked_objects_behind():
-    """Long-lived container objects made every step feed full collections (scheduler_step.py's p99)."""
-    s = make_scheduler(num_blocks=256, max_model_len=256)
-    for i in range(16):
-        s.add_request(make_request(f"r{i}", 10, max_tokens=200))
-    for _ in range(5):
-        step(s)
+_STEADY_DECODE_GC_PROBE = """
+import gc
+from tests.unit.engine.helpers import make_request, make_scheduler, step
+s = make_scheduler(num_blocks=256, max_model_len=256)
+for i in range(16):
+    s.add_request(make_request(f"r{i}", 10, max_tokens=200))
+for _ in range(5):
+    step(s)
+s.kv.take_events()
+gc.collect()
+before = len(gc.get_objects())
+for _ in range(40):                 # 16 requests x 10 blocks completed and cached
+    step(s)
     s.kv.take_events()
-    gc.collect()
-    before = len(gc.get_objects())
-    for _ in range(40):                 # 16 requests x 10 blocks completed and cached
-        step(s)
-        s.kv.take_events()
-    gc.collect()
-    assert len(gc.get_objects()) - before < 16
+gc.collect()
+print(len(gc.get_objects()) - before)
+"""
+
+
+def test_steady_decode_leaves_no_gc_tracked_objects_behind():
+    """Long-lived container objects made every step feed full collections (scheduler_step.py's p99).
+
+    Counted in a fresh interpreter: gc.get_objects() is process-wide, and in the full suite background
+    threads (Ray's router loops from the integration tests) allocate while this runs."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _STEADY_DECODE_GC_PROBE], capture_output=True, text=True,
+                         cwd=root, check=True)
+    assert int(out.stdout.strip()) < 16
