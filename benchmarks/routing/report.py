@@ -169,8 +169,8 @@ def plot_doc(doc: dict, path: Path) -> None:
     ax2.set_xlabel("token hit rate")
     ax2.set_xlim(0, 1.15)
     ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    fig.suptitle(header(doc).replace("\n", "; "), fontsize=8)
-    fig.tight_layout()
+    fig.suptitle(header(doc), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -216,5 +216,8 @@ def targets_markdown(docs: list[dict]) -> str:
 
 
 def summary_markdown(docs: list[dict]) -> str:
-    """The headline rows, the targets, then every configuration's full table."""
-    return "\n\n".join([headline_markdown(docs), targets_markdown(docs)] + [table_doc(d) for d in docs]) + "\n"
+    """Where the numbers came from, the headline rows, the targets, then every configuration's full table."""
+    sources = sorted({json.dumps(d.get("source", {}), sort_keys=True) for d in docs})
+    head = "source: " + "; ".join(sources)
+    return "\n\n".join([head, headline_markdown(docs), targets_markdown(docs)]
+                         + [table_doc(d) for d in docs]) + "\n"
