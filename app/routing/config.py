@@ -33,6 +33,8 @@ class AffinityConfig(BaseModel):
     hot_window_s: float = Field(10.0, gt=0, description="sliding window for per-group demand")
     hot_target_utilization: float = Field(0.6, gt=0, le=1, description="share of one replica a group may use "
                                           "before it is spread over more replicas")
+    hot_share_min_requests: int = Field(4, ge=1, description="a group with this many requests per candidate in "
+                                        "the window is spread over at least share x N replicas")
     decode_token_weight: float = Field(2.0, ge=0, description="prefill-token equivalents per output token in "
                                        "a group's demand")
     # -- new groups and ties

@@ -8,7 +8,8 @@ The rule (README "Routing core API" writes it out with the defaults):
      (occupancies within new_group_room_tolerance count as equal). Room only breaks load ties, so a burst of
      new groups cannot herd onto the emptiest replica: its own pending load soon takes it out of the tie.
   3. The prompt's prefix group (its first K block hashes) is hot, i.e. its demand over the window needs
-     k > 1 replicas' capacity: while fewer than k candidates hold the group, the least loaded of all (TTFT
+     k > 1 replicas' capacity; a group with at least hot_share_min_requests x N requests in the window
+     is also spread over at least ceil(its share of all grouped demand x N) replicas: while fewer than k candidates hold the group, the least loaded of all (TTFT
      as if each held what the best holder holds, so new holders join), else the best TTFT among the
      holders: HOT_REPLICA, released as in 4.
   4. Otherwise the affinity replica A (most predicted cached tokens, ties by TTFT) is kept while
@@ -45,6 +46,8 @@ class HotGroups:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._sums: dict[BlockHash, float] = {}
+        self._total = 0.0                       # every group's demand in the window
+        self._counts: dict[BlockHash, int] = {}  # requests per group in the window
         self._events: deque[tuple[float, BlockHash, float]] = deque()
         self._first_time: float | None = None
 
@@ -52,6 +55,12 @@ class HotGroups:
         events, cutoff = self._events, now - self.window_s
         while events and events[0][0] <= cutoff:
             _, key, work = events.popleft()
+            self._total = max(0.0, self._total - work)
+            n = self._counts.get(key, 0) - 1
+            if n > 0:
+                self._counts[key] = n
+            else:
+                self._counts.pop(key, None)
             left = self._sums[key] - work
             if left <= 1e-9:
                 del self._sums[key]
@@ -62,6 +71,8 @@ class HotGroups:
         if self._first_time is None:
             self._first_time = now
         self._sums[key] = self._sums.get(key, 0.0) + work_tokens
+        self._total += work_tokens
+        self._counts[key] = self._counts.get(key, 0) + 1
         self._events.append((now, key, work_tokens))
 
     def demand_tokens_per_s(self, key: BlockHash, now: float) -> float:
@@ -70,6 +81,13 @@ class HotGroups:
         if not total or self._first_time is None:
             return 0.0
         return total / max(1.0, min(self.window_s, now - self._first_time))
+
+    def num_requests(self, key: BlockHash) -> int:
+        return self._counts.get(key, 0)
+
+    def share(self, key: BlockHash) -> float:
+        """The group's fraction of all grouped demand in the window (0-1)."""
+        return self._sums.get(key, 0.0) / self._total if self._total > 0 else 0.0
 
     def __len__(self) -> int:
         return len(self._sums)
@@ -129,6 +147,11 @@ class AffinityPolicy:
             return 1
         capacity = self.model.prefill_tokens_per_s * self.config.hot_target_utilization
         k = math.ceil(self.groups.demand_tokens_per_s(key, now) / capacity)
+        if k > 1 or self.groups.num_requests(key) >= self.config.hot_share_min_requests * num_cands:
+            # A busy group also needs at least share x N replicas, or its holders carry more than the mean
+            # load however fast their prefill is (a 90% prefix kept on 2 of 8 replicas put 4.5x the mean
+            # load on each: TTFT barely notices decode load, end-to-end latency does).
+            k = max(k, math.ceil(self.groups.share(key) * num_cands - 1e-9))
         return max(1, min(num_cands, k))
 
     def _pick_released(self, pool: list[int], ttft: list[float], cands: list[ReplicaLoad],

@@ -205,6 +205,25 @@ def test_a_hot_prefix_is_spread_over_k_replicas_sized_by_its_demand():
     assert set(counts) == {"a", "b", "c"} and min(counts.values()) >= 8
 
 
+def test_a_busy_group_spreads_by_its_share_even_when_prefill_is_cheap():
+    """Demand counted in prefill-token equivalents can stay under one replica's (fast) prefill rate while the
+    group is most of the traffic: it must still spread over about share x N replicas, or its holder carries
+    N x the mean decode load. Here: one group is 9 of every 10 requests over 3 replicas -> all 3."""
+    core, clock = make(hot_target_utilization=1.0, hot_window_s=1000.0)   # ~1k tok/s: under one replica
+    hold(core, "a", PREFIX)
+    late = []
+    for i in range(120):
+        clock.t += 0.1
+        if i % 10 == 9:
+            d = core.route(req(f"o{i}", prefix=chain(f"other{i}", 4)), ["a", "b", "c"])
+        else:
+            d = core.route(req(f"h{i}"), ["a", "b", "c"])
+            late.append(d) if i >= 60 else None
+        done(core, d.request_id)
+    assert {d.num_hot_replicas for d in late} == {3}
+    assert set(Counter(d.chosen for d in late)) == {"a", "b", "c"}
+
+
 def test_a_cold_prefix_stays_on_one_replica():
     core, clock = make(hot_target_utilization=0.5, decode_token_weight=2.0)
     hold(core, "a", PREFIX)
