@@ -19,7 +19,7 @@ replica's match length is recorded when its bit drops out. Each replica also kee
 Memory bound: at most `max_blocks` hashes, least recently touched evicted first (down to 99% of the
 bound, in one pass); a lookup or store touches a chain's tail first so its head, which every longer prompt
 needs, is evicted last. Measured with tracemalloc (tests/unit/routing/test_prefix_index.py::
-test_memory_per_entry; 20k-300k hashes): 125-170 bytes per hash held by one replica, counting the 65-byte
+test_memory_per_entry, in a fresh interpreter; 20k-300k hashes): 125-170 bytes per hash held by one replica, counting the 65-byte
 hash object itself, plus 40-70 bytes per further replica holding it (its entry in that replica's dict).
 The default 500,000 hashes thus cost at most about 90 MB with one holder each, plus up to 35 MB per extra
 copy; size `max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
