@@ -6,6 +6,7 @@ exceptions and leaves logging them to its caller.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from app.routing import debug as routing_debug
 from engine import EngineLimits
 from observability.metrics import ServingMetrics
 from observability.requests import RequestObserver, RequestSpan
+
+logger = logging.getLogger("affinity.serving")
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -171,7 +174,7 @@ class OpenAIServing:
             for router in routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name):
                 router.call_soon(router.on_first_token, engine_req_id, num_cached_tokens)
         except Exception:      # no router here (a test double for the handle), or it is gone: routing only
-            pass
+            logger.debug("no router to report the first token of %s to", engine_req_id, exc_info=True)
 
     @staticmethod
     def _take_decision(run: RequestRun, engine_req_id: str, c: ReplicaChunk) -> None:

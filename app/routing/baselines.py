@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from app.routing.config import AffinityConfig
 from app.routing.load import LoadTracker
 
 
-class _LoadOnlyCore:
+class _LoadOnlyCore(ABC):
     """Shared bookkeeping: stats and in-flight load (so power_of_two sees its own sends), decision records.
     KV events and snapshots are accepted and ignored."""
 
@@ -43,7 +44,7 @@ class _LoadOnlyCore:
         return []
 
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
-        pass
+        """Load-only policies keep no KV index: snapshots (and events) are accepted and ignored."""
 
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
         start = time.perf_counter()
@@ -72,8 +73,9 @@ class _LoadOnlyCore:
             self._decisions.append(decision)
         return decision
 
+    @abstractmethod
     def _rank(self, ids: list[str]) -> list[str]:
-        raise NotImplementedError
+        """The candidates, best first (each baseline's whole policy)."""
 
     def _load_key(self, replica_id: str) -> tuple[int, int]:
         load = self.loads.get(replica_id)

@@ -38,8 +38,8 @@ def source_version() -> dict:
         out["uncommitted_changes"] = bool(subprocess.run(
             ["git", "status", "--porcelain", "--", "app/routing", "engine"], cwd=root, capture_output=True,
             text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
+    except (OSError, subprocess.SubprocessError):   # not a git checkout: results just carry no version
+        out.setdefault("commit", None)
     return out
 
 

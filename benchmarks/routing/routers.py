@@ -73,17 +73,18 @@ class _Base:
         self.n = len(cluster.ongoing)
         self.rng = random.Random(seed)
 
+    # Feedback hooks: the baseline routers (round-robin, power-of-two, oracles) use none of them.
     def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
-        pass
+        """Ignored by default."""
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None:
-        pass
+        """Ignored by default."""
 
     def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
-        pass
+        """Ignored by default."""
 
     def on_stats(self, replica: int, feed: SimReplica, now: float) -> None:
-        pass
+        """Ignored by default."""
 
     def least_loaded(self) -> int:
         q = self.cluster.ongoing
