@@ -49,6 +49,8 @@ class ServeSection(_Strict):
     health_check_timeout_s: float = Field(10.0, gt=0)
     wedge_timeout_s: float = Field(30.0, gt=0, description="running requests but no step for this long = unhealthy")
     first_token_timeout_s: float = Field(60.0, gt=0, description="503 when no replica produced anything by then")
+    cold_start_timeout_s: float = Field(30.0, gt=0, description="a request arriving while no model replica runs "
+                                        "(scaled to zero, or all starting) waits this long for one, then 503")
     api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes")
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
 
@@ -62,6 +64,9 @@ class RoutingSection(_Strict):
     kv_events_period_s: float = Field(0.25, gt=0, description="how often each router pulls every replica's KV "
                                       "events (about 0.5 at 128 replicas)")
     kv_events_timeout_s: float = Field(1.0, gt=0, description="a replica slower than this is skipped for a period")
+    warmup_on_join: bool = Field(True, description="prefill a replica that joins (scale-out, replacement) with "
+                                 "the router's hottest prefixes before affinity traffic finds it")
+    warmup_num_prefixes: int = Field(8, ge=0, description="how many of the hottest prefix groups to prefill")
     affinity: AffinityConfig = AffinityConfig()
 
 
