@@ -40,7 +40,7 @@ def to_api_error(exc: BaseException) -> APIError:
     """Classify any exception (pure: logs nothing); never leaks a stack trace into the message."""
     from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
                                       ReplicaUnavailableError, RequestCancelledError)
-    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.exceptions import RayActorError
 
     if isinstance(exc, APIError):
         return APIError(exc.message, exc.status_code, exc.type, exc.param, exc.code, exc.retry_after_s)
@@ -51,8 +51,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, BackPressureError):
         return APIError("the server is overloaded; retry later", 429, "rate_limit_error", None,
                         "overloaded", retry_after_s=1)
-    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, ActorDiedError,
-                        ActorUnavailableError, EngineDeadError, TimeoutError)):
+    if isinstance(exc, RayActorError):      # ActorDiedError, ActorUnavailableError: the replica went away
+        return APIError("the model replica serving this request stopped (scaled in past its graceful "
+                        "shutdown timeout, or failed); retry later", 503, "service_unavailable", None,
+                        "replica_unavailable", retry_after_s=1)
+    if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, EngineDeadError, TimeoutError)):
         return APIError("no healthy model replica is available; retry later", 503, "service_unavailable",
                         None, "replica_unavailable", retry_after_s=1)
     if isinstance(exc, RequestCancelledError):

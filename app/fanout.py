@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,23 +27,72 @@ def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[Genera
                             h) for ids, h in zip(p.prompts, hashes)]
 
 
+@dataclass(slots=True, frozen=True)
+class ReplicaWait:
+    """How long a call waits for a model replica's first answer.
+
+    Normally `first_output_s`. While no model replica is running (scaled to zero, or every one starting or
+    stopping), Serve queues the call and starts one; the call waits up to `cold_start_s` for it, and a
+    replica that comes up gets the full `first_output_s` from then. `num_replicas()` says how many replicas
+    the caller's router sees now (None: unknown, counted as some).
+    """
+
+    first_output_s: float
+    cold_start_s: float
+    num_replicas: Callable[[], int | None] = lambda: None
+    poll_s: float = 0.5
+
+    async def first(self, aw: Awaitable[Any], what: str) -> Any:
+        """`aw`'s result within the bounds above; otherwise it is cancelled and a 503 raised. The replica
+        count is looked at every `poll_s` (at most) while waiting, and at each deadline."""
+        task = asyncio.ensure_future(aw)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        since: float | None = None          # since when replicas were there
+        try:
+            while True:
+                now, n = loop.time(), self.num_replicas()
+                if n is None or n > 0:
+                    since = now if since is None else since
+                    left = since + self.first_output_s - now
+                    if left <= 0:
+                        raise APIError(f"no model replica produced {what} within {self.first_output_s:g}s", 503,
+                                       "service_unavailable", None, "replica_unavailable", retry_after_s=1)
+                else:
+                    since = None
+                    left = start + self.cold_start_s - now
+                    if left <= 0:
+                        raise APIError(f"no model replica is running and none started within "
+                                       f"{self.cold_start_s:g}s (serve.cold_start_timeout_s); retry later", 503,
+                                       "service_unavailable", None, "no_replica_running", retry_after_s=1)
+                done, _ = await asyncio.wait({task}, timeout=min(left, self.poll_s))
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
+
 async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
-                        first_output_timeout_s: float) -> AsyncIterator[tuple[int, ReplicaChunk]]:
+                        wait: ReplicaWait | float) -> AsyncIterator[tuple[int, ReplicaChunk]]:
     """(sequence index, chunk) from every prompt's replica stream, as they arrive.
 
-    Prompt i's sequence j is sequence i * n + j. A stream that yields nothing within the timeout fails
-    the request with a 503; leaving early (or failing) cancels every stream.
+    Prompt i's sequence j is sequence i * n + j. A stream that yields nothing within `wait`'s bounds fails
+    the request with a 503 (a bare number: the same bound for both); leaving early (or failing) cancels
+    every stream.
     """
+    if not isinstance(wait, ReplicaWait):
+        wait = ReplicaWait(float(wait), float(wait))
     handle = replica.options(stream=True)
     if len(reqs) == 1:
-        async for c in _with_first_timeout(handle.generate.remote(reqs[0]), first_output_timeout_s):
+        async for c in _with_first_timeout(handle.generate.remote(reqs[0]), wait):
             yield c.index, c
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
         try:
-            async for c in _with_first_timeout(handle.generate.remote(req), first_output_timeout_s):
+            async for c in _with_first_timeout(handle.generate.remote(req), wait):
                 await queue.put((i * req.params.n + c.index, c))
             await queue.put((i, None))
         except BaseException as e:   # noqa: BLE001 - delivered to the consumer
@@ -65,17 +114,16 @@ async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
             t.cancel()
 
 
-async def _with_first_timeout(gen: Any, timeout_s: float) -> AsyncIterator[ReplicaChunk]:
-    """Iterate a replica stream; if nothing arrives within timeout_s, cancel it and fail with a 503."""
+async def _with_first_timeout(gen: Any, wait: ReplicaWait) -> AsyncIterator[ReplicaChunk]:
+    """Iterate a replica stream; if nothing arrives within `wait`'s bounds, cancel it and fail with a 503."""
     it = gen.__aiter__()
     try:
-        first = await asyncio.wait_for(it.__anext__(), timeout=timeout_s)
+        first = await wait.first(it.__anext__(), "output")
     except StopAsyncIteration:
         return
-    except asyncio.TimeoutError:
+    except APIError:
         gen.cancel()
-        raise APIError(f"no model replica produced output within {timeout_s:.0f}s", 503, "service_unavailable",
-                       None, "replica_unavailable", retry_after_s=1) from None
+        raise
     yield first
     async for c in it:
         yield c

@@ -5,14 +5,13 @@ exceptions and leaves logging them to its caller.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from app import openai_format as fmt
 from app.errors import APIError
-from app.fanout import RequestRun, SequenceResult, merged_chunks, replica_requests
+from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
 from app.routing import debug as routing_debug
@@ -27,26 +26,34 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 class OpenAIServing:
     def __init__(self, replica: Any, *, model_name: str, tokenizer: Any | None, first_output_timeout_s: float,
-                 observer: RequestObserver, metrics: ServingMetrics):
-        """`tokenizer` None: token-ids-only mode (no text in, empty text out, `token_id:<id>` token strings)."""
+                 observer: RequestObserver, metrics: ServingMetrics, cold_start_timeout_s: float | None = None):
+        """`tokenizer` None: token-ids-only mode (no text in, empty text out, `token_id:<id>` token strings).
+        `cold_start_timeout_s` (default: the first-output timeout): how long a request waits for a model
+        replica to start while none is running (fanout.ReplicaWait)."""
         self.replica = replica
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.first_output_timeout_s = first_output_timeout_s
+        self.cold_start_timeout_s = cold_start_timeout_s or first_output_timeout_s
         self.observer = observer
         self.metrics = metrics
         self._limits: EngineLimits | None = None
+        self.wait = ReplicaWait(first_output_timeout_s, self.cold_start_timeout_s, self._num_replicas)
+
+    def _num_replicas(self) -> int | None:
+        """Model replicas this process's router(s) can send to now; None without a router (built lazily by
+        Serve on the first call, absent for test doubles of the handle)."""
+        try:
+            routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
+        except Exception:
+            return None
+        return max((r.num_replicas() for r in routers), default=None)
 
     async def limits(self) -> EngineLimits:
         """The engine's limits, asked of a replica once (they are fixed when its KV pool is built).
-        No replica answering within the first-output timeout is a 503, as for a generation."""
+        No replica answering in time is a 503, as for a generation (ReplicaWait's bounds)."""
         if self._limits is None:
-            try:
-                self._limits = await asyncio.wait_for(self.replica.limits.remote(),
-                                                      timeout=self.first_output_timeout_s)
-            except asyncio.TimeoutError:
-                raise APIError(f"no model replica answered within {self.first_output_timeout_s:g}s", 503,
-                               "service_unavailable", None, "replica_unavailable", retry_after_s=1) from None
+            self._limits = await self.wait.first(self.replica.limits.remote(), "an answer")
         return self._limits
 
     def token_str(self, token_id: int) -> str:
@@ -154,7 +161,7 @@ class OpenAIServing:
         and the router's decision for that prompt joins `run.routing` (for the span and the metrics)."""
         reqs = replica_requests(p, carrier)
         started: set[int] = set()
-        chunks = merged_chunks(self.replica, reqs, self.first_output_timeout_s)
+        chunks = merged_chunks(self.replica, reqs, self.wait)
         try:
             async for idx, c in chunks:
                 prompt = idx // p.params.n

@@ -127,6 +127,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         except Exception:
             logger.exception("routing: dropping replica %s failed", replica_id)
 
+    def num_replicas(self) -> int:
+        """Replicas this router can send to now (Serve drops a stopping replica at once); any thread."""
+        return len(self._replicas)
+
     def _feed_clients(self) -> Mapping[str, ReplicaFeedClient]:
         return self._clients
 
