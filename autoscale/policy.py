@@ -1,0 +1,200 @@
+"""The engine-aware scaling rule: per-replica engine signals + the current replica count -> a target count
+and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the returned `PolicyState`.
+
+The rule (README "Autoscaling" writes it out):
+1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, plus the
+   queued backlog that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
+   plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
+   KV usage adds a floor: the fleet's held KV over the KV target.
+2. Scale up when that needs more replicas at `target_utilization`, or (reactively) when the observed
+   TTFT / TPOT p90 passes its SLO or replicas preempt. Scale down only when the load fits in fewer
+   replicas at the lower `downscale_utilization` and nothing breaches its SLO: the band between the two
+   utilizations is the hysteresis. Each direction must hold for its delay before it acts.
+3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight.
+   From zero, any queued request starts the replicas its load needs at once.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from autoscale.signals import ReplicaSignals
+
+
+class Reason(str, Enum):
+    HOLD = "hold"
+    NO_METRICS = "no_metrics"              # no replica reported yet: keep the count
+    BOUNDS = "bounds"                      # the count was outside [min_replicas, max_replicas]
+    COLD_START = "cold_start"              # zero replicas and requests waiting
+    UP_PREDICTED = "up_predicted"          # the predicted load needs more replicas
+    UP_SLO = "up_slo"                      # observed TTFT/TPOT past its SLO, or preemptions
+    UP_PENDING = "up_pending"              # an up condition holds; waiting out upscale_delay_s
+    DOWN = "down"
+    DOWN_PENDING = "down_pending"
+    TO_ZERO = "to_zero"
+    TO_ZERO_PENDING = "to_zero_pending"
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """The rule's knobs (app/config.py AutoscalingSection documents the same defaults)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 2
+    ttft_slo_s: float = 2.0                # p90 time to first token the fleet should hold
+    tpot_slo_s: float = 0.2                # p90 time per output token
+    prefill_tokens_per_s: float = 2000.0   # one replica's uncached prefill rate (calibrate per model/GPU)
+    decode_seqs_per_replica: float = 32.0  # sequences one replica decodes within tpot_slo_s
+    kv_usage_target: float = 0.85          # held KV per replica the fleet should stay under
+    target_utilization: float = 0.8        # scale up when the predicted load passes this per replica
+    downscale_utilization: float = 0.5     # scale down only if fewer replicas stay under this
+    upscale_delay_s: float = 2.0
+    downscale_delay_s: float = 30.0
+    downscale_to_zero_delay_s: float = 60.0
+    slo_cooldown_s: float = 10.0           # after an up scale, SLO breaches wait this long (they lag)
+    max_upscale_factor: float = 2.0        # an SLO breach at most multiplies the count by this
+
+    def __post_init__(self):
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas >= 1 (got {self.min_replicas}, "
+                             f"{self.max_replicas})")
+        if not 0 < self.downscale_utilization < self.target_utilization <= 1:
+            raise ValueError("need 0 < downscale_utilization < target_utilization <= 1 (got "
+                             f"{self.downscale_utilization}, {self.target_utilization})")
+        for name in ("ttft_slo_s", "tpot_slo_s", "prefill_tokens_per_s", "decode_seqs_per_replica",
+                     "kv_usage_target"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetLoad:
+    """The fleet's load summed over the reporting replicas, in replica units where it says so."""
+
+    prefill_units: float = 0.0     # (prefill rate + backlog / TTFT SLO) / one replica's prefill rate
+    decode_units: float = 0.0      # sequences (running + queued at callers) / decode capacity
+    kv_units: float = 0.0          # held KV / kv_usage_target
+    ttft_p90_s: float = 0.0        # recent p90s, weighted by each replica's recent requests
+    tpot_p90_s: float = 0.0
+    preemptions_per_s: float = 0.0
+    num_in_flight: float = 0.0     # on replicas plus queued at callers
+    num_recent_requests: float = 0.0
+
+    @property
+    def load_units(self) -> float:
+        """Prefill and decode share each replica's step time, so their utilizations add."""
+        return self.prefill_units + self.decode_units
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    up_since: float | None = None        # when the current up condition started
+    down_since: float | None = None
+    down_floor: int = 0                  # the largest down target seen while waiting to scale down
+    idle_since: float | None = None      # nothing in flight since then (scale to zero)
+    last_up_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    target_replicas: int
+    reason: Reason
+    load: FleetLoad
+    state: PolicyState
+    up_target: int = 0                   # what the up rule wanted (before delays and bounds)
+    down_target: int = 0                 # what the down rule would allow
+
+    def describe(self) -> str:
+        ld = self.load
+        return (f"{self.reason.value} -> {self.target_replicas} (load {ld.load_units:.2f} = prefill "
+                f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
+                f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
+                f"{ld.preemptions_per_s:.2f}/s; up {self.up_target}, down {self.down_target})")
+
+
+def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
+    prefill_rate = sum(s.prefill_tokens_per_s for s in signals)
+    backlog = sum(s.num_queued_prefill_tokens for s in signals)
+    recent = sum(s.num_recent_requests for s in signals)
+
+    def weighted(attr: str) -> float:
+        return sum(getattr(s, attr) * s.num_recent_requests for s in signals) / recent if recent else 0.0
+
+    return FleetLoad(
+        prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / cfg.prefill_tokens_per_s,
+        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / cfg.decode_seqs_per_replica,
+        kv_units=sum(s.kv_cache_usage for s in signals) / cfg.kv_usage_target,
+        ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
+        preemptions_per_s=sum(s.preemptions_per_s for s in signals),
+        num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
+        num_recent_requests=recent)
+
+
+def slo_ratio(load: FleetLoad, cfg: PolicyConfig) -> float:
+    """How far past its SLOs the fleet runs (> 1: breached); 0 without recent requests."""
+    if load.num_in_flight <= 0 and load.num_recent_requests <= 0:
+        return 0.0
+    ratio = 0.0
+    if load.num_recent_requests > 0:
+        ratio = max(load.ttft_p90_s / cfg.ttft_slo_s, load.tpot_p90_s / cfg.tpot_slo_s)
+    if load.preemptions_per_s > 0:          # KV is short: requests lose their progress
+        ratio = max(ratio, 1.25)
+    return ratio
+
+
+def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: PolicyState,
+           cfg: PolicyConfig, *, num_queued_at_callers: float = 0.0) -> ScalingDecision:
+    """The target replica count for `current` replicas (the count the fleet is heading to) given the
+    reporting replicas' `signals` and `num_queued_at_callers` requests waiting for any replica."""
+    load = fleet_load(signals, cfg, num_queued_at_callers)
+    idle = load.num_in_flight <= 0
+    state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now) if idle else None)
+
+    up_need = max(load.load_units / cfg.target_utilization, load.kv_units)
+    up_target = math.ceil(up_need - 1e-9)
+    ratio = slo_ratio(load, cfg)
+    slo_breached = ratio > 1.0
+    cooling = state.last_up_time is not None and now - state.last_up_time < cfg.slo_cooldown_s
+    slo_target = 0
+    if slo_breached and not cooling and current > 0:
+        slo_target = max(current + 1, math.ceil(current * min(ratio, cfg.max_upscale_factor)))
+    scale = cfg.downscale_utilization / cfg.target_utilization
+    down_target = max(1, math.ceil(max(load.load_units / cfg.downscale_utilization, load.kv_units / scale) - 1e-9))
+
+    def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
+        return ScalingDecision(max(cfg.min_replicas, min(cfg.max_replicas, target)), reason, load, st,
+                               up_target, down_target)
+
+    if current == 0:
+        if not idle:
+            return done(max(1, up_target), Reason.COLD_START, replace(state, last_up_time=now, up_since=None))
+        return done(0, Reason.BOUNDS if cfg.min_replicas > 0 else Reason.HOLD, state)
+    if current < cfg.min_replicas or current > cfg.max_replicas:
+        return done(current, Reason.BOUNDS, replace(state, up_since=None, down_since=None, down_floor=0))
+    if not signals:
+        return done(current, Reason.NO_METRICS, state)
+
+    want_up = max(up_target, slo_target)
+    if want_up > current and current < cfg.max_replicas:
+        up_since = state.up_since if state.up_since is not None else now
+        st = replace(state, up_since=up_since, down_since=None, down_floor=0)
+        if now - up_since + 1e-9 < cfg.upscale_delay_s:
+            return done(current, Reason.UP_PENDING, st)
+        reason = Reason.UP_SLO if slo_target > up_target else Reason.UP_PREDICTED
+        return done(want_up, reason, replace(st, up_since=None, last_up_time=now))
+
+    st = replace(state, up_since=None)
+    if cfg.min_replicas == 0 and current == 1 and idle:
+        if now - state.idle_since + 1e-9 >= cfg.downscale_to_zero_delay_s:
+            return done(0, Reason.TO_ZERO, replace(st, down_since=None, down_floor=0))
+        return done(current, Reason.TO_ZERO_PENDING, st)
+    if down_target < current and not slo_breached and num_queued_at_callers <= 0:
+        down_since = state.down_since if state.down_since is not None else now
+        floor = max(state.down_floor, down_target)
+        st = replace(st, down_since=down_since, down_floor=floor)
+        if now - down_since + 1e-9 < cfg.downscale_delay_s:
+            return done(current, Reason.DOWN_PENDING, st)
+        return done(floor, Reason.DOWN, replace(st, down_since=None, down_floor=0))
+    return done(current, Reason.HOLD, replace(st, down_since=None, down_floor=0))

@@ -1,0 +1,92 @@
+"""What a replica tells the autoscaler: `ReplicaSignals` (the policy's input, one per replica) and the
+`SignalRecorder` a replica keeps to turn its request timings into recent TTFT / TPOT / prefill-rate
+numbers for `record_autoscaling_stats()`. No Ray imports; the metric names here are the wire format.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+#: record_autoscaling_stats() keys (Serve carries them as ctx.aggregated_metrics[key][replica_id])
+METRIC_KEYS = ("num_running", "num_waiting", "num_in_flight", "kv_cache_usage", "num_queued_prefill_tokens",
+               "preemptions_per_s", "prefill_tokens_per_s", "ttft_p90_s", "tpot_p90_s", "num_recent_requests")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSignals:
+    """One replica's load as the policy sees it (Serve averages each over its look-back window).
+
+    `ttft_p90_s` / `tpot_p90_s` are over the replica's recent window and mean nothing when
+    `num_recent_requests` is 0 (no first token in the window)."""
+
+    num_running: float = 0.0               # sequences decoding or prefilling
+    num_waiting: float = 0.0               # admitted to the engine, not yet scheduled
+    num_in_flight: float = 0.0             # streams open on the replica (running + waiting + finishing)
+    kv_cache_usage: float = 0.0            # 0-1, blocks held by requests
+    num_queued_prefill_tokens: float = 0.0  # uncached prompt tokens not computed yet
+    preemptions_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0      # uncached prompt tokens served per second, recent window
+    ttft_p90_s: float = 0.0
+    tpot_p90_s: float = 0.0
+    num_recent_requests: float = 0.0       # first tokens in the recent window
+
+    @classmethod
+    def from_metrics(cls, m: Mapping[str, float]) -> ReplicaSignals:
+        """From a record_autoscaling_stats() dict; unknown keys are ignored, missing ones are 0."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in m.items() if k in known})
+
+    def to_metrics(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+class SignalRecorder:
+    """A replica's recent request timings (a sliding window of `window_s` seconds).
+
+    The replica calls `on_first_token` and `on_finished` from its streams and `snapshot` from
+    record_autoscaling_stats(); times are `time.monotonic()` seconds. Not thread-safe: call from the
+    replica's event loop only.
+    """
+
+    def __init__(self, window_s: float = 10.0, max_samples: int = 4096):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0 (got {window_s})")
+        self.window_s = window_s
+        self._first: deque[tuple[float, float, int]] = deque(maxlen=max_samples)   # (t, ttft, uncached tokens)
+        self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
+        self._preempt: deque[tuple[float, int]] = deque(maxlen=max_samples)         # (t, preemptions total)
+        self._born = None
+
+    def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int) -> None:
+        self._first.append((now, ttft_s, num_uncached_prompt_tokens))
+
+    def on_finished(self, now: float, decode_s: float, num_output_tokens: int) -> None:
+        """A sequence ended: `decode_s` from its first to its last token over `num_output_tokens` tokens."""
+        if num_output_tokens > 1:
+            self._tpot.append((now, decode_s / (num_output_tokens - 1)))
+
+    def snapshot(self, now: float, *, num_running: int, num_waiting: int, num_in_flight: int,
+                 kv_cache_usage: float, num_queued_prefill_tokens: int,
+                 num_preemptions_total: int) -> ReplicaSignals:
+        if self._born is None:
+            self._born = now
+        cut = now - self.window_s
+        for q in (self._first, self._tpot, self._preempt):
+            while q and q[0][0] < cut:
+                q.popleft()
+        self._preempt.append((now, num_preemptions_total))
+        span = min(self.window_s, max(now - self._born, 1e-3))
+        t0, p0 = self._preempt[0]
+        preempt_rate = (num_preemptions_total - p0) / max(now - t0, span) if now > t0 else 0.0
+        ttfts = [x[1] for x in self._first]
+        tpots = [x[1] for x in self._tpot]
+        return ReplicaSignals(
+            num_running=num_running, num_waiting=num_waiting, num_in_flight=num_in_flight,
+            kv_cache_usage=kv_cache_usage, num_queued_prefill_tokens=num_queued_prefill_tokens,
+            preemptions_per_s=preempt_rate, prefill_tokens_per_s=sum(x[2] for x in self._first) / span,
+            ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else 0.0,
+            tpot_p90_s=float(np.percentile(tpots, 90)) if tpots else 0.0,
+            num_recent_requests=len(ttfts))

@@ -1,0 +1,123 @@
+"""The scaling rule (autoscale/policy.py): tables of signals -> decisions, delays, hysteresis, bounds."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load
+from autoscale.signals import ReplicaSignals as S
+
+# 1000 uncached prompt tokens/s and 10 decoding sequences fill one replica; TTFT SLO 1 s, TPOT 0.1 s
+CFG = PolicyConfig(min_replicas=1, max_replicas=8, ttft_slo_s=1.0, tpot_slo_s=0.1, prefill_tokens_per_s=1000,
+                   decode_seqs_per_replica=10, kv_usage_target=0.85, target_utilization=0.8,
+                   downscale_utilization=0.5, upscale_delay_s=0.0, downscale_delay_s=10.0,
+                   downscale_to_zero_delay_s=20.0, slo_cooldown_s=5.0)
+NOW = 1000.0
+FRESH = PolicyState()
+LONG_DOWN = PolicyState(down_since=NOW - 60)        # a down condition that has held past its delay
+IDLE = S()
+OK_LATENCY = dict(ttft_p90_s=0.3, tpot_p90_s=0.03, num_recent_requests=20)
+
+
+def busy(running: float = 0, waiting: float = 0, queued_tokens: float = 0, rate: float = 0, kv: float = 0.1,
+         **kw) -> S:
+    return S(num_running=running, num_waiting=waiting, num_in_flight=running + waiting,
+             num_queued_prefill_tokens=queued_tokens, prefill_tokens_per_s=rate, kv_cache_usage=kv,
+             **{**OK_LATENCY, **kw})
+
+
+CASES = [
+    # id, signals, current, state, config overrides, queued at callers, expected target, expected reason
+    ("prefill backlog predicts 4", [busy(1, 5, queued_tokens=3000)], 1, FRESH, {}, 0, 4, Reason.UP_PREDICTED),
+    ("prefill rate predicts 3", [busy(2, rate=900), busy(2, rate=900)], 2, FRESH, {}, 0, 3, Reason.UP_PREDICTED),
+    ("decode load predicts 3", [busy(9), busy(9)], 2, FRESH, {}, 0, 3, Reason.UP_PREDICTED),
+    ("KV usage floor", [busy(1, kv=0.95), busy(1, kv=0.95)], 2, FRESH, {}, 0, 3, Reason.UP_PREDICTED),
+    ("inside the band: hold", [busy(6), busy(6)], 2, FRESH, {}, 0, 2, Reason.HOLD),
+    ("TTFT breach doubles at most", [busy(1, ttft_p90_s=3.0)], 2, FRESH, {}, 0, 4, Reason.UP_SLO),
+    ("TPOT breach x1.5", [busy(1, tpot_p90_s=0.15), busy(1, tpot_p90_s=0.15)], 4, FRESH, {}, 0, 6,
+     Reason.UP_SLO),
+    ("preemptions: one more", [busy(2, preemptions_per_s=0.5)], 1, FRESH, {}, 0, 2, Reason.UP_SLO),
+    ("SLO breach in cooldown: no reactive step", [busy(1, ttft_p90_s=3.0)], 2,
+     PolicyState(last_up_time=NOW - 1), {}, 0, 2, Reason.HOLD),
+    ("capped at max_replicas", [busy(10, queued_tokens=50_000)], 2, FRESH, {}, 0, 8, Reason.UP_PREDICTED),
+    ("already at max: hold", [busy(10, queued_tokens=50_000)], 8, FRESH, {}, 0, 8, Reason.HOLD),
+    ("idle fleet, delay held: down to min", [IDLE, IDLE, IDLE], 3, LONG_DOWN, {}, 0, 1, Reason.DOWN),
+    ("idle fleet, delay running: pending", [IDLE, IDLE, IDLE], 3, FRESH, {}, 0, 3, Reason.DOWN_PENDING),
+    ("light load, delay held: down to what fits at 0.5", [busy(4)] * 4, 4, LONG_DOWN, {}, 0, 4, Reason.HOLD),
+    ("lighter load, delay held: down to 2", [busy(2)] * 4, 4, LONG_DOWN, {}, 0, 2, Reason.DOWN),
+    ("no down while the SLO is breached", [busy(0, ttft_p90_s=2.0)] * 3, 3,
+     replace(LONG_DOWN, last_up_time=NOW - 1), {}, 0, 3, Reason.HOLD),
+    ("no down while callers queue", [IDLE, IDLE], 2, LONG_DOWN, {}, 1, 2, Reason.HOLD),
+    ("to zero after the idle delay", [IDLE], 1, PolicyState(idle_since=NOW - 30), {"min_replicas": 0}, 0, 0,
+     Reason.TO_ZERO),
+    ("to zero waits for the idle delay", [IDLE], 1, PolicyState(idle_since=NOW - 5), {"min_replicas": 0}, 0, 1,
+     Reason.TO_ZERO_PENDING),
+    ("never to zero with min_replicas 1", [IDLE], 1, PolicyState(idle_since=NOW - 999), {}, 0, 1, Reason.HOLD),
+    ("cold start sized by the queue", [], 0, FRESH, {"min_replicas": 0}, 25, 4, Reason.COLD_START),
+    ("cold start: at least one", [], 0, FRESH, {"min_replicas": 0}, 1, 1, Reason.COLD_START),
+    ("zero and nothing waiting: stay at zero", [], 0, FRESH, {"min_replicas": 0}, 0, 0, Reason.HOLD),
+    ("no replica reported yet: hold", [], 2, FRESH, {}, 0, 2, Reason.NO_METRICS),
+    ("above max_replicas: back to the bound", [IDLE], 9, FRESH, {}, 0, 8, Reason.BOUNDS),
+]
+
+
+@pytest.mark.parametrize("signals,current,state,overrides,queued,target,reason",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_decision_table(signals, current, state, overrides, queued, target, reason):
+    d = decide(signals, current, NOW, state, replace(CFG, **overrides), num_queued_at_callers=queued)
+    assert (d.target_replicas, d.reason) == (target, reason), d.describe()
+
+
+def test_prefill_rule_is_backlog_over_rate_and_slo():
+    """2 replicas, 1500 + 500 queued tokens, 400 + 200 tokens/s served: (600 + 2000 / 1 s) / 1000 = 2.6."""
+    load = fleet_load([busy(queued_tokens=1500, rate=400), busy(queued_tokens=500, rate=200)], CFG)
+    assert load.prefill_units == pytest.approx(2.6)
+    d = decide([busy(queued_tokens=1500, rate=400), busy(queued_tokens=500, rate=200)], 2, NOW, FRESH, CFG)
+    assert d.up_target == 4 and d.target_replicas == 4          # ceil(2.6 / 0.8)
+
+
+def test_upscale_delay_must_hold_and_resets_when_the_condition_goes():
+    cfg = replace(CFG, upscale_delay_s=3.0)
+    hot, cool = [busy(9), busy(9)], [busy(5), busy(5)]
+    d = decide(hot, 2, 0.0, FRESH, cfg)
+    assert (d.target_replicas, d.reason) == (2, Reason.UP_PENDING)
+    d = decide(cool, 2, 2.0, d.state, cfg)                      # condition gone: the wait starts over
+    assert d.reason is Reason.HOLD and d.state.up_since is None
+    d = decide(hot, 2, 2.5, d.state, cfg)
+    d = decide(hot, 2, 5.0, d.state, cfg)
+    assert d.reason is Reason.UP_PENDING                         # only 2.5 s of the 3 s
+    d = decide(hot, 2, 5.6, d.state, cfg)
+    assert (d.target_replicas, d.reason) == (3, Reason.UP_PREDICTED)
+
+
+def test_downscale_goes_to_the_largest_target_seen_during_the_wait():
+    """A dip to idle in the middle of the wait does not take the fleet below what the busier moments need."""
+    s = FRESH
+    for t, sig in [(0, [busy(2)] * 4), (5, [IDLE] * 4), (10.5, [IDLE] * 4)]:
+        d = decide(sig, 4, t, s, CFG)
+        s = d.state
+    assert (d.target_replicas, d.reason) == (2, Reason.DOWN)
+
+
+@pytest.mark.parametrize("start", [1, 2, 8])
+@pytest.mark.parametrize("total_running", [1, 2, 4, 6.6, 10, 14, 16, 19, 30])
+def test_no_flapping_a_steady_load_settles_without_reversing(total_running, start):
+    """Hysteresis: under a steady load the count moves in one direction only, then stays."""
+    n, s, t, counts = start, FRESH, 0.0, [start]
+    for _ in range(200):
+        d = decide([busy(total_running / n)] * n, n, t, s, CFG)
+        n, s, t = d.target_replicas, d.state, t + 1.0
+        counts.append(n)
+    steps = [b - a for a, b in zip(counts, counts[1:]) if b != a]
+    assert all(x > 0 for x in steps) or all(x < 0 for x in steps), counts
+    assert counts[-50:] == [n] * 50
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="downscale_utilization"):
+        PolicyConfig(target_utilization=0.5, downscale_utilization=0.6)
+    with pytest.raises(ValueError, match="min_replicas"):
+        PolicyConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        PolicyConfig(prefill_tokens_per_s=0)

@@ -1,0 +1,40 @@
+"""A replica's SignalRecorder: recent TTFT/TPOT p90, prefill rate and preemption rate over its window."""
+from __future__ import annotations
+
+import pytest
+
+from autoscale.signals import METRIC_KEYS, ReplicaSignals, SignalRecorder
+
+LOAD = dict(num_running=2, num_waiting=1, num_in_flight=3, kv_cache_usage=0.4, num_queued_prefill_tokens=50)
+
+
+def test_recent_window_drops_old_samples_and_computes_rates():
+    r = SignalRecorder(window_s=10.0)
+    r.snapshot(0.0, **LOAD, num_preemptions_total=0)
+    for i in range(10):
+        r.on_first_token(1.0 + i, ttft_s=0.1 * (i + 1), num_uncached_prompt_tokens=100)
+        r.on_finished(1.0 + i, decode_s=0.9, num_output_tokens=10)
+    s = r.snapshot(10.0, **LOAD, num_preemptions_total=5)
+    assert s.num_recent_requests == 10
+    assert s.ttft_p90_s == pytest.approx(0.91)
+    assert s.tpot_p90_s == pytest.approx(0.1)
+    assert s.prefill_tokens_per_s == pytest.approx(1000 / 10)
+    assert s.preemptions_per_s == pytest.approx(0.5)
+    later = r.snapshot(30.0, **LOAD, num_preemptions_total=5)      # every sample older than 10 s
+    assert (later.num_recent_requests, later.ttft_p90_s, later.prefill_tokens_per_s) == (0, 0.0, 0.0)
+    assert later.preemptions_per_s == 0.0
+
+
+def test_metrics_round_trip_and_are_numbers_only():
+    s = ReplicaSignals(num_running=3, ttft_p90_s=0.5)
+    m = s.to_metrics()
+    assert set(m) == set(METRIC_KEYS) and all(isinstance(v, float) for v in m.values())
+    assert ReplicaSignals.from_metrics({**m, "unknown": 1.0}) == s
+
+
+def test_single_token_outputs_have_no_tpot_and_window_must_be_positive():
+    r = SignalRecorder()
+    r.on_finished(1.0, decode_s=0.0, num_output_tokens=1)
+    assert r.snapshot(1.0, **LOAD, num_preemptions_total=0).tpot_p90_s == 0.0
+    with pytest.raises(ValueError):
+        SignalRecorder(window_s=0)
