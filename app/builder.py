@@ -30,15 +30,43 @@ def router_kwargs(config: AppConfig) -> dict[str, Any]:
             "kv_events_timeout_s": r.kv_events_timeout_s}
 
 
-def replica_deployment(config: AppConfig):
-    s, r = config.serve, config.routing
+def replica_placement(config: AppConfig) -> dict[str, Any]:
+    """Where model replicas run: a GPU each on GPU nodes (a CPU share on CPU nodes), the configured custom
+    resources (a slot only worker nodes declare keeps them off the head), at most max_replicas_per_node each."""
+    s = config.serve
     actor_opts: dict[str, Any] = {"num_cpus": s.replica_num_cpus}
     num_gpus = s.replica_num_gpus or (1.0 if config.engine.device == "cuda" else 0.0)
     if num_gpus:
         actor_opts["num_gpus"] = num_gpus     # one GPU per replica: each replica holds a full model copy
+    if s.replica_resources:
+        actor_opts["resources"] = dict(s.replica_resources)
+    opts: dict[str, Any] = {"ray_actor_options": actor_opts}
+    if s.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = s.max_replicas_per_node
+    return opts
+
+
+def serve_start_options(config: AppConfig) -> dict[str, Any]:
+    """serve.start's kwargs: HTTP bound to serve.host:serve.port, proxies only where proxy_location says (the
+    default HeadOnly keeps worker nodes from opening the HTTP port too)."""
+    s = config.serve
+    return {"proxy_location": s.proxy_location, "http_options": {"host": s.host, "port": s.port}}
+
+
+def ingress_placement(config: AppConfig) -> dict[str, Any]:
+    """The ingress never asks for a GPU; custom resources (e.g. one only the head/CPU nodes declare) pin it."""
+    s = config.serve
+    actor_opts: dict[str, Any] = {"num_cpus": s.ingress_num_cpus}
+    if s.ingress_resources:
+        actor_opts["resources"] = dict(s.ingress_resources)
+    return {"ray_actor_options": actor_opts}
+
+
+def replica_deployment(config: AppConfig):
+    s, r = config.serve, config.routing
     opts: dict[str, Any] = dict(
         name="LLMReplica",
-        ray_actor_options=actor_opts,
+        **replica_placement(config),
         max_ongoing_requests=s.max_ongoing_requests,
         max_queued_requests=s.max_queued_requests,
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s,
@@ -65,7 +93,7 @@ def replica_deployment(config: AppConfig):
 def ingress_deployment(config: AppConfig):
     s = config.serve
     return serve.deployment(IngressServer).options(
-        name="Ingress", num_replicas=s.ingress_replicas, ray_actor_options={"num_cpus": s.ingress_num_cpus},
+        name="Ingress", num_replicas=s.ingress_replicas, **ingress_placement(config),
         max_ongoing_requests=max(1000, s.max_ongoing_requests * s.num_replicas * 4),
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s)
 

@@ -1,4 +1,5 @@
-"""`affinity-serve` command line: serve (local Ray + Serve + HTTP), demo-model, config."""
+"""`affinity-serve` command line: serve (local Ray + Serve + HTTP), deploy (onto a running cluster),
+demo-model, config."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo_model_cmd(args)
         if args.cmd == "config":
             return config_cmd(args)
+        if args.cmd == "deploy":
+            return deploy_cmd(args)
         return serve_cmd(args)
     except ConfigError as e:
         print(f"affinity-serve: error: {e}", file=sys.stderr)
@@ -44,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
     s.add_argument("--api-key", help="require this Bearer key on inference routes")
+    p = sub.add_parser("deploy", help="deploy onto a running Ray cluster (cluster.yaml's head runs it) and exit")
+    p.add_argument("--config", required=True, help="AppConfig YAML file (engine.model: a path on the GPU nodes)")
+    p.add_argument("--address", default="auto", help="Ray address (default: the cluster this node belongs to)")
     d = sub.add_parser("demo-model", help="write the small random demo checkpoint to PATH")
     d.add_argument("path")
     d.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
@@ -66,6 +72,23 @@ def config_cmd(args) -> int:
     from app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def deploy_cmd(args) -> int:
+    """Connects to the running cluster, starts Serve's HTTP proxy on serve.host:serve.port (proxy_location),
+    deploys, and returns once the app runs; Serve keeps it running inside the cluster. The model path is
+    checked by the replicas: it lives on their nodes."""
+    from app.config import AppConfig
+    cfg = AppConfig.from_yaml(args.config)
+    import ray
+    from ray import serve
+
+    from app.builder import build_app, serve_start_options
+    ray.init(address=args.address, logging_level="WARNING")
+    serve.start(**serve_start_options(cfg))
+    serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)
+    print(f"[affinity-serve] deployed {cfg.serve.app_name} at http://{cfg.serve.host}:{cfg.serve.port}", flush=True)
     return 0
 
 
@@ -105,7 +128,7 @@ def check_model(cfg: "AppConfig") -> None:
 
 def serve_cmd(args) -> int:
     cfg = _load_config(args)
-    from app.builder import build_app, resolve_model
+    from app.builder import build_app, resolve_model, serve_start_options
 
     if not cfg.engine.model:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
@@ -120,7 +143,7 @@ def serve_cmd(args) -> int:
           f"{cfg.engine.model} ...", flush=True)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=True,
              logging_level="WARNING", num_cpus=max(2, os.cpu_count() or 2) * 2)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(**serve_start_options(cfg))
     done = threading.Event()
     ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
     ticker.start()

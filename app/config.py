@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator,
+                      model_validator)
 
 from app.routing.config import AffinityConfig, RoutingPolicyName
 from engine.config import EngineConfig
@@ -39,8 +40,16 @@ class ServeSection(_Strict):
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0, description="CPU share per CPU replica")
     replica_num_gpus: float = Field(0.0, ge=0, description="1 for GPU replicas")
+    replica_resources: dict[str, PositiveFloat] = Field(
+        {}, description="custom Ray resources each model replica requests, e.g. {llm_replica_slot: 1}")
+    max_replicas_per_node: int | None = Field(None, ge=1, description="spread: at most this many model replicas "
+                                              "per node (null: no limit)")
     ingress_num_cpus: float = Field(0.0, ge=0)
     ingress_replicas: int = Field(1, ge=1)
+    ingress_resources: dict[str, PositiveFloat] = Field(
+        {}, description="custom Ray resources the ingress requests, e.g. {cpu_node: 0.001} to keep it on CPU nodes")
+    proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
+        "HeadOnly", description="where Serve runs HTTP proxies (EveryNode: one per node, each binding host:port)")
     max_ongoing_requests: int = Field(64, ge=1, description="per replica")
     max_queued_requests: int = Field(256, ge=-1, description="per caller; beyond it requests get 429")
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of 429 and 503 responses")
@@ -53,6 +62,18 @@ class ServeSection(_Strict):
                                         "(scaled to zero, or all starting) waits this long for one, then 503")
     api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes")
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
+
+    @field_validator("replica_resources", "ingress_resources")
+    @classmethod
+    def _custom_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & _BUILTIN_RESOURCES)
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)}: not a custom resource (use replica_num_cpus, replica_num_gpus "
+                             "or ingress_num_cpus)")
+        return resources
+
+
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 class RoutingSection(_Strict):

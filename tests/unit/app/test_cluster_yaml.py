@@ -25,3 +25,34 @@ def test_cluster_app_config_is_valid_and_uses_gpus():
     cfg = AppConfig.from_yaml(ROOT / "deploy" / "cluster-app.yaml")
     assert cfg.serve.replica_num_gpus == 1 and cfg.engine.cache.block_size % 256 == 0
     assert os.path.basename(cfg.engine.model)
+
+
+def test_cluster_nodes_declare_what_the_app_places_on_them():
+    """Replicas' custom resources exist only on GPU workers (and fit one per node), the ingress's only on the
+    head: a mismatch would leave replicas pending forever or put the ingress on a GPU node."""
+    from app.builder import ingress_placement, replica_placement
+    from app.config import AppConfig
+    app = AppConfig.from_yaml(ROOT / "deploy" / "cluster-app.yaml")
+    nodes = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"]
+    head, gpu = nodes["head"]["resources"], nodes["gpu_worker"]["resources"]
+    rep = replica_placement(app)
+    for name, amount in rep["ray_actor_options"]["resources"].items():
+        assert name not in head and gpu[name] >= amount * rep["max_replicas_per_node"]
+    assert rep["ray_actor_options"]["num_gpus"] * rep["max_replicas_per_node"] <= gpu["GPU"]
+    ing = ingress_placement(app)["ray_actor_options"]
+    assert "num_gpus" not in ing and ing["resources"]
+    for name, amount in ing["resources"].items():
+        assert name not in gpu and head[name] >= amount * app.serve.ingress_replicas
+    assert app.serve.proxy_location == "HeadOnly"
+    assert nodes["gpu_worker"]["max_workers"] * rep["max_replicas_per_node"] >= app.autoscaling.max_replicas
+
+
+def test_head_deploys_with_the_cli_and_keeps_the_dashboard_on_loopback():
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    start = " ".join(cfg["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in start
+    assert "-m app.cli deploy --config ~/affinity-serve.yaml" in start
+    assert cfg["file_mounts"]["~/affinity-serve.yaml"] == "./deploy/cluster-app.yaml"
+    from app.cli import _parser
+    args = _parser().parse_args(["deploy", "--config", "x.yaml"])
+    assert args.cmd == "deploy" and args.address == "auto"
