@@ -78,16 +78,36 @@ def replica_deployment(config: AppConfig):
             request_routing_stats_period_s=r.request_routing_stats_period_s,
             request_routing_stats_timeout_s=r.request_routing_stats_timeout_s),
     )
-    a = config.autoscaling
-    if a.enabled:
-        opts["autoscaling_config"] = {
-            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-            "initial_replicas": max(a.min_replicas, min(s.num_replicas, a.max_replicas)),
-            "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
-            "downscale_delay_s": a.downscale_delay_s}
+    if config.autoscaling.enabled:
+        opts["autoscaling_config"] = autoscaling_config(config)
     else:
         opts["num_replicas"] = s.num_replicas
     return serve.deployment(LLMReplica).options(**opts)
+
+
+def engine_policy_kwargs(config: AppConfig) -> dict[str, Any]:
+    """autoscale.policy.PolicyConfig's fields from the autoscaling section (JSON: Serve ships them)."""
+    from autoscale.policy import PolicyConfig
+    a = config.autoscaling.model_dump()
+    return {k: a[k] for k in PolicyConfig.__dataclass_fields__}
+
+
+def autoscaling_config(config: AppConfig) -> dict[str, Any]:
+    """Serve's autoscaling_config. policy `engine`: our EngineAwarePolicy decides, with Serve's own delays
+    at 0 (Serve wraps every custom policy with its delays; ours already hold each direction for its delay,
+    so two sets would add up); policy `requests`: Serve's default rule with our delays."""
+    a, s = config.autoscaling, config.serve
+    out: dict[str, Any] = {
+        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+        "initial_replicas": max(a.min_replicas, min(s.num_replicas, a.max_replicas)),
+        "metrics_interval_s": a.metrics_interval_s, "look_back_period_s": a.look_back_period_s}
+    if a.policy == "requests":
+        return out | {"target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
+                      "downscale_delay_s": a.downscale_delay_s,
+                      "downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
+    return out | {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
+                  "policy": {"policy_function": "autoscale.serve_policy:EngineAwarePolicy",
+                             "policy_kwargs": engine_policy_kwargs(config)}}
 
 
 def ingress_deployment(config: AppConfig):

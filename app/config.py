@@ -92,17 +92,46 @@ class RoutingSection(_Strict):
 
 
 class AutoscalingSection(_Strict):
+    """How many model replicas run (autoscale/; README "Autoscaling")."""
+
     enabled: bool = False
-    min_replicas: int = Field(1, ge=0)
+    policy: Literal["engine", "requests"] = Field(
+        "engine", description="engine: autoscale/policy.py on the engines' signals; requests: Serve's default "
+        "(replicas = ongoing requests / target_ongoing_requests)")
+    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
     max_replicas: int = Field(2, ge=1)
-    target_ongoing_requests: float = Field(8.0, gt=0)
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(60.0, ge=0)
+    upscale_delay_s: float = Field(2.0, ge=0, description="an up condition must hold this long")
+    downscale_delay_s: float = Field(30.0, ge=0, description="a down condition must hold this long")
+    downscale_to_zero_delay_s: float = Field(60.0, ge=0, description="idle this long before 1 -> 0")
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas push their metrics")
+    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages the metrics over this window")
+    # policy: requests
+    target_ongoing_requests: float = Field(8.0, gt=0, description="requests policy: ongoing requests per replica")
+    # policy: engine (autoscale.policy.PolicyConfig)
+    ttft_slo_s: float = Field(2.0, gt=0, description="p90 time to first token to hold")
+    tpot_slo_s: float = Field(0.2, gt=0, description="p90 time per output token to hold")
+    prefill_tokens_per_s: float = Field(2000.0, gt=0, description="one replica's uncached prefill rate "
+                                        "(calibrate per model and device)")
+    decode_seqs_per_replica: float = Field(32.0, gt=0, description="sequences one replica decodes within "
+                                           "tpot_slo_s")
+    kv_usage_target: float = Field(0.85, gt=0, le=1, description="held KV per replica to stay under")
+    target_utilization: float = Field(0.8, gt=0, le=1, description="scale up above this predicted load "
+                                      "per replica")
+    downscale_utilization: float = Field(0.5, gt=0, lt=1, description="scale down only if fewer replicas "
+                                         "stay under this")
+    slo_cooldown_s: float = Field(10.0, ge=0, description="after a scale-up, SLO breaches wait this long")
+    max_upscale_factor: float = Field(2.0, ge=1, description="one SLO-driven step at most multiplies by this")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.downscale_utilization >= self.target_utilization:
+            raise ValueError(f"downscale_utilization ({self.downscale_utilization}) must be below "
+                             f"target_utilization ({self.target_utilization})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be greater than "
+                             f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
 

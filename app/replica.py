@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
+from autoscale.signals import SignalRecorder
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 from app.stats import ReplicaStats
@@ -81,6 +82,7 @@ class LLMReplica:
                                       prometheus=False).tracer
         self.replica_id = _replica_id()
         self.wedge_timeout_s = wedge_timeout_s
+        self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
@@ -92,6 +94,7 @@ class LLMReplica:
         ids = {"request_id": req.client_request_id or req.request_id, "engine_req_id": req.request_id}
         arrival = time.monotonic()
         first_token: float | None = None
+        num_output_tokens: dict[int, int] = {}   # per sequence index, for the autoscaler's TPOT
         # The ingress's W3C trace context arrives in the request; the engine span continues that trace.
         span = self.tracer.start_span(names.SPAN_ENGINE, context=context_from_carrier(req.trace_context),
                                       attributes={"replica": self.replica_id, **ids})
@@ -103,6 +106,8 @@ class LLMReplica:
                 now = time.monotonic()
                 if first_token is None and d.token_ids:
                     first_token = now
+                    self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens)
+                num_output_tokens[d.index] = num_output_tokens.get(d.index, 0) + len(d.token_ids)
                 chunk = ReplicaChunk(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
                                      prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=d.num_prompt_tokens,
                                      num_cached_tokens=d.num_cached_tokens, replica_id=self.replica_id)
@@ -115,6 +120,7 @@ class LLMReplica:
                     chunk.timings = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, ft - sched),
                                      "decode_s": max(0.0, now - ft)}
                     chunk.replica_stats = self.stats()
+                    self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0))
                     chunk.trace_id = trace_id_hex(span)
                     logger.info("sequence finished", extra={
                         **ids, "index": d.index, "finish_reason": d.finish_reason,
@@ -156,13 +162,15 @@ class LLMReplica:
         return self.stats().to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
+        """The autoscaler's signals (autoscale.signals.METRIC_KEYS), numbers only: the engine's load, the
+        preemption rate and the recent TTFT / TPOT p90 and prefill rate of this replica's streams."""
         load = self.engine.load()
-        return {
-            "num_running": float(load.num_running_reqs),
-            "num_waiting": float(load.num_waiting_reqs),
-            "kv_cache_usage": float(load.kv_cache_usage),
-            "num_queued_prefill_tokens": float(load.num_queued_prefill_tokens),
-        }
+        stats = getattr(self.engine.engine, "last_stats", None)     # SchedulerStats of the last step
+        return self.signals.snapshot(
+            time.monotonic(), num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
+            num_in_flight=self.engine.num_in_flight, kv_cache_usage=load.kv_cache_usage,
+            num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            num_preemptions_total=stats.num_preemptions_total if stats is not None else 0).to_metrics()
 
     async def check_health(self) -> None:
         """Unhealthy when the engine is dead, or wedged: requests to run and no step for too long (the
