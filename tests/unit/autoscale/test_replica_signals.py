@@ -1,0 +1,26 @@
+"""A real LLMReplica (tiny llama, no Serve) reports the autoscaler's signals from its own streams."""
+from __future__ import annotations
+
+from app.protocol import GenerateRequest
+from autoscale.signals import METRIC_KEYS, ReplicaSignals
+from engine import SamplingParams
+
+
+async def test_replica_reports_recent_ttft_tpot_and_prefill_tokens(checkpoints):
+    from app.replica import LLMReplica
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+    before = rep.record_autoscaling_stats()
+    assert set(before) == set(METRIC_KEYS) and all(isinstance(v, float) for v in before.values())
+    assert before["num_recent_requests"] == 0.0
+    prompt = list(range(5, 17))                                    # 12 tokens, 3 full blocks
+    for rid in ("a", "b"):                                         # "b" hits the cache of "a"
+        chunks = [c async for c in rep.generate(GenerateRequest(rid, prompt, SamplingParams(max_tokens=4,
+                                                                                             temperature=0)))]
+        assert chunks[-1].finish_reason == "length"
+    s = ReplicaSignals.from_metrics(rep.record_autoscaling_stats())
+    assert s.num_recent_requests == 2 and s.num_running == 0 and s.num_in_flight == 0
+    assert 0 < s.ttft_p90_s < 30 and 0 < s.tpot_p90_s < 30
+    cached = chunks[-1].num_cached_tokens
+    assert cached > 0
+    # uncached prompt tokens over the window (at most 10 s old here): 12 + (12 - cached)
+    assert s.prefill_tokens_per_s * rep.signals.window_s >= 24 - cached - 1e-6
