@@ -99,6 +99,9 @@ class BlockPool:
         self.null_block.is_null = True
         self.cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._events: list[KVEvent] = []
+        #: (block id, hash) logs a KV connector reads (None = not recorded; see track_changes)
+        self._newly_cached: list[tuple[int, BlockHash]] | None = None
+        self._evicted: list[tuple[int, BlockHash]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -147,6 +150,8 @@ class BlockPool:
             del self.cached[h]
             if self.enable_kv_cache_events:     # the last block under `h`: the hash leaves the cache
                 self._events.append(BlockRemoved([h]))
+            if self._evicted is not None:       # its KV is still intact until this step's forward pass
+                self._evicted.append((block.block_id, h))
         elif type(entry) is dict:
             entry.pop(block.block_id, None)
             if len(entry) == 1:
@@ -175,6 +180,7 @@ class BlockPool:
         if num_cached_blocks >= num_full_blocks:
             return
         events = self.enable_kv_cache_events
+        newly_cached = self._newly_cached
         run_start: int | None = None          # first block of the current run of hashes new to the cache
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -186,6 +192,8 @@ class BlockPool:
                 if entry is None:
                     self.cached[h] = block
                     is_new = True
+                    if newly_cached is not None:
+                        newly_cached.append((block.block_id, h))
                 elif type(entry) is KVCacheBlock:
                     self.cached[h] = {entry.block_id: entry, block.block_id: block}
                 else:
@@ -221,3 +229,21 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    # ------------------------------------------------------------------ KV connector logs
+    def track_changes(self, *, cached: bool, evicted: bool) -> None:
+        """Record newly cached and/or evicted (block id, hash) pairs for `take_changes`."""
+        self._newly_cached = [] if cached else None
+        self._evicted = [] if evicted else None
+
+    def has_changes(self) -> bool:
+        return bool(self._newly_cached or self._evicted)
+
+    def take_changes(self) -> tuple[list[tuple[int, BlockHash]], list[tuple[int, BlockHash]]]:
+        """(newly cached, evicted) since the last call; both [] when not tracked."""
+        cached, evicted = self._newly_cached or [], self._evicted or []
+        if self._newly_cached:
+            self._newly_cached = []
+        if self._evicted:
+            self._evicted = []
+        return cached, evicted

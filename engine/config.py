@@ -40,6 +40,33 @@ class SchedulerConfig(_Strict):
     policy: Literal["fcfs", "priority"] = "fcfs"
 
 
+class KVConnectorConfig(_Strict):
+    """A tier below the paged KV pool (engine/kv_connector): none, a per-replica offload tier, or the
+    node-shared store."""
+
+    type: Literal["none", "offload", "shared"] = Field(
+        "none", description="none | offload (host-memory tier per replica) | shared (one store per node, "
+                            "every replica on the node reads and writes it)")
+    capacity_blocks: int | None = Field(None, ge=1, description="tier capacity in KV blocks, or ...")
+    capacity_bytes: int | None = Field(None, ge=1, description="... in bytes; both unset: 1 GiB")
+    store_on: Literal["evict", "finish"] = Field(
+        "evict", description="offload: save a cached block when the pool evicts it (evict), or a request's "
+                             "blocks when it ends (finish)")
+    shared_dir: str | None = Field(
+        None, description="shared: the store's directory (default /dev/shm/affinity-serve-kv); replicas "
+                          "share blocks when they name the same one")
+    model_identity: str | None = Field(
+        None, description="names the weights in tier keys (default: a digest of the checkpoint's path, "
+                          "config.json and weight files)")
+    load_timeout_s: float = Field(30.0, gt=0, description="a load not done by then is abandoned: recompute")
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVConnectorConfig":
+        if self.capacity_blocks is not None and self.capacity_bytes is not None:
+            raise ValueError("set either kv_connector.capacity_blocks or kv_connector.capacity_bytes, not both")
+        return self
+
+
 class EngineConfig(_Strict):
     """Everything one engine (one replica) needs."""
 
@@ -61,9 +88,12 @@ class EngineConfig(_Strict):
                            "text, reject text prompts and chat messages (vLLM's name)")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    kv_connector: KVConnectorConfig = KVConnectorConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         if self.cache.num_blocks is not None and self.cache.memory_budget_bytes is not None:
             raise ValueError("set either cache.num_blocks or cache.memory_budget_bytes, not both")
+        if self.kv_connector.type != "none" and not self.cache.enable_prefix_caching:
+            raise ValueError("kv_connector needs cache.enable_prefix_caching: loaded blocks are reused as prefix hits")
         return self

@@ -169,6 +169,21 @@ class KVCacheManager:
                                     request.all_token_ids, num_cached, num_full)
         self.num_cached_block[request.req_id] = num_full
 
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's blocks out of its table without freeing them (a transfer still uses them);
+        hand them to `free_blocks` later."""
+        self.num_cached_block.pop(request.req_id, None)
+        return self.req_to_blocks.pop(request.req_id, None) or []
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Free detached blocks, tail first (as `free`)."""
+        self.pool.free_blocks(reversed(blocks))
+
+    def computed_block_ids(self, req_id: str) -> list[int]:
+        """The request's blocks whose KV is computed and registered (block i holds block hash i)."""
+        blocks = self.req_to_blocks.get(req_id, ())
+        return [b.block_id for b in blocks[:self.num_cached_block.get(req_id, 0)]]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its shared head is evicted last."""
         blocks = self.req_to_blocks.pop(request.req_id, None)

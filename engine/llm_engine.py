@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequestError
 from engine.hashing import BlockHash, check_block_hashes
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVLayout, build_kv_connector, model_identity
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.checkpoint import resolve_context_length, validate_checkpoint
@@ -91,9 +92,13 @@ class LLMEngine:
             enable_caching=config.cache.enable_prefix_caching,
             enable_kv_cache_events=config.cache.enable_kv_cache_events,
             recent_requests=config.cache.prefix_cache_recent_requests)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        connector = self._build_kv_connector(block_size)
+        self.kv_connector = connector[0] if connector is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
+                                   kv_connector=self.kv_connector)
         self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
-                                  device=self.device, dtype=self.dtype, seed=config.seed)
+                                  device=self.device, dtype=self.dtype, seed=config.seed,
+                                  kv_connector=connector[1] if connector is not None else None)
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
         self.last_stats = SchedulerStats()
@@ -121,6 +126,17 @@ class LLMEngine:
             raise ValueError(f"KV memory budget {budget} bytes holds {n} blocks of {per_block} bytes; "
                              "raise cache.memory_budget_bytes")
         return int(n)
+
+    def _build_kv_connector(self, block_size: int):
+        cfg = self.config.kv_connector
+        if cfg.type == "none":
+            return None
+        args = self.model_args
+        layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
+                          str(self.dtype).removeprefix("torch."), torch.empty((), dtype=self.dtype).element_size())
+        return build_kv_connector(cfg, layout, model_identity=model_identity(self.config.model, cfg.model_identity),
+                                  device=self.device, dtype=self.dtype,
+                                  enable_events=self.config.cache.enable_kv_cache_events)
 
     @property
     def limits(self) -> EngineLimits:
@@ -236,6 +252,7 @@ class LLMEngine:
             # once its parent is dropped nobody would read it, and an abort could not find it.
             failed = set(so.num_scheduled_tokens).union(*(self._seq_ids(rid) for rid in affected))
             self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+            self.scheduler.fail_kv_transfers(so)
             for rid in affected:
                 self._drop_parent(rid)
             raise StepError(e, affected) from e
@@ -281,8 +298,17 @@ class LLMEngine:
         return self.scheduler.reset_prefix_cache()
 
     def take_kv_events(self) -> list[KVEvent]:
-        """KV cache events since the last call (cache.enable_kv_cache_events; else always [])."""
-        return self.kv_cache_manager.take_events()
+        """KV cache events since the last call (cache.enable_kv_cache_events; else always []): the pool's,
+        then the KV connector's tier (`medium` "offload" or "shared")."""
+        events = self.kv_cache_manager.take_events()
+        if self.kv_connector is not None:
+            events.extend(self.kv_connector.take_events())
+        return events
+
+    def close(self) -> None:
+        """Release what lives outside this process's memory (the KV connector's shared-store handle)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
 
 def _eos_token_id(tokenizer, args: ModelArgs) -> int | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, build_attention_metadata
+from engine.kv_connector.base import KVConnectorWorker
 from engine.models.config import ModelArgs
 from engine.sampler import Sampler, SamplingInfo, gather_logprobs
 from engine.sampling_params import SamplingParams
@@ -43,7 +44,8 @@ def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, args: ModelArgs, backend: AttentionBackend,
-                 num_blocks: int, block_size: int, *, device: torch.device, dtype: torch.dtype, seed: int = 0):
+                 num_blocks: int, block_size: int, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 kv_connector: KVConnectorWorker | None = None):
         self.model = model
         self.args = args
         self.backend = backend
@@ -53,6 +55,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler(seed, device)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            from engine.kv_connector.worker import block_view_permutation
+            kv_connector.register_kv_caches(self.kv_caches, block_view_permutation(backend.kv_cache_shape))
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -79,6 +85,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.kv_connector_metadata is None or self.kv_connector is None:
+            return self._execute(so)
+        # stores, then loads, then the forward pass (see KVConnectorMetadata)
+        kv_output = self.kv_connector.execute(so.kv_connector_metadata)
+        out = self._execute(so)
+        out.kv_connector_output = kv_output
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])

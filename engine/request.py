@@ -11,6 +11,8 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    #: its prefix's KV is being loaded from a KV connector's tier: not running, no token budget
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -7,15 +7,28 @@ resumption after preemption are all the same rule. No torch here.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from engine.block_pool import KVCacheBlock
 from engine.config import SchedulerConfig
 from engine.errors import DuplicateRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector.base import KVConnectorOutput, KVConnectorScheduler, PoolChanges
 from engine.limits import EngineLimits, check_request
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_queue
 from engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
                           SchedulerOutput, SchedulerStats, StepOutput)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A request in WAITING_FOR_KV: its blocks up to `num_tokens_after` are being filled by the connector."""
+
+    request: Request
+    num_tokens_after: int
+    deadline: float
+    prior_status: RequestStatus
 
 
 class Scheduler:
@@ -33,9 +46,18 @@ class Scheduler:
     `schedule()` may run again before the previous output arrived (to overlap scheduling with the model):
     requests whose tokens are all in flight are skipped, a token that arrives for a request preempted
     in between is kept (vLLM semantics), and a preempted request resumes only once its output is in.
+
+    With a KV connector (engine/kv_connector): at admission, after the local prefix hit, the connector may
+    offer more prompt blocks from its tier. The request then takes blocks for them and waits in
+    WAITING_FOR_KV (outside the waiting queue, no token budget) until the runner reports the load. A
+    loaded request's blocks are registered in the prefix cache and released, and the request goes back to
+    the front of the queue, where it is admitted as a prefix hit on them. A failed or timed-out load sends
+    it back to recompute (it asks the connector no more). Blocks a transfer still uses (an aborted or
+    timed-out load, a save the connector waits for) stay held until the runner reports that transfer.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+                 kv_connector: KVConnectorScheduler | None = None):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens ({config.max_num_batched_tokens}) "
@@ -58,6 +80,15 @@ class Scheduler:
         self._refund = 0
         #: outputs of schedule() whose update_from_output has not come yet, oldest first
         self._awaiting_output: list[SchedulerOutput] = []
+        self.connector = kv_connector
+        self._loading: dict[str, _Load] = {}                  # WAITING_FOR_KV requests
+        self._orphans: dict[str, list[KVCacheBlock]] = {}     # loads whose request left before the report
+        self._saving: dict[str, list[KVCacheBlock]] = {}      # finished requests whose saves are in flight
+        self._no_load: set[str] = set()                       # a load failed: these recompute
+        if kv_connector is not None:
+            if not kv_cache_manager.enable_caching:
+                raise ValueError("a KV connector needs prefix caching: loaded blocks are reused as prefix hits")
+            kv_cache_manager.pool.track_changes(cached=kv_connector.wants_cached, evicted=kv_connector.wants_evicted)
 
     # ================================================================== requests in
     def add_request(self, request: Request) -> None:
@@ -82,6 +113,8 @@ class Scheduler:
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:
+        if self._loading:
+            self._expire_loads()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -94,6 +127,8 @@ class Scheduler:
         self._last_num_scheduled = total
         finished, self._finished_for_runner = self._finished_for_runner, set()
         so = SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+        if self.connector is not None:
+            so.kv_connector_metadata = self.connector.build_connector_meta(so, PoolChanges(*self.kv.pool.take_changes()))
         self._awaiting_output.append(so)
         return so
 
@@ -203,6 +238,14 @@ class Scheduler:
                     inflight = self._inflight_block_hashes()
                 if req.block_hashes[len(hits)] in inflight:
                     break     # its next block is being computed by another request: wait and hit it
+            if self.connector is not None:
+                started = self._start_load(req, hits, num_hit_tokens)
+                if started is None:
+                    break     # the connector's lookup is pending, or no room for its blocks: FCFS waits
+                if started:
+                    if inflight is not None:
+                        inflight.update(req.block_hashes[len(hits):])
+                    continue
             n = req.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and n > budget:
                 break     # head-of-line: without chunking the whole prompt must fit the budget
@@ -243,7 +286,100 @@ class Scheduler:
             c = cached.get(r.req_id, 0)
             if c < len(r.block_hashes):
                 out.update(r.block_hashes[c:])
+        for load in self._loading.values():       # a prefix being loaded: others wait and hit it
+            r = load.request
+            out.update(r.block_hashes[cached.get(r.req_id, 0):load.num_tokens_after // self.block_size])
         return out
+
+    # ================================================================== KV connector
+    def _start_load(self, req: Request, hits: list[KVCacheBlock], num_hit_tokens: int) -> bool | None:
+        """Ask the connector for blocks beyond the local hit; True if `req` left the queue to load them,
+        False to go on admitting it normally, None to stop admitting this step."""
+        if req.req_id in self._no_load or req.req_id in self._orphans or not self.kv.reads_cache(req):
+            return False
+        num_ext, is_async = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
+        if num_ext is None:
+            return None
+        bs = self.block_size
+        num_ext = min(num_ext, (req.num_tokens - 1) // bs * bs - num_hit_tokens)   # never the last token
+        if num_ext <= 0:
+            return False
+        if num_ext % bs:
+            raise ValueError(f"a KV connector offered {num_ext} tokens for {req.req_id!r}: whole blocks only")
+        if not is_async:
+            raise ValueError("this scheduler supports asynchronous KV loads only (the request waits in "
+                             "WAITING_FOR_KV); a synchronous load could not fall back to recomputing")
+        new_blocks = self.kv.allocate_slots(req, num_ext, hits)
+        if new_blocks is None:
+            return None
+        self.waiting.pop()
+        self._waiting_prefill_tokens -= req.num_tokens
+        self._loading[req.req_id] = _Load(req, num_hit_tokens + num_ext,
+                                          time.monotonic() + self.connector.load_timeout_s, req.status)
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.num_computed_tokens = num_hit_tokens
+        self.connector.update_state_after_alloc(req, [b.block_id for b in new_blocks], num_ext)
+        return True
+
+    def _end_load(self, load: _Load, ok: bool) -> None:
+        """Back to the front of the queue; a loaded prefix is cached (and hit at admission), else recomputed."""
+        req = load.request
+        if ok:
+            self.kv.cache_blocks(req, load.num_tokens_after)
+            self.kv.free(req)
+        else:
+            self._no_load.add(req.req_id)
+            self.kv.free(req)
+        self._requeue(req, load.prior_status)
+
+    def _requeue(self, req: Request, status: RequestStatus) -> None:
+        req.num_computed_tokens = 0
+        req.status = status
+        self.waiting.add_front(req)
+        self._waiting_prefill_tokens += req.num_tokens
+
+    def _expire_loads(self) -> None:
+        """Loads past their deadline fail: the request recomputes, its blocks wait for the late report."""
+        now = time.monotonic()
+        for req_id in [r for r, load in self._loading.items() if now >= load.deadline]:
+            load = self._loading.pop(req_id)
+            self._orphans[req_id] = self.kv.detach(load.request)
+            self._no_load.add(req_id)
+            self._requeue(load.request, load.prior_status)
+
+    def _update_connector(self, output: KVConnectorOutput) -> None:
+        update = self.connector.update_connector_output(output)
+        for req_id, ok in update.finished_loads.items():
+            orphan = self._orphans.pop(req_id, None)
+            if orphan is not None:
+                self.kv.free_blocks(orphan)
+                continue
+            load = self._loading.pop(req_id, None)
+            if load is not None:
+                self._end_load(load, ok)
+        for req_id in update.finished_saving_req_ids:
+            blocks = self._saving.pop(req_id, None)
+            if blocks is not None:
+                self.kv.free_blocks(blocks)
+
+    def fail_kv_transfers(self, scheduler_output: SchedulerOutput) -> None:
+        """The step that carried `scheduler_output` failed: its transfers count as failed (recompute)."""
+        meta = scheduler_output.kv_connector_metadata
+        if self.connector is None or meta is None or meta.is_empty:
+            return
+        self._update_connector(KVConnectorOutput(
+            finished_loads={t.req_id: False for t in meta.loads if t.req_id is not None},
+            finished_stores=[(t.block_hashes, False) for t in meta.stores]))
+
+    def held_blocks(self) -> list[list[KVCacheBlock]]:
+        """Blocks held for transfers on behalf of requests that are gone (for accounting checks)."""
+        return list(self._orphans.values()) + list(self._saving.values())
+
+    def has_pending_kv_transfers(self) -> bool:
+        if self.connector is None:
+            return False
+        return bool(self._loading or self._orphans or self._saving or self.kv.pool.has_changes()
+                    or self.connector.has_pending_work())
 
     # ================================================================== update
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -253,6 +389,8 @@ class Scheduler:
         Outputs must arrive in the order their schedule() calls ran.
         """
         deltas, self._pending_deltas = self._pending_deltas, []
+        if runner_output.kv_connector_output is not None and self.connector is not None:
+            self._update_connector(runner_output.kv_connector_output)
         # overlapped: a later schedule() has moved num_computed_tokens on, past what this output computed
         ends = _computed_ends(scheduler_output) if self._retire(scheduler_output) else None
         logprobs = runner_output.logprobs
@@ -367,7 +505,14 @@ class Scheduler:
         """Release a finished request's blocks and state; report it to the runner and the front end."""
         if was_running:
             self.running.remove(req)
-        self.kv.free(req)
+        if self.connector is None:
+            self.kv.free(req)
+        else:
+            self._no_load.discard(req.req_id)
+            if self.connector.request_finished(req, self.kv.computed_block_ids(req.req_id)):
+                self._saving[req.req_id] = self.kv.detach(req)
+            else:
+                self.kv.free(req)
         del self.requests[req.req_id]
         self._finished_for_runner.add(req.req_id)
         self._finished_for_output.add(req.req_id)
@@ -384,7 +529,10 @@ class Scheduler:
             if req is None:
                 continue
             was_running = req.status is RequestStatus.RUNNING
-            if not was_running:     # waiting or preempted
+            if req.status is RequestStatus.WAITING_FOR_KV:      # the load keeps its blocks until reported
+                load = self._loading.pop(req_id)
+                self._orphans[req_id] = self.kv.detach(load.request)
+            elif not was_running:     # waiting or preempted
                 self.waiting.remove(req)
                 self._waiting_prefill_tokens -= req.num_tokens
             req.status = status
@@ -402,7 +550,8 @@ class Scheduler:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests, or (with a KV connector) transfers still to plan or to hear back from."""
+        return bool(self.requests) or (self.connector is not None and self.has_pending_kv_transfers())
 
     def has_pending_output(self) -> bool:
         """Abort deltas or finished ids that the next update_from_output would report."""
@@ -415,7 +564,7 @@ class Scheduler:
         pc = self.kv.stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self._loading),
             kv_cache_usage=self.kv.usage,
             num_queued_prefill_tokens=self._waiting_prefill_tokens + self._running_prefill_tokens,
             num_scheduled_tokens=self._last_num_scheduled,

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.hashing import BlockHash
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
 
 
 # ---------------------------------------------------------------- scheduler -> runner
@@ -45,6 +49,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     #: requests preempted during this schedule(): the runner drops their state too.
     preempted_req_ids: set[str]
+    #: the KV connector's copies for this step (None without a connector)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -73,6 +79,8 @@ class ModelRunnerOutput:
     #: whole-prompt logprobs of requests that asked for them, in the step that completed their prompt
     #: (the step that samples their first token): entry p for prompt position p, entry 0 None.
     prompt_logprobs: dict[str, list[Logprobs | None]] | None = None
+    #: the KV connector's transfers that finished (None without a connector)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 # ---------------------------------------------------------------- scheduler -> front end
@@ -122,17 +130,29 @@ class StepOutput:
 
 
 # ---------------------------------------------------------------- KV events
+#: where a block lives: the replica's paged pool (free to hit), its offload tier, or the node-shared store
+#: (both a load away). Events without a medium are about the pool.
+MEDIUM_POOL = "pool"
+MEDIUM_OFFLOAD = "offload"
+MEDIUM_SHARED = "shared"
+
+
 @dataclass(slots=True, frozen=True)
 class BlockStored:
+    """Hashes entered `medium`. For the pool: one chain, with its parent hash and token ids; a tier's
+    events carry only the hashes (parent None, token_ids [])."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    medium: str = MEDIUM_POOL
 
 
 @dataclass(slots=True, frozen=True)
 class BlockRemoved:
     block_hashes: list[BlockHash]
+    medium: str = MEDIUM_POOL
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,81 @@
+"""KV connectors: move whole KV blocks between the paged pool and a tier outside it (see base.py).
+
+`build_kv_connector(config, ...)` makes both sides from `EngineConfig.kv_connector`; this package imports
+torch only inside it (the scheduler side stays torch-free).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
+                                      KVConnectorStats, KVConnectorUpdate, KVConnectorWorker, KVLayout,
+                                      KVTransfer, PoolChanges)
+from engine.kv_connector.offload import OffloadConnectorScheduler
+from engine.kv_connector.shared import SharedConnectorScheduler
+from engine.kv_connector.shared_store import SharedKVStore, default_shared_root
+
+if TYPE_CHECKING:
+    from engine.config import KVConnectorConfig
+
+__all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorStats",
+           "KVConnectorUpdate", "KVConnectorWorker", "KVLayout", "KVTransfer", "PoolChanges",
+           "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "build_kv_connector",
+           "model_identity", "default_shared_root"]
+
+_DEFAULT_CAPACITY_BYTES = 1 << 30
+
+
+def capacity_blocks(config: "KVConnectorConfig", layout: KVLayout) -> int:
+    if config.capacity_blocks is not None:
+        return config.capacity_blocks
+    budget = config.capacity_bytes if config.capacity_bytes is not None else _DEFAULT_CAPACITY_BYTES
+    n = budget // layout.block_bytes
+    if n < 1:
+        raise ValueError(f"kv_connector.capacity_bytes {budget} holds no block of {layout.block_bytes} bytes")
+    return int(n)
+
+
+def model_identity(model_dir: str, override: str | None = None) -> str:
+    """Names the weights a KV block was computed with: `override` if given, else a digest of the
+    checkpoint's real path, config.json and its weight files' names, sizes and mtimes (cheap; equal for
+    every replica on a node loading the same files, different for any other checkpoint)."""
+    if override:
+        return override
+    real = os.path.realpath(model_dir)
+    h = hashlib.sha256(real.encode())
+    try:
+        with open(os.path.join(real, "config.json"), "rb") as f:
+            h.update(f.read())
+    except OSError:
+        pass
+    files = []
+    for name in sorted(os.listdir(real)):
+        if name.endswith((".safetensors", ".bin", ".pt")):
+            st = os.stat(os.path.join(real, name))
+            files.append((name, st.st_size, st.st_mtime_ns))
+    h.update(json.dumps(files).encode())
+    return h.hexdigest()[:32]
+
+
+def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_identity: str, device: Any,
+                       dtype: Any, enable_events: bool = False
+                       ) -> tuple[KVConnectorScheduler, KVConnectorWorker] | None:
+    """Both sides of the configured connector (None for type 'none'). `device`/`dtype`: torch's."""
+    if config.type == "none":
+        return None
+    from engine.kv_connector.worker import OffloadWorker, SharedStoreWorker
+    n = capacity_blocks(config, layout)
+    if config.type == "offload":
+        sched = OffloadConnectorScheduler(layout, n, store_on=config.store_on, load_timeout_s=config.load_timeout_s,
+                                          enable_events=enable_events)
+        return sched, OffloadWorker(layout, n, device, dtype)
+    if config.type == "shared":
+        store = SharedKVStore(config.shared_dir or default_shared_root(), layout.namespace(model_identity),
+                              layout.block_bytes, n)
+        sched = SharedConnectorScheduler(layout, store, load_timeout_s=config.load_timeout_s,
+                                         enable_events=enable_events)
+        return sched, SharedStoreWorker(layout, store, device, dtype)
+    raise ValueError(f"unknown kv_connector.type {config.type!r}; use none, offload or shared")

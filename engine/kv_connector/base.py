@@ -1,0 +1,198 @@
+"""The KV connector interface: a scheduler side (torch-free) and a runner side, after vLLM v1's split.
+
+A connector moves whole KV blocks between the replica's paged pool and a tier outside it (a host-memory
+offload tier, a node-shared store). Its scheduler side answers "how many more prompt tokens can you
+supply beyond the local prefix hit?", is told which pool blocks to fill, plans each step's copies as a
+`KVConnectorMetadata` (handed to the runner inside `SchedulerOutput`), and learns from the runner's
+`KVConnectorOutput` which copies completed. Its runner side (`KVConnectorWorker`) does the copies.
+
+The Scheduler calls the scheduler side at these points (vLLM v1 names):
+- `get_num_new_matched_tokens(request, num_local_tokens)` at admission, after the local prefix lookup;
+- `update_state_after_alloc(request, block_ids, num_external_tokens)` once blocks for the load exist;
+- `build_connector_meta(scheduler_output, changes)` at the end of every `schedule()`;
+- `update_connector_output(output)` at the start of every `update_from_output()`;
+- `request_finished(request, block_ids)` when a request ends or is preempted (True: keep the blocks
+  until the connector reports the request's saves done);
+- `take_events()` whenever the engine collects KV events.
+Loads are asynchronous: the request waits in `RequestStatus.WAITING_FOR_KV` (not running, no token
+budget) until its load is reported; a failed or timed-out load falls back to recomputing.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from engine.hashing import BlockHash
+from engine.types import KVEvent
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.types import SchedulerOutput
+
+
+# ---------------------------------------------------------------- what a block is
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What one block's KV holds, independent of the attention backend's tensor layout.
+
+    A tier stores a block as one contiguous `[num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]`
+    array of `dtype`, so replicas with different backends (torch on CPU, flash on GPU) can share it.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str                    # torch dtype name without the prefix: "float32", "bfloat16", ...
+    element_size: int
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.element_size
+
+    def namespace(self, model_identity: str) -> str:
+        """The key space a tier's blocks live in: block hashes only match within one namespace.
+
+        The cache salt needs no place here: it is part of the block hash chain (engine.hashing).
+        """
+        text = (f"affinity-kv/v1|model={model_identity}|dtype={self.dtype}|layers={self.num_layers}|"
+                f"kv_heads={self.num_kv_heads}|head_dim={self.head_dim}|block_size={self.block_size}|"
+                "layout=L2HBD")
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------- scheduler -> runner
+@dataclass(slots=True)
+class KVTransfer:
+    """Whole-block copies between pool blocks and a tier, one entry per block (parallel lists).
+
+    `tier_slots` address the offload tier's host buffer; a keyed tier (the shared store) uses
+    `block_hashes` instead and leaves `tier_slots` empty.
+    """
+
+    req_id: str | None                 # the loading request (None for stores)
+    block_ids: list[int]               # paged-pool blocks
+    block_hashes: list[BlockHash]
+    tier_slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """One step's copies. The runner does every store, then every load, then the forward pass: a pool
+    block evicted in this step's schedule() is saved before anything overwrites it."""
+
+    stores: list[KVTransfer] = field(default_factory=list)     # pool -> tier
+    loads: list[KVTransfer] = field(default_factory=list)      # tier -> pool (one per request)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.stores and not self.loads
+
+
+@dataclass(slots=True)
+class PoolChanges:
+    """What the paged pool did since the previous schedule(), as (block id, hash) pairs."""
+
+    cached: list[tuple[int, BlockHash]]     # blocks whose KV was computed and registered under a new hash
+    evicted: list[tuple[int, BlockHash]]    # cached blocks reallocated in this schedule(): saved or lost
+
+
+# ---------------------------------------------------------------- runner -> scheduler
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """Transfers that completed in the runner: loads by request id, stores by their position."""
+
+    finished_loads: dict[str, bool] = field(default_factory=dict)       # req_id -> ok
+    #: stores that completed, as (block hashes, ok) per KVTransfer in the order they were issued
+    finished_stores: list[tuple[list[BlockHash], bool]] = field(default_factory=list)
+    #: hashes the tier dropped while making room (a keyed tier whose eviction happens in the runner)
+    tier_evicted: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVConnectorUpdate:
+    """What the scheduler needs from a runner report: loads done, and requests whose saves are done."""
+
+    finished_loads: dict[str, bool] = field(default_factory=dict)
+    finished_saving_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class KVConnectorStats:
+    """Cumulative counters (blocks and the tokens they hold)."""
+
+    lookups: int = 0
+    hit_blocks: int = 0
+    loads_ok: int = 0
+    loads_failed: int = 0
+    loaded_blocks: int = 0
+    stored_blocks: int = 0
+    stores_failed: int = 0
+    evicted_blocks: int = 0
+
+
+# ---------------------------------------------------------------- the two sides
+class KVConnectorScheduler:
+    """Scheduler side: torch-free bookkeeping of what a tier holds and which copies are in flight.
+
+    Subclasses implement the abstract methods; the defaults of the others suit a tier whose stores need
+    no blocks held after their request ends (ours: stores run before the next forward pass).
+    `wants_cached` / `wants_evicted` say which `PoolChanges` the pool must record for it.
+    """
+
+    wants_cached: bool = False
+    wants_evicted: bool = False
+
+    #: a load not reported within this many seconds fails (the request recomputes instead)
+    load_timeout_s: float = 30.0
+    #: the `medium` of this connector's KV events ("offload", "shared")
+    medium: str = "tier"
+
+    def __init__(self) -> None:
+        self.stats = KVConnectorStats()
+
+    def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the tier holds right after the first `num_local_tokens` (block aligned, never the last
+        prompt token's block), and whether loading them is asynchronous. None: ask again next step."""
+        raise NotImplementedError
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        """`block_ids` (pool blocks, in order) are to receive the request's next `num_external_tokens`."""
+        raise NotImplementedError
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput", changes: PoolChanges) -> KVConnectorMetadata:
+        """This step's copies; called once per schedule()."""
+        raise NotImplementedError
+
+    def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorUpdate:
+        """Account for transfers the runner reports as finished."""
+        raise NotImplementedError
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
+        """The request ended (or was preempted); True if its blocks must stay held until its saves finish."""
+        return False
+
+    def has_pending_work(self) -> bool:
+        """Copies planned or in flight: the engine keeps stepping until there are none."""
+        return False
+
+    def take_events(self) -> list[KVEvent]:
+        return []
+
+    def block_hashes(self) -> list[BlockHash]:
+        """Every hash the tier can load now (for snapshots and accounting checks)."""
+        return []
+
+    def close(self) -> None:
+        """Release what the connector holds outside this process's memory (files, shared segments)."""
+
+
+class KVConnectorWorker(Protocol):
+    """Runner side: copies whole blocks; owns the tier's bytes (or its handle to them)."""
+
+    def register_kv_caches(self, kv_caches: list, block_dim: int) -> None:
+        """The paged KV tensors, one per layer; `block_dim` is the block axis of each."""
+
+    def execute(self, metadata: KVConnectorMetadata) -> KVConnectorOutput:
+        """Start (on CPU: do) this step's stores then loads; report every transfer that finished."""

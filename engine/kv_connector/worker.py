@@ -1,0 +1,201 @@
+"""Runner side of the KV connectors: whole-block copies between the paged KV tensors and a tier.
+
+`BlockCopier` sees every layer's paged tensor through a permuted view `[num_blocks, 2, heads, block_size,
+head_dim]` (whatever the attention backend's layout) and moves a step's blocks with one gather or scatter
+per layer. On CPU the copies run inline, before the forward pass. On CUDA they run on a side stream into or
+out of pinned host memory; the forward pass waits for the stores (they read blocks it may overwrite) and a
+load is reported once its event completed.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
+from engine.kv_connector.shared_store import SharedKVStore
+
+logger = logging.getLogger(__name__)
+
+
+def block_view_permutation(kv_cache_shape) -> tuple[int, ...]:
+    """The permutation of a backend's KV tensor axes into (block, k/v, head, slot, head_dim).
+
+    `kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)` is probed with distinct sizes, so
+    any backend layout is understood without the backend naming its axes.
+    """
+    nb, bs, h, d = 1009, 1013, 1019, 1021
+    shape = list(kv_cache_shape(nb, bs, h, d))
+    return (shape.index(nb), shape.index(2), shape.index(h), shape.index(bs), shape.index(d))
+
+
+class BlockCopier:
+    """Gathers and scatters whole blocks; a block's canonical form is [num_layers, 2, heads, block_size, head_dim]."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], permutation: tuple[int, ...]):
+        self.views = [kv.permute(*permutation) for kv in kv_caches]   # each [num_blocks, 2, H, bs, D]
+        self.device = kv_caches[0].device
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
+        """out: [n, num_layers, 2, H, bs, D] (host or device) <- the pool blocks `block_ids`."""
+        ids = self._ids(block_ids)
+        for layer, view in enumerate(self.views):
+            out[:, layer] = view.index_select(0, ids)
+
+    def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
+        """The pool blocks `block_ids` <- src: [n, num_layers, 2, H, bs, D] on the pool's device."""
+        ids = self._ids(block_ids)
+        for layer, view in enumerate(self.views):
+            view[ids] = src[:, layer]
+
+
+def _block_shape(layout: KVLayout) -> tuple[int, ...]:
+    return (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+
+
+class _Worker:
+    """What both connectors' runner sides share: the copier, and deferred reports on CUDA."""
+
+    def __init__(self, layout: KVLayout, device: torch.device, dtype: torch.dtype):
+        self.layout = layout
+        self.device = device
+        self.dtype = dtype
+        self.copier: BlockCopier | None = None
+        self.is_cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self._in_flight: list[tuple[object, KVConnectorOutput]] = []     # (cuda event, report when done)
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], permutation: tuple[int, ...]) -> None:
+        self.copier = BlockCopier(kv_caches, permutation)
+
+    def execute(self, metadata: KVConnectorMetadata) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        if self.is_cuda:
+            self._poll(out)
+        if metadata.is_empty:
+            return out
+        assert self.copier is not None, "register_kv_caches first"
+        if not self.is_cuda:
+            self._run(metadata, out)
+            return out
+        return self._run_cuda(metadata, out)
+
+    def _run(self, metadata: KVConnectorMetadata, out: KVConnectorOutput) -> None:
+        for t in metadata.stores:
+            ok = self._guarded(self._store, t, out)
+            out.finished_stores.append((t.block_hashes, ok))
+        for t in metadata.loads:
+            out.finished_loads[t.req_id] = self._guarded(self._load, t, out)
+
+    def _guarded(self, fn, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        try:
+            return fn(t, out)
+        except Exception:     # a tier failure costs a recompute, never the step
+            logger.exception("KV connector transfer of %d blocks failed", len(t.block_ids))
+            return False
+
+    # --------------------------------------------------------- CUDA: side stream, pinned memory
+    def _run_cuda(self, metadata: KVConnectorMetadata, out: KVConnectorOutput) -> KVConnectorOutput:
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))     # the KV the last forward wrote
+        report = KVConnectorOutput()
+        with torch.cuda.stream(stream):
+            self._run(metadata, report)
+            event = torch.cuda.Event()
+            event.record(stream)
+        if metadata.stores:       # the forward pass may overwrite evicted blocks: it waits for their save
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._in_flight.append((event, report))
+        return out
+
+    def _poll(self, out: KVConnectorOutput) -> None:
+        keep = []
+        for event, report in self._in_flight:
+            if event.query():
+                out.finished_loads.update(report.finished_loads)
+                out.finished_stores.extend(report.finished_stores)
+                out.tier_evicted.extend(report.tier_evicted)
+            else:
+                keep.append((event, report))
+        self._in_flight = keep
+
+    def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        raise NotImplementedError
+
+    def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        raise NotImplementedError
+
+
+class OffloadWorker(_Worker):
+    """The offload tier's bytes: [capacity_blocks, num_layers, 2, H, bs, D] in host memory (pinned on CUDA)."""
+
+    def __init__(self, layout: KVLayout, capacity_blocks: int, device: torch.device, dtype: torch.dtype):
+        super().__init__(layout, device, dtype)
+        # torch.empty commits no pages until written: an unused tier costs address space, not memory
+        self.tier = torch.empty((capacity_blocks, *_block_shape(layout)), dtype=dtype, pin_memory=self.is_cuda)
+
+    def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        assert self.copier is not None
+        slots = torch.tensor(t.tier_slots, dtype=torch.long)
+        if not self.is_cuda:
+            staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype)
+            self.copier.gather(t.block_ids, staged)
+            self.tier[slots] = staged
+            return True
+        staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype, device=self.device)
+        self.copier.gather(t.block_ids, staged)
+        for i, slot in enumerate(t.tier_slots):        # device -> pinned host, asynchronous per block
+            self.tier[slot].copy_(staged[i], non_blocking=True)
+        return True
+
+    def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        assert self.copier is not None
+        if not self.is_cuda:
+            self.copier.scatter(t.block_ids, self.tier[torch.tensor(t.tier_slots, dtype=torch.long)])
+            return True
+        staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype, device=self.device)
+        for i, slot in enumerate(t.tier_slots):        # pinned host -> device, asynchronous per block
+            staged[i].copy_(self.tier[slot], non_blocking=True)
+        self.copier.scatter(t.block_ids, staged)
+        return True
+
+
+class SharedStoreWorker(_Worker):
+    """Copies between the pool and the node's SharedKVStore through a host staging buffer."""
+
+    def __init__(self, layout: KVLayout, store: SharedKVStore, device: torch.device, dtype: torch.dtype):
+        super().__init__(layout, device, dtype)
+        self.store = store
+
+    def _staging(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host buffer for n blocks: (raw bytes [n, block_bytes], typed [n, L, 2, H, bs, D])."""
+        raw = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8, pin_memory=self.is_cuda)
+        return raw, raw.view(self.dtype).view(n, *_block_shape(self.layout))
+
+    def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        assert self.copier is not None
+        raw, typed = self._staging(len(t.block_ids))
+        if self.is_cuda:
+            staged = torch.empty_like(typed, device=self.device)
+            self.copier.gather(t.block_ids, staged)
+            typed.copy_(staged)        # synchronous: the files are written right after
+        else:
+            self.copier.gather(t.block_ids, typed)
+        mem = raw.numpy()
+        _, evicted = self.store.write_many([(h, memoryview(mem[i])) for i, h in enumerate(t.block_hashes)])
+        out.tier_evicted.extend(evicted)
+        return True
+
+    def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
+        assert self.copier is not None
+        raw, typed = self._staging(len(t.block_ids))
+        mem = raw.numpy()
+        for i, h in enumerate(t.block_hashes):
+            if not self.store.read_into(h, memoryview(mem[i])):
+                return False           # evicted since the lookup: the request recomputes
+        self.copier.scatter(t.block_ids, typed.to(self.device, non_blocking=self.is_cuda))
+        return True
