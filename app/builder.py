@@ -27,7 +27,8 @@ def router_kwargs(config: AppConfig) -> dict[str, Any]:
     r = config.routing
     return {"policy": r.policy, "block_size": config.engine.cache.block_size,
             "affinity": r.affinity.model_dump(mode="json"), "kv_events_period_s": r.kv_events_period_s,
-            "kv_events_timeout_s": r.kv_events_timeout_s}
+            "kv_events_timeout_s": r.kv_events_timeout_s, "warmup_on_join": r.warmup_on_join,
+            "warmup_num_prefixes": r.warmup_num_prefixes}
 
 
 def replica_placement(config: AppConfig) -> dict[str, Any]:

@@ -136,6 +136,29 @@ class LLMReplica:
         finally:
             span.end()
 
+    async def warm(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """Prefill these prompts (one generated token each, discarded) so their full blocks are cached:
+        a router warms a replica that joined with its hottest prefixes. Prompts the engine would refuse
+        (too long) are skipped; runs concurrently with real requests, which it does not hold up beyond its
+        share of the steps."""
+        import asyncio
+
+        from engine import SamplingParams
+        from engine.errors import InvalidRequestError
+
+        async def one(ids: list[int]) -> int:
+            try:
+                async for _ in self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
+                                                    f"warmup-{uuid.uuid4().hex}"):
+                    pass
+                return len(ids)
+            except InvalidRequestError:
+                return 0
+        start = time.monotonic()
+        done = await asyncio.gather(*(one(list(p)) for p in prompts))
+        return {"num_prompts": sum(1 for n in done if n), "num_tokens": sum(done),
+                "elapsed_s": round(time.monotonic() - start, 4)}
+
     async def limits(self) -> EngineLimits:
         """The engine's request limits (the ingress checks requests against these before routing)."""
         return self.engine.limits

@@ -10,6 +10,7 @@ drive a core with its own clock. The feed, in the order a caller usually produce
     a request    core.route(RouteRequest, candidate_ids) -> Decision    (never raises)
     lifecycle    core.on_routed / on_first_token / on_actual_cached / on_finished
     inspection   core.recent_decisions(n), core.counters()
+    scale-out    core.hot_prefixes(n) -> token ids to warm a joining replica (prefix_affinity only; optional)
 
 Block hashes are the engine's own (`engine.hashing.hash_block_chain` over the prompt's token ids with the
 request's cache salt, full blocks only), computed once at the ingress and passed in `RouteRequest`.

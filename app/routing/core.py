@@ -13,6 +13,7 @@ from app.routing.config import AffinityConfig, RoutingPolicyName
 from app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
 from app.routing.policy import AffinityPolicy
 from app.routing.prefix_index import PrefixIndex
+from app.routing.warmup import HotPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class PrefixAffinityRouterCore:
         self.loads = LoadTracker(config.max_in_flight_age_s)
         self.model = TTFTModel(config)
         self.policy = AffinityPolicy(config, block_size, self.model, self.rng)
+        self.hot = HotPrefixes(block_size, config.group_blocks, config.hot_window_s)
         self._nodes: dict[str, str | None] = {}
         self._decisions: deque[Decision] = deque(maxlen=config.recent_decisions)
         self._counters = RouterCounters()
@@ -55,6 +57,7 @@ class PrefixAffinityRouterCore:
         self.loads.set_stats(replica_id, load)
 
     def on_kv_events(self, batch: KVEventBatch) -> bool:
+        self.hot.on_events(batch.events)
         return self.index.apply_events(batch)
 
     def replicas_needing_snapshot(self) -> list[str]:
@@ -94,6 +97,7 @@ class PrefixAffinityRouterCore:
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=request.block_hashes, now=now)
         self.index.insert_speculative(chosen, request.block_hashes[matched.get(chosen, 0):], now)
+        self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
         return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
@@ -167,6 +171,10 @@ class PrefixAffinityRouterCore:
 
     def on_finished(self, request_id: str) -> None:
         self.loads.finish(request_id)
+
+    def hot_prefixes(self, n: int) -> list[list[int]]:
+        """Token ids of the `n` hottest shared prefixes, to warm a joining replica (app/routing/warmup.py)."""
+        return self.hot.hot_prefixes(n, self.clock())
 
     # ------------------------------------------------------------ inspection
     def recent_decisions(self, n: int) -> list[Decision]:

@@ -53,6 +53,9 @@ class ReplicaMethodClient:
     async def snapshot(self) -> KVCacheSnapshot:
         return await self._call("kv_snapshot")
 
+    async def warm(self, prompts: list[list[int]]) -> dict[str, Any]:
+        return await self._call("warm", prompts)
+
     async def _call(self, method: str, *args: Any) -> Any:
         meta = RequestMetadata(request_id=f"{KV_FEED_REQUEST_ID_PREFIX}{method}", internal_request_id=uuid.uuid4().hex,
                                call_method=method, app_name=self._app_name)
@@ -79,12 +82,17 @@ def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest
 class AffinityRequestRouter(LocalityMixin, RequestRouter):
     """Serve's RequestRouter for LLMReplica; kwargs (RequestRouterConfig.request_router_kwargs, built by
     app/builder.py from `routing`): policy, block_size, affinity (AffinityConfig fields),
-    kv_events_period_s, kv_events_timeout_s."""
+    kv_events_period_s, kv_events_timeout_s, warmup_on_join, warmup_num_prefixes, warmup_timeout_s."""
 
     def initialize_state(self, policy: str = "prefix_affinity", block_size: int = 16,
                          affinity: dict[str, Any] | None = None, kv_events_period_s: float = 0.25,
-                         kv_events_timeout_s: float = 1.0) -> None:
+                         kv_events_timeout_s: float = 1.0, warmup_on_join: bool = False,
+                         warmup_num_prefixes: int = 8, warmup_timeout_s: float = 30.0) -> None:
         self.policy = policy
+        self.warmup_num_prefixes = warmup_num_prefixes if warmup_on_join else 0
+        self.warmup_timeout_s = warmup_timeout_s
+        self._warm_tasks: set[asyncio.Task] = set()
+        self.num_warmups = 0
         self.core = make_core(policy, AffinityConfig(**(affinity or {})), block_size)  # type: ignore[arg-type]
         self._clients: dict[str, ReplicaMethodClient] = {}
         self._last_stats: dict[str, Mapping[str, Any]] = {}
@@ -109,6 +117,9 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
 
     def _sync_members(self, replicas: list[RunningReplica]) -> None:
         keys = {_replica_key(r.replica_id): r for r in replicas}
+        # A replica that joins a set this router already routed over (scale-out, a replacement) starts
+        # cold: warm it off the request path. The first view is the deployment as it was, not a join.
+        joined = [k for k in keys if k not in self._clients] if self._clients else []
         self._clients = {k: self._clients.get(k) or ReplicaMethodClient(r) for k, r in keys.items()}
         self.core.set_replicas([ReplicaInfo(k, r.node_id) for k, r in keys.items()])
         self._last_stats = {k: v for k, v in self._last_stats.items() if k in keys}
@@ -119,6 +130,31 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             if stats and stats != self._last_stats.get(k):
                 self._last_stats[k] = dict(stats)
                 self.core.on_stats(k, ReplicaLoadView.from_stats(stats))
+        for k in joined:
+            self._start_warmup(k)
+
+    def _start_warmup(self, key: str) -> None:
+        """Prefill the joining replica with the hottest prefixes this router knows (their BlockStored
+        events then show it holding them, so affinity and hot-group spreading can use it)."""
+        hot_prefixes = getattr(self.core, "hot_prefixes", None)
+        if not self.warmup_num_prefixes or hot_prefixes is None:
+            return
+        prompts = hot_prefixes(self.warmup_num_prefixes)
+        if not prompts:
+            return
+        task = self._event_loop.create_task(self._warm(key, self._clients[key], prompts))
+        self._warm_tasks.add(task)
+        task.add_done_callback(self._warm_tasks.discard)
+
+    async def _warm(self, key: str, client: ReplicaMethodClient, prompts: list[list[int]]) -> None:
+        try:
+            out = await asyncio.wait_for(client.warm(prompts), self.warmup_timeout_s)
+            self.num_warmups += 1
+            logger.info("routing: warmed joining replica %s with %d hot prefixes (%s)", key, len(prompts), out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:         # a replica that left or failed: routing goes on without the warm-up
+            logger.warning("routing: warming joining replica %s failed: %r", key, e)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -246,6 +282,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         cursors = self.feed.cursors() if self.feed is not None else {}
         return {
             "policy": self.policy, "node_id": self._self_node_id, "num_shell_errors": self.num_shell_errors,
+            "num_warmups": self.num_warmups,
             "decisions": [debug.decision_to_dict(d) for d in self.core.recent_decisions(num_decisions)],
             "counters": {"num_decisions": c.num_decisions, "num_errors": c.num_errors,
                          "num_rerouted": c.num_rerouted, "num_resyncs": c.num_resyncs,
