@@ -91,8 +91,9 @@ class FleetLoad:
 @dataclass(frozen=True, slots=True)
 class PolicyState:
     up_since: float | None = None        # when the current up condition started
-    down_since: float | None = None
-    down_floor: int = 0                  # the largest down target seen while waiting to scale down
+    down_since: float | None = None      # when the current down condition started
+    #: (time, down target) whenever the down target changed while the down condition held, newest last
+    down_history: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None      # nothing in flight since then (scale to zero)
     last_up_time: float | None = None
 
@@ -172,14 +173,14 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
             return done(max(1, up_target), Reason.COLD_START, replace(state, last_up_time=now, up_since=None))
         return done(0, Reason.BOUNDS if cfg.min_replicas > 0 else Reason.HOLD, state)
     if current < cfg.min_replicas or current > cfg.max_replicas:
-        return done(current, Reason.BOUNDS, replace(state, up_since=None, down_since=None, down_floor=0))
+        return done(current, Reason.BOUNDS, replace(state, up_since=None, down_since=None, down_history=()))
     if not signals:
         return done(current, Reason.NO_METRICS, state)
 
     want_up = max(up_target, slo_target)
     if want_up > current and current < cfg.max_replicas:
         up_since = state.up_since if state.up_since is not None else now
-        st = replace(state, up_since=up_since, down_since=None, down_floor=0)
+        st = replace(state, up_since=up_since, down_since=None, down_history=())
         if now - up_since + 1e-9 < cfg.upscale_delay_s:
             return done(current, Reason.UP_PENDING, st)
         reason = Reason.UP_SLO if slo_target > up_target else Reason.UP_PREDICTED
@@ -188,13 +189,31 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     st = replace(state, up_since=None)
     if cfg.min_replicas == 0 and current == 1 and idle:
         if now - state.idle_since + 1e-9 >= cfg.downscale_to_zero_delay_s:
-            return done(0, Reason.TO_ZERO, replace(st, down_since=None, down_floor=0))
+            return done(0, Reason.TO_ZERO, replace(st, down_since=None, down_history=()))
         return done(current, Reason.TO_ZERO_PENDING, st)
     if down_target < current and not slo_breached and num_queued_at_callers <= 0:
         down_since = state.down_since if state.down_since is not None else now
-        floor = max(state.down_floor, down_target)
-        st = replace(st, down_since=down_since, down_floor=floor)
+        history = _down_history(state.down_history, now, down_target, cfg.downscale_delay_s)
+        st = replace(st, down_since=down_since, down_history=history)
         if now - down_since + 1e-9 < cfg.downscale_delay_s:
             return done(current, Reason.DOWN_PENDING, st)
-        return done(floor, Reason.DOWN, replace(st, down_since=None, down_floor=0))
-    return done(current, Reason.HOLD, replace(st, down_since=None, down_floor=0))
+        # The largest down target of the last downscale_delay_s: a dip does not take the fleet below what
+        # the busier moments of the window needed. The condition stays on, so the count keeps following
+        # that window down without a fresh delay per step.
+        floor = max(t for _, t in history)
+        return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)
+    return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
+
+
+def _down_history(history: tuple[tuple[float, int], ...], now: float, down_target: int,
+                  window_s: float) -> tuple[tuple[float, int], ...]:
+    """`history` plus (now, down_target) if it changed, without entries that stopped mattering: an entry
+    counts until the next one starts, so the newest entry older than the window is kept as the window's
+    value at its start."""
+    if not history or history[-1][1] != down_target:
+        history = history + ((now, down_target),)
+    start = now - window_s
+    i = 0
+    while i + 1 < len(history) and history[i + 1][0] <= start:
+        i += 1
+    return history[i:]

@@ -58,7 +58,6 @@ class SignalRecorder:
         self._first: deque[tuple[float, float, int]] = deque(maxlen=max_samples)   # (t, ttft, uncached tokens)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
         self._preempt: deque[tuple[float, int]] = deque(maxlen=max_samples)         # (t, preemptions total)
-        self._born = None
 
     def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int) -> None:
         self._first.append((now, ttft_s, num_uncached_prompt_tokens))
@@ -71,16 +70,16 @@ class SignalRecorder:
     def snapshot(self, now: float, *, num_running: int, num_waiting: int, num_in_flight: int,
                  kv_cache_usage: float, num_queued_prefill_tokens: int,
                  num_preemptions_total: int) -> ReplicaSignals:
-        if self._born is None:
-            self._born = now
         cut = now - self.window_s
         for q in (self._first, self._tpot, self._preempt):
             while q and q[0][0] < cut:
                 q.popleft()
         self._preempt.append((now, num_preemptions_total))
-        span = min(self.window_s, max(now - self._born, 1e-3))
-        t0, p0 = self._preempt[0]
-        preempt_rate = (num_preemptions_total - p0) / max(now - t0, span) if now > t0 else 0.0
+        # Rates over the whole window even when the replica is younger: a new replica's first requests
+        # must not read as a burst (an underestimate only delays a scale-up by the replica's first seconds).
+        span = self.window_s
+        p0 = self._preempt[0][1]
+        preempt_rate = (num_preemptions_total - p0) / span
         ttfts = [x[1] for x in self._first]
         tpots = [x[1] for x in self._tpot]
         return ReplicaSignals(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load
@@ -121,3 +122,15 @@ def test_bad_config_is_rejected():
         PolicyConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         PolicyConfig(prefill_tokens_per_s=0)
+
+
+def test_after_the_delay_the_count_follows_the_windows_largest_down_target_without_a_new_delay():
+    """Load falls 4 -> 2 -> idle: once the first down is allowed, each later step waits only for the
+    busier target to leave the downscale_delay_s window (10 s), not for a fresh 10 s each."""
+    s, n, seen = FRESH, 6, {}
+    for t in np.arange(0, 40, 0.5):
+        running = 16 if t < 5 else 8 if t < 15 else 0     # down targets 4, then 2, then 1
+        d = decide([busy(running / n)] * n, n, float(t), s, CFG)
+        s, n = d.state, d.target_replicas
+        seen.setdefault(n, float(t))
+    assert seen == {6: 0.0, 4: 10.0, 2: 15.0, 1: 25.0}

@@ -1,0 +1,530 @@
+"""Autoscaling benchmark: our engine-aware policy (autoscale/policy.py) against Ray Serve's default
+policy (replicas = ongoing requests / target_ongoing_requests), on one seeded trace with a ramp, a 2x burst
+and a quiet period, in the routing benchmark's simulator (the real Scheduler + KV manager per replica with
+a timing-model runner, our prefix-affinity router core in front).
+
+What is simulated around the policies, the same for both:
+- the trace: the routing benchmark's mixed workload (tenants' system prompts, multi-turn sessions, sibling
+  bursts, no-reuse requests) generated at the burst's peak rate for `--max-replicas` replicas and thinned
+  by the load profile (low -> ramp -> steady -> 2x burst -> steady -> quiet); sessions and bursts are kept
+  or dropped whole, so prefix reuse stays;
+- Serve's metric path: every `--tick` seconds each running replica's signals are sampled (the replica's
+  own `autoscale.signals.SignalRecorder`, as LLMReplica.record_autoscaling_stats does) and the policy sees
+  their mean over `look_back_period_s`; the policy runs every tick; min/max bounds;
+- a new replica takes `--startup` seconds before it serves (paid from the moment it is requested);
+  scale-in stops starting replicas first, then the newest (Serve's order), and a stopped replica drains:
+  it gets no new requests and is released when its last request ends. A drain longer than
+  `--graceful-timeout` would have cut requests: those count as failed.
+
+Ray's default rule, as ray/serve/autoscaling_policy.py (2.60) implements it: desired = ceil(total ongoing
+requests (look-back mean) / target_ongoing_requests); a change must persist for upscale_delay_s /
+downscale_delay_s (the timer restarts when the direction flips); from 0 replicas any request starts one at
+once; then the min/max bounds.
+
+    python benchmarks/autoscale.py --quick                       # 8 replicas, short trace (~1-2 min)
+    python benchmarks/autoscale.py --max-replicas 8,32,64 --out-dir benchmarks/autoscale-results
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView,  # noqa: E402
+                         RouteRequest, make_core)
+from autoscale.policy import PolicyConfig, PolicyState, decide  # noqa: E402
+from autoscale.signals import ReplicaSignals, SignalRecorder  # noqa: E402
+from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
+from benchmarks.routing.workload import (Trace, TraceRequest, WorkloadSpec, generate, read_trace,  # noqa: E402
+                                         write_trace)
+from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+
+#: (start fraction of the trace, load at start, load at end) — load as a fraction of the burst's peak
+PROFILE = [(0.00, 0.2, 0.2), (0.10, 0.2, 0.5), (0.40, 0.5, 0.5), (0.50, 1.0, 1.0), (0.60, 0.5, 0.5),
+           (0.70, 0.05, 0.05)]
+BURST = (0.50, 0.60)
+BIN_S = 5.0
+
+
+def profile(x: float) -> float:
+    """The load profile at fraction x of the trace (piecewise linear)."""
+    for (x0, a, b), nxt in zip(PROFILE, PROFILE[1:] + [(1.0, 0, 0)]):
+        if x < nxt[0]:
+            return a + (b - a) * (x - x0) / (nxt[0] - x0)
+    return PROFILE[-1][2]
+
+
+def shaped_trace(max_replicas: int, duration_s: float, peak_load: float, seed: int, say) -> Trace:
+    """The routing workload at `peak_load` x the fleet's no-cache saturation, thinned by `profile`."""
+    probe = generate(WorkloadSpec(num_replicas=max_replicas, load=peak_load, seed=seed, requests_per_replica=40),
+                     progress=None)
+    rpr = max(40, int(round(probe.meta.arrival_rate_rps * duration_s / max_replicas)))
+    trace = generate(WorkloadSpec(num_replicas=max_replicas, load=peak_load, seed=seed, requests_per_replica=rpr,
+                                  warmup_fraction=0.0), progress=None)
+    T = trace.meta.duration_s
+    rng = np.random.default_rng([seed, 99])
+    keep_group: dict[str, bool] = {}
+    kept: list[TraceRequest] = []
+    for r in trace.requests:          # sorted by arrival: a session's first turn decides for the session
+        p = profile(r.arrival_s / T)
+        if r.component in ("B", "C"):
+            keep = keep_group.setdefault(r.group, bool(rng.random() < p))
+        else:
+            keep = bool(rng.random() < p)
+        if keep and (r.parent_id is None or keep_group.get(r.group, True)):
+            kept.append(r)
+    kept_ids = {r.req_id for r in kept}
+    kept = [r for r in kept if r.parent_id is None or r.parent_id in kept_ids]
+    trace.requests = kept
+    trace.meta.num_requests = len(kept)
+    say(f"trace: {len(kept)} requests over {T:.0f} s (peak {trace.meta.arrival_rate_rps:.1f} req/s = load "
+        f"{peak_load} of {max_replicas} replicas at {trace.meta.saturation_rps_per_replica:.2f} req/s each)")
+    return trace
+
+
+# ================================================================== policies under test
+class EnginePolicy:
+    """Ours: autoscale.policy.decide on the look-back mean of each replica's signals."""
+
+    def __init__(self, cfg: PolicyConfig, name: str = "engine (ours)"):
+        self.cfg, self.name, self.state = cfg, name, PolicyState()
+
+    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float) -> int:
+        d = decide(signals, current, now, self.state, self.cfg)
+        self.state = d.state
+        return d.target_replicas
+
+
+class RayDefaultPolicy:
+    """Ray Serve 2.60's default: ceil(total ongoing / target_ongoing_requests), with its delay logic."""
+
+    def __init__(self, target_ongoing: float, min_replicas: int, max_replicas: int, upscale_delay_s: float,
+                 downscale_delay_s: float):
+        self.t, self.lo, self.hi = target_ongoing, min_replicas, max_replicas
+        self.up_s, self.down_s = upscale_delay_s, downscale_delay_s
+        self.name = f"requests (Serve default, target {target_ongoing:g})"
+        self.direction, self.since = 0, None
+
+    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float) -> int:
+        if current == 0:
+            return max(self.lo, 1 if total_ongoing > 0 else 0)
+        desired = math.ceil(total_ongoing / self.t)
+        direction = (desired > current) - (desired < current)
+        if direction == 0:
+            self.direction, self.since = 0, None
+            return max(self.lo, min(self.hi, current))
+        if direction != self.direction:
+            self.direction, self.since = direction, now
+        delay = self.up_s if direction > 0 else self.down_s
+        if now - self.since + 1e-6 < delay:
+            return current
+        self.direction, self.since = 0, None
+        if direction < 0 and current > 1:
+            desired = max(1, desired)
+        return max(self.lo, min(self.hi, desired))
+
+
+# ================================================================== router over a changing replica set
+class ElasticRouter:
+    """Our prefix-affinity core (app/routing) over the routable replicas, fed like the Serve shell."""
+
+    def __init__(self, block_size: int, seed: int):
+        self.now = 0.0
+        self.core = make_core("prefix_affinity", AffinityConfig(), block_size, clock=lambda: self.now,
+                              rng=__import__("random").Random(seed))
+        self.active: list[str] = []
+        self.next_seq: dict[int, int | None] = {}
+        self.epoch: dict[int, str | None] = {}
+
+    def set_active(self, indices: list[int]) -> None:
+        self.active = [f"r{k}" for k in indices]
+        self.core.set_replicas([ReplicaInfo(rid) for rid in self.active])
+
+    def route(self, req_id: str, hashes: list[BlockHash], num_prompt_tokens: int, max_tokens: int,
+              now: float) -> int:
+        self.now = now
+        d = self.core.route(RouteRequest(req_id, hashes, num_prompt_tokens, max_tokens), self.active)
+        return int(d.chosen[1:])
+
+    def feed(self, k: int, rep: SimReplica, now: float) -> None:
+        self.now = now
+        rid = f"r{k}"
+        self.core.on_stats(rid, ReplicaLoadView.from_stats(rep.load_view()))
+        nxt = self.next_seq.get(k)
+        if nxt is not None and rid not in self.core.replicas_needing_snapshot():
+            reply = rep.kv_events_since(nxt, self.epoch[k])
+            if not reply.snapshot_required:
+                self.next_seq[k] = reply.next_seq
+                if self.core.on_kv_events(KVEventBatch(rid, reply.epoch, reply.first_seq, reply.events)):
+                    return
+        snap = rep.kv_snapshot()
+        self.core.on_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, snap.block_hashes))
+        self.next_seq[k], self.epoch[k] = snap.next_seq, snap.epoch
+
+
+# ================================================================== the simulation
+@dataclass
+class SimConfig:
+    min_replicas: int = 1
+    max_replicas: int = 8
+    startup_s: float = 10.0
+    tick_s: float = 0.5
+    look_back_s: float = 5.0
+    feed_s: float = 0.5
+    graceful_timeout_s: float = 20.0
+    ttft_slo_s: float = 1.0
+
+
+@dataclass
+class _Rep:
+    sim: SimReplica
+    recorder: SignalRecorder
+    provisioned_at: float
+    ready_at: float
+    stopped_at: float | None = None          # released (drained)
+    draining_since: float | None = None
+    ongoing: int = 0
+    samples: deque = field(default_factory=deque)   # (t, ReplicaSignals) over the look-back window
+
+
+@dataclass
+class RunResult:
+    policy: str
+    num_requests: int
+    ttft_slo_attainment: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    replica_seconds: float
+    recover_s: float
+    failed: int
+    max_replicas_seen: int
+    hit_rate: float
+    wall_s: float
+    timeline: dict = field(default_factory=dict)
+
+
+_RELEASE, _STEP, _TICK, _FEED, _READY = range(5)
+
+
+class AutoscaleSim:
+    def __init__(self, trace: Trace, policy, cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, seed: int):
+        self.trace, self.policy, self.cfg, self.spec, self.timing = trace, policy, cfg, spec, timing
+        self.router = ElasticRouter(spec.block_size, seed)
+        self.reps: list[_Rep] = []
+        self.heap: list = []
+        self.seq = 0
+
+    def push(self, t: float, kind: int, arg: int) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, arg))
+        self.seq += 1
+
+    # ---------------------------------------------------------- fleet
+    def routable(self) -> list[int]:
+        return [k for k, r in enumerate(self.reps) if r.stopped_at is None and r.draining_since is None
+                and r.ready_at <= self.now]
+
+    def target_count(self) -> int:
+        return sum(1 for r in self.reps if r.stopped_at is None and r.draining_since is None)
+
+    def provision(self, n: int) -> None:
+        for _ in range(n):
+            k = len(self.reps)
+            self.reps.append(_Rep(SimReplica(k, self.spec, self.timing), SignalRecorder(), self.now,
+                                  self.now + self.cfg.startup_s))
+            self.push(self.now + self.cfg.startup_s, _READY, k)
+
+    def stop(self, n: int) -> None:
+        live = [k for k, r in enumerate(self.reps) if r.stopped_at is None and r.draining_since is None]
+        order = sorted(live, key=lambda k: (self.reps[k].ready_at <= self.now, -k))   # starting, then newest
+        for k in order[:n]:
+            r = self.reps[k]
+            r.draining_since = self.now
+            if r.ongoing == 0:
+                r.stopped_at = self.now
+        self.router.set_active(self.routable())
+
+    # ---------------------------------------------------------- run
+    def run(self) -> RunResult:
+        reqs = self.trace.requests
+        bs = self.spec.block_size
+        self.index = {r.req_id: i for i, r in enumerate(reqs)}
+        self.children: dict[str, list[int]] = {}
+        self.hashes = [hash_block_chain(r.prompt_token_ids, bs) for r in reqs]
+        for i, r in enumerate(reqs):
+            if r.parent_id is None:
+                self.push(r.arrival_s, _RELEASE, i)
+            else:
+                self.children.setdefault(r.parent_id, []).append(i)
+        n = len(reqs)
+        self.release = np.full(n, np.nan)
+        self.first = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.cached = np.zeros(n)
+        self.where = np.full(n, -1)
+        self.now = 0.0
+        self.provision(self.cfg.min_replicas)
+        for r in self.reps:                      # the initial replicas are up when the trace starts
+            r.ready_at = 0.0
+        self.router.set_active(self.routable())
+        self.pending: deque[int] = deque()       # released while no replica could take them (from zero)
+        self.push(self.cfg.tick_s, _TICK, 0)
+        self.series: list[tuple[float, int, int]] = []    # (t, provisioned, routable)
+        self.num_finished = 0
+        wall0 = time.perf_counter()
+        handlers = {_RELEASE: self.on_release, _STEP: self.on_step, _TICK: self.on_tick, _FEED: self.on_feed,
+                    _READY: self.on_ready}
+        while self.num_finished < n:
+            self.now, _, kind, arg = heapq.heappop(self.heap)
+            handlers[kind](arg)
+        self.end = self.now
+        return self.metrics(time.perf_counter() - wall0)
+
+    def on_release(self, i: int) -> None:
+        self.release[i] = self.now
+        if not self.routable():
+            self.pending.append(i)
+            return
+        self.dispatch(i)
+
+    def dispatch(self, i: int) -> None:
+        r = self.trace.requests[i]
+        k = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids), len(r.output_token_ids), self.now)
+        rep = self.reps[k]
+        rep.ongoing += 1
+        self.where[i] = k
+        rep.sim.add_request(r.req_id, r.prompt_token_ids, r.output_token_ids, self.hashes[i])
+        if not rep.sim.is_busy:
+            self.start_step(k)
+
+    def start_step(self, k: int) -> None:
+        dt = self.reps[k].sim.start_step()
+        if dt is not None:
+            self.push(self.now + dt, _STEP, k)
+
+    def on_step(self, k: int) -> None:
+        rep = self.reps[k]
+        res = rep.sim.end_step()
+        reqs = self.trace.requests
+        for rid in res.first_token_ids:
+            i = self.index[rid]
+            self.first[i] = self.now
+            self.cached[i] = res.num_cached_tokens[rid]
+            rep.recorder.on_first_token(self.now, self.now - self.release[i],
+                                        len(reqs[i].prompt_token_ids) - res.num_cached_tokens[rid])
+            self.router.now = self.now
+            self.router.core.on_first_token(rid, res.num_cached_tokens[rid])
+        for rid in res.finished_ids:
+            i = self.index[rid]
+            self.finish[i] = self.now
+            self.num_finished += 1
+            rep.ongoing -= 1
+            rep.recorder.on_finished(self.now, self.now - self.first[i], len(reqs[i].output_token_ids))
+            self.router.now = self.now
+            self.router.core.on_finished(rid)
+            for c in self.children.get(rid, ()):
+                self.push(self.now + reqs[c].think_s, _RELEASE, c)
+        if rep.draining_since is not None and rep.ongoing == 0 and rep.stopped_at is None:
+            rep.stopped_at = self.now
+        self.start_step(k)
+
+    def on_ready(self, k: int) -> None:
+        rep = self.reps[k]
+        if rep.stopped_at is not None or rep.draining_since is not None:
+            return
+        self.router.set_active(self.routable())
+        self.push(self.now, _FEED, k)
+        while self.pending:
+            self.dispatch(self.pending.popleft())
+
+    def on_feed(self, k: int) -> None:
+        rep = self.reps[k]
+        if rep.stopped_at is not None or rep.draining_since is not None:
+            return
+        self.router.feed(k, rep.sim, self.now)
+        self.push(self.now + self.cfg.feed_s, _FEED, k)
+
+    def sample(self, rep: _Rep) -> ReplicaSignals:
+        st = rep.sim.scheduler.make_stats()
+        return rep.recorder.snapshot(self.now, num_running=st.num_running_reqs, num_waiting=st.num_waiting_reqs,
+                                     num_in_flight=rep.ongoing, kv_cache_usage=st.kv_cache_usage,
+                                     num_queued_prefill_tokens=st.num_queued_prefill_tokens,
+                                     num_preemptions_total=st.num_preemptions_total)
+
+    def on_tick(self, _: int) -> None:
+        signals, total_ongoing = [], 0.0
+        for k in self.routable():
+            rep = self.reps[k]
+            rep.samples.append((self.now, self.sample(rep)))
+            while rep.samples and rep.samples[0][0] < self.now - self.cfg.look_back_s:
+                rep.samples.popleft()
+            mean = {f.name: float(np.mean([getattr(s, f.name) for _, s in rep.samples]))
+                    for f in fields(ReplicaSignals)}
+            signals.append(ReplicaSignals(**mean))
+            total_ongoing += mean["num_in_flight"]
+        total_ongoing += len(self.pending)
+        current = self.target_count()
+        target = max(self.cfg.min_replicas, min(self.cfg.max_replicas,
+                                                self.policy(signals, total_ongoing, current, self.now)))
+        if target > current:
+            self.provision(target - current)
+        elif target < current:
+            self.stop(current - target)
+        provisioned = sum(1 for r in self.reps if r.stopped_at is None)
+        self.series.append((self.now, provisioned, len(self.routable())))
+        if self.num_finished < len(self.trace.requests):
+            self.push(self.now + self.cfg.tick_s, _TICK, 0)
+
+    # ---------------------------------------------------------- metrics
+    def metrics(self, wall_s: float) -> RunResult:
+        reqs, cfg = self.trace.requests, self.cfg
+        ttft = self.first - self.release
+        ok = ttft <= cfg.ttft_slo_s
+        rep_s = sum((r.stopped_at if r.stopped_at is not None else self.end) - r.provisioned_at for r in self.reps)
+        drains = [r.stopped_at - r.draining_since for r in self.reps
+                  if r.draining_since is not None and r.stopped_at is not None]
+        failed = int(np.isnan(self.finish).sum())
+        # requests still running on a replica when its drain passed the graceful timeout would have been cut
+        for i in range(len(reqs)):
+            r = self.reps[self.where[i]]
+            if r.draining_since is not None and self.finish[i] > r.draining_since + cfg.graceful_timeout_s:
+                failed += 1
+        T = self.trace.meta.duration_s
+        bins = np.arange(0.0, max(self.end, T) + BIN_S, BIN_S)
+        which = np.digitize(self.release, bins) - 1
+        att, p90, arrivals = [], [], []
+        for b in range(len(bins) - 1):
+            m = which == b
+            arrivals.append(int(m.sum()) / BIN_S)
+            att.append(float(ok[m].mean()) if m.any() else 1.0)
+            p90.append(float(np.percentile(ttft[m], 90)) if m.any() else 0.0)
+        b0 = BURST[0] * T
+        bad = [bins[b + 1] for b in range(len(bins) - 1) if bins[b] >= b0 and att[b] < 0.9]
+        recover = (max(bad) - b0) if bad else 0.0
+        prompt = np.array([len(r.prompt_token_ids) for r in reqs])
+        t = np.array([s[0] for s in self.series])
+        return RunResult(
+            policy=self.policy.name, num_requests=len(reqs), ttft_slo_attainment=float(ok.mean()),
+            ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
+            replica_seconds=float(rep_s), recover_s=float(recover), failed=failed,
+            max_replicas_seen=max(s[1] for s in self.series), hit_rate=float(self.cached.sum() / prompt.sum()),
+            wall_s=wall_s,
+            timeline={"bin_s": BIN_S, "bins": bins[:-1].tolist(), "arrivals_per_s": arrivals,
+                      "attainment": att, "ttft_p90_s": p90, "t": t.tolist(),
+                      "replicas": [s[1] for s in self.series], "max_drain_s": max(drains, default=0.0)})
+
+
+# ================================================================== CLI, report
+def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
+    ours = PolicyConfig(min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas, ttft_slo_s=cfg.ttft_slo_s,
+                        tpot_slo_s=a.tpot_slo, prefill_tokens_per_s=1.0 / timing.prefill_per_token_s,
+                        decode_seqs_per_replica=a.decode_seqs, upscale_delay_s=a.upscale_delay,
+                        downscale_delay_s=a.downscale_delay, downscale_to_zero_delay_s=60.0)
+    out = [EnginePolicy(ours)]
+    for t in a.targets:
+        out.append(RayDefaultPolicy(t, cfg.min_replicas, cfg.max_replicas, a.upscale_delay, a.downscale_delay))
+    return out
+
+
+def table(results: list[RunResult], n: int) -> str:
+    base = results[1] if len(results) > 1 else results[0]
+    lines = [f"max {n} replicas: {results[0].num_requests} requests",
+             f"{'policy':<42} {'SLO att':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'rep-s':>8} {'vs ray':>7} "
+             f"{'recover':>8} {'failed':>6} {'peak':>5} {'hit':>6}"]
+    for r in results:
+        lines.append(f"{r.policy:<42} {r.ttft_slo_attainment:>8.3f} {r.ttft_p50_s:>8.2f}s {r.ttft_p99_s:>8.2f}s "
+                     f"{r.replica_seconds:>8.0f} {r.replica_seconds / base.replica_seconds:>7.2f} "
+                     f"{r.recover_s:>7.0f}s {r.failed:>6} {r.max_replicas_seen:>5} {r.hit_rate:>6.3f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], path: Path, n: int, slo: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    tl = results[0].timeline
+    ax[0].step(tl["bins"], tl["arrivals_per_s"], where="post", color="k")
+    ax[0].set_ylabel("arrivals / s")
+    for r in results:
+        ax[1].step(r.timeline["t"], r.timeline["replicas"], where="post", label=r.policy)
+        ax[2].step(r.timeline["bins"], r.timeline["ttft_p90_s"], where="post", label=r.policy)
+    ax[1].set_ylabel("replicas (incl. starting)")
+    ax[1].legend(fontsize=8)
+    ax[2].axhline(slo, color="r", ls="--", lw=1, label="TTFT SLO")
+    ax[2].set_yscale("log")
+    ax[2].set_ylabel(f"TTFT p90 per {BIN_S:g} s (s)")
+    ax[2].set_xlabel("time (s)")
+    fig.suptitle(f"Autoscaling, simulated, max {n} replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="8 replicas, a 240 s trace")
+    p.add_argument("--max-replicas", default="8", help="comma-separated fleet sizes (default 8)")
+    p.add_argument("--duration", type=float, default=600.0, help="trace length, seconds (simulated)")
+    p.add_argument("--peak-load", type=float, default=0.9, help="burst peak / max fleet's no-cache saturation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup", type=float, default=10.0, help="seconds from requesting a replica to serving")
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tpot-slo", type=float, default=0.15)
+    p.add_argument("--decode-seqs", type=float, default=48.0, help="ours: sequences per replica within TPOT SLO")
+    p.add_argument("--upscale-delay", type=float, default=2.0, help="both policies")
+    p.add_argument("--downscale-delay", type=float, default=30.0, help="both policies")
+    p.add_argument("--targets", default="8,16,32", help="Serve default policy's target_ongoing_requests values")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--out-dir", default="benchmarks/autoscale-results")
+    a = p.parse_args()
+    a.targets = [float(x) for x in a.targets.split(",")]
+    if a.quick:
+        a.max_replicas, a.duration = "8", 240.0
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec, timing = ReplicaSpec(), TimingModel()
+    docs = []
+    for n in [int(x) for x in a.max_replicas.split(",")]:
+        t0 = time.perf_counter()
+        cached = out / f"trace_n{n}_d{a.duration:g}_l{a.peak_load:g}_s{a.seed}.jsonl.gz"
+        if cached.exists():
+            trace = read_trace(cached)
+        else:
+            trace = shaped_trace(n, a.duration, a.peak_load, a.seed, say)
+            write_trace(trace, cached)
+        cfg = SimConfig(min_replicas=a.min_replicas, max_replicas=n, startup_s=a.startup, ttft_slo_s=a.ttft_slo)
+        results = []
+        for pol in policies(cfg, spec, timing, a):
+            res = AutoscaleSim(trace, pol, cfg, spec, timing, a.seed).run()
+            say(f"  {res.policy}: SLO {res.ttft_slo_attainment:.3f}, {res.replica_seconds:.0f} replica-s "
+                f"({res.wall_s:.0f} s wall)")
+            results.append(res)
+        print(table(results, n), flush=True)
+        doc = {"max_replicas": n, "args": {k: v for k, v in vars(a).items()}, "sim": asdict(cfg),
+               "trace": {"num_requests": len(trace.requests), "duration_s": trace.meta.duration_s,
+                         "peak_rps": trace.meta.arrival_rate_rps,
+                         "saturation_rps_per_replica": trace.meta.saturation_rps_per_replica},
+               "results": [asdict(r) for r in results], "wall_s": time.perf_counter() - t0}
+        (out / f"autoscale_n{n}.json").write_text(json.dumps(doc, indent=1))
+        plot(results, out / f"autoscale_n{n}.png", n, a.ttft_slo)
+        docs.append(doc)
+    say(f"wrote {out}/autoscale_n*.json and .png")
+
+
+if __name__ == "__main__":
+    main()
