@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncLLMEngine, EngineHealth, EngineLoad
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, KVConnectorConfig, SchedulerConfig
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.demo import ensure_demo_model, write_demo_model
@@ -42,6 +42,7 @@ _LAZY = {
     "EngineConfig": "engine.config",
     "CacheConfig": "engine.config",
     "SchedulerConfig": "engine.config",
+    "KVConnectorConfig": "engine.config",
     "write_demo_model": "engine.demo",
     "ensure_demo_model": "engine.demo",
     "validate_checkpoint": "engine.models.checkpoint",
@@ -59,6 +60,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
-           "CacheConfig", "SchedulerConfig", "EngineLimits", "check_request", "check_request_fits_context",
+           "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "check_request", "check_request_fits_context",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
            "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving"]

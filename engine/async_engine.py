@@ -205,7 +205,9 @@ class AsyncLLMEngine:
         async with self._step_lock:
             self._collect_kv_events()
             log = self._kv_events
-            return KVCacheSnapshot(log.epoch, log.next_seq, list(self.engine.kv_cache_manager.pool.cached))
+            conn = self.engine.kv_connector
+            tiers = {conn.medium: conn.block_hashes()} if conn is not None else {}
+            return KVCacheSnapshot(log.epoch, log.next_seq, list(self.engine.kv_cache_manager.pool.cached), tiers)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -215,6 +217,7 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineDeadError("engine shut down"))
+        self.engine.close()
 
     # ------------------------------------------------------------------ loop
     def _ensure_alive(self) -> None:

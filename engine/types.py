@@ -191,3 +191,6 @@ class KVCacheSnapshot:
     epoch: str
     next_seq: int
     block_hashes: list[BlockHash]
+    #: with a KV connector: what its tier can load, by medium ("offload" or "shared"); events of that
+    #: medium numbered `next_seq` onwards keep it current
+    tier_block_hashes: dict[str, list[BlockHash]] = field(default_factory=dict)
