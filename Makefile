@@ -26,8 +26,11 @@ serve: venv
 	$(VENV)/bin/affinity-serve serve --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 # Deterministic: the "ci" hypothesis profile replays fixed examples (tests/conftest.py).
+# The `rayup` test (tests/cluster/test_ray_up.py: `ray up` over a local sshd, then `ray down`) runs in its own
+# pytest invocation after the main suite, so no `ray stop` can ever meet the main suite's Ray.
 test: venv
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not rayup" $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m rayup tests/cluster $(PYTEST_ARGS)
 
 test-fast: venv
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
