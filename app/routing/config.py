@@ -38,7 +38,7 @@ class AffinityConfig(BaseModel):
     decode_token_weight: float = Field(2.0, ge=0, description="prefill-token equivalents per output token in "
                                        "a group's demand")
     # -- new groups and ties
-    new_group_room_tolerance: float = Field(0.05, ge=0, le=1, description="a new group goes to the replica "
+    new_group_room_tolerance: float = Field(0.0, ge=0, le=1, description="a new group goes to the replica "
                                             "with the most cache room among the TTFT near-ties; occupancies "
                                             "this close count as equal")
     tie_tolerance_s: float = Field(0.01, ge=0, description="scores this close count as tied (random pick, "

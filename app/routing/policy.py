@@ -11,7 +11,8 @@ The rule (README "Routing core API" writes it out with the defaults):
      k > 1 replicas' capacity; a group with at least hot_share_min_requests x N requests in the window
      is also spread over at least ceil(its share of all grouped demand x N) replicas: while fewer than k candidates hold the group, the least loaded of all (TTFT
      as if each held what the best holder holds, so new holders join), else the best TTFT among the
-     holders: HOT_REPLICA, released as in 4.
+     holders: HOT_REPLICA, released as in 4. A continuation (the best holder matches more blocks than the
+     group's requests in the window all share) follows 4 instead: that reuse lives on one replica.
   4. Otherwise the affinity replica A (most predicted cached tokens, ties by TTFT) is kept while
      TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s: AFFINITY; else RELEASED to
      the best TTFT.
@@ -50,6 +51,11 @@ class HotGroups:
         self._counts: dict[BlockHash, int] = {}  # requests per group in the window
         self._events: deque[tuple[float, BlockHash, float]] = deque()
         self._first_time: float | None = None
+        # Per group: the first request's block hashes (at most MAX_SHARED_BLOCKS) and how many of them
+        # every request of the group in the window has shared: the group's common prefix.
+        self._shared: dict[BlockHash, tuple[tuple[BlockHash, ...], int]] = {}
+
+    MAX_SHARED_BLOCKS = 256
 
     def expire(self, now: float) -> None:
         events, cutoff = self._events, now - self.window_s
@@ -64,12 +70,16 @@ class HotGroups:
             left = self._sums[key] - work
             if left <= 1e-9:
                 del self._sums[key]
+                self._shared.pop(key, None)
             else:
                 self._sums[key] = left
 
-    def record(self, key: BlockHash, work_tokens: float, now: float) -> None:
+    def record(self, key: BlockHash, work_tokens: float, now: float,
+               block_hashes: list[BlockHash] | None = None) -> None:
         if self._first_time is None:
             self._first_time = now
+        if block_hashes is not None:
+            self._note_prefix(key, block_hashes)
         self._sums[key] = self._sums.get(key, 0.0) + work_tokens
         self._total += work_tokens
         self._counts[key] = self._counts.get(key, 0) + 1
@@ -84,6 +94,25 @@ class HotGroups:
 
     def num_requests(self, key: BlockHash) -> int:
         return self._counts.get(key, 0)
+
+    def _note_prefix(self, key: BlockHash, hashes: list[BlockHash]) -> None:
+        seen = self._shared.get(key)
+        if seen is None:
+            ref = tuple(hashes[:self.MAX_SHARED_BLOCKS])
+            self._shared[key] = (ref, len(ref))
+            return
+        ref, depth = seen
+        n, limit = 0, min(depth, len(hashes))
+        while n < limit and hashes[n] == ref[n]:
+            n += 1
+        if n < depth:
+            self._shared[key] = (ref, n)
+
+    def shared_blocks(self, key: BlockHash) -> int | None:
+        """Leading blocks every request of the group in the window shared (None: no request yet); a
+        match deeper than this is a continuation (a session's next turn), not the group's prefix."""
+        seen = self._shared.get(key)
+        return None if seen is None else seen[1]
 
     def share(self, key: BlockHash) -> float:
         """The group's fraction of all grouped demand in the window (0-1)."""
@@ -121,13 +150,22 @@ class AffinityPolicy:
         key = self.group_key(request)
         k = self._hot_k(key, len(cands), now)
         affinity: int | None = None
+        group_len = min(cfg.group_blocks, len(request.block_hashes))
+        shared = self.groups.shared_blocks(key) if key is not None else None
+        if k > 1 and holders and shared is not None and max(blocks[i] for i in holders) > max(shared, group_len):
+            # A continuation (a session's next turn) matches past the prefix the whole group shares: that
+            # reuse lives on one replica, so it follows plain affinity. Spreading is for requests whose
+            # only reuse is the group's common prefix (moving continuations cost an over-full 8-replica
+            # fleet 0.02 of its token hit rate).
+            k_for_request = 1
+        else:
+            k_for_request = k
         if not holders:
             if held_elsewhere:
                 chosen, reason = self._pick(everyone, ttft, cands, request), Reason.SPILL
             else:
                 chosen, reason = self._pick_room(ttft, cands, occupancy, request), Reason.NEW_GROUP
-        elif k > 1:
-            group_len = min(cfg.group_blocks, len(request.block_hashes))
+        elif k_for_request > 1:
             group = [i for i in holders if blocks[i] >= group_len]
             if len(group) < k:        # grow: place by load as if every candidate held what the best holds
                 grow = self.model.predict_many(cands, [prompt - max(cached)] * len(cands))
@@ -139,7 +177,8 @@ class AffinityPolicy:
             affinity = self._pick([i for i in holders if cached[i] == most], ttft, cands, request)
             chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY)
         if key is not None:
-            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * request.max_tokens, now)
+            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * request.max_tokens, now,
+                               request.block_hashes)
         return self._result(cands, cached, ttft, chosen, reason, affinity, k)
 
     def _hot_k(self, key: BlockHash | None, num_cands: int, now: float) -> int:

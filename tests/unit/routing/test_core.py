@@ -205,6 +205,27 @@ def test_a_hot_prefix_is_spread_over_k_replicas_sized_by_its_demand():
     assert set(counts) == {"a", "b", "c"} and min(counts.values()) >= 8
 
 
+def test_a_continuation_of_a_hot_group_keeps_its_affinity():
+    """A hot group spreads requests whose only reuse is the group's common prefix; a session's next turn,
+    which matches deeper on one replica, stays there (spreading those costs hit rate under pressure)."""
+    core, clock = make(hot_target_utilization=0.5, decode_token_weight=2.0)
+    hold(core, "a", PREFIX)
+    _drive_group(core, clock, 40, gap_s=0.05)
+    session = list(PREFIX) + chain("s1", 6)
+    hold(core, "b", session, seq=0)
+    hold(core, "c", PREFIX, seq=0)
+    clock.t += 0.05
+    turn2 = RouteRequest("s1-t2", session + chain("s1-t2", 3), (len(session) + 3) * BS + 4, 1000, None)
+    d = core.route(turn2, ["a", "b", "c"])
+    assert d.num_hot_replicas == 3
+    assert (d.chosen, d.reason) == ("b", Reason.AFFINITY)
+    assert score(d, "b").predicted_cached_tokens == len(session) * BS
+    done(core, "s1-t2")
+    clock.t += 0.05
+    fresh = core.route(req("fresh", max_tokens=1000), ["a", "b", "c"])    # only the common prefix: spread
+    assert fresh.reason == Reason.HOT_REPLICA and fresh.num_hot_replicas == 3
+
+
 def test_a_busy_group_spreads_by_its_share_even_when_prefill_is_cheap():
     """Demand counted in prefill-token equivalents can stay under one replica's (fast) prefill rate while the
     group is most of the traffic: it must still spread over about share x N replicas, or its holder carries
