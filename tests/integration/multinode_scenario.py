@@ -159,7 +159,9 @@ def scenario(workdir: Path) -> dict:
                       "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": 64,
                       "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
                       "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 30.0, "model_name": "demo"},
-            "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
+            # occupancies within 5% count as equal room, so idle replicas are equally good for new prompts
+            "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25,
+                        "affinity": {"new_group_room_tolerance": 0.05}},
             "observability": {"traces": "none"}})
         serve.start(**serve_start_options(cfg))
         serve.run(build_app(cfg), name=APP, route_prefix="/")
