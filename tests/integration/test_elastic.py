@@ -143,10 +143,9 @@ class SteadyLoad:
             t.join(timeout=90)
 
 
-def _routers_view(app: str) -> list[set[str]]:
+def _routers(app: str) -> list[dict]:
     from ray import serve
-    st = serve.get_app_handle(app).routing_decisions.remote(1).result(timeout_s=30)
-    return [set(r["replicas"]) for r in st["routers"]]
+    return serve.get_app_handle(app).routing_decisions.remote(1).result(timeout_s=30)["routers"]
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +185,9 @@ def test_scale_out_and_in_under_load_fails_nothing(elastic_url):
     late = [o for o in outs if o.start > t_in + 1.0]
     assert late and {o.replica for o in late} == original
     survivor = next(iter(original)).removeprefix("replica:")
-    assert all(view == {survivor} for view in _routers_view(ELASTIC_APP))
+    routers = _routers(ELASTIC_APP)
+    assert routers and all(set(r["replicas"]) == {survivor} for r in routers)
+    assert sum(r["num_warmups"] for r in routers) == 2       # each joining replica got the hot prefixes
     from ray import serve
     st = serve.get_deployment_handle("LLMReplica", app_name=ELASTIC_APP).debug_state.remote().result(timeout_s=30)
     assert st["num_requests"] == 0 and st["num_free_blocks"] == st["num_blocks"] - 1    # every KV block back
