@@ -28,7 +28,8 @@ def ray_serve():
     from ray import serve
 
     port = _free_port()
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
+    # address="local": always a fresh cluster of our own, even when another Ray runs on the machine
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
