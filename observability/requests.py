@@ -41,6 +41,8 @@ class RoutingRecord:
     candidate_queued_prefill_tokens: list[int] = field(default_factory=list)
     candidate_num_running: list[int] = field(default_factory=list)
     candidate_kv_cache_usage: list[float] = field(default_factory=list)
+    #: of candidate_predicted_cached_tokens, those to load from a KV tier (the rest: pool hits)
+    candidate_predicted_tier_cached_tokens: list[int] = field(default_factory=list)
 
     def span_attributes(self) -> dict[str, Any]:
         """OpenTelemetry attributes (primitives and homogeneous lists; None values left out)."""
@@ -56,7 +58,9 @@ class RoutingRecord:
             "routing.candidates.predicted_ttft_s": [float(v) for v in self.candidate_predicted_ttft_s],
             "routing.candidates.queued_prefill_tokens": [int(v) for v in self.candidate_queued_prefill_tokens],
             "routing.candidates.num_running": [int(v) for v in self.candidate_num_running],
-            "routing.candidates.kv_cache_usage": [float(v) for v in self.candidate_kv_cache_usage]}
+            "routing.candidates.kv_cache_usage": [float(v) for v in self.candidate_kv_cache_usage],
+            "routing.candidates.predicted_tier_cached_tokens":
+                [int(v) for v in self.candidate_predicted_tier_cached_tokens]}
         return {k: v for k, v in attrs.items() if v is not None}
 
 

@@ -78,12 +78,17 @@ class KVEventBatch:
 
 @dataclass(slots=True)
 class KVSnapshot:
-    """A replica's whole cached-block set at one point: `next_seq` is the seq of the first event after it."""
+    """A replica's whole cached-block set at one point: `next_seq` is the seq of the first event after it.
+
+    `tier_block_hashes` (engine KVCacheSnapshot's): what its KV connector's tier can load, by medium
+    ("offload": the replica's own tier; "shared": its node's whole store); a medium absent is unknown.
+    """
 
     replica_id: str
     epoch: str
     next_seq: int
     block_hashes: list[BlockHash]
+    tier_block_hashes: dict[str, list[BlockHash]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -110,7 +115,12 @@ class Reason(enum.Enum):
 
 @dataclass(slots=True)
 class CandidateScore:
-    """What the policy predicted for one candidate (the decision record's evidence)."""
+    """What the policy predicted for one candidate (the decision record's evidence).
+
+    `predicted_cached_tokens` counts every token the engine would not recompute (what it reports as
+    cached): `predicted_tier_cached_tokens` of them are loaded from a KV tier (offload or the node's
+    shared store), the rest (`predicted_pool_cached_tokens`) are hits in its paged pool.
+    """
 
     replica_id: str
     predicted_cached_tokens: int
@@ -118,6 +128,11 @@ class CandidateScore:
     queued_prefill_tokens: int     # stats + this router's in-flight uncached tokens, before this request
     decode_load: int               # running requests (stats + this router's in-flight)
     kv_usage: float
+    predicted_tier_cached_tokens: int = 0
+
+    @property
+    def predicted_pool_cached_tokens(self) -> int:
+        return self.predicted_cached_tokens - self.predicted_tier_cached_tokens
 
 
 @dataclass(slots=True)
@@ -135,17 +150,23 @@ class CandidateScores:
     queued_prefill_tokens: list[int]
     decode_load: list[int]
     kv_usage: list[float]
+    #: of predicted_cached_tokens, those loaded from a KV tier (empty: none anywhere)
+    predicted_tier_cached_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> CandidateScores:
         return cls([], [], [], [], [], [])
+
+    def tier_cached(self, i: int) -> int:
+        return self.predicted_tier_cached_tokens[i] if self.predicted_tier_cached_tokens else 0
 
     def __len__(self) -> int:
         return len(self.replica_ids)
 
     def __getitem__(self, i: int) -> CandidateScore:
         return CandidateScore(self.replica_ids[i], self.predicted_cached_tokens[i], self.predicted_ttft_s[i],
-                              self.queued_prefill_tokens[i], self.decode_load[i], self.kv_usage[i])
+                              self.queued_prefill_tokens[i], self.decode_load[i], self.kv_usage[i],
+                              self.tier_cached(i))
 
 
 @dataclass(slots=True)
@@ -189,6 +210,8 @@ class RouterCounters:
     num_index_evictions: int = 0             # entries dropped by the memory bound
     prefill_tokens_per_s: float = 0.0        # the calibrated prefill rate now
     decode_step_s: float = 0.0               # the calibrated per-running-request cost now
+    tier_load_tokens_per_s: float = 0.0      # the calibrated KV-tier load rate now
+    num_tier_entries: int = 0                # tier block hashes indexed now (<= max_tier_index_entries)
 
     @property
     def index_accuracy(self) -> float:

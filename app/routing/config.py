@@ -15,9 +15,13 @@ class AffinityConfig(BaseModel):
     max_index_entries: int = Field(500_000, ge=1, description="block hashes indexed; LRU beyond")
     speculative_ttl_s: float = Field(10.0, gt=0, description="a routed prompt's blocks count as held this long "
                                      "unless a BlockStored confirms them")
+    max_tier_index_entries: int = Field(500_000, ge=1, description="block hashes indexed in replicas' KV "
+                                        "tiers (offload, node-shared store); LRU beyond")
     # -- TTFT model (seeds; calibrated online from observed TTFTs)
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="prefill rate prior")
     decode_step_s: float = Field(0.002, ge=0, description="TTFT added per running request (prior)")
+    tier_load_tokens_per_s: float = Field(100_000.0, gt=0, description="rate a replica loads KV-tier hits "
+                                          "(offload, shared store) into its pool (prior, calibrated)")
     calibrate: bool = Field(True, description="fit the two above from observed TTFTs")
     calibration_half_life: float = Field(200.0, gt=0, description="samples for a sample's weight to halve")
     calibration_prior_weight: float = Field(1.0, gt=0, description="pull towards the priors, in samples")

@@ -33,7 +33,7 @@ class PrefixAffinityRouterCore:
         self.block_size = block_size
         self.clock = clock
         self.rng = rng if rng is not None else random.Random(0)
-        self.index = PrefixIndex(config.max_index_entries, config.speculative_ttl_s)
+        self.index = PrefixIndex(config.max_index_entries, config.speculative_ttl_s, config.max_tier_index_entries)
         self.loads = LoadTracker(config.max_in_flight_age_s)
         self.model = TTFTModel(config)
         self.policy = AffinityPolicy(config, block_size, self.model, self.rng)
@@ -49,7 +49,7 @@ class PrefixAffinityRouterCore:
             self.index.remove_replica(rid)
             self.loads.remove_replica(rid)
         for rid, node_id in new.items():
-            self.index.add_replica(rid)
+            self.index.add_replica(rid, node_id)
             self.loads.add_replica(rid, node_id)
         self._nodes = new
 
@@ -87,15 +87,17 @@ class PrefixAffinityRouterCore:
             if rid not in self._nodes:           # a replica Serve knows before set_replicas told us
                 self._add_member(rid)
         matched = self.index.match(request.block_hashes, candidate_ids)
+        tier = self.index.match_tiers(request.block_hashes, candidate_ids, matched)
         cands = [self.loads.get(rid) for rid in candidate_ids]
-        held_elsewhere = (not matched and bool(request.block_hashes)
+        held_elsewhere = (not matched and not tier and bool(request.block_hashes)
                           and self.index.holds_any(request.block_hashes[0]))
-        result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now)
+        result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now, tier)
         chosen = cands[result.chosen_index].replica_id
         cached = result.scores.predicted_cached_tokens[result.chosen_index]
         self.loads.add(request.request_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
-                       block_hashes=request.block_hashes, now=now)
+                       block_hashes=request.block_hashes, now=now,
+                       tier_tokens=result.scores.tier_cached(result.chosen_index))
         self.index.insert_speculative(chosen, request.block_hashes[matched.get(chosen, 0):], now)
         self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
         return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
@@ -143,10 +145,14 @@ class PrefixAffinityRouterCore:
         if replica_id not in self._nodes:
             self._add_member(replica_id)
         now = self.clock()
-        matched = self.index.match(f.block_hashes, [replica_id]).get(replica_id, 0)
-        cached = min(matched, max(0, f.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        pool = self.index.match(f.block_hashes, [replica_id])
+        matched = pool.get(replica_id, 0)
+        loadable = self.index.match_tiers(f.block_hashes, [replica_id], pool).get(replica_id, 0)
+        max_blocks = max(0, f.num_prompt_tokens - 1) // self.block_size
+        pool_cached = min(matched, max_blocks) * self.block_size
+        cached = min(matched + loadable, max_blocks) * self.block_size
         self.loads.move(request_id, replica_id, uncached_tokens=f.num_prompt_tokens - cached,
-                        predicted_cached_tokens=cached, now=now)
+                        predicted_cached_tokens=cached, now=now, tier_tokens=cached - pool_cached)
         self.index.insert_speculative(replica_id, f.block_hashes[matched:], now)
         self._counters.num_rerouted += 1
 
@@ -157,8 +163,14 @@ class PrefixAffinityRouterCore:
         if f is None:
             return
         ttft = self.clock() - f.routed_at
-        uncached = f.uncached_tokens if num_cached_tokens is None else f.num_prompt_tokens - num_cached_tokens
-        self.model.observe(f.work_ahead_tokens + uncached, f.running_ahead, ttft)
+        if num_cached_tokens is None:
+            uncached, loaded = f.uncached_tokens, f.tier_tokens
+        else:
+            # Cached beyond what the pool was predicted to hold came from the tier (at most as predicted).
+            uncached = f.num_prompt_tokens - num_cached_tokens
+            pool_predicted = f.predicted_cached_tokens - f.tier_tokens
+            loaded = min(f.tier_tokens, max(0, num_cached_tokens - pool_predicted))
+        self.model.observe(f.work_ahead_tokens + uncached, f.running_ahead, ttft, loaded)
 
     def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
         f = self.loads.in_flight(request_id)
@@ -185,7 +197,8 @@ class PrefixAffinityRouterCore:
         return RouterCounters(
             c.num_decisions, dict(c.num_by_reason), c.num_errors, c.num_rerouted, c.predicted_cached_tokens,
             c.actual_cached_tokens, c.num_accuracy_samples, self.index.num_resyncs, self.index.num_entries,
-            self.index.num_evictions, self.model.prefill_tokens_per_s, self.model.decode_step_s)
+            self.index.num_evictions, self.model.prefill_tokens_per_s, self.model.decode_step_s,
+            self.model.tier_load_tokens_per_s, self.index.num_tier_entries)
 
 
 def make_core(policy: RoutingPolicyName, config: AffinityConfig, block_size: int,

@@ -43,6 +43,7 @@ def decision_to_dict(d: Decision) -> dict[str, Any]:
             "affinity_replica_id": d.affinity_replica_id, "num_hot_replicas": d.num_hot_replicas,
             "decision_time_s": d.decision_time_s,
             "candidates": [{"replica_id": c.replica_id, "predicted_cached_tokens": c.predicted_cached_tokens,
+                            "predicted_tier_cached_tokens": c.predicted_tier_cached_tokens,
                             "predicted_ttft_s": c.predicted_ttft_s, "queued_prefill_tokens": c.queued_prefill_tokens,
                             "decode_load": c.decode_load, "kv_usage": c.kv_usage} for c in d.candidates]}
 
@@ -78,4 +79,5 @@ def routing_record(d: Decision, replica_id: str, num_cached_tokens: int | None) 
         candidate_ids=list(s.replica_ids), candidate_predicted_cached_tokens=list(s.predicted_cached_tokens),
         candidate_predicted_ttft_s=list(s.predicted_ttft_s),
         candidate_queued_prefill_tokens=list(s.queued_prefill_tokens),
-        candidate_num_running=list(s.decode_load), candidate_kv_cache_usage=list(s.kv_usage))
+        candidate_num_running=list(s.decode_load), candidate_kv_cache_usage=list(s.kv_usage),
+        candidate_predicted_tier_cached_tokens=[s.tier_cached(i) for i in range(len(s))])

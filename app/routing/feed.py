@@ -111,7 +111,8 @@ class KVEventFeed:
     def _apply_snapshot(self, rid: str, cursor: _Cursor, snap: KVCacheSnapshot) -> None:
         if self._cursors.get(rid) is not cursor:
             return                           # the replica left while we waited
-        self.core.on_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, list(snap.block_hashes)))
+        tiers = {medium: list(hashes) for medium, hashes in (snap.tier_block_hashes or {}).items()}
+        self.core.on_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, list(snap.block_hashes), tiers))
         cursor.epoch, cursor.next_seq, cursor.wants_snapshot = snap.epoch, snap.next_seq, False
         self.counters.num_snapshots += 1
 

@@ -4,9 +4,9 @@
 there" between stats polls: the replica's latest snapshot, minus this router's requests that were counted
 in it and have since started (or finished), plus this router's requests sent after it. All updates are O(1).
 
-`TTFTModel` predicts TTFT = work / prefill_rate + running x step_cost + KV-pressure penalty, and fits the
-first two online from observed TTFTs (ridge regression towards the configured priors, exponentially
-forgetting old samples), so the rate is measured, not assumed.
+`TTFTModel` predicts TTFT = work / prefill_rate + tier tokens / load_rate + running x step_cost + KV-pressure
+penalty, and fits the first three online from observed TTFTs (ridge regression towards the configured
+priors, exponentially forgetting old samples), so the rates are measured, not assumed.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class InFlight:
     work_ahead_tokens: int     # queued prefill tokens ahead of it when sent (for calibration)
     running_ahead: int
     started: bool = False
+    tier_tokens: int = 0       # of predicted_cached_tokens, those to load from a KV tier
 
 
 @dataclass(slots=True)
@@ -102,7 +103,7 @@ class LoadTracker:
 
     # ------------------------------------------------------------ request lifecycle
     def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
-            num_prompt_tokens: int, block_hashes: list[BlockHash], now: float) -> None:
+            num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0) -> None:
         if req_id in self._in_flight:
             self.finish(req_id)
         load = self._loads.get(replica_id)
@@ -110,21 +111,22 @@ class LoadTracker:
             return
         self._in_flight[req_id] = InFlight(
             replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
-            load.generation, load.queued_prefill_tokens, load.decode_load)
+            load.generation, load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens)
         load.pending_tokens += uncached_tokens
         load.num_pending += 1
         load.refresh()
         self._by_age.append((now, req_id))
 
     def move(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
-             now: float) -> InFlight | None:
+             now: float, tier_tokens: int = 0) -> InFlight | None:
         """The request went to another replica than recorded: re-account it there (not yet started)."""
         f = self._in_flight.get(req_id)
         if f is None or f.replica_id == replica_id:
             return f
         self.finish(req_id)
         self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
-                 num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now)
+                 num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now,
+                 tier_tokens=tier_tokens)
         return self._in_flight.get(req_id)
 
     def start(self, req_id: str) -> InFlight | None:
@@ -170,17 +172,22 @@ class LoadTracker:
 
 
 class TTFTModel:
-    """TTFT(work, running, kv) = work/rate + running*step + kv_penalty, with rate and step fitted online.
+    """TTFT(work, load, running, kv) = work/rate + load/load_rate + running*step + kv_penalty, with rate,
+    load_rate and step fitted online.
 
-    The fit is in prior-normalised units: z1 = work/rate0, z2 = running*step0 (both seconds), y = observed
-    TTFT ~ a*z1 + b*z2, ridge towards a = b = 1 with the prior worth `prior_weight` average samples, old
-    samples halving in weight every `half_life` samples. rate = rate0/a, step = step0*b, each clamped to
-    [1/20, 20] x its prior so one odd sample cannot zero or explode it.
+    `work`: uncached prefill tokens (queued ahead + the request's own); `load`: the request's tokens loaded
+    from a KV tier (offload or node-shared store: a copy, not a recompute). The fit is in prior-normalised
+    units: z1 = work/rate0, z2 = running*step0, z3 = load/load_rate0 (all seconds), y = observed TTFT ~
+    a*z1 + b*z2 + c*z3, ridge towards a = b = c = 1 with the prior worth `prior_weight` average samples,
+    old samples halving in weight every `half_life` samples. rate = rate0/a, step = step0*b,
+    load_rate = load_rate0/c, each clamped to [1/20, 20] x its prior so one odd sample cannot zero or
+    explode it. Until a sample with tier tokens arrives, the load rate stays at its prior.
     """
 
     def __init__(self, config: AffinityConfig) -> None:
         self.rate0 = config.prefill_tokens_per_s
         self.step0 = config.decode_step_s
+        self.load_rate0 = config.tier_load_tokens_per_s
         self.calibrate = config.calibrate
         self.decay = 0.5 ** (1.0 / config.calibration_half_life)
         self.prior_weight = config.calibration_prior_weight
@@ -188,44 +195,76 @@ class TTFTModel:
         self.kv_penalty_s = config.kv_pressure_penalty_s
         self.prefill_tokens_per_s = self.rate0
         self.decode_step_s = self.step0
+        self.tier_load_tokens_per_s = self.load_rate0
         self.num_samples = 0
-        self._w = self._s11 = self._s12 = self._s22 = self._s1y = self._s2y = 0.0
+        self._w = 0.0
+        self._s = [[0.0] * 3 for _ in range(3)]     # decayed sums of z_i * z_j
+        self._sy = [0.0] * 3                          # decayed sums of z_i * y
 
-    def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int]) -> list[float]:
-        """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]`."""
+    def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int],
+                     tier_tokens: list[int] | None = None) -> list[float]:
+        """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]` and
+        `tier_tokens[i]` to load from a KV tier there."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
-        return [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
-                + (pen * min(1.0, (c.kv_usage - thr) / span) if c.kv_usage > thr else 0.0)
-                for c, u in zip(loads, own_tokens)]
+        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
+               + (pen * min(1.0, (c.kv_usage - thr) / span) if c.kv_usage > thr else 0.0)
+               for c, u in zip(loads, own_tokens)]
+        if tier_tokens:
+            load_rate = self.tier_load_tokens_per_s
+            out = [t + n / load_rate for t, n in zip(out, tier_tokens)]
+        return out
 
-    def observe(self, work_tokens: int, running: int, ttft_s: float) -> None:
-        """One request's TTFT with the prefill work (queued ahead + its own uncached) and running load."""
+    def observe(self, work_tokens: int, running: int, ttft_s: float, tier_tokens: int = 0) -> None:
+        """One request's TTFT with the prefill work (queued ahead + its own uncached), running load and
+        the tokens it loaded from a tier."""
         if not self.calibrate or ttft_s <= 0:
             return
-        z1 = work_tokens / self.rate0
-        z2 = running * self.step0
-        if z1 + z2 <= 1e-6:
+        z = (work_tokens / self.rate0, running * self.step0, tier_tokens / self.load_rate0)
+        if sum(z) <= 1e-6:
             return                       # nothing to learn from a free request (fully cached, idle)
         d = self.decay
         self._w = self._w * d + 1.0
-        self._s11 = self._s11 * d + z1 * z1
-        self._s12 = self._s12 * d + z1 * z2
-        self._s22 = self._s22 * d + z2 * z2
-        self._s1y = self._s1y * d + z1 * ttft_s
-        self._s2y = self._s2y * d + z2 * ttft_s
+        for i in range(3):
+            row = self._s[i]
+            for j in range(3):
+                row[j] = row[j] * d + z[i] * z[j]
+            self._sy[i] = self._sy[i] * d + z[i] * ttft_s
         self.num_samples += 1
         self._solve()
 
     def _solve(self) -> None:
-        lam1 = self.prior_weight * self._s11 / self._w + 1e-12
-        lam2 = self.prior_weight * self._s22 / self._w + 1e-12
-        a11, a12, a22 = self._s11 + lam1, self._s12, self._s22 + lam2
-        b1, b2 = self._s1y + lam1, self._s2y + lam2
-        det = a11 * a22 - a12 * a12
-        if det <= 0:
+        # Unknowns whose regressor never varied (no tier loads yet) stay at their prior (coefficient 1).
+        active = [i for i in range(3) if self._s[i][i] > 0.0]
+        a = [[self._s[i][j] for j in active] for i in active]
+        b = [self._sy[i] for i in active]
+        for k, i in enumerate(active):
+            lam = self.prior_weight * self._s[i][i] / self._w + 1e-12
+            a[k][k] += lam
+            b[k] += lam
+        coef = _solve_spd(a, b)
+        if coef is None:
             return
-        a = min(20.0, max(0.05, (b1 * a22 - b2 * a12) / det))
-        b = min(20.0, max(0.05, (a11 * b2 - a12 * b1) / det))
-        self.prefill_tokens_per_s = self.rate0 / a
-        self.decode_step_s = self.step0 * b
+        out = [1.0, 1.0, 1.0]
+        for k, i in enumerate(active):
+            out[i] = min(20.0, max(0.05, coef[k]))
+        self.prefill_tokens_per_s = self.rate0 / out[0]
+        self.decode_step_s = self.step0 * out[1]
+        self.tier_load_tokens_per_s = self.load_rate0 / out[2]
+
+
+def _solve_spd(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a x = b for a small symmetric positive definite `a` (Gaussian elimination); None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for k in range(n):
+        if m[k][k] <= 1e-300:
+            return None
+        for i in range(k + 1, n):
+            f = m[i][k] / m[k][k]
+            for j in range(k, n + 1):
+                m[i][j] -= f * m[k][j]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x

@@ -2,7 +2,10 @@
 
 The rule (README "Routing core API" writes it out with the defaults):
   1. Per candidate: cached = matched blocks x block size (at most the prompt's full blocks before its last
-     token), uncached = prompt - cached, TTFT = TTFTModel(queued + uncached, decode load, KV usage).
+     token), where matched = the blocks in its paged pool plus the run after them it can load from a KV
+     tier (its offload tier, its node's shared store); uncached = prompt - cached, TTFT =
+     TTFTModel(queued + uncached, tier-loaded tokens, decode load, KV usage): a pool hit is free, a tier
+     hit costs its load time.
   2. No candidate holds any block: SPILL (some non-candidate holds it, placed by TTFT) or NEW_GROUP: among
      the candidates whose TTFT is within tie_tolerance_s of the best, the one with the most cache room
      (occupancies within new_group_room_tolerance count as equal). Room only breaks load ties, so a burst of
@@ -13,7 +16,8 @@ The rule (README "Routing core API" writes it out with the defaults):
      as if each held what the best holder holds, so new holders join), else the best TTFT among the
      holders: HOT_REPLICA, released as in 4. A continuation (the best holder matches more blocks than the
      group's requests in the window all share) follows 4 instead: that reuse lives on one replica.
-  4. Otherwise the affinity replica A (most predicted cached tokens, ties by TTFT) is kept while
+  4. Otherwise the affinity replica A (most predicted cached tokens, then most of them in its pool, then
+     TTFT) is kept while
      TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s: AFFINITY; else RELEASED to
      the best TTFT.
 Scores within tie_tolerance_s of the best count as tied: a random one, the caller's node first.
@@ -137,14 +141,22 @@ class AffinityPolicy:
         return hashes[min(self.config.group_blocks, len(hashes)) - 1] if hashes else None
 
     def decide(self, request: RouteRequest, cands: list[ReplicaLoad], matched: dict[str, int],
-               held_elsewhere: bool, occupancy: Callable[[ReplicaLoad], float], now: float) -> PolicyResult:
-        """Choose among `cands` (non-empty). `matched`: leading blocks each holds (absent = 0);
-        `held_elsewhere`: a non-candidate holds the first block; `occupancy(c)`: its cache fill (0-1)."""
+               held_elsewhere: bool, occupancy: Callable[[ReplicaLoad], float], now: float,
+               tier: dict[str, int] | None = None) -> PolicyResult:
+        """Choose among `cands` (non-empty). `matched`: leading blocks each holds in its pool (absent = 0);
+        `tier`: blocks after those it can load from a KV tier (absent = 0); `held_elsewhere`: a
+        non-candidate holds the first block; `occupancy(c)`: its cache fill (0-1)."""
         cfg, bs, prompt = self.config, self.block_size, request.num_prompt_tokens
         max_blocks = max(0, prompt - 1) // bs
-        blocks = [matched.get(c.replica_id, 0) for c in cands] if matched else [0] * len(cands)
-        cached = [min(b, max_blocks) * bs for b in blocks]
-        ttft = self.model.predict_many(cands, [prompt - k for k in cached])
+        pool = [matched.get(c.replica_id, 0) for c in cands] if matched else [0] * len(cands)
+        pool_cached = [min(b, max_blocks) * bs for b in pool]
+        if tier:
+            blocks = [b + tier.get(c.replica_id, 0) for b, c in zip(pool, cands)]
+            cached = [min(b, max_blocks) * bs for b in blocks]
+            loaded = [k - p for k, p in zip(cached, pool_cached)]
+        else:
+            blocks, cached, loaded = pool, pool_cached, None
+        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded)
         everyone = range(len(cands))
         holders = [i for i in everyone if blocks[i] >= cfg.min_affinity_blocks]
         key = self.group_key(request)
@@ -174,12 +186,14 @@ class AffinityPolicy:
                 chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA)
         else:
             most = max(cached[i] for i in holders)
-            affinity = self._pick([i for i in holders if cached[i] == most], ttft, cands, request)
+            tops = [i for i in holders if cached[i] == most]
+            most_pool = max(pool_cached[i] for i in tops)     # equal reuse: the pool's is free
+            affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
             chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY)
         if key is not None:
             self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * request.max_tokens, now,
                                request.block_hashes)
-        return self._result(cands, cached, ttft, chosen, reason, affinity, k)
+        return self._result(cands, cached, ttft, chosen, reason, affinity, k, loaded)
 
     def _hot_k(self, key: BlockHash | None, num_cands: int, now: float) -> int:
         if key is None:
@@ -229,11 +243,11 @@ class AffinityPolicy:
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     def _result(self, cands: list[ReplicaLoad], cached: list[int], ttft: list[float], chosen: int,
-                reason: Reason, affinity: int | None, k: int) -> PolicyResult:
+                reason: Reason, affinity: int | None, k: int, loaded: list[int] | None = None) -> PolicyResult:
         order = sorted(range(len(cands)), key=ttft.__getitem__)
         ranked = [cands[chosen].replica_id] + [cands[i].replica_id for i in order if i != chosen]
         scores = CandidateScores([c.replica_id for c in cands], cached, ttft,
                                  [c.queued_prefill_tokens for c in cands], [c.decode_load for c in cands],
-                                 [c.kv_usage for c in cands])
+                                 [c.kv_usage for c in cands], loaded if loaded is not None else [])
         return PolicyResult(ranked, chosen, reason, scores,
                             cands[affinity].replica_id if affinity is not None else None, k)

@@ -16,6 +16,20 @@ Matching ANDs the masks of the prompt's hashes in order, one dict lookup and one
 replica's match length is recorded when its bit drops out. Each replica also keeps the hashes it holds
 (a dict used as a set), so dropping it costs O(its blocks), never a scan of the index.
 
+Tiers (engine/kv_connector; events with `medium` "offload" or "shared"): a block outside the paged pool is
+a load away, not free, so it is kept apart from `_held`:
+  `_offload`  block hash -> bit mask of the replica slots whose offload tier holds it;
+  `_shared`   block hash -> bit mask of the *node* slots whose node-shared store holds it. A shared-medium
+              BlockStored/BlockRemoved from any replica of node N changes N's store, which every replica
+              of N can load from (a replica of unknown node counts as a node of its own).
+`match_tiers` continues each candidate's pool match through its offload tier and its node's store.
+Across replicas of one node, events about the same store arrive on different streams pulled at different
+times; within one pull period a hash stored by one replica and evicted by another may be applied out of
+order and mispredicted until the next event about it or a snapshot (which carries the whole store). The
+engine's own lookup decides what is loaded, so a wrong prediction costs a routing choice, never a token.
+A pool reset (AllBlocksCleared) leaves the tiers; a lost stream (gap, epoch change) drops the replica's
+offload entries until its snapshot; the node's store entries stay until a snapshot replaces them.
+
 Memory bound: at most `max_blocks` hashes, least recently touched evicted first (down to 99% of the
 bound, in one pass); a lookup or store touches a chain's tail first so its head, which every longer prompt
 needs, is evicted last. Measured with tracemalloc (tests/unit/routing/test_prefix_index.py::
@@ -23,26 +37,39 @@ test_memory_per_entry, in a fresh interpreter; 20k-300k hashes): 125-170 bytes p
 hash object itself, plus 40-70 bytes per further replica holding it (its entry in that replica's dict).
 The default 500,000 hashes thus cost at most about 90 MB with one holder each, plus up to 35 MB per extra
 copy; size `max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
+The tier dicts have their own bound, `max_tier_blocks` hashes over both (LRU, the same layout and cost per
+entry: at most about 90 MB at the default 500,000, plus 40-70 bytes per further holder).
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
 
-from engine.types import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.types import MEDIUM_OFFLOAD, MEDIUM_POOL, MEDIUM_SHARED, AllBlocksCleared, BlockRemoved, BlockStored
 
 from app.routing.api import BlockHash, KVEventBatch, KVSnapshot
 
 
-class _ReplicaState:
-    __slots__ = ("slot", "epoch", "next_seq", "needs_snapshot", "held")
+class _NodeState:
+    __slots__ = ("slot", "held", "members")
 
     def __init__(self, slot: int) -> None:
+        self.slot = slot
+        self.held: dict[BlockHash, None] = {}   # hashes in this node's shared store (as far as we know)
+        self.members: set[str] = set()
+
+
+class _ReplicaState:
+    __slots__ = ("slot", "epoch", "next_seq", "needs_snapshot", "held", "offload", "node")
+
+    def __init__(self, slot: int, node: _NodeState) -> None:
         self.slot = slot
         self.epoch: str | None = None
         self.next_seq = 0
         self.needs_snapshot = True          # nothing known until a snapshot or the stream's seq 0
         self.held: dict[BlockHash, None] = {}   # hashes with this replica's bit (confirmed or speculative)
+        self.offload: dict[BlockHash, None] = {}   # hashes in this replica's offload tier
+        self.node = node
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -60,9 +87,15 @@ class PrefixIndex:
     (the cache is empty there). Overlapping batches are fine (already-applied events are skipped).
     """
 
-    def __init__(self, max_blocks: int, speculative_ttl_s: float) -> None:
+    def __init__(self, max_blocks: int, speculative_ttl_s: float, max_tier_blocks: int = 500_000) -> None:
         self.max_blocks = max_blocks
+        self.max_tier_blocks = max_tier_blocks
         self.speculative_ttl_s = speculative_ttl_s
+        self._offload: dict[BlockHash, int] = {}
+        self._shared: dict[BlockHash, int] = {}
+        self._nodes: dict[str, _NodeState] = {}
+        self._node_owner: list[_NodeState | None] = []
+        self.num_tier_evictions = 0
         self._held: dict[BlockHash, int] = {}
         self._spec: dict[BlockHash, int] = {}
         self._spec_expiry: list[dict[BlockHash, float]] = []
@@ -77,8 +110,14 @@ class PrefixIndex:
     def replica_ids(self) -> list[str]:
         return list(self._replicas)
 
-    def add_replica(self, replica_id: str) -> None:
-        if replica_id in self._replicas:
+    def add_replica(self, replica_id: str, node_id: str | None = None) -> None:
+        """Track a replica (no-op if tracked, except that a changed `node_id` moves it to that node)."""
+        key = node_id if node_id is not None else f"replica:{replica_id}"
+        st = self._replicas.get(replica_id)
+        if st is not None:
+            if key not in st.node.members:
+                self._leave_node(replica_id, st.node)
+                st.node = self._join_node(replica_id, key)
             return
         try:
             slot = self._slot_owner.index(None)
@@ -87,13 +126,38 @@ class PrefixIndex:
             slot = len(self._slot_owner)
             self._slot_owner.append(replica_id)
             self._spec_expiry.append({})
-        self._replicas[replica_id] = _ReplicaState(slot)
+        self._replicas[replica_id] = _ReplicaState(slot, self._join_node(replica_id, key))
 
     def remove_replica(self, replica_id: str) -> None:
         st = self._replicas.pop(replica_id, None)
         if st is not None:
             self._drop(st)
+            self._drop_offload(st)
+            self._leave_node(replica_id, st.node)
             self._slot_owner[st.slot] = None
+
+    def _join_node(self, replica_id: str, key: str) -> _NodeState:
+        node = self._nodes.get(key)
+        if node is None:
+            try:
+                slot = self._node_owner.index(None)
+            except ValueError:
+                slot = len(self._node_owner)
+                self._node_owner.append(None)
+            node = self._nodes[key] = _NodeState(slot)
+            self._node_owner[slot] = node
+        node.members.add(replica_id)
+        return node
+
+    def _leave_node(self, replica_id: str, node: _NodeState) -> None:
+        """A node nobody tracked is on any more is forgotten (its store is out of sight)."""
+        node.members.discard(replica_id)
+        if node.members:
+            return
+        self._drop_shared(node)
+        self._node_owner[node.slot] = None
+        for key in [k for k, n in self._nodes.items() if n is node]:
+            del self._nodes[key]
 
     # ------------------------------------------------------------ events and snapshots
     def apply_events(self, batch: KVEventBatch) -> bool:
@@ -106,16 +170,30 @@ class PrefixIndex:
             if batch.first_seq != 0 and not (events and isinstance(events[0], AllBlocksCleared)):
                 return self._lose(st)
             self._drop(st)                                    # known empty at this point
+            if st.epoch is not None and st.epoch != batch.epoch:
+                self._drop_offload(st)                        # a restarted replica's tier is gone
             st.epoch, st.next_seq, st.needs_snapshot = batch.epoch, batch.first_seq, False
         if batch.first_seq > st.next_seq:
             return self._lose(st)
         for event in events[st.next_seq - batch.first_seq:]:
             if isinstance(event, BlockStored):
-                self._store(st, event.block_hashes)
+                medium = event.medium
+                if medium == MEDIUM_POOL:
+                    self._store(st, event.block_hashes)
+                elif medium == MEDIUM_SHARED:
+                    self._tier_store(self._shared, st.node.held, st.node.slot, event.block_hashes)
+                elif medium == MEDIUM_OFFLOAD:
+                    self._tier_store(self._offload, st.offload, st.slot, event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                self._remove(st, event.block_hashes)
+                medium = event.medium
+                if medium == MEDIUM_POOL:
+                    self._remove(st, event.block_hashes)
+                elif medium == MEDIUM_SHARED:
+                    self._tier_remove(self._shared, st.node.held, st.node.slot, event.block_hashes)
+                elif medium == MEDIUM_OFFLOAD:
+                    self._tier_remove(self._offload, st.offload, st.slot, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self._drop(st)
+                self._drop(st)                                # the pool only: tiers outlive a reset
         st.next_seq = max(st.next_seq, batch.first_seq + len(events))
         return True
 
@@ -128,10 +206,18 @@ class PrefixIndex:
             return
         self._drop(st)
         self._store(st, snapshot.block_hashes)
+        self._drop_offload(st)
+        tiers = snapshot.tier_block_hashes
+        if MEDIUM_OFFLOAD in tiers:
+            self._tier_store(self._offload, st.offload, st.slot, tiers[MEDIUM_OFFLOAD])
+        if MEDIUM_SHARED in tiers:                            # the whole store of the replica's node
+            self._drop_shared(st.node)
+            self._tier_store(self._shared, st.node.held, st.node.slot, tiers[MEDIUM_SHARED])
         st.epoch, st.next_seq, st.needs_snapshot = snapshot.epoch, snapshot.next_seq, False
 
     def _lose(self, st: _ReplicaState) -> bool:
         self._drop(st)
+        self._drop_offload(st)
         st.epoch, st.needs_snapshot = None, True
         self.num_resyncs += 1
         return False
@@ -173,6 +259,110 @@ class PrefixIndex:
             else:
                 held[h] = mask & ~bit
         st.held = {}
+
+    # ------------------------------------------------------------ tiers
+    def _tier_store(self, tier: dict[BlockHash, int], owned: dict[BlockHash, None], slot: int,
+                    hashes: list[BlockHash]) -> None:
+        bit = 1 << slot
+        for h in reversed(hashes):                           # tail first, as the pool
+            tier[h] = tier.pop(h, 0) | bit
+            owned[h] = None
+        self._enforce_tier_bound()
+
+    @staticmethod
+    def _tier_remove(tier: dict[BlockHash, int], owned: dict[BlockHash, None], slot: int,
+                     hashes: list[BlockHash]) -> None:
+        bit = 1 << slot
+        for h in hashes:
+            mask = tier.get(h)
+            if mask is None or not mask & bit:
+                continue
+            owned.pop(h, None)
+            if mask == bit:
+                del tier[h]
+            else:
+                tier[h] = mask & ~bit
+
+    def _drop_offload(self, st: _ReplicaState) -> None:
+        self._tier_remove(self._offload, st.offload, st.slot, list(st.offload))
+
+    def _drop_shared(self, node: _NodeState) -> None:
+        self._tier_remove(self._shared, node.held, node.slot, list(node.held))
+
+    def _enforce_tier_bound(self) -> None:
+        """Evict least recently used tier entries down to 99% of `max_tier_blocks`, from the larger dict."""
+        excess = len(self._offload) + len(self._shared) - self.max_tier_blocks
+        if excess <= 0:
+            return
+        excess += self.max_tier_blocks // 100
+        while excess > 0:
+            shared = len(self._shared) >= len(self._offload)
+            tier = self._shared if shared else self._offload
+            n = min(excess, len(tier))
+            for h in [h for h, _ in zip(tier, range(n))]:
+                mask = tier.pop(h)
+                for slot in _bits(mask):
+                    if shared:
+                        node = self._node_owner[slot]
+                        if node is not None:
+                            node.held.pop(h, None)
+                    else:
+                        owner = self._slot_owner[slot]
+                        if owner is not None:
+                            self._replicas[owner].offload.pop(h, None)
+                self.num_tier_evictions += 1
+            excess -= n
+
+    def match_tiers(self, block_hashes: list[BlockHash], replica_ids: list[str],
+                    pool_matched: dict[str, int]) -> dict[str, int]:
+        """Blocks each replica can load right after its pool match (`pool_matched`, absent = 0): the run of
+        following hashes in its offload tier or its node's shared store. Replicas with 0 are absent.
+        Cost: two dict lookups per block position visited (each position once, whatever the number of
+        replicas), plus one mask test per replica per block of its run."""
+        if not self._offload and not self._shared:
+            return {}
+        replicas = self._replicas
+        n = len(block_hashes)
+        off: list[int | None] = [None] * n          # masks per position, looked up on first visit
+        sh: list[int] = [0] * n
+        off_get, sh_get = self._offload.get, self._shared.get
+        out: dict[str, int] = {}
+        lo, hi = n, 0
+        for rid in replica_ids:
+            st = replicas.get(rid)
+            if st is None:
+                continue
+            rbit, nbit = 1 << st.slot, 1 << st.node.slot
+            j = start = pool_matched.get(rid, 0)
+            while j < n:
+                o = off[j]
+                if o is None:
+                    h = block_hashes[j]
+                    o = off[j] = off_get(h, 0)
+                    sh[j] = sh_get(h, 0)
+                if not (o & rbit or sh[j] & nbit):
+                    break
+                j += 1
+            if j > start:
+                out[rid] = j - start
+                lo, hi = min(lo, start), max(hi, j)
+        for i in range(hi - 1, lo - 1, -1):                 # LRU: tail first, so the head is newest
+            h = block_hashes[i]
+            if off[i]:
+                self._offload[h] = self._offload.pop(h)
+            if sh[i]:
+                self._shared[h] = self._shared.pop(h)
+        return out
+
+    def num_tier_held(self, replica_id: str) -> tuple[int, int]:
+        """(offload-tier hashes, node-store hashes) the replica can load, as indexed."""
+        st = self._replicas.get(replica_id)
+        return (len(st.offload), len(st.node.held)) if st is not None else (0, 0)
+
+    @property
+    def num_tier_entries(self) -> int:
+        """Tier hashes indexed (offload + shared; the quantity `max_tier_blocks` bounds)."""
+        return len(self._offload) + len(self._shared)
 
     # ------------------------------------------------------------ speculative inserts
     def insert_speculative(self, replica_id: str, block_hashes: list[BlockHash], now: float) -> None:
