@@ -3,10 +3,12 @@ routing/autoscaling, the KV event feed routers pull, health (dead or wedged step
 set by builder.py, not here.
 
 Reads the engine only through its thread-safe surface: `limits`, `load()`, `health()`, `kv_events_since()`,
-`kv_snapshot()`.
+`kv_snapshot()`; and, for `debug_state` only, the KV connector's counters (plain ints, read between or
+during steps: a racy but harmless snapshot).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -209,9 +211,12 @@ class LLMReplica:
     # ------------------------------------------------------------------ introspection
     async def debug_state(self) -> dict[str, Any]:
         load = self.engine.load()
+        conn = self.engine.engine.kv_connector
         return {"replica_id": self.replica_id, "num_free_blocks": load.num_free_blocks,
                 "num_blocks": load.num_blocks, "num_requests": load.num_requests,
-                "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats()}
+                "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats(),
+                # the KV connector's cumulative counters (lookups, hit/loaded/stored blocks, failures)
+                "kv_connector": dataclasses.asdict(conn.stats) if conn is not None else None}
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
