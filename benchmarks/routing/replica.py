@@ -177,7 +177,7 @@ class SimReplica:
             req = requests[req_id]
             sampled.append([self._outputs[req_id][req.num_output_tokens]]
                            if req.num_computed_tokens >= req.num_tokens else [])
-        out = self.scheduler.update_from_output(so, ModelRunnerOutput(req_ids, sampled))
+        out = self.scheduler.update_from_output(so, self._runner_output(req_ids, sampled))
         result = StepResult()
         for delta in out.outputs:
             if delta.new_token_ids and delta.req_id not in self._started:
@@ -188,8 +188,15 @@ class SimReplica:
                 result.finished_ids.append(delta.req_id)
                 self._started.discard(delta.req_id)
                 del self._outputs[delta.req_id]
-        self.event_log.append(self._epoch(), self.kv.take_events())
+        self.event_log.append(self._epoch(), self._take_events())
         return result
+
+    # Hooks a replica with a KV connector overrides (benchmarks/routing/tiers.py).
+    def _runner_output(self, req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids, sampled)
+
+    def _take_events(self) -> list:
+        return self.kv.take_events()
 
     # ------------------------------------------------------------------ what the router may pull
     def load_view(self) -> dict:
