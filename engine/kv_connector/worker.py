@@ -30,10 +30,17 @@ def block_view_permutation(kv_cache_shape) -> tuple[int, ...]:
 
 
 class BlockCopier:
-    """Gathers and scatters whole blocks; a block's canonical form is [num_layers, 2, heads, block_size, head_dim]."""
+    """Gathers and scatters whole blocks; a block's canonical form is [num_layers, 2, heads, block_size, head_dim].
+
+    One index_select / index_copy_ along each layer tensor's own block axis (the fast, contiguous path),
+    permuted to or from the canonical order on the small per-step tensor.
+    """
 
     def __init__(self, kv_caches: list[torch.Tensor], permutation: tuple[int, ...]):
-        self.views = [kv.permute(*permutation) for kv in kv_caches]   # each [num_blocks, 2, H, bs, D]
+        self.kv_caches = kv_caches
+        self.block_dim = permutation[0]
+        self.permutation = permutation                                # backend order -> canonical
+        self.inverse = tuple(permutation.index(i) for i in range(len(permutation)))
         self.device = kv_caches[0].device
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
@@ -42,14 +49,14 @@ class BlockCopier:
     def gather(self, block_ids: list[int], out: torch.Tensor) -> None:
         """out: [n, num_layers, 2, H, bs, D] (host or device) <- the pool blocks `block_ids`."""
         ids = self._ids(block_ids)
-        for layer, view in enumerate(self.views):
-            out[:, layer] = view.index_select(0, ids)
+        for layer, kv in enumerate(self.kv_caches):
+            out[:, layer] = kv.index_select(self.block_dim, ids).permute(self.permutation)
 
     def scatter(self, block_ids: list[int], src: torch.Tensor) -> None:
         """The pool blocks `block_ids` <- src: [n, num_layers, 2, H, bs, D] on the pool's device."""
         ids = self._ids(block_ids)
-        for layer, view in enumerate(self.views):
-            view[ids] = src[:, layer]
+        for layer, kv in enumerate(self.kv_caches):
+            kv.index_copy_(self.block_dim, ids, src[:, layer].permute(self.inverse))
 
 
 def _block_shape(layout: KVLayout) -> tuple[int, ...]:
