@@ -429,7 +429,9 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
     ours = PolicyConfig(min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas, ttft_slo_s=cfg.ttft_slo_s,
                         tpot_slo_s=a.tpot_slo, prefill_tokens_per_s=1.0 / timing.prefill_per_token_s,
                         decode_seqs_per_replica=a.decode_seqs, upscale_delay_s=a.upscale_delay,
-                        downscale_delay_s=a.downscale_delay, downscale_to_zero_delay_s=60.0)
+                        downscale_delay_s=a.downscale_delay, downscale_to_zero_delay_s=60.0,
+                        target_utilization=a.target_util, downscale_utilization=a.down_util,
+                        kv_usage_target=a.kv_target)
     out = [EnginePolicy(ours)]
     for t in a.targets:
         out.append(RayDefaultPolicy(t, cfg.min_replicas, cfg.max_replicas, a.upscale_delay, a.downscale_delay))
@@ -482,13 +484,16 @@ def main() -> None:
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tpot-slo", type=float, default=0.15)
     p.add_argument("--decode-seqs", type=float, default=48.0, help="ours: sequences per replica within TPOT SLO")
+    p.add_argument("--target-util", type=float, default=0.8, help="ours: target_utilization")
+    p.add_argument("--down-util", type=float, default=0.5, help="ours: downscale_utilization")
+    p.add_argument("--kv-target", type=float, default=0.85, help="ours: kv_usage_target")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="both policies")
     p.add_argument("--downscale-delay", type=float, default=30.0, help="both policies")
     p.add_argument("--targets", default="8,16,32", help="Serve default policy's target_ongoing_requests values")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--out-dir", default="benchmarks/autoscale-results")
     a = p.parse_args()
-    a.targets = [float(x) for x in a.targets.split(",")]
+    a.targets = [float(x) for x in a.targets.split(",") if x]
     if a.quick:
         a.max_replicas, a.duration = "8", 240.0
 
