@@ -57,7 +57,7 @@ def test_load_scales_out_to_three_and_back_to_one_with_no_failures(ray_serve, ch
     try:
         for t in threads:
             t.start()
-        while time.monotonic() - t0 < 40 and _running(APP) < 3:
+        while time.monotonic() - t0 < 75 and _running(APP) < 3:   # replica start-up dominates on a busy machine
             counts.append((time.monotonic() - t0, _running(APP)))
             time.sleep(0.25)
         reached = _running(APP)
