@@ -241,6 +241,39 @@ def ttft_cases(args, model: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- 4. store on evict vs on finish
+def store_policy(args, model: str) -> list[dict]:
+    """Prefixes revisited under pool pressure: what each store policy copies and what it saves."""
+    import random
+
+    from engine import SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    plen = args.prompt_len // 2
+    rows = []
+    for store_on in ("none", "evict", "finish"):
+        rng = random.Random(11)
+        prefixes = [[rng.randrange(3, 32000) for _ in range(plen)] for _ in range(6)]
+        cfg = {"model": model, "num_threads": args.threads,
+               "cache": {"num_blocks": 2 * plen // BLOCK + 8, "block_size": BLOCK}}
+        if store_on != "none":
+            cfg["kv_connector"] = {"type": "offload", "capacity_blocks": 8 * plen // BLOCK, "store_on": store_on}
+        eng = LLMEngine(EngineConfig(**cfg))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        for i in range(args.policy_requests):
+            eng.add_request(f"p{i}", rng.choice(prefixes) + [rng.randrange(3, 32000) for _ in range(8)], params)
+            while eng.has_unfinished_requests():
+                eng.step()
+        wall = time.perf_counter() - t0
+        kv = eng.kv_cache_manager.stats
+        st = eng.kv_connector.stats if eng.kv_connector is not None else None
+        rows.append({"store_on": store_on, "wall_s": wall, "hit_rate": kv.hits / kv.queries,
+                     "stored_blocks": st.stored_blocks if st else 0, "loaded_blocks": st.loaded_blocks if st else 0})
+        eng.close()
+    return rows
+
+
 # ---------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -252,6 +285,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--before", default="7be17d7^", help="git revision of the code before the connector")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--policy-requests", type=int, default=24)
     ap.add_argument("--json")
     ap.add_argument("--png")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -262,7 +296,7 @@ def main() -> None:
         _worker_main(args)
         return
     if args.quick:
-        args.reps, args.ttft_reps, args.steps, args.prompt_len = 1, 1, 100, 512
+        args.reps, args.ttft_reps, args.steps, args.prompt_len, args.policy_requests = 1, 1, 100, 512, 12
     from engine.demo import write_demo_model
     model = str(Path(tempfile.mkdtemp(prefix="kvc-model-")) / "llama56m")
     write_demo_model(model, arch="llama", seed=0, **MODEL)
@@ -284,6 +318,13 @@ def main() -> None:
         bw = f"{r['load_gbps']:>11.2f}{r['load_vs_memcpy']:>10.2f}{r['load_s_per_request'] * 1e3:>9.1f}" \
             if "load_gbps" in r else f"{'':>30}"
         print(f"{k:<10}{r['ttft_s_median'] * 1e3:>10.1f}{r['ttft_s_median'] / none:>8.3f}{r['cached_tokens']:>8}{bw}")
+    result["store_policy"] = store_policy(args, model)
+    print(f"\n== offload store policy: {args.policy_requests} requests over 6 prefixes of {args.prompt_len // 2} "
+          "tokens, a pool holding 2 of them")
+    print(f"{'store_on':<10}{'wall s':>8}{'hit rate':>10}{'stored blk':>12}{'loaded blk':>12}")
+    for r in result["store_policy"]:
+        print(f"{r['store_on']:<10}{r['wall_s']:>8.2f}{r['hit_rate']:>10.3f}{r['stored_blocks']:>12}"
+              f"{r['loaded_blocks']:>12}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.png:
