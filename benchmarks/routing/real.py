@@ -22,9 +22,11 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,9 +167,24 @@ def stop_cluster() -> None:
     ray.shutdown()
 
 
+def shared_store_dir() -> str:
+    """The node-shared KV store of a `<policy>+shared` run (emptied before each deploy and after it)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"affinity-kv-bench-{os.getpid()}")
+
+
 def app_config(spec: BenchSpec, policy: str, model: str) -> dict[str, Any]:
-    return {"engine": {"model": model, "num_threads": spec.num_threads,
-                       "cache": {"num_blocks": spec.num_blocks, "block_size": spec.block_size}},
+    """`policy` is a routing.policy, or one followed by "+shared": the replicas share a node KV store
+    (engine.kv_connector type shared, 4x a replica's pool)."""
+    policy, _, tier = policy.partition("+")
+    engine = {"model": model, "num_threads": spec.num_threads,
+              "cache": {"num_blocks": spec.num_blocks, "block_size": spec.block_size}}
+    if tier == "shared":
+        engine["kv_connector"] = {"type": "shared", "shared_dir": shared_store_dir(),
+                                  "capacity_blocks": 4 * spec.num_blocks}
+    elif tier:
+        raise ValueError(f"unknown tier {tier!r} in policy {policy}+{tier}; use <policy>+shared")
+    return {"engine": engine,
             "serve": {"num_replicas": spec.replicas, "replica_num_cpus": 1.0, "model_name": "demo",
                       "max_queued_requests": -1, "first_token_timeout_s": spec.request_timeout_s},
             "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "affinity": dict(spec.affinity)},
@@ -178,6 +195,7 @@ def deploy(spec: BenchSpec, policy: str, model: str) -> None:
     from ray import serve
 
     from app.builder import build_app
+    shutil.rmtree(shared_store_dir(), ignore_errors=True)        # every run starts from an empty store
     serve.run(build_app(app_config(spec, policy, model)), name=APP_NAME, route_prefix=ROUTE)
     _wait_running("LLMReplica", spec.replicas)
 
@@ -185,6 +203,7 @@ def deploy(spec: BenchSpec, policy: str, model: str) -> None:
 def undeploy() -> None:
     from ray import serve
     serve.delete(APP_NAME)
+    shutil.rmtree(shared_store_dir(), ignore_errors=True)
 
 
 def _wait_running(deployment: str, n: int, timeout_s: float = 120) -> None:
@@ -450,7 +469,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--time-limit-s", type=float, default=d.time_limit_s, help="hard limit for the whole run")
-    p.add_argument("--policies", default=",".join(d.policies))
+    p.add_argument("--policies", default=",".join(d.policies),
+                   help="routing policies; <policy>+shared also gives the replicas a node-shared KV store")
     p.add_argument("--affinity", action="append", default=[], metavar="KNOB=VALUE",
                    help="override a routing.affinity knob (repeatable), e.g. release_slack_abs_s=0.02")
     p.add_argument("--json", help="write the results here")
