@@ -323,3 +323,105 @@ def test_offload_tier_lru_pins_and_events():
     events = tier.take_events()
     assert [type(e) for e in events] == [BlockStored, BlockRemoved, BlockStored]
     assert all(e.medium == "offload" for e in events) and events[1].block_hashes == [hashes[2]]
+
+
+# ---------------------------------------------------------------- the real offload tier, contents modelled
+class ContentModel:
+    """Stands in for KV bytes: which block hash each pool block and each tier slot holds."""
+
+    def __init__(self, sched, tier: OffloadConnectorScheduler, rng: random.Random, p_fail: float):
+        self.sched, self.tier, self.rng, self.p_fail = sched, tier, rng, p_fail
+        self.pool: dict[int, bytes] = {}
+        self.slots: dict[int, bytes] = {}
+        self.loads_ok = 0
+
+    def execute(self, meta: KVConnectorMetadata) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for t in meta.stores:                     # before the forward pass: evicted blocks still hold their KV
+            for b, h, slot in zip(t.block_ids, t.block_hashes, t.tier_slots):
+                assert self.pool.get(b) == h, "a store read a block that no longer holds its hash's KV"
+                self.slots[slot] = h
+            out.finished_stores.append((t.block_hashes, True))
+        for t in meta.loads:
+            ok = self.rng.random() >= self.p_fail
+            if ok:
+                for b, h, slot in zip(t.block_ids, t.block_hashes, t.tier_slots):
+                    assert self.slots.get(slot) == h, "a load read a slot that holds another block"
+                    self.pool[b] = h
+                self.loads_ok += 1
+            out.finished_loads[t.req_id] = ok
+        return out
+
+    def after_update(self) -> None:
+        """Blocks the step computed now hold their hash's KV (the pool registers them as cached)."""
+        for h, entry in self.sched.kv.pool.cached.items():
+            for b in ([entry] if not isinstance(entry, dict) else entry.values()):
+                self.pool[b.block_id] = h
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(10, 30), capacity=st.integers(1, 24),
+       p_fail=st.sampled_from([0.0, 0.3]), store_on=st.sampled_from(["evict", "finish"]))
+def test_offload_tier_contents_match_its_accounting(seed, num_blocks, capacity, p_fail, store_on):
+    rng = random.Random(seed)
+    tier = OffloadConnectorScheduler(_LAYOUT, capacity, store_on=store_on)
+    sched = _sched(tier, num_blocks=num_blocks, max_num_batched_tokens=32)
+    model = ContentModel(sched, tier, random.Random(seed + 1), p_fail)
+    prefixes = [[rng.randrange(100, 900) for _ in range(12)] for _ in range(4)]
+    for i in range(60):
+        if rng.random() < 0.5:
+            prompt = rng.choice(prefixes) + [rng.randrange(100, 900) for _ in range(rng.randint(1, 5))]
+            sched.add_request(make_request(f"r{i}", prompt, block_size=BS, max_tokens=rng.randint(1, 4)))
+        so = sched.schedule()
+        ro = runner_output(sched, so)
+        ro.kv_connector_output = model.execute(so.kv_connector_metadata)
+        sched.update_from_output(so, ro)
+        model.after_update()
+        check_ref_counts(sched)
+        tier.check_accounting()
+        for h, slot in tier._index.items():
+            assert model.slots.get(slot) == h, "the tier's index names a slot holding other KV"
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        ro = runner_output(sched, so)
+        ro.kv_connector_output = model.execute(so.kv_connector_metadata)
+        sched.update_from_output(so, ro)
+        model.after_update()
+    assert_all_blocks_free(sched)
+    tier.check_accounting()
+    assert not tier.has_pending_work() and not tier._pins and len(tier.block_hashes()) <= capacity
+
+
+def test_a_load_in_flight_survives_preemption_of_running_requests():
+    conn = FakeConnector(random.Random(0), max_delay=0)
+    sched = _sched(conn, num_blocks=14)
+    prompt = list(range(700, 724))                     # 6 blocks
+    _fill_tier(sched, conn, prompt)
+    for r in ("x", "y"):
+        sched.add_request(make_request(r, 9, block_size=BS, max_tokens=12))
+    outs: dict[str, list[int]] = {}
+
+    def collect(out):
+        for d in out.outputs:
+            outs.setdefault(d.req_id, []).extend(d.new_token_ids)
+    collect(_step(sched, conn)[1])
+    conn.max_delay = 6
+    sched.add_request(make_request("c", prompt + [1], block_size=BS, max_tokens=2))
+    so = sched.schedule()
+    assert sched.requests["c"].status is RequestStatus.WAITING_FOR_KV
+    assert not conn.execute(so.kv_connector_metadata).finished_loads
+    conn.in_flight["c"][0] = 6                           # the load takes a while; x and y grow meanwhile
+    collect(sched.update_from_output(so, runner_output(sched, so)))
+    preempted = 0
+    for _ in range(6):
+        so, out = _step(sched, conn)
+        collect(out)
+        preempted += len(so.preempted_req_ids)
+        check_ref_counts(sched)
+    assert preempted > 0, "the pool was meant to run out while c held its load blocks"
+    for rid, toks in _drain(sched, conn).items():
+        outs.setdefault(rid, []).extend(toks)
+    assert len(outs["x"]) == len(outs["y"]) == 12 and len(outs["c"]) == 2
+    assert_all_blocks_free(sched)
