@@ -121,6 +121,10 @@ class AutoscalingSection(_Strict):
                                          "stay under this")
     slo_cooldown_s: float = Field(10.0, ge=0, description="after a scale-up, SLO breaches wait this long")
     max_upscale_factor: float = Field(2.0, ge=1, description="one SLO-driven step at most multiplies by this")
+    preemption_rate_threshold: float = Field(0.02, ge=0, description="preemptions/s per replica above which "
+                                             "they ask for one more replica")
+    preemption_persist_s: float = Field(0.0, ge=0, description="preemptions must stay above the threshold "
+                                        "this long")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":

@@ -7,7 +7,9 @@ The rule (README "Autoscaling" writes it out):
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
    KV usage adds a floor: the fleet's held KV over the KV target.
 2. Scale up when that needs more replicas at `target_utilization`, or (reactively) when the observed
-   TTFT / TPOT p90 passes its SLO or replicas preempt. Scale down only when the load fits in fewer
+   TTFT / TPOT p90 passes its SLO (by how far it is past it) or replicas preempt above
+   `preemption_rate_threshold` per replica for `preemption_persist_s` (one more replica). Scale down only
+   when the load fits in fewer
    replicas at the lower `downscale_utilization` and nothing breaches its SLO: the band between the two
    utilizations is the hysteresis. Each direction must hold for its delay before it acts.
 3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight.
@@ -55,6 +57,8 @@ class PolicyConfig:
     downscale_to_zero_delay_s: float = 60.0
     slo_cooldown_s: float = 10.0           # after an up scale, SLO breaches wait this long (they lag)
     max_upscale_factor: float = 2.0        # an SLO breach at most multiplies the count by this
+    preemption_rate_threshold: float = 0.02  # preemptions/s per replica above which they ask for a replica ...
+    preemption_persist_s: float = 0.0      # ... once above it this long (on top of the look-back mean)
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -67,6 +71,9 @@ class PolicyConfig:
                      "kv_usage_target"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        for name in ("preemption_rate_threshold", "preemption_persist_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +88,7 @@ class FleetLoad:
     preemptions_per_s: float = 0.0
     num_in_flight: float = 0.0     # on replicas plus queued at callers
     num_recent_requests: float = 0.0
+    num_replicas: int = 0          # reporting
 
     @property
     def load_units(self) -> float:
@@ -96,6 +104,7 @@ class PolicyState:
     down_history: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None      # nothing in flight since then (scale to zero)
     last_up_time: float | None = None
+    preempt_since: float | None = None   # preemptions above the threshold since then
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,19 +139,23 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
-        num_recent_requests=recent)
+        num_recent_requests=recent, num_replicas=len(signals))
+
+
+def preempting(load: FleetLoad, cfg: PolicyConfig) -> bool:
+    """Preemptions above `preemption_rate_threshold` per reporting replica. A preemption costs one recompute
+    of its sequence, but a rising rate is the earliest sign of a fleet running out of KV (README
+    "Autoscaling" has the measured trade-off of the threshold)."""
+    return load.num_replicas > 0 and load.preemptions_per_s > cfg.preemption_rate_threshold * load.num_replicas
 
 
 def slo_ratio(load: FleetLoad, cfg: PolicyConfig) -> float:
-    """How far past its SLOs the fleet runs (> 1: breached); 0 without recent requests."""
+    """How far past its latency SLOs the fleet runs (> 1: breached); 0 without recent requests."""
     if load.num_in_flight <= 0 and load.num_recent_requests <= 0:
         return 0.0
-    ratio = 0.0
     if load.num_recent_requests > 0:
-        ratio = max(load.ttft_p90_s / cfg.ttft_slo_s, load.tpot_p90_s / cfg.tpot_slo_s)
-    if load.preemptions_per_s > 0:          # KV is short: requests lose their progress
-        ratio = max(ratio, 1.25)
-    return ratio
+        return max(load.ttft_p90_s / cfg.ttft_slo_s, load.tpot_p90_s / cfg.tpot_slo_s)
+    return 0.0
 
 
 def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: PolicyState,
@@ -152,15 +165,25 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     load = fleet_load(signals, cfg, num_queued_at_callers)
     idle = load.num_in_flight <= 0
     state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now) if idle else None)
+    if preempting(load, cfg):
+        state = replace(state, preempt_since=state.preempt_since if state.preempt_since is not None else now)
+    else:
+        state = replace(state, preempt_since=None)
+    preempt_persisted = (state.preempt_since is not None
+                         and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     up_need = max(load.load_units / cfg.target_utilization, load.kv_units)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
-    slo_breached = ratio > 1.0
+    # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
+    # a latency breach scales by how far past its SLO the fleet runs.
+    slo_breached = ratio > 1.0 or preempt_persisted
     cooling = state.last_up_time is not None and now - state.last_up_time < cfg.slo_cooldown_s
     slo_target = 0
     if slo_breached and not cooling and current > 0:
-        slo_target = max(current + 1, math.ceil(current * min(ratio, cfg.max_upscale_factor)))
+        slo_target = current + 1
+        if ratio > 1.0:
+            slo_target = max(slo_target, math.ceil(current * min(ratio, cfg.max_upscale_factor)))
     scale = cfg.downscale_utilization / cfg.target_utilization
     down_target = max(1, math.ceil(max(load.load_units / cfg.downscale_utilization, load.kv_units / scale) - 1e-9))
 

@@ -13,10 +13,12 @@ from autoscale.signals import ReplicaSignals as S
 CFG = PolicyConfig(min_replicas=1, max_replicas=8, ttft_slo_s=1.0, tpot_slo_s=0.1, prefill_tokens_per_s=1000,
                    decode_seqs_per_replica=10, kv_usage_target=0.85, target_utilization=0.8,
                    downscale_utilization=0.5, upscale_delay_s=0.0, downscale_delay_s=10.0,
-                   downscale_to_zero_delay_s=20.0, slo_cooldown_s=5.0)
+                   downscale_to_zero_delay_s=20.0, slo_cooldown_s=5.0, preemption_rate_threshold=0.1,
+                   preemption_persist_s=5.0)
 NOW = 1000.0
 FRESH = PolicyState()
 LONG_DOWN = PolicyState(down_since=NOW - 60)        # a down condition that has held past its delay
+PREEMPTING = PolicyState(preempt_since=NOW - 6)     # preemptions above the threshold for 6 s (> 5 s)
 IDLE = S()
 OK_LATENCY = dict(ttft_p90_s=0.3, tpot_p90_s=0.03, num_recent_requests=20)
 
@@ -38,7 +40,18 @@ CASES = [
     ("TTFT breach doubles at most", [busy(1, ttft_p90_s=3.0)], 2, FRESH, {}, 0, 4, Reason.UP_SLO),
     ("TPOT breach x1.5", [busy(1, tpot_p90_s=0.15), busy(1, tpot_p90_s=0.15)], 4, FRESH, {}, 0, 6,
      Reason.UP_SLO),
-    ("preemptions: one more", [busy(2, preemptions_per_s=0.5)], 1, FRESH, {}, 0, 2, Reason.UP_SLO),
+    ("persistent preemptions: one more", [busy(2, preemptions_per_s=0.5)], 1, PREEMPTING, {}, 0, 2, Reason.UP_SLO),
+    ("persistent preemptions: one more, not a factor", [busy(2, preemptions_per_s=0.5)] * 6, 6, PREEMPTING, {}, 0,
+     7, Reason.UP_SLO),
+    ("preemptions and a TTFT breach: the breach's factor", [busy(2, preemptions_per_s=0.5, ttft_p90_s=1.5)] * 4, 4,
+     PREEMPTING, {}, 0, 6, Reason.UP_SLO),
+    ("preemptions not persisted yet: hold", [busy(2, preemptions_per_s=0.5)], 1, FRESH, {}, 0, 1, Reason.HOLD),
+    ("preemptions under 0.1/s per replica: hold", [busy(6, preemptions_per_s=0.09)] * 2, 2, PREEMPTING, {}, 0, 2,
+     Reason.HOLD),
+    ("threshold is per replica: 0.3/s over 4 replicas is no breach", [busy(6, preemptions_per_s=0.075)] * 4, 4,
+     PREEMPTING, {}, 0, 4, Reason.HOLD),
+    ("threshold 0 and no persistence: any preemption", [busy(2, preemptions_per_s=0.01)], 1, FRESH,
+     {"preemption_rate_threshold": 0.0, "preemption_persist_s": 0.0}, 0, 2, Reason.UP_SLO),
     ("SLO breach in cooldown: no reactive step", [busy(1, ttft_p90_s=3.0)], 2,
      PolicyState(last_up_time=NOW - 1), {}, 0, 2, Reason.HOLD),
     ("capped at max_replicas", [busy(10, queued_tokens=50_000)], 2, FRESH, {}, 0, 8, Reason.UP_PREDICTED),
@@ -122,6 +135,8 @@ def test_bad_config_is_rejected():
         PolicyConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         PolicyConfig(prefill_tokens_per_s=0)
+    with pytest.raises(ValueError, match="preemption_rate_threshold"):
+        PolicyConfig(preemption_rate_threshold=-1)
 
 
 def test_after_the_delay_the_count_follows_the_windows_largest_down_target_without_a_new_delay():
@@ -134,3 +149,16 @@ def test_after_the_delay_the_count_follows_the_windows_largest_down_target_witho
         s, n = d.state, d.target_replicas
         seen.setdefault(n, float(t))
     assert seen == {6: 0.0, 4: 10.0, 2: 15.0, 1: 25.0}
+
+
+def test_preemptions_must_stay_above_the_threshold_for_the_persist_time():
+    """0.5 preemptions/s on one replica (threshold 0.1/s, persist 5 s): the breach counts from the 5th second;
+    a quiet tick in between starts the wait over."""
+    hot, calm = [busy(2, preemptions_per_s=0.5)], [busy(2)]
+    s, seen = FRESH, []
+    for t, sig in [(0, hot), (2, hot), (4, calm), (5, hot), (9, hot), (10, hot)]:
+        d = decide(sig, 1, float(t), s, CFG)
+        s = d.state
+        seen.append((t, d.target_replicas, d.reason))
+    assert seen == [(0, 1, Reason.HOLD), (2, 1, Reason.HOLD), (4, 1, Reason.HOLD), (5, 1, Reason.HOLD),
+                    (9, 1, Reason.HOLD), (10, 2, Reason.UP_SLO)]
