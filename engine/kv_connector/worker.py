@@ -74,6 +74,23 @@ class _Worker:
         self.is_cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.is_cuda else None
         self._in_flight: list[tuple[object, KVConnectorOutput]] = []     # (cuda event, report when done)
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def _host_blocks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host buffer for n blocks: (raw bytes [n, block_bytes], typed [n, L, 2, H, bs, D]).
+
+        On CPU one buffer is reused (grown as needed): a fresh multi-MiB tensor each step would page-fault
+        its way in. On CUDA each transfer gets its own pinned buffer, as copies may still be in flight.
+        """
+        nbytes = n * self.layout.block_bytes
+        if self.is_cuda:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            if self._staging.numel() < nbytes:
+                self._staging = torch.empty(max(nbytes, 2 * self._staging.numel()), dtype=torch.uint8)
+            raw = self._staging[:nbytes]
+        raw = raw.view(n, self.layout.block_bytes)
+        return raw, raw.view(self.dtype).view(n, *_block_shape(self.layout))
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], permutation: tuple[int, ...]) -> None:
         self.copier = BlockCopier(kv_caches, permutation)
@@ -149,9 +166,9 @@ class OffloadWorker(_Worker):
         assert self.copier is not None
         slots = torch.tensor(t.tier_slots, dtype=torch.long)
         if not self.is_cuda:
-            staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype)
+            _, staged = self._host_blocks(len(t.block_ids))
             self.copier.gather(t.block_ids, staged)
-            self.tier[slots] = staged
+            self.tier.index_copy_(0, slots, staged)
             return True
         staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype, device=self.device)
         self.copier.gather(t.block_ids, staged)
@@ -162,7 +179,9 @@ class OffloadWorker(_Worker):
     def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         assert self.copier is not None
         if not self.is_cuda:
-            self.copier.scatter(t.block_ids, self.tier[torch.tensor(t.tier_slots, dtype=torch.long)])
+            _, staged = self._host_blocks(len(t.block_ids))
+            torch.index_select(self.tier, 0, torch.tensor(t.tier_slots, dtype=torch.long), out=staged)
+            self.copier.scatter(t.block_ids, staged)
             return True
         staged = torch.empty((len(t.block_ids), *_block_shape(self.layout)), dtype=self.dtype, device=self.device)
         for i, slot in enumerate(t.tier_slots):        # pinned host -> device, asynchronous per block
@@ -178,14 +197,9 @@ class SharedStoreWorker(_Worker):
         super().__init__(layout, device, dtype)
         self.store = store
 
-    def _staging(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A host buffer for n blocks: (raw bytes [n, block_bytes], typed [n, L, 2, H, bs, D])."""
-        raw = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8, pin_memory=self.is_cuda)
-        return raw, raw.view(self.dtype).view(n, *_block_shape(self.layout))
-
     def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         assert self.copier is not None
-        raw, typed = self._staging(len(t.block_ids))
+        raw, typed = self._host_blocks(len(t.block_ids))
         if self.is_cuda:
             staged = torch.empty_like(typed, device=self.device)
             self.copier.gather(t.block_ids, staged)
@@ -199,7 +213,7 @@ class SharedStoreWorker(_Worker):
 
     def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         assert self.copier is not None
-        raw, typed = self._staging(len(t.block_ids))
+        raw, typed = self._host_blocks(len(t.block_ids))
         mem = raw.numpy()
         for i, h in enumerate(t.block_hashes):
             if not self.store.read_into(h, memoryview(mem[i])):
