@@ -126,7 +126,9 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         for hashes, ok in output.finished_stores:
             stored = []
             for h in hashes:
-                slot = self._storing.pop(h)
+                slot = self._storing.pop(h, None)
+                if slot is None:
+                    continue        # reported already (a failed step's transfers count as failed at once)
                 if ok:
                     self._index[h] = slot
                     stored.append(h)

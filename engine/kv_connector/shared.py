@@ -83,7 +83,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorUpdate:
         for hashes, ok in output.finished_stores:
-            self._num_storing -= 1
+            self._num_storing = max(0, self._num_storing - 1)
             if ok:
                 self.stats.stored_blocks += len(hashes)
                 if self._enable_events and hashes:

@@ -425,3 +425,45 @@ def test_a_load_in_flight_survives_preemption_of_running_requests():
         outs.setdefault(rid, []).extend(toks)
     assert len(outs["x"]) == len(outs["y"]) == 12 and len(outs["c"]) == 2
     assert_all_blocks_free(sched)
+
+
+def test_a_failed_step_fails_its_transfers_and_the_request_recomputes():
+    tier = OffloadConnectorScheduler(_LAYOUT, 16)
+    sched = _sched(tier, num_blocks=20)
+    model = ContentModel(sched, tier, random.Random(0), 0.0)
+    prompt = list(range(800, 820))
+    sched.add_request(make_request("warm", prompt, block_size=BS, max_tokens=1))
+    for _ in range(3):
+        so = sched.schedule()
+        ro = runner_output(sched, so)
+        ro.kv_connector_output = model.execute(so.kv_connector_metadata)
+        sched.update_from_output(so, ro)
+        model.after_update()
+    big = make_request("big", 19 * BS - 1, block_size=BS, max_tokens=1)   # the whole pool: evicts the prompt
+    sched.add_request(big)
+    while "big" in sched.requests:
+        so = sched.schedule()
+        ro = runner_output(sched, so)
+        ro.kv_connector_output = model.execute(so.kv_connector_metadata)
+        sched.update_from_output(so, ro)
+        model.after_update()
+    assert len(tier.block_hashes()) == 5
+    sched.add_request(make_request("r", prompt + [1], block_size=BS, max_tokens=2))
+    so = sched.schedule()
+    assert so.kv_connector_metadata.loads and sched.requests["r"].status is RequestStatus.WAITING_FOR_KV
+    sched.fail_kv_transfers(so)                 # what LLMEngine.step does when the runner raised
+    assert sched.requests["r"].status is RequestStatus.WAITING and not tier._pins
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"r": 21}    # recomputes: no second load
+    ro = runner_output(sched, so)
+    ro.kv_connector_output = model.execute(so.kv_connector_metadata)
+    sched.update_from_output(so, ro)
+    _drain(sched, _NoTransfers())
+    assert_all_blocks_free(sched)
+    tier.check_accounting()
+
+
+class _NoTransfers:
+    def execute(self, meta):
+        assert not meta.loads
+        return KVConnectorOutput(finished_stores=[(t.block_hashes, True) for t in meta.stores])
