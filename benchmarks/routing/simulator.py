@@ -7,8 +7,9 @@ staggered, the two periodic feeds the real shell has: the KV events pulled every
 (routing.kv_events_period_s: 0.25 s, 0.5 s recommended at 128 replicas) and the stats snapshot Serve
 delivers every --stats-period seconds (request_routing_stats_period_s: 1 s). Routers that read replica
 state therefore see it up to one period stale. A router's
-decision is timed in wall-clock time around its route() call (for Ray's router: choose_replicas,
-the shortest-queue pick and its on_request_routed tree insert).
+decision is timed around its route() call (for Ray's router: choose_replicas, the shortest-queue pick
+and its on_request_routed tree insert) with the thread's CPU clock: the work the decision costs, which
+other processes on a shared machine cannot inflate (wall time would count their time slices too).
 
     python benchmarks/routing/simulator.py --replicas 8 --pressure 0.75 --load 1.0
     python benchmarks/routing/simulator.py --hot --replicas 8 --json out.json --png out.png
@@ -125,7 +126,7 @@ class _EventQueue:
 
 
 class _Record:
-    """Per-request times (s, simulated), cached tokens and replica; decision wall times."""
+    """Per-request times (s, simulated), cached tokens and replica; decision CPU times."""
 
     def __init__(self, n: int):
         self.release = np.full(n, np.nan)
@@ -201,9 +202,9 @@ class Simulation:
         rec.release[i] = now
         hashes = self.p.prompt_hashes[i]
         req = SimRequest(r.req_id, r.prompt_token_ids, hashes, len(r.output_token_ids), r.group)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         k = self.router.route(req, now)
-        rec.decision_s.append(time.perf_counter() - t0)
+        rec.decision_s.append(time.thread_time() - t0)
         rec.replica[i] = k
         self.cluster.ongoing[k] += 1
         rep = self.replicas[k]
