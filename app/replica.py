@@ -3,11 +3,11 @@ routing/autoscaling, the KV event feed routers pull, health (dead or wedged step
 set by builder.py, not here.
 
 Reads the engine only through its thread-safe surface: `limits`, `load()`, `health()`, `kv_events_since()`,
-`kv_snapshot()`; and, for `debug_state` only, the KV connector's counters (plain ints, read between or
-during steps: a racy but harmless snapshot).
+`kv_snapshot()`, `kv_connector_stats()`.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
-from autoscale.signals import SignalRecorder
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 from app.stats import ReplicaStats
-from engine import AsyncLLMEngine, EngineConfig, EngineLimits, tune_gc_for_serving
-from engine.errors import EngineDeadError
+from autoscale.signals import SignalRecorder
+from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.types import KVCacheSnapshot, KVEventsReply
 from observability import names
 
@@ -143,11 +143,6 @@ class LLMReplica:
         a router warms a replica that joined with its hottest prefixes. Prompts the engine would refuse
         (too long) are skipped; runs concurrently with real requests, which it does not hold up beyond its
         share of the steps."""
-        import asyncio
-
-        from engine import SamplingParams
-        from engine.errors import InvalidRequestError
-
         async def one(ids: list[int]) -> int:
             try:
                 async for _ in self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
@@ -190,12 +185,11 @@ class LLMReplica:
         """The autoscaler's signals (autoscale.signals.METRIC_KEYS), numbers only: the engine's load, the
         preemption rate and the recent TTFT / TPOT p90 and prefill rate of this replica's streams."""
         load = self.engine.load()
-        stats = getattr(self.engine.engine, "last_stats", None)     # SchedulerStats of the last step
         return self.signals.snapshot(
             time.monotonic(), num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
             num_in_flight=self.engine.num_in_flight, kv_cache_usage=load.kv_cache_usage,
             num_queued_prefill_tokens=load.num_queued_prefill_tokens,
-            num_preemptions_total=stats.num_preemptions_total if stats is not None else 0).to_metrics()
+            num_preemptions_total=load.num_preemptions_total).to_metrics()
 
     async def check_health(self) -> None:
         """Unhealthy when the engine is dead, or wedged: requests to run and no step for too long (the
@@ -211,12 +205,12 @@ class LLMReplica:
     # ------------------------------------------------------------------ introspection
     async def debug_state(self) -> dict[str, Any]:
         load = self.engine.load()
-        conn = self.engine.engine.kv_connector
+        conn = self.engine.kv_connector_stats()
         return {"replica_id": self.replica_id, "num_free_blocks": load.num_free_blocks,
                 "num_blocks": load.num_blocks, "num_requests": load.num_requests,
                 "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats(),
                 # the KV connector's cumulative counters (lookups, hit/loaded/stored blocks, failures)
-                "kv_connector": dataclasses.asdict(conn.stats) if conn is not None else None}
+                "kv_connector": dataclasses.asdict(conn) if conn is not None else None}
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -9,6 +9,7 @@ step thread mutates them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from engine.kv_connector.base import KVConnectorStats
 from engine.kv_events import KVEventLog
 from engine.limits import EngineLimits, check_request
 from engine.llm_engine import LLMEngine, Prompt, StepError
@@ -45,6 +47,7 @@ class EngineLoad:
     prefix_cache_hits_total: int
     recent_prefix_cache_queries: int      # over the scheduler's sliding window of recent admissions
     recent_prefix_cache_hits: int
+    num_preemptions_total: int            # since the engine started
     cache_epoch: str                      # "<boot id>:<resets>": changes on restart and on every cache reset
     timestamp: float                      # time.monotonic() when the snapshot was taken
 
@@ -123,6 +126,12 @@ class AsyncLLMEngine:
         elif self._loop_task is not None and self._loop_task.done():
             dead_reason = "engine step loop exited"
         return EngineHealth(dead_reason, self._load.num_requests, self.last_progress_time, self.num_steps)
+
+    def kv_connector_stats(self) -> KVConnectorStats | None:
+        """A copy of the KV connector's cumulative counters (None without a connector); read while a step
+        may run, so the counters can be one step apart from each other."""
+        conn = self.engine.kv_connector
+        return dataclasses.replace(conn.stats) if conn is not None else None
 
     @property
     def num_in_flight(self) -> int:
@@ -269,6 +278,7 @@ class AsyncLLMEngine:
             prefix_cache_hits_total=st.prefix_cache_hits_total,
             recent_prefix_cache_queries=st.recent_prefix_cache_queries,
             recent_prefix_cache_hits=st.recent_prefix_cache_hits,
+            num_preemptions_total=st.num_preemptions_total,
             cache_epoch=self._cache_epoch(), timestamp=time.monotonic())
 
     async def _run_loop(self) -> None:
