@@ -104,6 +104,8 @@ class PolicyState:
     down_history: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None      # nothing in flight since then (scale to zero)
     last_up_time: float | None = None
+    num_reporting: int = 0               # replicas that reported at the last call
+    ready_time: float | None = None      # when more replicas reported than at the call before (one came up)
     preempt_since: float | None = None   # preemptions above the threshold since then
 
 
@@ -178,12 +180,22 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
     # a latency breach scales by how far past its SLO the fleet runs.
     slo_breached = ratio > 1.0 or preempt_persisted
-    cooling = state.last_up_time is not None and now - state.last_up_time < cfg.slo_cooldown_s
+    # The measured latencies are those of the replicas that report (not of those still starting), and they
+    # lag a replica that comes up by the replicas' recent window: the reactive step scales the reporting
+    # count, and waits slo_cooldown_s after a scale-up and after a replica comes up (the predicted rule
+    # still sizes the fleet meanwhile). Scaling the count asked for instead kept doubling the fleet while
+    # the first replicas were starting after a cold start (README "Autoscaling benchmark").
+    reporting = len(signals)
+    if 0 < state.num_reporting < reporting:
+        state = replace(state, ready_time=now)
+    state = replace(state, num_reporting=reporting)
+    cooling = ((state.last_up_time is not None and now - state.last_up_time < cfg.slo_cooldown_s)
+               or (state.ready_time is not None and now - state.ready_time < cfg.slo_cooldown_s))
     slo_target = 0
-    if slo_breached and not cooling and current > 0:
-        slo_target = current + 1
+    if slo_breached and not cooling and reporting > 0:
+        slo_target = reporting + 1
         if ratio > 1.0:
-            slo_target = max(slo_target, math.ceil(current * min(ratio, cfg.max_upscale_factor)))
+            slo_target = max(slo_target, math.ceil(reporting * min(ratio, cfg.max_upscale_factor)))
     scale = cfg.downscale_utilization / cfg.target_utilization
     down_target = max(1, math.ceil(max(load.load_units / cfg.downscale_utilization, load.kv_units / scale) - 1e-9))
 

@@ -37,9 +37,18 @@ CASES = [
     ("decode load predicts 3", [busy(9), busy(9)], 2, FRESH, {}, 0, 3, Reason.UP_PREDICTED),
     ("KV usage floor", [busy(1, kv=0.95), busy(1, kv=0.95)], 2, FRESH, {}, 0, 3, Reason.UP_PREDICTED),
     ("inside the band: hold", [busy(6), busy(6)], 2, FRESH, {}, 0, 2, Reason.HOLD),
-    ("TTFT breach doubles at most", [busy(1, ttft_p90_s=3.0)], 2, FRESH, {}, 0, 4, Reason.UP_SLO),
-    ("TPOT breach x1.5", [busy(1, tpot_p90_s=0.15), busy(1, tpot_p90_s=0.15)], 4, FRESH, {}, 0, 6,
-     Reason.UP_SLO),
+    ("TTFT breach doubles at most", [busy(1, ttft_p90_s=3.0)] * 2, 2, FRESH, {}, 0, 4, Reason.UP_SLO),
+    ("TPOT breach x1.5", [busy(1, tpot_p90_s=0.15)] * 4, 4, FRESH, {}, 0, 6, Reason.UP_SLO),
+    # the reactive step scales the replicas that report (the latencies are theirs), not the count asked for
+    ("one of 2 reporting, TTFT x3: 2 already asked for", [busy(1, ttft_p90_s=3.0)], 2, FRESH, {}, 0, 2,
+     Reason.HOLD),
+    ("2 of 3 reporting, TTFT x3: 4", [busy(1, ttft_p90_s=3.0)] * 2, 3, FRESH, {}, 0, 4, Reason.UP_SLO),
+    ("a replica came up 2 s ago: no reactive step", [busy(1, ttft_p90_s=3.0)] * 2, 2,
+     PolicyState(num_reporting=1, ready_time=NOW - 2), {}, 0, 2, Reason.HOLD),
+    ("a replica comes up now: no reactive step", [busy(1, ttft_p90_s=3.0)] * 2, 2, PolicyState(num_reporting=1),
+     {}, 0, 2, Reason.HOLD),
+    ("the last replica came up slo_cooldown_s ago: reactive step", [busy(1, ttft_p90_s=3.0)] * 2, 2,
+     PolicyState(num_reporting=2, ready_time=NOW - 6), {}, 0, 4, Reason.UP_SLO),
     ("persistent preemptions: one more", [busy(2, preemptions_per_s=0.5)], 1, PREEMPTING, {}, 0, 2, Reason.UP_SLO),
     ("persistent preemptions: one more, not a factor", [busy(2, preemptions_per_s=0.5)] * 6, 6, PREEMPTING, {}, 0,
      7, Reason.UP_SLO),
@@ -162,3 +171,19 @@ def test_preemptions_must_stay_above_the_threshold_for_the_persist_time():
         seen.append((t, d.target_replicas, d.reason))
     assert seen == [(0, 1, Reason.HOLD), (2, 1, Reason.HOLD), (4, 1, Reason.HOLD), (5, 1, Reason.HOLD),
                     (9, 1, Reason.HOLD), (10, 2, Reason.UP_SLO)]
+
+
+def test_a_lasting_breach_doubles_per_replica_start_not_per_cooldown():
+    """TTFT p90 stays at 5x the SLO (the old queue drains slowly) while replicas take 10 s to start: the
+    reactive step doubles the replicas that report, once each has come up and slo_cooldown_s (5 s) passed,
+    instead of doubling the count asked for every 5 s (1, 2, 4, 8, 16 within 20 s)."""
+    s, n, asked, ups = FRESH, 1, [-100.0], {}
+    for t in np.arange(0, 40, 0.5):
+        up = [a for a in asked if t - a >= 10.0]                 # replicas that report
+        d = decide([busy(1, ttft_p90_s=5.0)] * len(up), n, float(t), s, CFG)
+        s = d.state
+        if d.target_replicas > n:
+            ups[float(t)] = d.target_replicas
+            asked += [float(t)] * (d.target_replicas - n)
+            n = d.target_replicas
+    assert ups == {0.0: 2, 15.0: 4, 30.0: 8}
