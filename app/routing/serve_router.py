@@ -16,7 +16,7 @@ import logging
 import pickle
 import random
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -84,6 +84,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
     app/builder.py from `routing`): policy, block_size, affinity (AffinityConfig fields),
     kv_events_period_s, kv_events_timeout_s, warmup_on_join, warmup_num_prefixes, warmup_timeout_s."""
 
+    method_client: Callable[[RunningReplica], ReplicaMethodClient] = ReplicaMethodClient   # tests swap it
+
     def initialize_state(self, policy: str = "prefix_affinity", block_size: int = 16,
                          affinity: dict[str, Any] | None = None, kv_events_period_s: float = 0.25,
                          kv_events_timeout_s: float = 1.0, warmup_on_join: bool = False,
@@ -120,7 +122,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         # A replica that joins a set this router already routed over (scale-out, a replacement) starts
         # cold: warm it off the request path. The first view is the deployment as it was, not a join.
         joined = [k for k in keys if k not in self._clients] if self._clients else []
-        self._clients = {k: self._clients.get(k) or ReplicaMethodClient(r) for k, r in keys.items()}
+        self._clients = {k: self._clients.get(k) or self.method_client(r) for k, r in keys.items()}
         self.core.set_replicas([ReplicaInfo(k, r.node_id) for k, r in keys.items()])
         self._last_stats = {k: v for k, v in self._last_stats.items() if k in keys}
         for k, r in keys.items():
