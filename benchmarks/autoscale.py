@@ -31,8 +31,10 @@ once; then the min/max bounds. Rows:
   rule tuned for this workload. Ours runs with the same app delays and windows.
 
     python benchmarks/autoscale.py --quick                       # 8 replicas, short trace (~1-2 min)
-    python benchmarks/autoscale.py --max-replicas 8 --seed 0,1   # full trace, two seeds
-    python benchmarks/autoscale.py --max-replicas 32,64          # full trace, larger fleets
+    python benchmarks/autoscale.py --max-replicas 8 --seed 0,1 --decode-seqs 12,48   # full trace, two seeds
+    python benchmarks/autoscale.py --max-replicas 32                         # full trace (~17 min to build here)
+    python benchmarks/autoscale.py --max-replicas 64 --duration 300          # half-length trace (the full one
+                                                                             # does not fit ~10 min on 2 cores)
 """
 from __future__ import annotations
 
