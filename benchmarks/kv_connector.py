@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -285,6 +286,17 @@ def store_policy(args, model: str) -> list[dict]:
 
 # ---------------------------------------------------------------- main
 def main() -> None:
+    """Every model, store and old-code directory goes under one scratch folder, removed at the end."""
+    scratch = tempfile.mkdtemp(prefix="kvc-bench-")
+    tempfile.tempdir = scratch
+    try:
+        _main()
+    finally:
+        tempfile.tempdir = None
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one rep, 512-token prompt, fewer steps")
     ap.add_argument("--reps", type=int, default=3)
