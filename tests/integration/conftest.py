@@ -84,7 +84,11 @@ def routing_url(ray_serve, checkpoints):
     from app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], ingress_replicas=2, max_ongoing_requests=4)
-    cfg["routing"] |= {"policy": "prefix_affinity", "kv_events_period_s": 0.25}
+    # hot_share_min_requests: a dozen sequential repeats of one prefix are all this app's traffic, so by
+    # default they would count as a busy group and be spread over both replicas (the share rule, which unit
+    # tests and the simulator cover); the affinity tests here check that repeats stay on the holder.
+    cfg["routing"] |= {"policy": "prefix_affinity", "kv_events_period_s": 0.25,
+                       "affinity": {"hot_share_min_requests": 64}}
     serve.run(build_app(cfg), name=ROUTING_APP, route_prefix="/routing")
     _wait_running(ROUTING_APP, "LLMReplica", 2)
     _wait_running(ROUTING_APP, "Ingress", 2)

@@ -159,9 +159,11 @@ def scenario(workdir: Path) -> dict:
                       "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": 64,
                       "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
                       "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 30.0, "model_name": "demo"},
-            # occupancies within 5% count as equal room, so idle replicas are equally good for new prompts
+            # occupancies within 5% and predicted TTFTs within 0.2 s count as equal, so idle replicas are
+            # equally good for new prompts (stale stats or a calibrated step cost on this busy machine can
+            # otherwise put tens of ms between them)
             "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25,
-                        "affinity": {"new_group_room_tolerance": 0.05}},
+                        "affinity": {"new_group_room_tolerance": 0.05, "tie_tolerance_s": 0.2}},
             "observability": {"traces": "none"}})
         serve.start(**serve_start_options(cfg))
         serve.run(build_app(cfg), name=APP, route_prefix="/")
