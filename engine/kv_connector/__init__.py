@@ -46,11 +46,8 @@ def model_identity(model_dir: str, override: str | None = None) -> str:
         return override
     real = os.path.realpath(model_dir)
     h = hashlib.sha256(real.encode())
-    try:
-        with open(os.path.join(real, "config.json"), "rb") as f:
-            h.update(f.read())
-    except OSError:
-        pass
+    with open(os.path.join(real, "config.json"), "rb") as f:     # the engine has loaded it: it exists
+        h.update(f.read())
     files = []
     for name in sorted(os.listdir(real)):
         if name.endswith((".safetensors", ".bin", ".pt")):

@@ -20,6 +20,7 @@ budget) until its load is reported; a failed or timed-out load falls back to rec
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -133,7 +134,7 @@ class KVConnectorStats:
 
 
 # ---------------------------------------------------------------- the two sides
-class KVConnectorScheduler:
+class KVConnectorScheduler(ABC):
     """Scheduler side: torch-free bookkeeping of what a tier holds and which copies are in flight.
 
     Subclasses implement the abstract methods; the defaults of the others suit a tier whose stores need
@@ -141,6 +142,7 @@ class KVConnectorScheduler:
     `wants_cached` / `wants_evicted` say which `PoolChanges` the pool must record for it.
     """
 
+    block_size: int                      # set by the subclass from its KVLayout
     wants_cached: bool = False
     wants_evicted: bool = False
 
@@ -152,19 +154,37 @@ class KVConnectorScheduler:
     def __init__(self) -> None:
         self.stats = KVConnectorStats()
 
+    def _match_after_local(self, request: "Request", num_local_tokens: int, holds) -> tuple[int, bool]:
+        """The tier's share of a lookup: full blocks right after the local hit for which `holds(hash)` is
+        true, never the last prompt token's block (it is always computed), counted in the stats."""
+        self.stats.lookups += 1
+        bs, hashes = self.block_size, request.block_hashes
+        end = min((request.num_tokens - 1) // bs, len(hashes))
+        n = 0
+        for i in range(num_local_tokens // bs, end):
+            if not holds(hashes[i]):
+                break
+            n += 1
+        self.stats.hit_blocks += n
+        return n * bs, n > 0
+
+    @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
         """Tokens the tier holds right after the first `num_local_tokens` (block aligned, never the last
         prompt token's block), and whether loading them is asynchronous. None: ask again next step."""
         raise NotImplementedError
 
+    @abstractmethod
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         """`block_ids` (pool blocks, in order) are to receive the request's next `num_external_tokens`."""
         raise NotImplementedError
 
+    @abstractmethod
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", changes: PoolChanges) -> KVConnectorMetadata:
         """This step's copies; called once per schedule()."""
         raise NotImplementedError
 
+    @abstractmethod
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorUpdate:
         """Account for transfers the runner reports as finished."""
         raise NotImplementedError

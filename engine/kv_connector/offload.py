@@ -52,18 +52,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
 
     # ------------------------------------------------------------------ lookup and loads
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
-        self.stats.lookups += 1
-        bs = self.block_size
-        hashes = request.block_hashes
-        end = min((request.num_tokens - 1) // bs, len(hashes))
-        index = self._index
-        n = 0
-        for i in range(num_local_tokens // bs, end):
-            if hashes[i] not in index:
-                break
-            n += 1
-        self.stats.hit_blocks += n
-        return n * bs, n > 0
+        return self._match_after_local(request, num_local_tokens, self._index.__contains__)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size

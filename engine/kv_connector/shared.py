@@ -43,18 +43,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         self._events: list[KVEvent] = []
 
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
-        self.stats.lookups += 1
-        bs = self.block_size
-        hashes = request.block_hashes
-        end = min((request.num_tokens - 1) // bs, len(hashes))
-        contains = self.store.contains
-        n = 0
-        for i in range(num_local_tokens // bs, end):
-            if not contains(hashes[i]):
-                break
-            n += 1
-        self.stats.hit_blocks += n
-        return n * bs, n > 0
+        return self._match_after_local(request, num_local_tokens, self.store.contains)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size

@@ -9,6 +9,7 @@ load is reported once its event completed.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -63,7 +64,7 @@ def _block_shape(layout: KVLayout) -> tuple[int, ...]:
     return (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)
 
 
-class _Worker:
+class _Worker(ABC):
     """What both connectors' runner sides share: the copier, and deferred reports on CUDA."""
 
     def __init__(self, layout: KVLayout, device: torch.device, dtype: torch.dtype):
@@ -147,9 +148,11 @@ class _Worker:
                 keep.append((event, report))
         self._in_flight = keep
 
+    @abstractmethod
     def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         raise NotImplementedError
 
+    @abstractmethod
     def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         raise NotImplementedError
 

@@ -23,6 +23,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import httpx  # noqa: E402
 
+from tests.integration.waiting import wait_until  # noqa: E402
+
 APP = "multinode"
 MAX_ONGOING = 3          # per replica: 9 concurrent streams fill all three replicas
 STREAM_TOKENS = 600
@@ -38,14 +40,6 @@ def _prompt(seed: int, n: int = 12) -> list[int]:
     return [(seed * 7919 + i * 104729) % 500 + 5 for i in range(n)]
 
 
-def _wait(cond, timeout_s: float, what: str, period_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(period_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def _replica_states() -> dict[str, int]:
@@ -167,7 +161,7 @@ def scenario(workdir: Path) -> dict:
             "observability": {"traces": "none"}})
         serve.start(**serve_start_options(cfg))
         serve.run(build_app(cfg), name=APP, route_prefix="/")
-        _wait(lambda: _replica_states() == {"RUNNING": 3}, 90, "3 running replicas")
+        wait_until(lambda: _replica_states() == {"RUNNING": 3}, 90, "3 running replicas")
         out["timings_s"]["deployed"] = time.monotonic() - t0
         url = f"http://127.0.0.1:{port}"
 
@@ -177,7 +171,7 @@ def scenario(workdir: Path) -> dict:
         # (b) warm the router up (it routes on load alone until its first KV pull), then equal candidates
         for i in range(6):
             _complete(url, _prompt(i))
-        _wait(lambda: len(_router_state().get("replicas", {})) == 3 and not any(
+        wait_until(lambda: len(_router_state().get("replicas", {})) == 3 and not any(
             r["needs_snapshot"] for r in _router_state()["replicas"].values()), 30, "the router to sync")
         served = [_complete(url, _prompt(100 + i)) for i in range(12)]
         router = _router_state()
@@ -207,7 +201,7 @@ def scenario(workdir: Path) -> dict:
 
         def dropped():
             return not set(victim_replicas) & set(_router_state().get("replicas", {}))
-        _wait(dropped, 60, "the router to drop the dead replica")
+        wait_until(dropped, 60, "the router to drop the dead replica")
         out["timings_s"]["router_dropped_dead"] = time.monotonic() - removed_at
         after = [_complete(url, _prompt(300 + i)) for i in range(6)]
         for s in streams:
@@ -221,7 +215,7 @@ def scenario(workdir: Path) -> dict:
                         for s in streams],
             "after_statuses": [s for s, _ in after], "after_served": [fp for _, fp in after]}
         # max_replicas_per_node: 1 and 2 nodes left: the replacement must not start until a node joins
-        _wait(lambda: _replica_states().get("RUNNING", 0) == 2, 60, "Serve to count 2 running replicas")
+        wait_until(lambda: _replica_states().get("RUNNING", 0) == 2, 60, "Serve to count 2 running replicas")
         time.sleep(3.0)
         out["states_with_two_nodes"] = _replica_states()
         out["placement_with_two_nodes"] = _placement()["replicas"]
@@ -236,7 +230,7 @@ def scenario(workdir: Path) -> dict:
         out["timings_s"]["replacement_running_after_add"] = time.monotonic() - added_at
         final = _placement()["replicas"]
         out["recovered"] = {"new_node": new_node.node_id, "placement": final}
-        _wait(lambda: set(_router_state().get("replicas", {})) == set(final), 30, "the router to see the replacement")
+        wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30, "the router to see the replacement")
         out["recovered"]["router_replicas"] = sorted(_router_state()["replicas"])
         out["recovered"]["statuses"] = [_complete(url, _prompt(500 + i))[0] for i in range(6)]
         out["timings_s"]["total"] = time.monotonic() - t0

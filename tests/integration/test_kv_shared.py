@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import app_config, wait_running
+from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow         # deploys its own 2-replica app: ~15 s on top of the session's Ray
 APP = "affinity-kvshared"
@@ -64,14 +65,6 @@ def _complete(c: httpx.Client, url: str, prompt: list[int]) -> tuple[dict, float
     return r.json(), time.perf_counter() - t0
 
 
-def _wait(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_prefix_computed_on_one_replica_is_loaded_from_the_shared_store_on_the_other(shared_url):
@@ -87,7 +80,7 @@ def test_a_prefix_computed_on_one_replica_is_loaded_from_the_shared_store_on_the
             st = _connector_stats()
             writers = [rid for rid, s in st.items() if s["stored_blocks"] >= num_loadable // BLOCK]
             return st if len(writers) == 1 else None
-        before = _wait(stored_once, 20, "the first replica to write the prompt's blocks to the store")
+        before = wait_until(stored_once, 20, "the first replica to write the prompt's blocks to the store")
         (a,) = [rid for rid, s in before.items() if s["stored_blocks"]]
         (b,) = [rid for rid in before if rid != a]
         assert before[b]["loaded_blocks"] == 0

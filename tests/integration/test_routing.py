@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import ROUTING_APP, wait_running
+from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 PERIOD_S = 0.25
@@ -47,14 +48,6 @@ def _post(c: httpx.Client, url: str, prompt: list[int], max_tokens: int = 4) -> 
     return r.json()
 
 
-def _wait_until(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def url(routing_url):
         return len(sts) == 2 and all(st["routers"] and not any(
             r["needs_snapshot"] for r in st["routers"][0]["replicas"].values()) and
             len(st["routers"][0]["replicas"]) == 2 for st in sts.values())
-    _wait_until(synced, 30, "both ingress routers to sync")
+    wait_until(synced, 30, "both ingress routers to sync")
     return routing_url
 
 
@@ -107,7 +100,7 @@ def test_hot_prefix_spills_to_the_second_replica_once_the_first_is_full(url):
 def test_reset_prefix_cache_reaches_the_routers_index_within_a_few_periods(url):
     with httpx.Client(timeout=60) as c:
         target = _post(c, url, _prompt(3, 64, 0))["system_fingerprint"].removeprefix("replica:")
-    _wait_until(lambda: all(st["routers"][0]["replicas"][target]["num_held_blocks"] >= 16
+    wait_until(lambda: all(st["routers"][0]["replicas"][target]["num_held_blocks"] >= 16
                             for st in _states().values()), 5, "the prefix in both indexes")
     h = _model_replicas()
     epochs: dict[str, str] = {}
@@ -121,7 +114,7 @@ def test_reset_prefix_cache_reaches_the_routers_index_within_a_few_periods(url):
             break
     new_epoch = epochs[target]
     start = time.monotonic()
-    _wait_until(lambda: all(st["routers"][0]["replicas"][target]["epoch"] == new_epoch
+    wait_until(lambda: all(st["routers"][0]["replicas"][target]["epoch"] == new_epoch
                             and st["routers"][0]["replicas"][target]["num_held_blocks"] == 0
                             for st in _states().values()), 8 * PERIOD_S + 3, "the reset in both indexes")
     assert time.monotonic() - start < 8 * PERIOD_S + 3
@@ -194,7 +187,7 @@ def test_a_killed_replica_leaves_both_indexes_and_its_replacement_is_synced(url)
         s = h.debug_state.remote().result(timeout_s=30)
         epochs[s["replica_id"]] = s["stats"]["cache_epoch"]
         return len(epochs) == 2
-    _wait_until(both_answered, 30, "the replacement replica to answer")
+    wait_until(both_answered, 30, "the replacement replica to answer")
     assert victim not in epochs
     start = time.monotonic()
 
@@ -203,7 +196,7 @@ def test_a_killed_replica_leaves_both_indexes_and_its_replacement_is_synced(url)
         return len(sts) == 2 and all(
             {k: v["epoch"] for k, v in st["routers"][0]["replicas"].items()} == epochs
             and not any(v["needs_snapshot"] for v in st["routers"][0]["replicas"].values()) for st in sts.values())
-    _wait_until(synced, 8 * PERIOD_S + 10, "both routers to drop the dead replica and sync its replacement")
+    wait_until(synced, 8 * PERIOD_S + 10, "both routers to drop the dead replica and sync its replacement")
     print(f"routers synced {time.monotonic() - start:.2f}s after the replacement answered")
     with httpx.Client(timeout=60) as c:
         for i in range(8):
