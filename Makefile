@@ -40,6 +40,7 @@ test-explore: venv
 	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q $(PROPERTY_TESTS) $(PYTEST_ARGS)
 
 bench: venv
+	$(PIP) install -q -e ".[bench]" "$(TORCH_PIN)"
 	$(PY) benchmarks/scheduler_step.py
 	$(PY) benchmarks/engine_throughput.py
 

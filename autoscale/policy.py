@@ -5,13 +5,15 @@ The rule (README "Autoscaling" writes it out):
 1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, plus the
    queued backlog that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
-   KV usage adds a floor: the fleet's held KV over the KV target.
-2. Scale up when that needs more replicas at `target_utilization`, or (reactively) when the observed
+   KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
+   `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
+2. Scale up when that needs more replicas at `target_utilization` or with fewer than
+   `headroom_sqrt` x sqrt(load) spare replicas, or (reactively) when the observed
    TTFT / TPOT p90 passes its SLO (by how far it is past it) or replicas preempt above
    `preemption_rate_threshold` per replica for `preemption_persist_s` (one more replica). Scale down only
-   when the load fits in fewer
-   replicas at the lower `downscale_utilization` and nothing breaches its SLO: the band between the two
-   utilizations is the hysteresis. Each direction must hold for its delay before it acts.
+   when the load inflated by target / downscale utilization fits in fewer replicas by the up rule and
+   nothing breaches its SLO: that inflation is the hysteresis band. Each direction must hold for its delay
+   before it acts.
 3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight.
    From zero, any queued request starts the replicas its load needs at once.
 """
@@ -59,6 +61,9 @@ class PolicyConfig:
     max_upscale_factor: float = 2.0        # an SLO breach at most multiplies the count by this
     preemption_rate_threshold: float = 0.02  # preemptions/s per replica above which they ask for a replica ...
     preemption_persist_s: float = 0.0      # ... once above it this long (on top of the look-back mean)
+    headroom_sqrt: float = 1.0             # spare capacity beta x sqrt(load): up >= load + beta sqrt(load)
+    trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
+    trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -71,7 +76,8 @@ class PolicyConfig:
                      "kv_usage_target"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
-        for name in ("preemption_rate_threshold", "preemption_persist_s"):
+        for name in ("preemption_rate_threshold", "preemption_persist_s", "trend_lead_s", "trend_window_s",
+                     "headroom_sqrt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
@@ -89,11 +95,17 @@ class FleetLoad:
     num_in_flight: float = 0.0     # on replicas plus queued at callers
     num_recent_requests: float = 0.0
     num_replicas: int = 0          # reporting
+    trend_units: float = 0.0       # the rising trend's extra load at trend_lead_s ahead (>= 0)
 
     @property
     def load_units(self) -> float:
         """Prefill and decode share each replica's step time, so their utilizations add."""
         return self.prefill_units + self.decode_units
+
+    @property
+    def projected_units(self) -> float:
+        """The load the fleet should be sized for: today's plus its rising trend over the lead time."""
+        return self.load_units + self.trend_units
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +119,8 @@ class PolicyState:
     num_reporting: int = 0               # replicas that reported at the last call
     ready_time: float | None = None      # when more replicas reported than at the call before (one came up)
     preempt_since: float | None = None   # preemptions above the threshold since then
+    #: (time, load units) samples over the last trend_window_s, at most TREND_POINTS of them, oldest first
+    load_history: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +135,7 @@ class ScalingDecision:
     def describe(self) -> str:
         ld = self.load
         return (f"{self.reason.value} -> {self.target_replicas} (load {ld.load_units:.2f} = prefill "
-                f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
+                f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
                 f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
                 f"{ld.preemptions_per_s:.2f}/s; up {self.up_target}, down {self.down_target})")
 
@@ -142,6 +156,37 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
         num_recent_requests=recent, num_replicas=len(signals))
+
+
+TREND_POINTS = 32
+
+
+def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
+           cfg: PolicyConfig) -> tuple[tuple[tuple[float, float], ...], float]:
+    """The load history with (now, units) added (one sample per trend_window_s / TREND_POINTS) and the
+    rising trend's extra load at trend_lead_s ahead: the least-squares slope of the samples, once they span
+    half the window, times the lead; 0 when the load is flat or falling."""
+    if cfg.trend_window_s <= 0 or cfg.trend_lead_s <= 0:
+        return (), 0.0
+    if not history or now - history[-1][0] >= cfg.trend_window_s / TREND_POINTS:
+        history = history + ((now, units),)
+    start = now - cfg.trend_window_s
+    history = tuple(p for p in history if p[0] >= start)
+    if len(history) < 3 or history[-1][0] - history[0][0] < cfg.trend_window_s / 2:
+        return history, 0.0
+    n = len(history)
+    mt = sum(t for t, _ in history) / n
+    mu = sum(u for _, u in history) / n
+    var = sum((t - mt) ** 2 for t, _ in history)
+    slope = sum((t - mt) * (u - mu) for t, u in history) / var if var > 0 else 0.0
+    return history, max(0.0, slope) * cfg.trend_lead_s
+
+
+def replicas_needed(units: float, cfg: PolicyConfig) -> float:
+    """Replicas for `units` of load: each at most `target_utilization` busy, and at least
+    `headroom_sqrt` x sqrt(units) spare replicas (square-root staffing: arrival spikes grow with the square
+    root of the load, so a small fleet needs a larger share of spare capacity than a large one)."""
+    return max(units / cfg.target_utilization, units + cfg.headroom_sqrt * math.sqrt(max(units, 0.0)))
 
 
 def preempting(load: FleetLoad, cfg: PolicyConfig) -> bool:
@@ -165,6 +210,10 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     """The target replica count for `current` replicas (the count the fleet is heading to) given the
     reporting replicas' `signals` and `num_queued_at_callers` requests waiting for any replica."""
     load = fleet_load(signals, cfg, num_queued_at_callers)
+    if signals:
+        history, trend = _trend(state.load_history, now, load.load_units, cfg)
+        load = replace(load, trend_units=trend)
+        state = replace(state, load_history=history)
     idle = load.num_in_flight <= 0
     state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now) if idle else None)
     if preempting(load, cfg):
@@ -174,7 +223,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     preempt_persisted = (state.preempt_since is not None
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
-    up_need = max(load.load_units / cfg.target_utilization, load.kv_units)
+    up_need = max(replicas_needed(load.projected_units, cfg), load.kv_units)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
@@ -196,8 +245,11 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         slo_target = reporting + 1
         if ratio > 1.0:
             slo_target = max(slo_target, math.ceil(reporting * min(ratio, cfg.max_upscale_factor)))
-    scale = cfg.downscale_utilization / cfg.target_utilization
-    down_target = max(1, math.ceil(max(load.load_units / cfg.downscale_utilization, load.kv_units / scale) - 1e-9))
+    # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
+    # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
+    inflate = cfg.target_utilization / cfg.downscale_utilization
+    down_target = max(1, math.ceil(max(replicas_needed(load.projected_units * inflate, cfg),
+                                       load.kv_units * inflate) - 1e-9))
 
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
         return ScalingDecision(max(cfg.min_replicas, min(cfg.max_replicas, target)), reason, load, st,

@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load
+from autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load, replicas_needed
 from autoscale.signals import ReplicaSignals as S
 
 # 1000 uncached prompt tokens/s and 10 decoding sequences fill one replica; TTFT SLO 1 s, TPOT 0.1 s
@@ -14,7 +14,7 @@ CFG = PolicyConfig(min_replicas=1, max_replicas=8, ttft_slo_s=1.0, tpot_slo_s=0.
                    decode_seqs_per_replica=10, kv_usage_target=0.85, target_utilization=0.8,
                    downscale_utilization=0.5, upscale_delay_s=0.0, downscale_delay_s=10.0,
                    downscale_to_zero_delay_s=20.0, slo_cooldown_s=5.0, preemption_rate_threshold=0.1,
-                   preemption_persist_s=5.0)
+                   preemption_persist_s=5.0, headroom_sqrt=0.0, trend_lead_s=0.0)
 NOW = 1000.0
 FRESH = PolicyState()
 LONG_DOWN = PolicyState(down_since=NOW - 60)        # a down condition that has held past its delay
@@ -125,11 +125,14 @@ def test_downscale_goes_to_the_largest_target_seen_during_the_wait():
 
 @pytest.mark.parametrize("start", [1, 2, 8])
 @pytest.mark.parametrize("total_running", [1, 2, 4, 6.6, 10, 14, 16, 19, 30])
-def test_no_flapping_a_steady_load_settles_without_reversing(total_running, start):
-    """Hysteresis: under a steady load the count moves in one direction only, then stays."""
+@pytest.mark.parametrize("headroom", [0.0, 1.0, 2.0])
+def test_no_flapping_a_steady_load_settles_without_reversing(total_running, start, headroom):
+    """Hysteresis: under a steady load the count moves in one direction only, then stays (with and without
+    the square-root headroom, and with the trend term on: a steady load has no rising trend)."""
+    cfg = replace(CFG, headroom_sqrt=headroom, trend_lead_s=10.0, trend_window_s=30.0)
     n, s, t, counts = start, FRESH, 0.0, [start]
     for _ in range(200):
-        d = decide([busy(total_running / n)] * n, n, t, s, CFG)
+        d = decide([busy(total_running / n)] * n, n, t, s, cfg)
         n, s, t = d.target_replicas, d.state, t + 1.0
         counts.append(n)
     steps = [b - a for a, b in zip(counts, counts[1:]) if b != a]
@@ -187,3 +190,68 @@ def test_a_lasting_breach_doubles_per_replica_start_not_per_cooldown():
             asked += [float(t)] * (d.target_replicas - n)
             n = d.target_replicas
     assert ups == {0.0: 2, 15.0: 4, 30.0: 8}
+
+
+@pytest.mark.parametrize("units,expected", [
+    (0.0, 0.0),
+    (1.0, 2.0),                    # 1 + sqrt(1): a one-replica load keeps a spare replica
+    (2.4, 2.4 + 2.4 ** 0.5),       # ~3.95: the square-root term dominates a small fleet
+    (16.0, 20.0),                  # where the two rules meet: 16 / 0.8 = 16 + 4
+    (40.0, 50.0),                  # 40 / 0.8 = 50 > 40 + 6.3: a large fleet is sized by target_utilization
+])
+def test_replicas_needed_is_the_larger_of_utilization_and_square_root_headroom(units, expected):
+    assert replicas_needed(units, replace(CFG, headroom_sqrt=1.0)) == pytest.approx(expected)
+
+
+HEADROOM_CASES = [
+    # id, per-replica running, current, headroom, expected target, reason
+    ("linear rule: 1.2 units on 2 fits at 0.8", 6, 2, 0.0, 2, Reason.HOLD),
+    ("headroom 1: 1.2 + sqrt(1.2) = 2.3 -> 3", 6, 2, 1.0, 3, Reason.UP_PREDICTED),
+    ("headroom 1, large fleet: 24 units at 0.8 -> 30, the same as without", 12, 20, 1.0, 30, Reason.UP_PREDICTED),
+    ("headroom 1 keeps 3 for 1.2 units: the down rule inflates the load first", 4, 3, 1.0, 3, Reason.HOLD),
+]
+
+
+@pytest.mark.parametrize("running,current,headroom,target,reason", [c[1:] for c in HEADROOM_CASES],
+                         ids=[c[0] for c in HEADROOM_CASES])
+def test_square_root_headroom_table(running, current, headroom, target, reason):
+    cfg = replace(CFG, headroom_sqrt=headroom, max_replicas=40)
+    d = decide([busy(running)] * current, current, NOW, LONG_DOWN, cfg)
+    assert (d.target_replicas, d.reason) == (target, reason), d.describe()
+
+
+def _ramp(slope_units_per_s: float, cfg: PolicyConfig, seconds: float = 40.0, current: int = 8):
+    """Decisions every 0.5 s on a load of 1 + slope x t units (decoding sequences, 10 per unit)."""
+    s, d = FRESH, None
+    for t in np.arange(0.0, seconds, 0.5):
+        units = max(0.0, 1.0 + slope_units_per_s * float(t))
+        d = decide([busy(units * 10 / current)] * current, current, float(t), s, cfg)
+        s = d.state
+    return d
+
+
+def test_a_rising_load_is_projected_over_the_lead_time():
+    """A load rising 0.1 units/s: with a 10 s lead the fleet is sized for 1 more unit than today's."""
+    cfg = replace(CFG, trend_lead_s=10.0, trend_window_s=30.0)
+    d = _ramp(0.1, cfg)
+    assert d.load.trend_units == pytest.approx(1.0, rel=1e-6)
+    assert d.load.projected_units == pytest.approx(d.load.load_units + 1.0)
+    no_trend = _ramp(0.1, replace(cfg, trend_lead_s=0.0))
+    assert no_trend.load.trend_units == 0.0
+    assert (no_trend.up_target, d.up_target) == (7, 8)          # ceil(4.95 / 0.8) vs ceil(5.95 / 0.8)
+
+
+def test_a_falling_or_flat_load_has_no_trend_and_a_short_history_none_yet():
+    cfg = replace(CFG, trend_lead_s=10.0, trend_window_s=30.0)
+    assert _ramp(-0.02, cfg).load.trend_units == 0.0
+    assert _ramp(0.0, cfg).load.trend_units == 0.0
+    assert _ramp(0.1, cfg, seconds=10.0).load.trend_units == 0.0     # 10 s of samples < half the window
+
+
+def test_a_rising_trend_holds_off_a_scale_in():
+    """10 replicas for a load of ~2.5 units that rises 0.05 units/s: without the trend the down rule would
+    take the fleet down; with a 30 s lead it keeps more, as the load will need them."""
+    cfg = replace(CFG, trend_lead_s=30.0, trend_window_s=30.0, downscale_delay_s=0.0)
+    with_trend = _ramp(0.05, cfg, seconds=30.0, current=10)
+    without = _ramp(0.05, replace(cfg, trend_lead_s=0.0), seconds=30.0, current=10)
+    assert with_trend.down_target > without.down_target
