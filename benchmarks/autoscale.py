@@ -31,10 +31,9 @@ once; then the min/max bounds. Rows:
   rule tuned for this workload. Ours runs with the same app delays and windows.
 
     python benchmarks/autoscale.py --quick                       # 8 replicas, short trace (~1-2 min)
-    python benchmarks/autoscale.py --max-replicas 8 --seed 0,1 --decode-seqs 12,48   # full trace, two seeds
-    python benchmarks/autoscale.py --max-replicas 32                         # full trace (~17 min to build here)
-    python benchmarks/autoscale.py --max-replicas 64 --duration 300          # half-length trace (the full one
-                                                                             # does not fit ~10 min on 2 cores)
+    python benchmarks/autoscale.py --max-replicas 8 --seed 0,1,2,3           # full trace, four seeds
+    python benchmarks/autoscale.py --max-replicas 32                         # full trace (5-17 min to build here)
+    python benchmarks/autoscale.py --max-replicas 64                         # ~17 min to build, ~12 min to run
 """
 from __future__ import annotations
 
@@ -488,7 +487,8 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
                             downscale_delay_s=a.downscale_delay, downscale_to_zero_delay_s=60.0,
                             target_utilization=a.target_util, downscale_utilization=a.down_util,
                             kv_usage_target=a.kv_target, preemption_rate_threshold=a.preempt_threshold,
-                            preemption_persist_s=a.preempt_persist)
+                            preemption_persist_s=a.preempt_persist, trend_lead_s=a.trend_lead,
+                            trend_window_s=a.trend_window, headroom_sqrt=a.headroom_sqrt)
         pol = EnginePolicy(ours, APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"engine (ours), C={c:g}")
         if i:
             pol.name, pol.role = f"engine (ours), C={c:g} [variant]", "ours-variant"
@@ -574,6 +574,9 @@ def main() -> None:
     p.add_argument("--preempt-threshold", type=float, default=0.02,
                    help="ours: preemption_rate_threshold (preemptions/s per replica)")
     p.add_argument("--preempt-persist", type=float, default=0.0, help="ours: preemption_persist_s")
+    p.add_argument("--headroom-sqrt", type=float, default=1.0, help="ours: headroom_sqrt")
+    p.add_argument("--trend-lead", type=float, default=10.0, help="ours: trend_lead_s (0: no trend term)")
+    p.add_argument("--trend-window", type=float, default=30.0, help="ours: trend_window_s")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="ours and the tuned Serve rows")
     p.add_argument("--downscale-delay", type=float, default=30.0, help="ours and the tuned Serve rows")
     p.add_argument("--targets", default="8,16,32", help="tuned Serve rows' target_ongoing_requests values")
