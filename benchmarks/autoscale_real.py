@@ -9,10 +9,11 @@ proxy, the ingress and this driver. The policies may go up to 3 (`max_replicas 3
 1 to 2 can buy capacity here; a 3rd replica costs replica-seconds and, while it starts (Python, torch, the
 model, the warm-up), takes CPU from the replicas that serve. Two more limits of one small machine:
 - the model: with the ~3M-parameter demo model the HTTP path, not the engine, takes most of the CPU (at
-  one replica's saturation: ingress + proxy + driver about 0.9 core, the replica 0.6), so two replicas
-  gave 0.8x the throughput of one. The default `--model demo-large` is the demo model's family and
-  tokenizer at ~52M parameters (written once next to the demo model), where the replica dominates
-  (0.8 core against 0.3) and two replicas gave 1.6x one (with other work on the machine);
+  one replica's saturation, ~24 req/s: ingress + proxy + driver about 0.9 core, the replica 0.6), so two
+  replicas gave 0.8x the throughput of one (with other work on the machine). The default
+  `--model demo-large` is the demo model's family and tokenizer at ~52M parameters (written once next to
+  the demo model), where the replica dominates (~8 req/s: 0.8 core against 0.3) and two replicas gave
+  1.3x one on a quiet machine. The HTTP path still takes its share, so two replicas never double here;
 - Ray starts its workers (proxy, ingress, replicas) at nice 15: any other busy process on the machine
   takes their CPU first. `--ray-worker-niceness 0` gives them an equal share; better, run on a quiet
   machine. The calibration prints X2 / X1 (below): under 1.2, two replicas cannot keep up with the burst
