@@ -125,8 +125,8 @@ class AutoscalingSection(_Strict):
                                              "they ask for one more replica")
     preemption_persist_s: float = Field(0.0, ge=0, description="preemptions must stay above the threshold "
                                         "this long")
-    headroom_sqrt: float = Field(1.0, ge=0, description="spare capacity for arrival spikes: scale up to at "
-                                 "least load + headroom_sqrt x sqrt(load) replicas (0: off)")
+    headroom_z: float = Field(2.0, ge=0, description="spare capacity for this many standard deviations of "
+                              "the arrivals expected within one TTFT SLO (0: off)")
     trend_lead_s: float = Field(10.0, ge=0, description="size the fleet for the load this far ahead on its "
                                 "rising trend (about a replica's start-up time; 0: off)")
     trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")

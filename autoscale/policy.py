@@ -7,8 +7,8 @@ The rule (README "Autoscaling" writes it out):
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
    KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
-2. Scale up when that needs more replicas at `target_utilization` or with fewer than
-   `headroom_sqrt` x sqrt(load) spare replicas, or (reactively) when the observed
+2. Scale up when that needs more replicas at `target_utilization` or leaves less spare capacity than
+   `headroom_z` standard deviations of the arrivals expected within one TTFT SLO, or (reactively) when the observed
    TTFT / TPOT p90 passes its SLO (by how far it is past it) or replicas preempt above
    `preemption_rate_threshold` per replica for `preemption_persist_s` (one more replica). Scale down only
    when the load inflated by target / downscale utilization fits in fewer replicas by the up rule and
@@ -61,7 +61,7 @@ class PolicyConfig:
     max_upscale_factor: float = 2.0        # an SLO breach at most multiplies the count by this
     preemption_rate_threshold: float = 0.02  # preemptions/s per replica above which they ask for a replica ...
     preemption_persist_s: float = 0.0      # ... once above it this long (on top of the look-back mean)
-    headroom_sqrt: float = 1.0             # spare capacity beta x sqrt(load): up >= load + beta sqrt(load)
+    headroom_z: float = 2.0                # spare capacity for this many std. deviations of the arrivals per TTFT SLO
     trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
     trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
 
@@ -77,7 +77,7 @@ class PolicyConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
         for name in ("preemption_rate_threshold", "preemption_persist_s", "trend_lead_s", "trend_window_s",
-                     "headroom_sqrt"):
+                     "headroom_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
@@ -95,6 +95,7 @@ class FleetLoad:
     num_in_flight: float = 0.0     # on replicas plus queued at callers
     num_recent_requests: float = 0.0
     num_replicas: int = 0          # reporting
+    requests_per_s: float = 0.0    # arrivals (first tokens) per second, fleet-wide
     trend_units: float = 0.0       # the rising trend's extra load at trend_lead_s ahead (>= 0)
 
     @property
@@ -155,7 +156,8 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
-        num_recent_requests=recent, num_replicas=len(signals))
+        num_recent_requests=recent, num_replicas=len(signals),
+        requests_per_s=sum(s.requests_per_s for s in signals))
 
 
 TREND_POINTS = 32
@@ -182,11 +184,18 @@ def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
     return history, max(0.0, slope) * cfg.trend_lead_s
 
 
-def replicas_needed(units: float, cfg: PolicyConfig) -> float:
-    """Replicas for `units` of load: each at most `target_utilization` busy, and at least
-    `headroom_sqrt` x sqrt(units) spare replicas (square-root staffing: arrival spikes grow with the square
-    root of the load, so a small fleet needs a larger share of spare capacity than a large one)."""
-    return max(units / cfg.target_utilization, units + cfg.headroom_sqrt * math.sqrt(max(units, 0.0)))
+def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0) -> float:
+    """Replicas for `units` of load: each at most `target_utilization` busy, and spare capacity for
+    `headroom_z` standard deviations of the arrivals within one TTFT SLO. `requests_per_unit` is the fleet's
+    arrival rate per unit of load (requests/s): `units` of load bring n = units x requests_per_unit x
+    ttft_slo_s requests per SLO window, Poisson with std sqrt(n), i.e. units / sqrt(n) replicas. A spike is a
+    larger share of a small load (square-root staffing), so a small fleet keeps a larger share spare; at
+    large loads `target_utilization` sizes the fleet. Without arrivals there is no headroom term."""
+    linear = units / cfg.target_utilization
+    n = units * requests_per_unit * cfg.ttft_slo_s
+    if cfg.headroom_z <= 0 or n <= 0:
+        return linear
+    return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
 
 
 def preempting(load: FleetLoad, cfg: PolicyConfig) -> bool:
@@ -223,7 +232,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     preempt_persisted = (state.preempt_since is not None
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
-    up_need = max(replicas_needed(load.projected_units, cfg), load.kv_units)
+    per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
+    up_need = max(replicas_needed(load.projected_units, cfg, per_unit), load.kv_units)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
@@ -248,7 +258,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = cfg.target_utilization / cfg.downscale_utilization
-    down_target = max(1, math.ceil(max(replicas_needed(load.projected_units * inflate, cfg),
+    down_target = max(1, math.ceil(max(replicas_needed(load.projected_units * inflate, cfg, per_unit),
                                        load.kv_units * inflate) - 1e-9))
 
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:

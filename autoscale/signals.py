@@ -12,7 +12,8 @@ import numpy as np
 
 #: record_autoscaling_stats() keys (Serve carries them as ctx.aggregated_metrics[key][replica_id])
 METRIC_KEYS = ("num_running", "num_waiting", "num_in_flight", "kv_cache_usage", "num_queued_prefill_tokens",
-               "preemptions_per_s", "prefill_tokens_per_s", "ttft_p90_s", "tpot_p90_s", "num_recent_requests")
+               "preemptions_per_s", "prefill_tokens_per_s", "ttft_p90_s", "tpot_p90_s", "num_recent_requests",
+               "requests_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class ReplicaSignals:
     ttft_p90_s: float = 0.0
     tpot_p90_s: float = 0.0
     num_recent_requests: float = 0.0       # first tokens in the recent window
+    requests_per_s: float = 0.0            # first tokens per second over the recent window
 
     @classmethod
     def from_metrics(cls, m: Mapping[str, float]) -> ReplicaSignals:
@@ -88,4 +90,4 @@ class SignalRecorder:
             preemptions_per_s=preempt_rate, prefill_tokens_per_s=sum(x[2] for x in self._first) / span,
             ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else 0.0,
             tpot_p90_s=float(np.percentile(tpots, 90)) if tpots else 0.0,
-            num_recent_requests=len(ttfts))
+            num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span)

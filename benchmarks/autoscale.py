@@ -488,7 +488,7 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
                             target_utilization=a.target_util, downscale_utilization=a.down_util,
                             kv_usage_target=a.kv_target, preemption_rate_threshold=a.preempt_threshold,
                             preemption_persist_s=a.preempt_persist, trend_lead_s=a.trend_lead,
-                            trend_window_s=a.trend_window, headroom_sqrt=a.headroom_sqrt)
+                            trend_window_s=a.trend_window, headroom_z=a.headroom_z)
         pol = EnginePolicy(ours, APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"engine (ours), C={c:g}")
         if i:
             pol.name, pol.role = f"engine (ours), C={c:g} [variant]", "ours-variant"
@@ -574,7 +574,7 @@ def main() -> None:
     p.add_argument("--preempt-threshold", type=float, default=0.02,
                    help="ours: preemption_rate_threshold (preemptions/s per replica)")
     p.add_argument("--preempt-persist", type=float, default=0.0, help="ours: preemption_persist_s")
-    p.add_argument("--headroom-sqrt", type=float, default=1.0, help="ours: headroom_sqrt")
+    p.add_argument("--headroom-z", type=float, default=2.0, help="ours: headroom_z")
     p.add_argument("--trend-lead", type=float, default=10.0, help="ours: trend_lead_s (0: no trend term)")
     p.add_argument("--trend-window", type=float, default=30.0, help="ours: trend_window_s")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="ours and the tuned Serve rows")

@@ -14,7 +14,7 @@ CFG = PolicyConfig(min_replicas=1, max_replicas=8, ttft_slo_s=1.0, tpot_slo_s=0.
                    decode_seqs_per_replica=10, kv_usage_target=0.85, target_utilization=0.8,
                    downscale_utilization=0.5, upscale_delay_s=0.0, downscale_delay_s=10.0,
                    downscale_to_zero_delay_s=20.0, slo_cooldown_s=5.0, preemption_rate_threshold=0.1,
-                   preemption_persist_s=5.0, headroom_sqrt=0.0, trend_lead_s=0.0)
+                   preemption_persist_s=5.0, headroom_z=0.0, trend_lead_s=0.0)
 NOW = 1000.0
 FRESH = PolicyState()
 LONG_DOWN = PolicyState(down_since=NOW - 60)        # a down condition that has held past its delay
@@ -125,14 +125,15 @@ def test_downscale_goes_to_the_largest_target_seen_during_the_wait():
 
 @pytest.mark.parametrize("start", [1, 2, 8])
 @pytest.mark.parametrize("total_running", [1, 2, 4, 6.6, 10, 14, 16, 19, 30])
-@pytest.mark.parametrize("headroom", [0.0, 1.0, 2.0])
+@pytest.mark.parametrize("headroom", [0.0, 1.5, 3.0])
 def test_no_flapping_a_steady_load_settles_without_reversing(total_running, start, headroom):
     """Hysteresis: under a steady load the count moves in one direction only, then stays (with and without
-    the square-root headroom, and with the trend term on: a steady load has no rising trend)."""
-    cfg = replace(CFG, headroom_sqrt=headroom, trend_lead_s=10.0, trend_window_s=30.0)
+    the arrival headroom, and with the trend term on: a steady load has no rising trend)."""
+    cfg = replace(CFG, headroom_z=headroom, trend_lead_s=10.0, trend_window_s=30.0)
+    rate = 0.3 * total_running             # 3 requests/s per unit of load (10 running sequences)
     n, s, t, counts = start, FRESH, 0.0, [start]
     for _ in range(200):
-        d = decide([busy(total_running / n)] * n, n, t, s, cfg)
+        d = decide([busy(total_running / n, requests_per_s=rate / n)] * n, n, t, s, cfg)
         n, s, t = d.target_replicas, d.state, t + 1.0
         counts.append(n)
     steps = [b - a for a, b in zip(counts, counts[1:]) if b != a]
@@ -192,31 +193,34 @@ def test_a_lasting_breach_doubles_per_replica_start_not_per_cooldown():
     assert ups == {0.0: 2, 15.0: 4, 30.0: 8}
 
 
-@pytest.mark.parametrize("units,expected", [
-    (0.0, 0.0),
-    (1.0, 2.0),                    # 1 + sqrt(1): a one-replica load keeps a spare replica
-    (2.4, 2.4 + 2.4 ** 0.5),       # ~3.95: the square-root term dominates a small fleet
-    (16.0, 20.0),                  # where the two rules meet: 16 / 0.8 = 16 + 4
-    (40.0, 50.0),                  # 40 / 0.8 = 50 > 40 + 6.3: a large fleet is sized by target_utilization
+@pytest.mark.parametrize("units,per_unit,expected", [
+    (0.0, 3.0, 0.0),
+    (2.4, 0.0, 3.0),                               # no arrivals measured: the utilization rule alone
+    (0.5, 3.0, 0.5 + 1.5 * 0.5 / 1.5 ** 0.5),     # 1.5 requests per SLO: 1.11, two replicas for half a load
+    (0.5, 100.0, 0.5 / 0.8),                       # 50 requests per SLO: spikes are small, 0.8 utilization
+    (2.4, 3.0, 2.4 + 1.5 * 2.4 / 7.2 ** 0.5),     # 3.74: the headroom sizes a small fleet
+    (40.0, 3.0, 50.0),                             # 40 / 0.8 = 50 > 40 + 1.5 x 40 / sqrt(120) = 45.5
+    (0.1, 3.0, 0.1 + 1.5 * 0.1),                   # under one request per SLO: at most z x units spare
 ])
-def test_replicas_needed_is_the_larger_of_utilization_and_square_root_headroom(units, expected):
-    assert replicas_needed(units, replace(CFG, headroom_sqrt=1.0)) == pytest.approx(expected)
+def test_replicas_needed_is_the_larger_of_utilization_and_arrival_headroom(units, per_unit, expected):
+    assert replicas_needed(units, replace(CFG, headroom_z=1.5), per_unit) == pytest.approx(expected)
 
 
 HEADROOM_CASES = [
-    # id, per-replica running, current, headroom, expected target, reason
-    ("linear rule: 1.2 units on 2 fits at 0.8", 6, 2, 0.0, 2, Reason.HOLD),
-    ("headroom 1: 1.2 + sqrt(1.2) = 2.3 -> 3", 6, 2, 1.0, 3, Reason.UP_PREDICTED),
-    ("headroom 1, large fleet: 24 units at 0.8 -> 30, the same as without", 12, 20, 1.0, 30, Reason.UP_PREDICTED),
-    ("headroom 1 keeps 3 for 1.2 units: the down rule inflates the load first", 4, 3, 1.0, 3, Reason.HOLD),
+    # id, per-replica running, per-replica requests/s, current, headroom_z, expected target, reason
+    ("no headroom: 1.2 units on 2 fit at 0.8", 6, 2.0, 2, 0.0, 2, Reason.HOLD),
+    ("z 1.5, 4 requests per SLO: 1.2 + 1.5 x 1.2 / 2 = 2.1 -> 3", 6, 2.0, 2, 1.5, 3, Reason.UP_PREDICTED),
+    ("z 1.5, 40 requests per SLO: spikes are small, 2 fit", 6, 20.0, 2, 1.5, 2, Reason.HOLD),
+    ("z 1.5, large fleet: 24 units at 0.8 -> 30, as without", 12, 3.0, 20, 1.5, 30, Reason.UP_PREDICTED),
+    ("z 1.5 keeps 3 for 0.8 units: the down rule inflates the load first", 8 / 3, 0.4, 3, 1.5, 3, Reason.HOLD),
 ]
 
 
-@pytest.mark.parametrize("running,current,headroom,target,reason", [c[1:] for c in HEADROOM_CASES],
+@pytest.mark.parametrize("running,rps,current,headroom,target,reason", [c[1:] for c in HEADROOM_CASES],
                          ids=[c[0] for c in HEADROOM_CASES])
-def test_square_root_headroom_table(running, current, headroom, target, reason):
-    cfg = replace(CFG, headroom_sqrt=headroom, max_replicas=40)
-    d = decide([busy(running)] * current, current, NOW, LONG_DOWN, cfg)
+def test_arrival_headroom_table(running, rps, current, headroom, target, reason):
+    cfg = replace(CFG, headroom_z=headroom, max_replicas=40)
+    d = decide([busy(running, requests_per_s=rps)] * current, current, NOW, LONG_DOWN, cfg)
     assert (d.target_replicas, d.reason) == (target, reason), d.describe()
 
 

@@ -12,7 +12,7 @@ from autoscale.signals import ReplicaSignals
 
 DEP = DeploymentID(name="LLMReplica", app_name="affinity")
 KW = dict(min_replicas=1, max_replicas=4, ttft_slo_s=1.0, prefill_tokens_per_s=1000.0,
-          decode_seqs_per_replica=10.0, upscale_delay_s=0.0, downscale_delay_s=5.0, headroom_sqrt=0.0,
+          decode_seqs_per_replica=10.0, upscale_delay_s=0.0, downscale_delay_s=5.0, headroom_z=0.0,
           trend_lead_s=0.0)   # the linear rule (the headroom and trend terms have their own tests)
 
 

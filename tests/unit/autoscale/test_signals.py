@@ -15,7 +15,7 @@ def test_recent_window_drops_old_samples_and_computes_rates():
         r.on_first_token(1.0 + i, ttft_s=0.1 * (i + 1), num_uncached_prompt_tokens=100)
         r.on_finished(1.0 + i, decode_s=0.9, num_output_tokens=10)
     s = r.snapshot(10.0, **LOAD, num_preemptions_total=5)
-    assert s.num_recent_requests == 10
+    assert s.num_recent_requests == 10 and s.requests_per_s == pytest.approx(1.0)
     assert s.ttft_p90_s == pytest.approx(0.91)
     assert s.tpot_p90_s == pytest.approx(0.1)
     assert s.prefill_tokens_per_s == pytest.approx(1000 / 10)
