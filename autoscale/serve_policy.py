@@ -18,7 +18,9 @@ from typing import Any
 from autoscale.policy import PolicyConfig, PolicyState, Reason, ScalingDecision, decide
 from autoscale.signals import METRIC_KEYS, ReplicaSignals
 
-logger = logging.getLogger("affinity.autoscale")
+# A child of Serve's own logger: in the controller, Serve's handlers (logs/serve/controller_*.log, at INFO)
+# write our decisions next to its "Upscaling ..." lines; a logger outside "ray.serve" reached no handler there.
+logger = logging.getLogger("ray.serve.affinity.autoscale")
 
 
 def signals_from_context(ctx: Any) -> list[ReplicaSignals]:
