@@ -125,6 +125,10 @@ class GenerateRequest:
     #: the prompt's full-block hashes (engine.hashing.hash_block_chain, the engine's block size and this
     #: cache_salt), computed once at the ingress for routing; the engine uses them instead of rehashing
     block_hashes: list[bytes] | None = None
+    #: set by the router when it places the request: the most prompt tokens its index predicts any replica
+    #: holds (Decision.fleet_cached_tokens); the replica reports the part of its prefill that refills them
+    #: apart (the autoscaler's `refill_tokens_per_s`). None: no router prediction (load-only routing).
+    fleet_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 from app.stats import ReplicaStats
-from autoscale.signals import SignalRecorder
+from autoscale.signals import SignalRecorder, refilled_tokens
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.types import KVCacheSnapshot, KVEventsReply
@@ -108,7 +108,9 @@ class LLMReplica:
                 now = time.monotonic()
                 if first_token is None and d.token_ids:
                     first_token = now
-                    self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens)
+                    self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens,
+                                                refilled_tokens(d.num_prompt_tokens, d.num_cached_tokens,
+                                                                req.fleet_cached_tokens))
                 num_output_tokens[d.index] = num_output_tokens.get(d.index, 0) + len(d.token_ids)
                 chunk = ReplicaChunk(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
                                      prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=d.num_prompt_tokens,

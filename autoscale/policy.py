@@ -2,8 +2,9 @@
 and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the returned `PolicyState`.
 
 The rule (README "Autoscaling" writes it out):
-1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, plus the
-   queued backlog that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
+1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, less the
+   refills of prefixes the router saw cached on another replica, at `refill_weight`; plus the queued backlog
+   that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
    KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
@@ -64,6 +65,7 @@ class PolicyConfig:
     headroom_z: float = 2.0                # spare capacity for this many std. deviations of the arrivals per TTFT SLO
     trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
     trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
+    refill_weight: float = 0.0             # how much prefill of prefixes another replica held counts as load
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -80,6 +82,8 @@ class PolicyConfig:
                      "headroom_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if not 0 <= self.refill_weight <= 1:
+            raise ValueError(f"refill_weight must be within [0, 1] (got {self.refill_weight})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,7 @@ class FleetLoad:
     """The fleet's load summed over the reporting replicas, in replica units where it says so."""
 
     prefill_units: float = 0.0     # (prefill rate + backlog / TTFT SLO) / one replica's prefill rate
+    refill_units: float = 0.0      # the prefill rate's refills (prefixes another replica held), not counted
     decode_units: float = 0.0      # sequences (running + queued at callers) / decode capacity
     kv_units: float = 0.0          # held KV / kv_usage_target
     ttft_p90_s: float = 0.0        # recent p90s, weighted by each replica's recent requests
@@ -136,13 +141,17 @@ class ScalingDecision:
     def describe(self) -> str:
         ld = self.load
         return (f"{self.reason.value} -> {self.target_replicas} (load {ld.load_units:.2f} = prefill "
-                f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
+                f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}, refills "
+                f"{ld.refill_units:.2f} not counted; kv {ld.kv_units:.2f}; TTFT p90 "
                 f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
                 f"{ld.preemptions_per_s:.2f}/s; up {self.up_target}, down {self.down_target})")
 
 
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
-    prefill_rate = sum(s.prefill_tokens_per_s for s in signals)
+    # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests): counted as
+    # lasting load it grows the fleet on the transient its own scale-out caused (README "Autoscaling").
+    refill_rate = sum(min(s.refill_tokens_per_s, s.prefill_tokens_per_s) for s in signals)
+    prefill_rate = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
     backlog = sum(s.num_queued_prefill_tokens for s in signals)
     recent = sum(s.num_recent_requests for s in signals)
 
@@ -151,6 +160,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
 
     return FleetLoad(
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / cfg.prefill_tokens_per_s,
+        refill_units=(1.0 - cfg.refill_weight) * refill_rate / cfg.prefill_tokens_per_s,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / cfg.decode_seqs_per_replica,
         kv_units=sum(s.kv_cache_usage for s in signals) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),

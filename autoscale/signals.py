@@ -12,8 +12,8 @@ import numpy as np
 
 #: record_autoscaling_stats() keys (Serve carries them as ctx.aggregated_metrics[key][replica_id])
 METRIC_KEYS = ("num_running", "num_waiting", "num_in_flight", "kv_cache_usage", "num_queued_prefill_tokens",
-               "preemptions_per_s", "prefill_tokens_per_s", "ttft_p90_s", "tpot_p90_s", "num_recent_requests",
-               "requests_per_s")
+               "preemptions_per_s", "prefill_tokens_per_s", "refill_tokens_per_s", "ttft_p90_s", "tpot_p90_s",
+               "num_recent_requests", "requests_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,8 @@ class ReplicaSignals:
     num_queued_prefill_tokens: float = 0.0  # uncached prompt tokens not computed yet
     preemptions_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0      # uncached prompt tokens served per second, recent window
+    #: of prefill_tokens_per_s, the tokens the router predicted another replica held (a prefix moving here)
+    refill_tokens_per_s: float = 0.0
     ttft_p90_s: float = 0.0
     tpot_p90_s: float = 0.0
     num_recent_requests: float = 0.0       # first tokens in the recent window
@@ -57,12 +59,17 @@ class SignalRecorder:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 (got {window_s})")
         self.window_s = window_s
-        self._first: deque[tuple[float, float, int]] = deque(maxlen=max_samples)   # (t, ttft, uncached tokens)
+        #: (t, ttft, uncached tokens, of them refilled: cached on another replica)
+        self._first: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
         self._preempt: deque[tuple[float, int]] = deque(maxlen=max_samples)         # (t, preemptions total)
 
-    def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int) -> None:
-        self._first.append((now, ttft_s, num_uncached_prompt_tokens))
+    def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int,
+                       num_refilled_tokens: int = 0) -> None:
+        """`num_refilled_tokens`: of the uncached tokens, those the router predicted another replica held
+        (`refilled_tokens`)."""
+        self._first.append((now, ttft_s, num_uncached_prompt_tokens,
+                            max(0, min(num_refilled_tokens, num_uncached_prompt_tokens))))
 
     def on_finished(self, now: float, decode_s: float, num_output_tokens: int) -> None:
         """A sequence ended: `decode_s` from its first to its last token over `num_output_tokens` tokens."""
@@ -88,6 +95,16 @@ class SignalRecorder:
             num_running=num_running, num_waiting=num_waiting, num_in_flight=num_in_flight,
             kv_cache_usage=kv_cache_usage, num_queued_prefill_tokens=num_queued_prefill_tokens,
             preemptions_per_s=preempt_rate, prefill_tokens_per_s=sum(x[2] for x in self._first) / span,
+            refill_tokens_per_s=sum(x[3] for x in self._first) / span,
             ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else 0.0,
             tpot_p90_s=float(np.percentile(tpots, 90)) if tpots else 0.0,
             num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span)
+
+
+def refilled_tokens(num_prompt_tokens: int, num_cached_tokens: int, fleet_cached_tokens: int | None) -> int:
+    """Of a request's recomputed prompt tokens, those the router predicted some replica already held
+    (`fleet_cached_tokens`, GenerateRequest's): the prefix moved to this replica (a new replica's first
+    requests, a hot group spread to one more replica) rather than arrived new. 0 without a prediction."""
+    if not fleet_cached_tokens:
+        return 0
+    return max(0, min(fleet_cached_tokens, num_prompt_tokens) - num_cached_tokens)

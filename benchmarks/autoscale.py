@@ -55,7 +55,7 @@ if __package__ in (None, ""):
 from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView,  # noqa: E402
                          RouteRequest, make_core)
 from autoscale.policy import PolicyConfig, PolicyState, decide  # noqa: E402
-from autoscale.signals import ReplicaSignals, SignalRecorder  # noqa: E402
+from autoscale.signals import ReplicaSignals, SignalRecorder, refilled_tokens  # noqa: E402
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
 from benchmarks.routing.workload import (Trace, TraceRequest, WorkloadSpec, generate, read_trace,  # noqa: E402
                                          write_trace)
@@ -178,10 +178,11 @@ class ElasticRouter:
         self.core.set_replicas([ReplicaInfo(rid) for rid in self.active])
 
     def route(self, req_id: str, hashes: list[BlockHash], num_prompt_tokens: int, max_tokens: int,
-              now: float) -> int:
+              now: float) -> tuple[int, int]:
+        """The chosen replica's index and the decision's fleet_cached_tokens (the shell sends it along)."""
         self.now = now
         d = self.core.route(RouteRequest(req_id, hashes, num_prompt_tokens, max_tokens), self.active)
-        return int(d.chosen[1:])
+        return int(d.chosen[1:]), d.fleet_cached_tokens
 
     def feed(self, k: int, rep: SimReplica, now: float) -> None:
         self.now = now
@@ -297,6 +298,7 @@ class AutoscaleSim:
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.cached = np.zeros(n)
+        self.fleet_cached = np.zeros(n, dtype=np.int64)
         self.where = np.full(n, -1)
         self.now = 0.0
         self.provision(self.cfg.min_replicas)
@@ -325,7 +327,8 @@ class AutoscaleSim:
 
     def dispatch(self, i: int) -> None:
         r = self.trace.requests[i]
-        k = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids), len(r.output_token_ids), self.now)
+        k, self.fleet_cached[i] = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids),
+                                                     len(r.output_token_ids), self.now)
         rep = self.reps[k]
         rep.ongoing += 1
         self.where[i] = k
@@ -346,8 +349,9 @@ class AutoscaleSim:
             i = self.index[rid]
             self.first[i] = self.now
             self.cached[i] = res.num_cached_tokens[rid]
-            rep.recorder.on_first_token(self.now, self.now - self.release[i],
-                                        len(reqs[i].prompt_token_ids) - res.num_cached_tokens[rid])
+            num_prompt, num_cached = len(reqs[i].prompt_token_ids), res.num_cached_tokens[rid]
+            rep.recorder.on_first_token(self.now, self.now - self.release[i], num_prompt - num_cached,
+                                        refilled_tokens(num_prompt, num_cached, int(self.fleet_cached[i])))
             self.router.now = self.now
             self.router.core.on_first_token(rid, res.num_cached_tokens[rid])
         for rid in res.finished_ids:
@@ -488,7 +492,8 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
                             target_utilization=a.target_util, downscale_utilization=a.down_util,
                             kv_usage_target=a.kv_target, preemption_rate_threshold=a.preempt_threshold,
                             preemption_persist_s=a.preempt_persist, trend_lead_s=a.trend_lead,
-                            trend_window_s=a.trend_window, headroom_z=a.headroom_z)
+                            trend_window_s=a.trend_window, headroom_z=a.headroom_z,
+                            refill_weight=a.refill_weight)
         pol = EnginePolicy(ours, APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"engine (ours), C={c:g}")
         if i:
             pol.name, pol.role = f"engine (ours), C={c:g} [variant]", "ours-variant"
@@ -577,6 +582,7 @@ def main() -> None:
     p.add_argument("--headroom-z", type=float, default=2.0, help="ours: headroom_z")
     p.add_argument("--trend-lead", type=float, default=10.0, help="ours: trend_lead_s (0: no trend term)")
     p.add_argument("--trend-window", type=float, default=30.0, help="ours: trend_window_s")
+    p.add_argument("--refill-weight", type=float, default=0.0, help="ours: refill_weight (1: count refills)")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="ours and the tuned Serve rows")
     p.add_argument("--downscale-delay", type=float, default=30.0, help="ours and the tuned Serve rows")
     p.add_argument("--targets", default="8,16,32", help="tuned Serve rows' target_ongoing_requests values")
@@ -591,6 +597,11 @@ def main() -> None:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    try:                                         # fail now, not after the runs: the timelines are PNGs
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/autoscale.py writes PNG timelines and needs matplotlib: pip install -e '.[bench]' "
+                 "(or make bench)")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec, timing = ReplicaSpec(), TimingModel()

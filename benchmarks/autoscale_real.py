@@ -411,18 +411,22 @@ def replica_states() -> dict[str, int]:
 
 _SCALING_LINE = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- "
                            r"((?:Up|Down)scaling) Deployment\(name='LLMReplica'[^)]*\) (.*)$")
+#: our policy's decision lines (autoscale/serve_policy.py, logger ray.serve.affinity.autoscale) in the same log
+_DECISION_LINE = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- "
+                            r"[^ ]*/LLMReplica: ((?:up|down|to_zero|cold_start)\w*) (.*)$")
 
 
 def scaling_log(since_wall: float, t0_wall: float) -> list[tuple[float, str]]:
     """The Serve controller's "Upscaling/Downscaling LLMReplica from a to b replicas ..." log lines written
     after `since_wall` (time.time()), as (seconds from the trace start, message): when each policy's
-    decision took effect, and with Serve's rule the ongoing requests it saw."""
+    decision took effect, and with Serve's rule the ongoing requests it saw; with ours, also its decisions
+    to scale (reason -> target, with the load breakdown behind them)."""
     import ray
     ctx = ray.get_runtime_context()
     out = []
     for path in sorted((Path(ctx.get_temp_dir()) / ctx.get_session_name() / "logs" / "serve").glob("controller_*.log")):
         for line in path.read_text(errors="replace").splitlines():
-            m = _SCALING_LINE.match(line)
+            m = _SCALING_LINE.match(line) or _DECISION_LINE.match(line)
             if m and (ts := datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()) >= since_wall:
                 out.append((round(ts - t0_wall, 2), f"{m[2]} {m[3]}"))
     return out
@@ -775,6 +779,11 @@ def main() -> None:
                     ray_worker_niceness=a.ray_worker_niceness)
     for pol in spec.policies:
         policy_role(pol)                                # fail early on a bad name
+    if a.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit("--png needs matplotlib: pip install -e '.[bench]' (or make bench)")
     given = {"peak_rps": a.peak_rps, "prefill_tokens_per_s": a.prefill_tokens_per_s, "decode_seqs": a.decode_seqs}
     signal.signal(signal.SIGALRM, real._hard_stop)      # a hung deploy must not run forever
     signal.alarm(int(len(spec.policies) * (spec.duration_s + 240) + 300))

@@ -187,6 +187,13 @@ class Decision:
         """One CandidateScore per candidate (built on each access)."""
         return [self.scores[i] for i in range(len(self.scores))]
 
+    @property
+    def fleet_cached_tokens(self) -> int:
+        """The most prompt tokens any candidate was predicted to hold: what the fleet already has cached.
+        The chosen replica recomputing fewer cached tokens than this refills a prefix another replica holds
+        (a one-off cost of moving it, which the autoscaler does not count as lasting load)."""
+        return max(self.scores.predicted_cached_tokens, default=0)
+
     def score_of(self, replica_id: str) -> CandidateScore | None:
         try:
             return self.scores[self.scores.replica_ids.index(replica_id)]

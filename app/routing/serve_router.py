@@ -198,6 +198,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
                              (params.max_tokens or 0) * max(1, params.n), self._self_node_id)
         decision = self.core.route(route, list(by_key))
         debug.post_decision(decision)                  # for the ingress's span and metrics
+        # Serve pickles the request's args when it sends them to the chosen replica, after this returns.
+        req.fleet_cached_tokens = decision.fleet_cached_tokens
         ranked = [by_key[k] for k in decision.ranked if k in by_key]
         if not ranked:
             return self._load_only(candidates)

@@ -136,8 +136,11 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
     a, b = _replica("a", {"num_running": 0, "cache_epoch": "e"}), _replica("b")
     router._sync_members([a, b])
     router.core.on_snapshot(__import__("app.routing", fromlist=["KVSnapshot"]).KVSnapshot("b", "e", 0, H[:4]))
-    ranks = await router.choose_replicas([a, b], _pending("r1", H[:4]))
+    pending = _pending("r1", H[:4])
+    ranks = await router.choose_replicas([a, b], pending)
     assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"], ["a"]]
+    # the request Serve sends on carries what the fleet holds of its prompt (the autoscaler's refills)
+    assert pending.args[0].fleet_cached_tokens == 16
     router.on_request_routed(_pending("r1", H[:4]), b.replica_id, None)
     assert router.core.loads.in_flight("r1") is not None
     router.on_request_completed(b.replica_id, "int-r1")

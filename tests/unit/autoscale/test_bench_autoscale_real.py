@@ -185,3 +185,16 @@ def test_ours_runs_with_the_calibration_and_the_apps_delays():
     assert autoscaling_section("serve-t8", spec, _cal())[1]["target_ongoing_requests"] == 8.0
     with pytest.raises(ValueError):
         policy_role("serve-tx")
+
+
+def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_decisions():
+    from benchmarks.autoscale_real import _DECISION_LINE, _SCALING_LINE
+    head = "INFO 2026-11-25 14:00:01,250 controller 4242 -- "
+    serve = head + "Upscaling Deployment(name='LLMReplica', app='affinity') from 1 to 2 replicas. Current ongoing"
+    ours = head + "affinity/LLMReplica: up_predicted -> 2 (load 0.43 = prefill 0.37 + decode 0.06, refills 0.80)"
+    m = _SCALING_LINE.match(serve)
+    assert m and (m[2], m[3].split()[:4]) == ("Upscaling", ["from", "1", "to", "2"])
+    m = _DECISION_LINE.match(ours)
+    assert m and m[2] == "up_predicted" and m[3].startswith("-> 2 (load 0.43") and m[3].endswith("refills 0.80)")
+    assert _DECISION_LINE.match(head + "affinity/Ingress: up_predicted -> 2") is None
+    assert _DECISION_LINE.match(head + "affinity/LLMReplica: hold -> 2 (load 0.1)") is None     # no action

@@ -1,6 +1,8 @@
 """A real LLMReplica (tiny llama, no Serve) reports the autoscaler's signals from its own streams."""
 from __future__ import annotations
 
+import pytest
+
 from app.protocol import GenerateRequest
 from autoscale.signals import METRIC_KEYS, ReplicaSignals
 from engine import SamplingParams
@@ -24,3 +26,18 @@ async def test_replica_reports_recent_ttft_tpot_and_prefill_tokens(checkpoints):
     assert cached > 0
     # uncached prompt tokens over the window (at most 10 s old here): 12 + (12 - cached)
     assert s.prefill_tokens_per_s * rep.signals.window_s >= 24 - cached - 1e-6
+
+
+async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(checkpoints):
+    """The router says 8 of the 12 prompt tokens are cached on some replica: this (empty) replica recomputes
+    all 12, 8 of them a refill; a repeat here hits its own cache and refills nothing."""
+    from app.replica import LLMReplica
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+    prompt = list(range(30, 42))
+    for rid in ("moved", "repeat"):
+        req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, temperature=0), fleet_cached_tokens=8)
+        chunks = [c async for c in rep.generate(req)]
+    assert chunks[-1].num_cached_tokens == 8                     # the repeat hit the first's full blocks
+    s = ReplicaSignals.from_metrics(rep.record_autoscaling_stats())
+    assert s.refill_tokens_per_s * rep.signals.window_s == pytest.approx(8.0)
+    assert s.prefill_tokens_per_s * rep.signals.window_s == pytest.approx(12 + 4)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoscale.signals import METRIC_KEYS, ReplicaSignals, SignalRecorder
+from autoscale.signals import METRIC_KEYS, ReplicaSignals, SignalRecorder, refilled_tokens
 
 LOAD = dict(num_running=2, num_waiting=1, num_in_flight=3, kv_cache_usage=0.4, num_queued_prefill_tokens=50)
 
@@ -38,3 +38,17 @@ def test_single_token_outputs_have_no_tpot_and_window_must_be_positive():
     assert r.snapshot(1.0, **LOAD, num_preemptions_total=0).tpot_p90_s == 0.0
     with pytest.raises(ValueError):
         SignalRecorder(window_s=0)
+
+
+def test_refills_are_the_recomputed_tokens_the_fleet_held_and_are_reported_apart():
+    assert refilled_tokens(100, 0, 64) == 64          # all of the fleet's prefix recomputed here
+    assert refilled_tokens(100, 32, 64) == 32         # half of it was already here
+    assert refilled_tokens(100, 64, 64) == 0          # routed to the replica holding it
+    assert refilled_tokens(50, 0, 64) == 50           # never more than the prompt
+    assert refilled_tokens(100, 0, None) == 0 and refilled_tokens(100, 0, 0) == 0   # no prediction
+    r = SignalRecorder(window_s=10.0)
+    r.on_first_token(1.0, 0.1, num_uncached_prompt_tokens=100, num_refilled_tokens=60)
+    r.on_first_token(2.0, 0.1, num_uncached_prompt_tokens=100)
+    r.on_first_token(3.0, 0.1, num_uncached_prompt_tokens=10, num_refilled_tokens=40)   # capped at 10
+    s = r.snapshot(5.0, **LOAD, num_preemptions_total=0)
+    assert s.prefill_tokens_per_s == pytest.approx(21.0) and s.refill_tokens_per_s == pytest.approx(7.0)
