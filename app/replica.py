@@ -85,6 +85,8 @@ class LLMReplica:
         self.replica_id = _replica_id()
         self.wedge_timeout_s = wedge_timeout_s
         self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
+        self._warm_tokens = 0                     # prompt tokens of warm-up prompts not done yet
+        self._warm_prompts = 0                    # ... and their number
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
@@ -146,6 +148,8 @@ class LLMReplica:
         (too long) are skipped; runs concurrently with real requests, which it does not hold up beyond its
         share of the steps."""
         async def one(ids: list[int]) -> int:
+            self._warm_tokens += len(ids)
+            self._warm_prompts += 1
             try:
                 async for _ in self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
                                                     f"warmup-{uuid.uuid4().hex}"):
@@ -153,6 +157,9 @@ class LLMReplica:
                 return len(ids)
             except InvalidRequestError:
                 return 0
+            finally:
+                self._warm_tokens -= len(ids)
+                self._warm_prompts -= 1
         start = time.monotonic()
         done = await asyncio.gather(*(one(list(p)) for p in prompts))
         return {"num_prompts": sum(1 for n in done if n), "num_tokens": sum(done),
@@ -185,12 +192,22 @@ class LLMReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaler's signals (autoscale.signals.METRIC_KEYS), numbers only: the engine's load, the
-        preemption rate and the recent TTFT / TPOT p90 and prefill rate of this replica's streams."""
+        preemption rate and the recent TTFT / TPOT p90 and prefill rate of this replica's streams.
+
+        A warm-up's prompts (`warm`) are left out of the queued prefill tokens and the request counts: a
+        one-off the router asked for when this replica joined, not load that lasts (counted, a joining
+        replica's warm-up backlog alone read as most of a replica and scaled the fleet out again). The
+        engine does not tell them apart, so they come off its totals: running first (a warm-up is admitted
+        when the replica joins, before most of its requests), then waiting. The routing stats keep them:
+        they do delay this replica's requests."""
         load = self.engine.load()
+        warm = self._warm_prompts
+        running = max(0, load.num_running_reqs - warm)
+        waiting = max(0, load.num_waiting_reqs - max(0, warm - load.num_running_reqs))
         return self.signals.snapshot(
-            time.monotonic(), num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
-            num_in_flight=self.engine.num_in_flight, kv_cache_usage=load.kv_cache_usage,
-            num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+            time.monotonic(), num_running=running, num_waiting=waiting,
+            num_in_flight=max(0, self.engine.num_in_flight - warm), kv_cache_usage=load.kv_cache_usage,
+            num_queued_prefill_tokens=max(0, load.num_queued_prefill_tokens - self._warm_tokens),
             num_preemptions_total=load.num_preemptions_total).to_metrics()
 
     async def check_health(self) -> None:
@@ -211,6 +228,7 @@ class LLMReplica:
         return {"replica_id": self.replica_id, "num_free_blocks": load.num_free_blocks,
                 "num_blocks": load.num_blocks, "num_requests": load.num_requests,
                 "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats(),
+                "autoscaling": self.record_autoscaling_stats(),
                 # the KV connector's cumulative counters (lookups, hit/loaded/stored blocks, failures)
                 "kv_connector": dataclasses.asdict(conn) if conn is not None else None}
 

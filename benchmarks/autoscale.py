@@ -65,6 +65,7 @@ from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
 PROFILE = [(0.00, 0.2, 0.2), (0.10, 0.2, 0.5), (0.40, 0.5, 0.5), (0.50, 1.0, 1.0), (0.60, 0.5, 0.5),
            (0.70, 0.05, 0.05)]
 BURST = (0.50, 0.60)
+QUIET_FROM = PROFILE[-1][0]
 BIN_S = 5.0
 
 
@@ -239,6 +240,9 @@ class RunResult:
     hit_rate: float
     wall_s: float
     timeline: dict = field(default_factory=dict)
+    #: replica-seconds until the quiet period starts (QUIET_FROM of the trace): without the tail, where a
+    #: long downscale delay costs most and which depends on the trace's length
+    replica_seconds_before_quiet: float = 0.0
 
 
 _RELEASE, _STEP, _TICK, _FEED, _READY = range(5)
@@ -438,6 +442,9 @@ class AutoscaleSim:
         ttft = self.first - self.release
         ok = ttft <= cfg.ttft_slo_s
         rep_s = sum((r.stopped_at if r.stopped_at is not None else self.end) - r.provisioned_at for r in self.reps)
+        quiet = QUIET_FROM * self.trace.meta.duration_s
+        rep_s_before_quiet = sum(max(0.0, min(r.stopped_at if r.stopped_at is not None else self.end, quiet)
+                                     - r.provisioned_at) for r in self.reps)
         drains = [r.stopped_at - r.draining_since for r in self.reps
                   if r.draining_since is not None and r.stopped_at is not None]
         failed = int(np.isnan(self.finish).sum())
@@ -465,7 +472,7 @@ class AutoscaleSim:
             ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
             replica_seconds=float(rep_s), recover_s=float(recover), failed=failed,
             max_replicas_seen=max(s[1] for s in self.series), hit_rate=float(self.cached.sum() / prompt.sum()),
-            wall_s=wall_s,
+            wall_s=wall_s, replica_seconds_before_quiet=float(rep_s_before_quiet),
             timeline={"bin_s": BIN_S, "bins": bins[:-1].tolist(), "arrivals_per_s": arrivals,
                       "attainment": att, "ttft_p90_s": p90, "t": t.tolist(),
                       "replicas": [s[1] for s in self.series], "max_drain_s": max(drains, default=0.0),

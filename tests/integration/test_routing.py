@@ -97,6 +97,34 @@ def test_hot_prefix_spills_to_the_second_replica_once_the_first_is_full(url):
     assert len(replicas) == 2, replicas
 
 
+def test_the_replica_a_held_prefix_spills_to_reports_recomputing_it_as_a_refill(url):
+    """The router sends along what the fleet holds of each prompt (GenerateRequest.fleet_cached_tokens): the
+    replica a hot prefix spills to recomputes the 64 tokens the other holds and reports them as refills,
+    which the autoscaler does not count as lasting load."""
+    with httpx.Client(timeout=60) as c:
+        holder = _post(c, url, _prompt(4, 64, 0))["system_fingerprint"].removeprefix("replica:")
+    wait_until(lambda: all(st["routers"][0]["replicas"][holder]["num_held_blocks"] >= 16
+                           for st in _states().values()), 5, "the prefix in both indexes")
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
+                "prompt": _prompt(4, 64, i), "max_tokens": 24, "ignore_eos": True}) for i in range(1, 25)])
+    rs = asyncio.run(go())
+    assert all(r.status_code == 200 for r in rs)
+    others = {r.json()["system_fingerprint"].removeprefix("replica:") for r in rs} - {holder}
+    assert len(others) == 1, others                                # it spilled
+    states: dict[str, dict] = {}
+    for _ in range(40):
+        s = _model_replicas().debug_state.remote().result(timeout_s=30)
+        states[s["replica_id"]] = s
+        if len(states) == 2:
+            break
+    (other,) = others
+    window_s = 10.0                                                # the replicas' SignalRecorder window
+    assert states[other]["autoscaling"]["refill_tokens_per_s"] * window_s >= 64, states[other]["autoscaling"]
+
+
 def test_reset_prefix_cache_reaches_the_routers_index_within_a_few_periods(url):
     with httpx.Client(timeout=60) as c:
         target = _post(c, url, _prompt(3, 64, 0))["system_fingerprint"].removeprefix("replica:")
