@@ -144,7 +144,8 @@ class ScalingDecision:
                 f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}, refills "
                 f"{ld.refill_units:.2f} not counted; kv {ld.kv_units:.2f}; TTFT p90 "
                 f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
-                f"{ld.preemptions_per_s:.2f}/s; up {self.up_target}, down {self.down_target})")
+                f"{ld.preemptions_per_s:.2f}/s; {ld.requests_per_s:.1f} req/s; up {self.up_target}, down "
+                f"{self.down_target})")
 
 
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:

@@ -84,11 +84,17 @@ class SignalRecorder:
             while q and q[0][0] < cut:
                 q.popleft()
         self._preempt.append((now, num_preemptions_total))
-        # Rates over the whole window even when the replica is younger: a new replica's first requests
-        # must not read as a burst (an underestimate only delays a scale-up by the replica's first seconds).
+        # Rates over the time since the window's oldest first token, and at least half the window: a
+        # replica's first requests (new, or after an idle spell) must not read as a burst, and a stream
+        # that started a few seconds ago must not read as half its rate either. Over the whole window, the
+        # first seconds after an idle spell read as a small request rate beside the instantaneous load
+        # (queued prefill, running sequences): a large load per request, which the policy's arrival
+        # headroom then multiplied (the real-replica run went to 2 replicas 10 s after an idle start).
         span = self.window_s
+        if self._first:
+            span = max(self.window_s / 2, min(self.window_s, now - self._first[0][0]))
         p0 = self._preempt[0][1]
-        preempt_rate = (num_preemptions_total - p0) / span
+        preempt_rate = (num_preemptions_total - p0) / self.window_s
         ttfts = [x[1] for x in self._first]
         tpots = [x[1] for x in self._tpot]
         return ReplicaSignals(

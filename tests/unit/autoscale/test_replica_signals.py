@@ -39,5 +39,6 @@ async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(c
         chunks = [c async for c in rep.generate(req)]
     assert chunks[-1].num_cached_tokens == 8                     # the repeat hit the first's full blocks
     s = ReplicaSignals.from_metrics(rep.record_autoscaling_stats())
-    assert s.refill_tokens_per_s * rep.signals.window_s == pytest.approx(8.0)
-    assert s.prefill_tokens_per_s * rep.signals.window_s == pytest.approx(12 + 4)
+    span = rep.signals.window_s / 2             # the rates' shortest span: both requests are seconds old
+    assert s.refill_tokens_per_s * span == pytest.approx(8.0)
+    assert s.prefill_tokens_per_s * span == pytest.approx(12 + 4)

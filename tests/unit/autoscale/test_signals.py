@@ -15,10 +15,11 @@ def test_recent_window_drops_old_samples_and_computes_rates():
         r.on_first_token(1.0 + i, ttft_s=0.1 * (i + 1), num_uncached_prompt_tokens=100)
         r.on_finished(1.0 + i, decode_s=0.9, num_output_tokens=10)
     s = r.snapshot(10.0, **LOAD, num_preemptions_total=5)
-    assert s.num_recent_requests == 10 and s.requests_per_s == pytest.approx(1.0)
+    # rates over the 9 s since the oldest first token in the window
+    assert s.num_recent_requests == 10 and s.requests_per_s == pytest.approx(10 / 9)
     assert s.ttft_p90_s == pytest.approx(0.91)
     assert s.tpot_p90_s == pytest.approx(0.1)
-    assert s.prefill_tokens_per_s == pytest.approx(1000 / 10)
+    assert s.prefill_tokens_per_s == pytest.approx(1000 / 9)
     assert s.preemptions_per_s == pytest.approx(0.5)
     later = r.snapshot(30.0, **LOAD, num_preemptions_total=5)      # every sample older than 10 s
     assert (later.num_recent_requests, later.ttft_p90_s, later.prefill_tokens_per_s) == (0, 0.0, 0.0)
@@ -50,5 +51,25 @@ def test_refills_are_the_recomputed_tokens_the_fleet_held_and_are_reported_apart
     r.on_first_token(1.0, 0.1, num_uncached_prompt_tokens=100, num_refilled_tokens=60)
     r.on_first_token(2.0, 0.1, num_uncached_prompt_tokens=100)
     r.on_first_token(3.0, 0.1, num_uncached_prompt_tokens=10, num_refilled_tokens=40)   # capped at 10
-    s = r.snapshot(5.0, **LOAD, num_preemptions_total=0)
-    assert s.prefill_tokens_per_s == pytest.approx(21.0) and s.refill_tokens_per_s == pytest.approx(7.0)
+    s = r.snapshot(5.0, **LOAD, num_preemptions_total=0)         # over half the window (5 s), at least
+    assert s.prefill_tokens_per_s == pytest.approx(42.0) and s.refill_tokens_per_s == pytest.approx(14.0)
+
+
+def test_rates_cover_the_time_since_the_oldest_first_token_and_at_least_half_the_window():
+    """A stream that started after an idle spell reads at its own rate, not diluted by the idle part of the
+    window; a replica's first requests do not read as a burst (half the window at least); a steady stream
+    reads over the whole window."""
+    r = SignalRecorder(window_s=10.0)
+    for i in range(8):                                # 2 req/s from t = 100 s, after a long idle spell
+        r.on_first_token(100.0 + 0.5 * i, 0.1, num_uncached_prompt_tokens=50)
+    assert r.snapshot(104.0, **LOAD, num_preemptions_total=0).requests_per_s == pytest.approx(8 / 5)   # floor
+    for i in range(8, 16):
+        r.on_first_token(100.0 + 0.5 * i, 0.1, num_uncached_prompt_tokens=50)
+    s = r.snapshot(108.0, **LOAD, num_preemptions_total=0)
+    assert s.requests_per_s == pytest.approx(16 / 8) and s.prefill_tokens_per_s == pytest.approx(100.0)
+    for i in range(16, 60):
+        r.on_first_token(100.0 + 0.5 * i, 0.1, num_uncached_prompt_tokens=50)
+    assert r.snapshot(130.0, **LOAD, num_preemptions_total=0).requests_per_s == pytest.approx(20 / 10)
+    one = SignalRecorder(window_s=10.0)
+    one.on_first_token(50.0, 0.1, num_uncached_prompt_tokens=50)
+    assert one.snapshot(50.1, **LOAD, num_preemptions_total=0).requests_per_s == pytest.approx(1 / 5)
