@@ -125,10 +125,11 @@ class GenerateRequest:
     #: the prompt's full-block hashes (engine.hashing.hash_block_chain, the engine's block size and this
     #: cache_salt), computed once at the ingress for routing; the engine uses them instead of rehashing
     block_hashes: list[bytes] | None = None
-    #: set by the router when it places the request: the most prompt tokens its index predicts any replica
-    #: holds (Decision.fleet_cached_tokens); the replica reports the part of its prefill that refills them
-    #: apart (the autoscaler's `refill_tokens_per_s`). None: no router prediction (load-only routing).
-    fleet_cached_tokens: int | None = None
+    #: set by the router when it places the request: the (at most two) replicas its index predicts hold most
+    #: of the prompt, with their cached tokens, best first (Decision.most_cached); the replica reports the part
+    #: of its prefill that recomputes what another of them holds apart (the autoscaler's
+    #: `refill_tokens_per_s`). None: no router prediction (load-only routing, a fallback).
+    cached_on: list[tuple[str, int]] | None = None
 
 
 @dataclass(slots=True)

@@ -85,8 +85,6 @@ class LLMReplica:
         self.replica_id = _replica_id()
         self.wedge_timeout_s = wedge_timeout_s
         self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
-        self._warm_tokens = 0                     # prompt tokens of warm-up prompts not done yet
-        self._warm_prompts = 0                    # ... and their number
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
@@ -112,7 +110,7 @@ class LLMReplica:
                     first_token = now
                     self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens,
                                                 refilled_tokens(d.num_prompt_tokens, d.num_cached_tokens,
-                                                                req.fleet_cached_tokens))
+                                                                req.cached_on, self.replica_id))
                 num_output_tokens[d.index] = num_output_tokens.get(d.index, 0) + len(d.token_ids)
                 chunk = ReplicaChunk(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
                                      prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=d.num_prompt_tokens,
@@ -148,18 +146,13 @@ class LLMReplica:
         (too long) are skipped; runs concurrently with real requests, which it does not hold up beyond its
         share of the steps."""
         async def one(ids: list[int]) -> int:
-            self._warm_tokens += len(ids)
-            self._warm_prompts += 1
             try:
                 async for _ in self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
-                                                    f"warmup-{uuid.uuid4().hex}"):
+                                                    f"warmup-{uuid.uuid4().hex}", background=True):
                     pass
                 return len(ids)
             except InvalidRequestError:
                 return 0
-            finally:
-                self._warm_tokens -= len(ids)
-                self._warm_prompts -= 1
         start = time.monotonic()
         done = await asyncio.gather(*(one(list(p)) for p in prompts))
         return {"num_prompts": sum(1 for n in done if n), "num_tokens": sum(done),
@@ -197,17 +190,15 @@ class LLMReplica:
         A warm-up's prompts (`warm`) are left out of the queued prefill tokens and the request counts: a
         one-off the router asked for when this replica joined, not load that lasts (counted, a joining
         replica's warm-up backlog alone read as most of a replica and scaled the fleet out again). The
-        engine does not tell them apart, so they come off its totals: running first (a warm-up is admitted
-        when the replica joins, before most of its requests), then waiting. The routing stats keep them:
-        they do delay this replica's requests."""
+        engine counts them apart (background requests). The routing stats keep them: they do delay this
+        replica's requests."""
         load = self.engine.load()
-        warm = self._warm_prompts
-        running = max(0, load.num_running_reqs - warm)
-        waiting = max(0, load.num_waiting_reqs - max(0, warm - load.num_running_reqs))
         return self.signals.snapshot(
-            time.monotonic(), num_running=running, num_waiting=waiting,
-            num_in_flight=max(0, self.engine.num_in_flight - warm), kv_cache_usage=load.kv_cache_usage,
-            num_queued_prefill_tokens=max(0, load.num_queued_prefill_tokens - self._warm_tokens),
+            time.monotonic(), num_running=load.num_running_reqs - load.num_background_running,
+            num_waiting=load.num_waiting_reqs - load.num_background_waiting,
+            num_in_flight=self.engine.num_in_flight - self.engine.num_background_in_flight,
+            kv_cache_usage=load.kv_cache_usage,
+            num_queued_prefill_tokens=load.num_queued_prefill_tokens - load.num_background_queued_prefill_tokens,
             num_preemptions_total=load.num_preemptions_total).to_metrics()
 
     async def check_health(self) -> None:

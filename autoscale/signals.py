@@ -5,7 +5,7 @@ numbers for `record_autoscaling_stats()`. No Ray imports; the metric names here 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -84,15 +84,18 @@ class SignalRecorder:
             while q and q[0][0] < cut:
                 q.popleft()
         self._preempt.append((now, num_preemptions_total))
-        # Rates over the time since the window's oldest first token, and at least half the window: a
-        # replica's first requests (new, or after an idle spell) must not read as a burst, and a stream
-        # that started a few seconds ago must not read as half its rate either. Over the whole window, the
-        # first seconds after an idle spell read as a small request rate beside the instantaneous load
-        # (queued prefill, running sequences): a large load per request, which the policy's arrival
-        # headroom then multiplied (the real-replica run went to 2 replicas 10 s after an idle start).
+        # Rates over the time the window's first tokens cover, and at least half the window: a replica's
+        # first requests (new, or after an idle spell) must not read as a burst, and a stream that started a
+        # few seconds ago must not read as half its rate either. Over the whole window, the first seconds
+        # after an idle spell read as a small request rate beside the instantaneous load (queued prefill,
+        # running sequences): a large load per request, which the policy's arrival headroom then multiplied
+        # (the real-replica run went to 2 replicas 10 s after an idle start). n arrivals spread over a span
+        # put the oldest at about n / (n + 1) of it: the span is the oldest's age x (n + 1) / n, so a steady
+        # stream reads its rate rather than (n + 1) / n of it.
         span = self.window_s
         if self._first:
-            span = max(self.window_s / 2, min(self.window_s, now - self._first[0][0]))
+            n = len(self._first)
+            span = max(self.window_s / 2, min(self.window_s, (now - self._first[0][0]) * (n + 1) / n))
         p0 = self._preempt[0][1]
         preempt_rate = (num_preemptions_total - p0) / self.window_s
         ttfts = [x[1] for x in self._first]
@@ -107,10 +110,12 @@ class SignalRecorder:
             num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span)
 
 
-def refilled_tokens(num_prompt_tokens: int, num_cached_tokens: int, fleet_cached_tokens: int | None) -> int:
-    """Of a request's recomputed prompt tokens, those the router predicted some replica already held
-    (`fleet_cached_tokens`, GenerateRequest's): the prefix moved to this replica (a new replica's first
-    requests, a hot group spread to one more replica) rather than arrived new. 0 without a prediction."""
-    if not fleet_cached_tokens:
-        return 0
-    return max(0, min(fleet_cached_tokens, num_prompt_tokens) - num_cached_tokens)
+def refilled_tokens(num_prompt_tokens: int, num_cached_tokens: int,
+                    cached_on: Sequence[tuple[str, int]] | None, replica_id: str) -> int:
+    """Of a request's recomputed prompt tokens on `replica_id`, those the router predicted *another* replica
+    held (`cached_on`, GenerateRequest's (replica, cached tokens) pairs): the prefix moved here (a new
+    replica's first requests, a hot group spread to one more replica) rather than arrived new. What the
+    router thought this replica held itself is not a refill: recomputing it means the replica evicted it,
+    which is lasting load. 0 without a prediction."""
+    elsewhere = max((n for rid, n in cached_on or () if rid != replica_id), default=0)
+    return max(0, min(elsewhere, num_prompt_tokens) - num_cached_tokens)

@@ -179,11 +179,11 @@ class ElasticRouter:
         self.core.set_replicas([ReplicaInfo(rid) for rid in self.active])
 
     def route(self, req_id: str, hashes: list[BlockHash], num_prompt_tokens: int, max_tokens: int,
-              now: float) -> tuple[int, int]:
-        """The chosen replica's index and the decision's fleet_cached_tokens (the shell sends it along)."""
+              now: float) -> tuple[int, list[tuple[str, int]]]:
+        """The chosen replica's index and the decision's most_cached() (the shell sends it along)."""
         self.now = now
         d = self.core.route(RouteRequest(req_id, hashes, num_prompt_tokens, max_tokens), self.active)
-        return int(d.chosen[1:]), d.fleet_cached_tokens
+        return int(d.chosen[1:]), d.most_cached(2)
 
     def feed(self, k: int, rep: SimReplica, now: float) -> None:
         self.now = now
@@ -302,7 +302,7 @@ class AutoscaleSim:
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.cached = np.zeros(n)
-        self.fleet_cached = np.zeros(n, dtype=np.int64)
+        self.cached_on: list[list[tuple[str, int]]] = [[] for _ in range(n)]
         self.where = np.full(n, -1)
         self.now = 0.0
         self.provision(self.cfg.min_replicas)
@@ -331,8 +331,8 @@ class AutoscaleSim:
 
     def dispatch(self, i: int) -> None:
         r = self.trace.requests[i]
-        k, self.fleet_cached[i] = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids),
-                                                     len(r.output_token_ids), self.now)
+        k, self.cached_on[i] = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids),
+                                                 len(r.output_token_ids), self.now)
         rep = self.reps[k]
         rep.ongoing += 1
         self.where[i] = k
@@ -355,7 +355,7 @@ class AutoscaleSim:
             self.cached[i] = res.num_cached_tokens[rid]
             num_prompt, num_cached = len(reqs[i].prompt_token_ids), res.num_cached_tokens[rid]
             rep.recorder.on_first_token(self.now, self.now - self.release[i], num_prompt - num_cached,
-                                        refilled_tokens(num_prompt, num_cached, int(self.fleet_cached[i])))
+                                        refilled_tokens(num_prompt, num_cached, self.cached_on[i], f"r{k}"))
             self.router.now = self.now
             self.router.core.on_first_token(rid, res.num_cached_tokens[rid])
         for rid in res.finished_ids:

@@ -24,6 +24,7 @@ from engine.kv_events import KVEventLog
 from engine.limits import EngineLimits, check_request
 from engine.llm_engine import LLMEngine, Prompt, StepError
 from engine.outputs import StreamDelta
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.types import KVCacheSnapshot, KVEventsReply
 
@@ -50,6 +51,11 @@ class EngineLoad:
     num_preemptions_total: int            # since the engine started
     cache_epoch: str                      # "<boot id>:<resets>": changes on restart and on every cache reset
     timestamp: float                      # time.monotonic() when the snapshot was taken
+    #: of the totals above, the requests generated with `background=True` (a cache warm-up): a caller that
+    #: sizes the fleet on this load can leave them out
+    num_background_running: int = 0
+    num_background_waiting: int = 0
+    num_background_queued_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_seqs: int = 1
     finished: bool = False
+    background: bool = False
 
 
 @dataclass
@@ -137,13 +144,21 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_background_in_flight(self) -> int:
+        """Of num_in_flight, the streams generated with `background=True`."""
+        return sum(1 for s in self._streams.values() if s.background)
+
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        **kwargs: Any) -> AsyncIterator[StreamDelta]:
         """Stream deltas for one request. Validation errors raise before anything is queued.
 
         Closing or cancelling the consumer aborts the request; its KV blocks are freed by the next step.
-        kwargs: priority, cache_salt, trace_context, block_hashes (see LLMEngine.add_request).
+        kwargs: priority, cache_salt, trace_context, block_hashes (see LLMEngine.add_request), and
+        `background` (default False): the request is work the caller does for the engine's own sake (a cache
+        warm-up); it runs like any other and is also counted apart in `load()` (num_background_*).
         """
+        background = bool(kwargs.pop("background", False))
         self._ensure_alive()
         params = params or SamplingParams()
         request_id = request_id or f"req-{time.monotonic_ns()}"
@@ -151,7 +166,7 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.engine.tokenize_prompt(prompt)
         check_request(self._limits, ids, params.max_tokens)
-        stream = _Stream(num_seqs=params.n)
+        stream = _Stream(num_seqs=params.n, background=background)
         self._streams[request_id] = stream
         self._pending_adds.append(_PendingAdd(request_id, ids, params, kwargs))
         self._kick()
@@ -269,6 +284,23 @@ class AsyncLLMEngine:
         """Only between steps: reads the scheduler and KV pool, which the step thread mutates."""
         st = self.engine.scheduler.make_stats()
         kv = self.engine.kv_cache_manager
+        bg_running = bg_waiting = bg_tokens = 0
+        requests = self.engine.scheduler.requests
+        for rid, stream in self._streams.items():
+            req = requests.get(rid) if stream.background else None
+            if req is None:                      # not background, or not queued yet / already finished
+                continue
+            # as the scheduler counts them: a waiting (or preempted) prompt whole, a running one's prompt
+            # tokens not computed yet, one whose KV is loading from a tier none
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                bg_waiting += 1
+                bg_tokens += req.num_tokens
+            elif req.status is RequestStatus.WAITING_FOR_KV:
+                bg_waiting += 1
+            elif req.status is RequestStatus.RUNNING:
+                bg_running += 1
+                if req.num_output_tokens == 0:
+                    bg_tokens += max(0, req.num_tokens - req.num_computed_tokens)
         return EngineLoad(
             num_running_reqs=st.num_running_reqs, num_waiting_reqs=st.num_waiting_reqs,
             kv_cache_usage=st.kv_cache_usage, num_queued_prefill_tokens=st.num_queued_prefill_tokens,
@@ -279,7 +311,9 @@ class AsyncLLMEngine:
             recent_prefix_cache_queries=st.recent_prefix_cache_queries,
             recent_prefix_cache_hits=st.recent_prefix_cache_hits,
             num_preemptions_total=st.num_preemptions_total,
-            cache_epoch=self._cache_epoch(), timestamp=time.monotonic())
+            cache_epoch=self._cache_epoch(), timestamp=time.monotonic(),
+            num_background_running=bg_running, num_background_waiting=bg_waiting,
+            num_background_queued_prefill_tokens=bg_tokens)
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None

@@ -187,12 +187,15 @@ class Decision:
         """One CandidateScore per candidate (built on each access)."""
         return [self.scores[i] for i in range(len(self.scores))]
 
-    @property
-    def fleet_cached_tokens(self) -> int:
-        """The most prompt tokens any candidate was predicted to hold: what the fleet already has cached.
-        The chosen replica recomputing fewer cached tokens than this refills a prefix another replica holds
-        (a one-off cost of moving it, which the autoscaler does not count as lasting load)."""
-        return max(self.scores.predicted_cached_tokens, default=0)
+    def most_cached(self, k: int = 2) -> list[tuple[str, int]]:
+        """The `k` candidates predicted to hold most of the prompt, as (replica id, cached tokens), best
+        first, none that holds nothing. With two, a replica can tell what *another* replica holds: a request
+        that recomputes a prefix held elsewhere refills it (a one-off cost of moving it, which the autoscaler
+        does not count as lasting load); one that recomputes what the index thought it held itself lost it
+        (an eviction, which is load)."""
+        sc = self.scores
+        best = sorted(range(len(sc)), key=lambda i: -sc.predicted_cached_tokens[i])[:k]
+        return [(sc.replica_ids[i], sc.predicted_cached_tokens[i]) for i in best if sc.predicted_cached_tokens[i] > 0]
 
     def score_of(self, replica_id: str) -> CandidateScore | None:
         try:

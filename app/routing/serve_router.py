@@ -190,6 +190,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             self._inject_errors -= 1
             raise RuntimeError("injected routing error (debug_inject_routing_errors)")
         req = _generate_request(pending_request)
+        if req is not None:
+            req.cached_on = None                       # a re-route must not keep an earlier prediction
         if req is None or not candidates:
             return self._load_only(candidates)
         by_key = {_replica_key(r.replica_id): r for r in candidates}
@@ -199,7 +201,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         decision = self.core.route(route, list(by_key))
         debug.post_decision(decision)                  # for the ingress's span and metrics
         # Serve pickles the request's args when it sends them to the chosen replica, after this returns.
-        req.fleet_cached_tokens = decision.fleet_cached_tokens
+        req.cached_on = decision.most_cached(2)
         ranked = [by_key[k] for k in decision.ranked if k in by_key]
         if not ranked:
             return self._load_only(candidates)
@@ -214,6 +216,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         """A FALLBACK decision for the ingress, so a shell error shows on the request's span and metrics."""
         try:
             req = _generate_request(pending_request)
+            if req is not None:
+                req.cached_on = None
             ids = [_replica_key(r.replica_id) for rank in ranks for r in rank]
             if req is not None and ids:
                 debug.post_decision(Decision(req.request_id, ids, ids[0], Reason.FALLBACK,

@@ -139,8 +139,8 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
     pending = _pending("r1", H[:4])
     ranks = await router.choose_replicas([a, b], pending)
     assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"], ["a"]]
-    # the request Serve sends on carries what the fleet holds of its prompt (the autoscaler's refills)
-    assert pending.args[0].fleet_cached_tokens == 16
+    # the request Serve sends on carries who holds how much of its prompt (the autoscaler's refills)
+    assert pending.args[0].cached_on == [("b", 16)]
     router.on_request_routed(_pending("r1", H[:4]), b.replica_id, None)
     assert router.core.loads.in_flight("r1") is not None
     router.on_request_completed(b.replica_id, "int-r1")

@@ -29,13 +29,15 @@ async def test_replica_reports_recent_ttft_tpot_and_prefill_tokens(checkpoints):
 
 
 async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(checkpoints):
-    """The router says 8 of the 12 prompt tokens are cached on some replica: this (empty) replica recomputes
-    all 12, 8 of them a refill; a repeat here hits its own cache and refills nothing."""
+    """The router says another replica holds 8 of the 12 prompt tokens (and this one 4, wrongly): this
+    (empty) replica recomputes all 12, 8 of them a refill; a repeat here hits its own cache and refills
+    nothing."""
     from app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
     prompt = list(range(30, 42))
     for rid in ("moved", "repeat"):
-        req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, temperature=0), fleet_cached_tokens=8)
+        req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, temperature=0),
+                              cached_on=[(rep.replica_id, 4), ("another", 8)])
         chunks = [c async for c in rep.generate(req)]
     assert chunks[-1].num_cached_tokens == 8                     # the repeat hit the first's full blocks
     s = ReplicaSignals.from_metrics(rep.record_autoscaling_stats())

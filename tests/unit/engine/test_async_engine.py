@@ -141,3 +141,32 @@ async def test_n_sequences_stream_with_indices(make_engine):
     assert sum(d.finished for d in deltas) == 2
     assert _all_free(eng)
     await eng.shutdown()
+
+
+async def test_background_requests_are_counted_apart_in_the_load(make_engine):
+    """A background request (a cache warm-up) runs like any other and is also counted apart: while it
+    prefills at 16 tokens a step, the load's totals minus its background part are exactly the normal request
+    queued behind it (96 tokens, waiting); afterwards nothing is left in either."""
+    eng = make_engine(cache={"num_blocks": 128, "block_size": 4}, scheduler={"max_num_batched_tokens": 16})
+    bg = asyncio.ensure_future(_collect(eng.generate([3] + list(range(200, 295)), SamplingParams(max_tokens=1),
+                                                     request_id="warm", background=True)))
+    await asyncio.sleep(0)                              # queued first: FCFS gives it the budget
+    normal = asyncio.ensure_future(_collect(eng.generate(list(range(300, 396)), SamplingParams(max_tokens=2),
+                                                         request_id="real")))
+    seen = []
+    while not normal.done():
+        load = eng.load()
+        assert 0 <= load.num_background_queued_prefill_tokens <= load.num_queued_prefill_tokens
+        assert load.num_background_running <= load.num_running_reqs
+        assert load.num_background_waiting <= load.num_waiting_reqs
+        assert eng.num_background_in_flight == (0 if bg.done() else 1)
+        if load.num_background_running == 1 and load.num_waiting_reqs == 1:       # "real" waits behind it
+            seen.append(load.num_queued_prefill_tokens - load.num_background_queued_prefill_tokens)
+            assert load.num_background_queued_prefill_tokens > 0
+        await asyncio.sleep(0.001)
+    await bg
+    assert seen and set(seen) == {96}, seen
+    load = eng.load()
+    assert (load.num_background_running, load.num_background_waiting, load.num_background_queued_prefill_tokens,
+            eng.num_background_in_flight) == (0, 0, 0, 0)
+    await eng.shutdown()

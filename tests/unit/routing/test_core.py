@@ -368,3 +368,13 @@ def test_membership_changes_drop_state():
     core.on_finished("r1")                                              # unknown by now: a no-op
     core.set_replicas([ReplicaInfo("a"), ReplicaInfo("b")])
     assert core.replicas_needing_snapshot() == ["a"]
+
+
+def test_most_cached_names_the_replicas_holding_most_of_the_prompt_best_first():
+    from app.routing.api import CandidateScores, Decision, Reason
+    scores = CandidateScores(["a", "b", "c", "d"], [16, 48, 0, 32], [0.1] * 4, [0] * 4, [0] * 4, [0.0] * 4)
+    d = Decision("r", ["b", "d", "a", "c"], "b", Reason.AFFINITY, scores, 0.0)
+    assert d.most_cached() == [("b", 48), ("d", 32)]
+    assert d.most_cached(3) == [("b", 48), ("d", 32), ("a", 16)]
+    assert d.most_cached(9) == [("b", 48), ("d", 32), ("a", 16)]            # none that holds nothing
+    assert Decision("r", [], "", Reason.FALLBACK, CandidateScores.empty(), 0.0).most_cached() == []
