@@ -413,7 +413,7 @@ _SCALING_LINE = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) control
                            r"((?:Up|Down)scaling) Deployment\(name='LLMReplica'[^)]*\) (.*)$")
 #: our policy's decision lines (autoscale/serve_policy.py, logger ray.serve.affinity.autoscale) in the same log
 _DECISION_LINE = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- "
-                            r"[^ ]*/LLMReplica: ((?:up|down|to_zero|cold_start)\w*) (.*)$")
+                            r"[^ ]*/LLMReplica: (up_predicted|up_slo|down|to_zero|cold_start) (.*)$")
 
 
 def scaling_log(since_wall: float, t0_wall: float) -> list[tuple[float, str]]:

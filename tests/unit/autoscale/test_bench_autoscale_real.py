@@ -191,10 +191,15 @@ def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_d
     from benchmarks.autoscale_real import _DECISION_LINE, _SCALING_LINE
     head = "INFO 2026-11-25 14:00:01,250 controller 4242 -- "
     serve = head + "Upscaling Deployment(name='LLMReplica', app='affinity') from 1 to 2 replicas. Current ongoing"
-    ours = head + "affinity/LLMReplica: up_predicted -> 2 (load 0.43 = prefill 0.37 + decode 0.06, refills 0.80)"
+    from autoscale.policy import PolicyConfig, PolicyState, decide
+    from autoscale.signals import ReplicaSignals
+    d = decide([ReplicaSignals(num_running=30, prefill_tokens_per_s=1500, num_recent_requests=5)], 1, 0.0,
+               PolicyState(), PolicyConfig(max_replicas=4, upscale_delay_s=0.0))
+    ours = head + "affinity/LLMReplica: " + d.describe()            # as EngineAwarePolicy logs it
     m = _SCALING_LINE.match(serve)
     assert m and (m[2], m[3].split()[:4]) == ("Upscaling", ["from", "1", "to", "2"])
     m = _DECISION_LINE.match(ours)
-    assert m and m[2] == "up_predicted" and m[3].startswith("-> 2 (load 0.43") and m[3].endswith("refills 0.80)")
+    assert m and m[2] == "up_predicted" and m[3].startswith(f"-> {d.target_replicas} (load ") and "refills" in m[3]
     assert _DECISION_LINE.match(head + "affinity/Ingress: up_predicted -> 2") is None
     assert _DECISION_LINE.match(head + "affinity/LLMReplica: hold -> 2 (load 0.1)") is None     # no action
+    assert _DECISION_LINE.match(head + "affinity/LLMReplica: up_pending -> 2 (load 0.1)") is None
