@@ -130,7 +130,7 @@ class AutoscalingSection(_Strict):
     trend_lead_s: float = Field(10.0, ge=0, description="size the fleet for the load this far ahead on its "
                                 "rising trend (about a replica's start-up time; 0: off)")
     trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")
-    refill_weight: float = Field(0.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
+    refill_weight: float = Field(1.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
                                  "cached on another replica counts as load (a one-off cost of moving them)")
 
     @model_validator(mode="after")

@@ -3,7 +3,8 @@ and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the ret
 
 The rule (README "Autoscaling" writes it out):
 1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, less the
-   refills of prefixes the router saw cached on another replica, at `refill_weight`; plus the queued backlog
+   part of the refills of prefixes the router saw cached on another replica that `refill_weight` leaves
+   out; plus the queued backlog
    that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
    KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
@@ -65,7 +66,7 @@ class PolicyConfig:
     headroom_z: float = 2.0                # spare capacity for this many std. deviations of the arrivals per TTFT SLO
     trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
     trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
-    refill_weight: float = 0.0             # how much prefill of prefixes another replica held counts as load
+    refill_weight: float = 1.0             # how much prefill of prefixes another replica held counts as load
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -91,7 +92,7 @@ class FleetLoad:
     """The fleet's load summed over the reporting replicas, in replica units where it says so."""
 
     prefill_units: float = 0.0     # (prefill rate + backlog / TTFT SLO) / one replica's prefill rate
-    refill_units: float = 0.0      # the prefill rate's refills (prefixes another replica held), not counted
+    refill_units: float = 0.0      # the prefill rate's refills (prefixes another replica held) not counted
     decode_units: float = 0.0      # sequences (running + queued at callers) / decode capacity
     kv_units: float = 0.0          # held KV / kv_usage_target
     ttft_p90_s: float = 0.0        # recent p90s, weighted by each replica's recent requests
@@ -149,8 +150,8 @@ class ScalingDecision:
 
 
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
-    # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests): counted as
-    # lasting load it grows the fleet on the transient its own scale-out caused (README "Autoscaling").
+    # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests), but it is
+    # work the new replicas do while a burst lasts: counted in full by default (README "Autoscaling").
     refill_rate = sum(min(s.refill_tokens_per_s, s.prefill_tokens_per_s) for s in signals)
     prefill_rate = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
     backlog = sum(s.num_queued_prefill_tokens for s in signals)

@@ -589,7 +589,7 @@ def main() -> None:
     p.add_argument("--headroom-z", type=float, default=2.0, help="ours: headroom_z")
     p.add_argument("--trend-lead", type=float, default=10.0, help="ours: trend_lead_s (0: no trend term)")
     p.add_argument("--trend-window", type=float, default=30.0, help="ours: trend_window_s")
-    p.add_argument("--refill-weight", type=float, default=0.0, help="ours: refill_weight (1: count refills)")
+    p.add_argument("--refill-weight", type=float, default=1.0, help="ours: refill_weight (0: leave refills out)")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="ours and the tuned Serve rows")
     p.add_argument("--downscale-delay", type=float, default=30.0, help="ours and the tuned Serve rows")
     p.add_argument("--targets", default="8,16,32", help="tuned Serve rows' target_ongoing_requests values")

@@ -100,23 +100,26 @@ def test_prefill_rule_is_backlog_over_rate_and_slo():
     assert d.up_target == 4 and d.target_replicas == 4          # ceil(2.6 / 0.8)
 
 
-def test_refills_of_prefixes_another_replica_held_are_not_lasting_load():
+def test_refill_weight_sets_how_much_of_a_moving_prefix_counts_as_load():
     """A replica that just joined refills its tenants' prefixes (900 of its 1000 tokens/s were cached on the
-    other replica): counted, that transient asks for a third replica (1.9 units at 0.8 -> 3); at weight 0
-    the fleet's own new prefill (1.0 unit) fits the 2 it has. The refill rate never exceeds the prefill rate."""
+    other replica). By default (weight 1) that is load like any prefill: 1.9 units at 0.8 -> 3 replicas; at
+    weight 0 only the fleet's new prefill (1.0 unit) counts and fits the 2 it has. The refill rate never
+    exceeds the prefill rate."""
+    assert PolicyConfig().refill_weight == 1.0
     old, new = busy(2, rate=900), busy(2, rate=1000, refill_tokens_per_s=900)
-    d = decide([old, new], 2, NOW, FRESH, CFG)
-    assert d.load.prefill_units == pytest.approx(1.0) and d.load.refill_units == pytest.approx(0.9)
-    assert (d.target_replicas, d.reason) == (2, Reason.HOLD), d.describe()
-    counted = decide([old, new], 2, NOW, FRESH, replace(CFG, refill_weight=1.0))
+    counted = decide([old, new], 2, NOW, FRESH, CFG)
     assert counted.load.prefill_units == pytest.approx(1.9) and counted.load.refill_units == 0.0
     assert (counted.target_replicas, counted.reason) == (3, Reason.UP_PREDICTED)
+    left_out = decide([old, new], 2, NOW, FRESH, replace(CFG, refill_weight=0.0))
+    assert left_out.load.prefill_units == pytest.approx(1.0) and left_out.load.refill_units == pytest.approx(0.9)
+    assert (left_out.target_replicas, left_out.reason) == (2, Reason.HOLD), left_out.describe()
     half = fleet_load([old, new], replace(CFG, refill_weight=0.5))
     assert (half.prefill_units, half.refill_units) == (pytest.approx(1.45), pytest.approx(0.45))
-    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], CFG)     # refills over the rate: capped
+    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], replace(CFG, refill_weight=0.0))   # capped
     assert odd.prefill_units == pytest.approx(0.0)
     # the backlog is work due within the SLO wherever it came from: always counted
-    assert fleet_load([busy(queued_tokens=500, rate=0)], CFG).prefill_units == pytest.approx(0.5)
+    assert fleet_load([busy(queued_tokens=500, rate=0)], replace(CFG, refill_weight=0.0)).prefill_units == \
+        pytest.approx(0.5)
 
 
 def test_upscale_delay_must_hold_and_resets_when_the_condition_goes():
