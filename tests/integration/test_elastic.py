@@ -113,7 +113,8 @@ def _request(c: httpx.Client, url: str, prompt: list[int], max_tokens: int, stre
 
 
 class SteadyLoad:
-    """`workers` clients sending back to back, alternating SSE streams and plain requests; two of three
+    """`workers` clients sending back to back, alternating SSE streams and plain requests (out of step with
+    each other); two of three
     share one of 2 prefixes (affinity traffic), every third brings a new prefix (a new group, which a
     replica that joined gets first)."""
 
@@ -128,8 +129,11 @@ class SteadyLoad:
             j = 0
             while not self.stop.is_set():
                 group = i % 2 if j % 3 else 1000 + 100 * i + j
-                self.outcomes.append(_request(c, self.url, _prompt(group, j * 7 + i), 32 if j % 2 else 64,
-                                              stream=j % 2 == 0))
+                # half the workers start with a stream, half with a plain request, so that some stream is
+                # in flight at any moment (in step, all four were sometimes between streams at once)
+                streaming = (i + j) % 2 == 0
+                self.outcomes.append(_request(c, self.url, _prompt(group, j * 7 + i), 64 if streaming else 32,
+                                              stream=streaming))
                 j += 1
 
     def __enter__(self) -> "SteadyLoad":
