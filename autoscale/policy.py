@@ -2,10 +2,9 @@
 and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the returned `PolicyState`.
 
 The rule (README "Autoscaling" writes it out):
-1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, less the
-   part of the refills of prefixes the router saw cached on another replica that `refill_weight` leaves
-   out; plus the queued backlog
-   that must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
+1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, the refills
+   of prefixes the router saw cached on another replica at `refill_weight`, plus the queued backlog that
+   must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
    plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
    KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
@@ -92,7 +91,8 @@ class FleetLoad:
     """The fleet's load summed over the reporting replicas, in replica units where it says so."""
 
     prefill_units: float = 0.0     # (prefill rate + backlog / TTFT SLO) / one replica's prefill rate
-    refill_units: float = 0.0      # the prefill rate's refills (prefixes another replica held) not counted
+    refill_units: float = 0.0      # of the prefill rate, refills (prefixes another replica held), in units;
+                                   # prefill_units counts them at refill_weight
     decode_units: float = 0.0      # sequences (running + queued at callers) / decode capacity
     kv_units: float = 0.0          # held KV / kv_usage_target
     ttft_p90_s: float = 0.0        # recent p90s, weighted by each replica's recent requests
@@ -143,7 +143,7 @@ class ScalingDecision:
         ld = self.load
         return (f"{self.reason.value} -> {self.target_replicas} (load {ld.load_units:.2f} = prefill "
                 f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}, refills "
-                f"{ld.refill_units:.2f} not counted; kv {ld.kv_units:.2f}; TTFT p90 "
+                f"{ld.refill_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
                 f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
                 f"{ld.preemptions_per_s:.2f}/s; {ld.requests_per_s:.1f} req/s; up {self.up_target}, down "
                 f"{self.down_target})")
@@ -162,7 +162,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
 
     return FleetLoad(
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / cfg.prefill_tokens_per_s,
-        refill_units=(1.0 - cfg.refill_weight) * refill_rate / cfg.prefill_tokens_per_s,
+        refill_units=refill_rate / cfg.prefill_tokens_per_s,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / cfg.decode_seqs_per_replica,
         kv_units=sum(s.kv_cache_usage for s in signals) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),

@@ -77,7 +77,6 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_seqs: int = 1
     finished: bool = False
-    background: bool = False
 
 
 @dataclass
@@ -93,6 +92,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._step_in_thread = step_in_thread
         self._streams: dict[str, _Stream] = {}
+        self._background: set[str] = set()           # request ids of streams generated with background=True
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
@@ -147,7 +147,7 @@ class AsyncLLMEngine:
     @property
     def num_background_in_flight(self) -> int:
         """Of num_in_flight, the streams generated with `background=True`."""
-        return sum(1 for s in self._streams.values() if s.background)
+        return len(self._background)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        **kwargs: Any) -> AsyncIterator[StreamDelta]:
@@ -166,8 +166,10 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.engine.tokenize_prompt(prompt)
         check_request(self._limits, ids, params.max_tokens)
-        stream = _Stream(num_seqs=params.n, background=background)
+        stream = _Stream(num_seqs=params.n)
         self._streams[request_id] = stream
+        if background:
+            self._background.add(request_id)
         self._pending_adds.append(_PendingAdd(request_id, ids, params, kwargs))
         self._kick()
         finished_seqs = 0
@@ -187,6 +189,7 @@ class AsyncLLMEngine:
                 self._pending_aborts.add(request_id)
                 self._kick()
             self._streams.pop(request_id, None)
+            self._background.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._streams:
@@ -286,9 +289,9 @@ class AsyncLLMEngine:
         kv = self.engine.kv_cache_manager
         bg_running = bg_waiting = bg_tokens = 0
         requests = self.engine.scheduler.requests
-        for rid, stream in self._streams.items():
-            req = requests.get(rid) if stream.background else None
-            if req is None:                      # not background, or not queued yet / already finished
+        for rid in self._background:             # usually none: only a warm-up's requests
+            req = requests.get(rid)
+            if req is None:                      # not queued yet, or already finished
                 continue
             # as the scheduler counts them: a waiting (or preempted) prompt whole, a running one's prompt
             # tokens not computed yet, one whose KV is loading from a tier none

@@ -18,6 +18,7 @@ request's cache salt, full blocks only), computed once at the ingress and passed
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -194,8 +195,8 @@ class Decision:
         does not count as lasting load); one that recomputes what the index thought it held itself lost it
         (an eviction, which is load)."""
         sc = self.scores
-        best = sorted(range(len(sc)), key=lambda i: -sc.predicted_cached_tokens[i])[:k]
-        return [(sc.replica_ids[i], sc.predicted_cached_tokens[i]) for i in best if sc.predicted_cached_tokens[i] > 0]
+        best = heapq.nlargest(k, zip(sc.predicted_cached_tokens, range(len(sc))), key=lambda t: t[0])
+        return [(sc.replica_ids[i], n) for n, i in best if n > 0]
 
     def score_of(self, replica_id: str) -> CandidateScore | None:
         try:

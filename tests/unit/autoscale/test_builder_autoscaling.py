@@ -43,6 +43,7 @@ def test_requests_policy_is_serves_default_with_our_delays():
     ({"downscale_utilization": 0.9}, "downscale_utilization"),
     ({"look_back_period_s": 0.5}, "look_back_period_s"),
     ({"ttft_slo_s": 0}, "autoscaling.ttft_slo_s"),
+    ({"refill_weight": 1.5}, "autoscaling.refill_weight"),
 ])
 def test_bad_autoscaling_config_names_the_key(bad, match):
     with pytest.raises(ConfigError, match=match):

@@ -108,13 +108,13 @@ def test_refill_weight_sets_how_much_of_a_moving_prefix_counts_as_load():
     assert PolicyConfig().refill_weight == 1.0
     old, new = busy(2, rate=900), busy(2, rate=1000, refill_tokens_per_s=900)
     counted = decide([old, new], 2, NOW, FRESH, CFG)
-    assert counted.load.prefill_units == pytest.approx(1.9) and counted.load.refill_units == 0.0
+    assert counted.load.prefill_units == pytest.approx(1.9) and counted.load.refill_units == pytest.approx(0.9)
     assert (counted.target_replicas, counted.reason) == (3, Reason.UP_PREDICTED)
     left_out = decide([old, new], 2, NOW, FRESH, replace(CFG, refill_weight=0.0))
     assert left_out.load.prefill_units == pytest.approx(1.0) and left_out.load.refill_units == pytest.approx(0.9)
     assert (left_out.target_replicas, left_out.reason) == (2, Reason.HOLD), left_out.describe()
     half = fleet_load([old, new], replace(CFG, refill_weight=0.5))
-    assert (half.prefill_units, half.refill_units) == (pytest.approx(1.45), pytest.approx(0.45))
+    assert (half.prefill_units, half.refill_units) == (pytest.approx(1.45), pytest.approx(0.9))
     odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], replace(CFG, refill_weight=0.0))   # capped
     assert odd.prefill_units == pytest.approx(0.0)
     # the backlog is work due within the SLO wherever it came from: always counted
