@@ -56,6 +56,9 @@ Results, per policy:
 - TTFT SLO attainment: the share of the trace's requests with TTFT <= `--ttft-slo` (1 s: the unloaded
   replica's p50 is ~0.1 s, its p90 ~0.45 s with cold prefixes); failed and unsent requests are misses.
   TTFT p50 / p99 over the answered requests;
+- TPOT SLO attainment: the share of requests with 2+ output tokens whose mean time per output token after
+  the first is <= 0.2 s (ours' `tpot_slo_s`, the app's default), failed ones as misses; and TPOT p90.
+  Reported beside the target, which is judged on TTFT attainment as the issue states it;
 - recovery: from the burst's start to the end of the last 5 s bin (by arrival) after it under 90%
   attainment (benchmarks/autoscale.py's definition; 0 when none);
 - failed: a non-200 status, an SSE error event, a stream short of its tokens, or no response;
@@ -108,7 +111,13 @@ SAMPLE_EVERY_S = 0.5
 SETTLE_S = 12.0       # after the warm-up: longer than a replica's 10 s signal window (autoscale.signals), so
                       # the policies do not see the warm-up's cold-prefix TTFTs
 PROGRESS_EVERY_S = 5.0
-MAX_REPLICAS = 3
+MAX_REPLICAS = 3                         # on the 2-core CPU run; --emulate: EMULATED_MAX_REPLICAS
+EMULATED_MAX_REPLICAS = 6
+#: engine.pace of an --emulate run: each replica is a slow "device" (a decode step of 8 sequences of ~260
+#: tokens takes ~0.2 s), slow enough that 6 of them and the HTTP path fit on 2 cores
+EMULATED_PACE = {"enabled": True, "step_base_s": 0.1, "prefill_per_token_s": 2e-3, "decode_per_context_token_s": 50e-6}
+EMULATED_PEAK_FACTOR = 4.0               # the burst needs ~4-5 emulated replicas
+EMULATED_MIN_SCALING = 1.7               # X2 / X1 under this: the emulated replicas do not add capacity
 SERVE_DEFAULT_POLICY = "serve-default"
 TWO_KEEP_UP = 0.85                       # the peak stays under this share of two replicas' throughput ...
 MIN_OVERLOAD = 1.2                       # ... but at least this multiple of one replica's
@@ -120,6 +129,7 @@ class RealSpec:
     seed: int = 0
     model: str = "demo-large"
     ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.2              # ours' tpot_slo_s (the app's default), and the TPOT attainment's
     peak_factor: float = 1.5             # the burst's rate over one replica's saturation throughput
     max_in_flight: int = 512
     request_timeout_s: float = 60.0
@@ -128,6 +138,8 @@ class RealSpec:
     calib_s: float = 20.0
     policies: tuple[str, ...] = ("engine", SERVE_DEFAULT_POLICY)
     ray_worker_niceness: int | None = None   # None: Ray's default (15)
+    emulate: bool = False                # replicas paced to an emulated device (EMULATED_PACE)
+    max_replicas: int = MAX_REPLICAS
 
 
 @dataclass(slots=True)
@@ -172,6 +184,15 @@ class Outcome:
         """From the scheduled arrival; inf when the request failed or was not sent."""
         return self.first_s - self.arrival_s if self.ok else math.inf
 
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first; nan with one output token, inf when not ok."""
+        if not self.ok:
+            return math.inf
+        if self.num_output_tokens < 2 or self.end_s is None:
+            return math.nan
+        return (self.end_s - self.first_s) / (self.num_output_tokens - 1)
+
 
 @dataclass(slots=True)
 class Sample:
@@ -201,6 +222,8 @@ class Summary:
     ttft_p50_s: float
     ttft_p99_s: float
     replica_seconds: float
+    tpot_slo_attainment: float           # share of requests (with 2+ output tokens) with TPOT <= tpot_slo_s
+    tpot_p90_s: float
     recover_s: float
     failed: int
     unsent: int
@@ -224,7 +247,7 @@ def arrival_times(duration_s: float, peak_rps: float, seed: int) -> np.ndarray:
 
 def bench_spec(spec: RealSpec, requests: int) -> real.BenchSpec:
     """The routing benchmark's trace settings (tenants, prompt and output lengths) for `requests`."""
-    return real.BenchSpec(replicas=MAX_REPLICAS, num_blocks=spec.num_blocks, requests=max(1, requests),
+    return real.BenchSpec(replicas=spec.max_replicas, num_blocks=spec.num_blocks, requests=max(1, requests),
                           seed=spec.seed, request_timeout_s=spec.request_timeout_s)
 
 
@@ -308,6 +331,8 @@ def summarize(run: PolicyRun, spec: RealSpec, window: tuple[float, float]) -> Su
     answered = ttfts[np.isfinite(ttfts)]
     bins, _, att, _ = binned(arrivals, ttfts, spec.ttft_slo_s, window[1])
     lags = [o.sent_s - o.arrival_s for o in run.outcomes if o.sent_s is not None]
+    tpots = np.array([o.tpot_s for o in run.outcomes])
+    tpots = tpots[~np.isnan(tpots)]
 
     def pct(xs: np.ndarray, p: float) -> float:
         return float(np.percentile(xs, p)) if len(xs) else math.nan
@@ -317,6 +342,8 @@ def summarize(run: PolicyRun, spec: RealSpec, window: tuple[float, float]) -> Su
         ttft_slo_attainment=float((ttfts <= spec.ttft_slo_s).mean()) if len(ttfts) else math.nan,
         ttft_p50_s=pct(answered, 50), ttft_p99_s=pct(answered, 99),
         replica_seconds=replica_seconds(run.samples, *window),
+        tpot_slo_attainment=float((tpots <= spec.tpot_slo_s).mean()) if len(tpots) else math.nan,
+        tpot_p90_s=pct(tpots[np.isfinite(tpots)], 90),
         recover_s=recovery_s(bins, att, BURST[0] * spec.duration_s),
         failed=sum(1 for o in run.outcomes if o.sent_s is not None and not o.ok),
         unsent=sum(1 for o in run.outcomes if o.sent_s is None),
@@ -350,9 +377,9 @@ def policy_role(policy: str) -> str:
 def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[str, dict[str, Any]]:
     """(role, the app's `autoscaling` section) for a policy name."""
     role = policy_role(policy)
-    common = {"enabled": True, "min_replicas": 1, "max_replicas": MAX_REPLICAS}
+    common = {"enabled": True, "min_replicas": 1, "max_replicas": spec.max_replicas}
     if role == "ours":
-        return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s,
+        return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s, "tpot_slo_s": spec.tpot_slo_s,
                                "prefill_tokens_per_s": round(cal.prefill_tokens_per_s, 1),
                                "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)}
     if role == "baseline":
@@ -385,6 +412,17 @@ def resolve_model(name: str) -> str:
 
 
 # ================================================================== cluster
+def real_app_config(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1) -> dict[str, Any]:
+    """The app's config: the routing benchmark's (prefix-affinity router), autoscaled by `autoscaling`
+    (None: `replicas` fixed), paced to the emulated device on an --emulate run."""
+    cfg = real.app_config(replace(bench_spec(spec, 1), replicas=replicas), "prefix_affinity", model)
+    if autoscaling is not None:
+        cfg["autoscaling"] = autoscaling
+    if spec.emulate:
+        cfg["engine"]["pace"] = dict(EMULATED_PACE)
+    return cfg
+
+
 def deploy(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1) -> float:
     """The demo app on `replicas` fixed replicas, or autoscaled by `autoscaling` from one; returns the
     deploy time."""
@@ -392,9 +430,7 @@ def deploy(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, repli
 
     from app.builder import build_app
     t0 = time.monotonic()
-    cfg = real.app_config(replace(bench_spec(spec, 1), replicas=replicas), "prefix_affinity", model)
-    if autoscaling is not None:
-        cfg["autoscaling"] = autoscaling
+    cfg = real_app_config(spec, model, autoscaling, replicas)
     serve.run(build_app(cfg), name=real.APP_NAME, route_prefix=real.ROUTE)
     real._wait_running("LLMReplica", replicas)
     return time.monotonic() - t0
@@ -593,9 +629,12 @@ def _saturation(url: str, reqs: list[TraceRequest], concurrency: int, seconds: f
     return ok, len(ok) / wall
 
 
-def peak_rps(x1: float, x2: float, factor: float) -> float:
-    """`factor` x X1, lowered to TWO_KEEP_UP x X2 so that two replicas keep up, but never under
-    MIN_OVERLOAD x X1 (the burst must overload one replica; two then may not keep up)."""
+def peak_rps(x1: float, x2: float, factor: float, emulate: bool = False) -> float:
+    """`factor` x X1; on the CPU run lowered to TWO_KEEP_UP x X2 so that two replicas keep up, but never
+    under MIN_OVERLOAD x X1 (the burst must overload one replica; two then may not keep up). Emulated
+    replicas each add capacity: `factor` x X1 as it is."""
+    if emulate:
+        return factor * x1
     return min(factor * x1, max(TWO_KEEP_UP * x2, MIN_OVERLOAD * x1))
 
 
@@ -627,7 +666,7 @@ def calibrate(spec: RealSpec, model: str, url: str, vocab: int, given: dict[str,
         uncached_tokens_per_request=uncached, prefill_share=p,
         decode_seqs_per_replica=float(given["decode_seqs"] or spec.calib_concurrency / (1.0 - p)),
         saturation_ttft_p50_s=float(np.median([r.ttft_s for r in one])),
-        peak_rps=float(given["peak_rps"] or peak_rps(x1, x2, spec.peak_factor)),
+        peak_rps=float(given["peak_rps"] or peak_rps(x1, x2, spec.peak_factor, spec.emulate)),
         source=",".join(k for k, v in given.items() if v) or "measured")
 
 
@@ -642,20 +681,36 @@ def describe(cal: Calibration, spec: RealSpec) -> str:
             f"{cal.saturation_rps_2:.1f} req/s at {2 * cal.concurrency} streams ({scaling:.2f} x X1); peak "
             f"{cal.peak_rps:.1f} req/s = {cal.peak_rps / cal.saturation_rps:.2f} x X1 = "
             f"{cal.peak_rps / cal.saturation_rps_2:.2f} x X2 (steady {0.5 * cal.peak_rps:.1f}, quiet "
-            f"{0.05 * cal.peak_rps:.2f} req/s)" + (
-                f"\nWARNING: two replicas gave {scaling:.2f} x one's throughput (under {MIN_OVERLOAD:g}): they "
+            f"{0.05 * cal.peak_rps:.2f} req/s)" + _scaling_warning(scaling, spec))
+
+
+def _scaling_warning(scaling: float, spec: RealSpec) -> str:
+    if spec.emulate and scaling < EMULATED_MIN_SCALING:
+        return (f"\nWARNING: two emulated replicas gave {scaling:.2f} x one's throughput (under "
+                f"{EMULATED_MIN_SCALING:g}): the CPU or the HTTP path, not the emulated devices, limits the run. "
+                "Other work on the machine?")
+    if not spec.emulate and scaling < MIN_OVERLOAD:
+        return (f"\nWARNING: two replicas gave {scaling:.2f} x one's throughput (under {MIN_OVERLOAD:g}): they "
                 "cannot keep up with the burst, so the run says little about the policies. Other work on the "
-                "machine? (Ray's workers run at nice 15: see --ray-worker-niceness)" if scaling < MIN_OVERLOAD else ""))
+                "machine? (Ray's workers run at nice 15: see --ray-worker-niceness)")
+    return ""
+
+
+def _what(spec: RealSpec) -> str:
+    if spec.emulate:
+        return f"{spec.model} model paced to an emulated device, max {spec.max_replicas} replicas"
+    return f"{spec.model} model on 2 cores, max {spec.max_replicas} replicas; only 1 -> 2 adds compute"
 
 
 # ================================================================== report
 def table(results: list[Summary], spec: RealSpec) -> str:
     base = next((r for r in results if r.role == "baseline"), None)
     ours = next((r for r in results if r.role == "ours"), None)
-    lines = [f"real replicas (max {MAX_REPLICAS}; only 1 -> 2 adds compute on 2 cores), {spec.duration_s:g} s trace, "
+    lines = [f"real replicas ({_what(spec)}), {spec.duration_s:g} s trace, "
              f"seed {spec.seed}, TTFT SLO {spec.ttft_slo_s:g} s; span {results[0].span_s[0]:.0f}-"
              f"{results[0].span_s[1]:.0f} s",
-             f"{'policy':<34} {'requests':>8} {'SLO att':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'rep-s':>7} "
+             f"{'policy':<34} {'requests':>8} {'SLO att':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT att':>8} "
+             f"{'TPOT p90':>8} {'rep-s':>7} "
              f"{'ours/this':>9} {'target':>8} {'recover':>8} {'failed':>6} {'unsent':>6} {'peak':>5}"]
     for r in results:
         ratio, met = "", ""
@@ -664,7 +719,8 @@ def table(results: list[Summary], spec: RealSpec) -> str:
             ratio = f"{c['replica_seconds_ratio']:.2f}"
             met = "" if r.role == "ours" else ("met" if c["target_met"] else "NOT met")
         lines.append(f"{r.policy:<34} {r.num_requests:>8} {r.ttft_slo_attainment:>8.3f} {r.ttft_p50_s:>8.2f}s "
-                     f"{r.ttft_p99_s:>8.2f}s {r.replica_seconds:>7.0f} {ratio:>9} {met:>8} {r.recover_s:>7.0f}s "
+                     f"{r.ttft_p99_s:>8.2f}s {r.tpot_slo_attainment:>8.3f} {r.tpot_p90_s * 1e3:>6.0f}ms "
+                     f"{r.replica_seconds:>7.0f} {ratio:>9} {met:>8} {r.recover_s:>7.0f}s "
                      f"{r.failed:>6} {r.unsent:>6} {r.peak_replicas:>5}")
     if base is None:
         lines.append("(no Serve default row: the target is judged against it)")
@@ -699,7 +755,7 @@ def plot(runs: list[PolicyRun], results: list[Summary], spec: RealSpec, cal: Cal
         ax[2].step(b, np.minimum(p90, 1e3), where="post", color=f"C{i}",
                    label=f"{run.policy}: SLO att. {res.ttft_slo_attainment:.3f}")
     ax[1].set_ylabel("replicas")
-    ax[1].set_ylim(0, MAX_REPLICAS + 0.5)
+    ax[1].set_ylim(0, spec.max_replicas + 0.5)
     ax[1].legend(fontsize=7, ncol=2)
     ax[2].axhline(spec.ttft_slo_s, color="r", ls="--", lw=1, label="TTFT SLO")
     ax[2].set_yscale("log")
@@ -708,7 +764,7 @@ def plot(runs: list[PolicyRun], results: list[Summary], spec: RealSpec, cal: Cal
     ax[2].legend(fontsize=8)
     for a in ax:
         a.axvspan(BURST[0] * spec.duration_s, BURST[1] * spec.duration_s, color="orange", alpha=0.1)
-    fig.suptitle(f"Autoscaling on real local replicas ({spec.model} model, 2 cores), seed {spec.seed}")
+    fig.suptitle(f"Autoscaling on real local replicas ({_what(spec)}), seed {spec.seed}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -753,15 +809,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=d.duration_s, help="trace length, seconds")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--model", default=d.model, help="demo-large (default: the demo model's family at ~52M "
-                   "parameters), demo (~3M: the HTTP path, not the replicas, then takes most of the CPU), or a path")
+    p.add_argument("--emulate", action="store_true", help="pace every replica's steps to an emulated device "
+                   "(engine.pace = EMULATED_PACE), so that each replica adds capacity; defaults then: --model demo, "
+                   f"--max-replicas {EMULATED_MAX_REPLICAS}, --peak-factor {EMULATED_PEAK_FACTOR:g}")
+    p.add_argument("--model", help="demo-large (default: the demo model's family at ~52M parameters), demo (~3M: "
+                   "on the CPU run the HTTP path, not the replicas, then takes most of the CPU; the --emulate "
+                   "default), or a path")
+    p.add_argument("--max-replicas", type=int, help=f"the policies' max_replicas (default {MAX_REPLICAS}; "
+                   f"--emulate: {EMULATED_MAX_REPLICAS})")
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo_s, help="seconds; ours' ttft_slo_s too")
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated: engine, {SERVE_DEFAULT_POLICY}, serve-t<N> (Serve's rule at target N "
                         "with this app's delays)")
     p.add_argument("--peak-rps", type=float, help="the burst's rate (default: --peak-factor x one replica's "
                    "measured saturation throughput)")
-    p.add_argument("--peak-factor", type=float, default=d.peak_factor)
+    p.add_argument("--peak-factor", type=float, help=f"the burst over one replica's saturation (default "
+                   f"{d.peak_factor:g}; --emulate: {EMULATED_PEAK_FACTOR:g})")
     p.add_argument("--prefill-tokens-per-s", type=float, help="ours' R (default: measured)")
     p.add_argument("--decode-seqs", type=float, help="ours' C (default: from the calibration)")
     p.add_argument("--calib-concurrency", type=int, default=d.calib_concurrency)
@@ -773,10 +836,16 @@ def main() -> None:
     p.add_argument("--json", help="write the calibration, per-policy results, timelines and requests here")
     p.add_argument("--png", help="write the timeline figure here")
     a = p.parse_args()
-    spec = RealSpec(duration_s=a.duration, seed=a.seed, model=a.model, ttft_slo_s=a.ttft_slo, peak_factor=a.peak_factor,
+    em = a.emulate
+    spec = RealSpec(duration_s=a.duration, seed=a.seed, model=a.model or ("demo" if em else d.model),
+                    ttft_slo_s=a.ttft_slo,
+                    peak_factor=a.peak_factor or (EMULATED_PEAK_FACTOR if em else d.peak_factor),
                     max_in_flight=a.max_in_flight, num_blocks=a.num_blocks, calib_concurrency=a.calib_concurrency,
                     calib_s=a.calib_s, policies=tuple(x for x in a.policies.split(",") if x),
-                    ray_worker_niceness=a.ray_worker_niceness)
+                    ray_worker_niceness=a.ray_worker_niceness, emulate=em,
+                    max_replicas=a.max_replicas or (EMULATED_MAX_REPLICAS if em else MAX_REPLICAS))
+    if spec.max_replicas < 2:
+        sys.exit("--max-replicas must be at least 2 (the calibration runs two replicas)")
     for pol in spec.policies:
         policy_role(pol)                                # fail early on a bad name
     if a.png:
@@ -793,7 +862,8 @@ def main() -> None:
     print(table(results, spec))
     ours = next((r for r in results if r.role == "ours"), None)
     if a.json:
-        doc = {"spec": asdict(spec), "calibration": asdict(cal), "max_replicas": MAX_REPLICAS,
+        doc = {"spec": asdict(spec), "calibration": asdict(cal), "max_replicas": spec.max_replicas,
+               "pace": EMULATED_PACE if spec.emulate else None,
                "results": [asdict(r) for r in results],
                "ours_vs": [compare(ours, r) for r in results if r.role != "ours"] if ours else [],
                "runs": [{"policy": r.policy, "autoscaling": r.autoscaling, "deploy_s": r.deploy_s,

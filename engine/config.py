@@ -67,6 +67,25 @@ class KVConnectorConfig(_Strict):
         return self
 
 
+class PaceConfig(_Strict):
+    """Hold every engine step to a modelled accelerator's step time (engine/pacing.py has the model). The
+    real model still computes the tokens; the step then waits out the rest of the modelled time. For running
+    scaling and routing experiments on CPU machines with replicas that each add capacity like one GPU each;
+    off by default, and a step that computes slower than the model is not sped up."""
+
+    enabled: bool = False
+    step_base_s: float = Field(0.0, ge=0, description="fixed cost of every step (weights read once)")
+    prefill_per_token_s: float = Field(0.0, ge=0, description="per prompt token computed in the step")
+    decode_per_context_token_s: float = Field(0.0, ge=0, description="per context token of each decoding sequence")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PaceConfig":
+        if self.enabled and not (self.step_base_s or self.prefill_per_token_s or self.decode_per_context_token_s):
+            raise ValueError("pace.enabled needs a step time: set pace.step_base_s, pace.prefill_per_token_s "
+                             "or pace.decode_per_context_token_s above 0")
+        return self
+
+
 class EngineConfig(_Strict):
     """Everything one engine (one replica) needs."""
 
@@ -89,6 +108,7 @@ class EngineConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_connector: KVConnectorConfig = KVConnectorConfig()
+    pace: PaceConfig = PaceConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -22,6 +22,7 @@ from engine.models.config import ModelArgs
 from engine.models.linear import prepack_supported
 from engine.models.loader import load_model
 from engine.outputs import EngineStepOutput, StreamDelta
+from engine.pacing import modelled_step_time_s
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -244,6 +245,10 @@ class LLMEngine:
     def step(self) -> EngineStepOutput:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        pace = self.config.pace
+        modelled = (modelled_step_time_s(so, self.scheduler.requests, pace.step_base_s, pace.prefill_per_token_s,
+                                         pace.decode_per_context_token_s)
+                    if pace.enabled and so.num_scheduled_tokens else 0.0)
         try:
             ro = self.runner.execute_model(so)
         except Exception as e:
@@ -256,6 +261,8 @@ class LLMEngine:
             for rid in affected:
                 self._drop_parent(rid)
             raise StepError(e, affected) from e
+        if (wait := modelled - (time.perf_counter() - t0)) > 0:
+            time.sleep(wait)                  # engine.pace: the step lasts as long as the modelled device's
         out = self.scheduler.update_from_output(so, ro)
         out.stats.step_time_s = time.perf_counter() - t0
         self.last_stats = out.stats

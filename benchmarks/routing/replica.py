@@ -13,6 +13,7 @@ from engine.config import SchedulerConfig
 from engine.hashing import BlockHash
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEventLog
+from engine.pacing import modelled_step_time_s
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -53,14 +54,8 @@ class TimingModel:
     decode_per_context_token_s: float = 40e-9
 
     def step_time_s(self, so: SchedulerOutput, requests: dict[str, Request]) -> float:
-        prefill = ctx = 0
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = requests[req_id]
-            if n == 1 and req.num_output_tokens > 0:
-                ctx += req.num_computed_tokens          # already advanced past this step's token
-            else:
-                prefill += n
-        return self.step_base_s + prefill * self.prefill_per_token_s + ctx * self.decode_per_context_token_s
+        return modelled_step_time_s(so, requests, self.step_base_s, self.prefill_per_token_s,
+                                    self.decode_per_context_token_s)
 
 
 @dataclass(slots=True)

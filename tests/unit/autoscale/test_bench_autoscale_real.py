@@ -5,6 +5,7 @@ Serve options through the app's builder (the baseline is Serve's shipped default
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,9 +14,10 @@ from ray.serve.config import AutoscalingConfig
 from app.builder import autoscaling_config
 from app.config import AppConfig
 from benchmarks.autoscale import BURST, PROFILE, profile
-from benchmarks.autoscale_real import (Calibration, Outcome, PolicyRun, RealSpec, Sample, arrival_times,
+from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome, PolicyRun, RealSpec, Sample, arrival_times,
                                        autoscaling_section, binned, compare, load_trace, peak_rps, policy_role,
-                                       recovery_s, replica_seconds, span, startup_times, summarize)
+                                       real_app_config, recovery_s, replica_seconds, span, startup_times,
+                                       summarize)
 from benchmarks.routing.workload import FIRST_TOKEN_ID
 
 
@@ -107,6 +109,16 @@ def test_attainment_counts_failed_and_unsent_requests_as_misses():
     sse = Outcome("E", 0.0, sent_s=0.0, status=200, sse_error=True, first_s=0.1, end_s=0.2, num_output_tokens=4,
                   expected_tokens=4)
     assert not sse.ok and math.isinf(sse.ttft_s)                # an SSE error event fails a 200 stream
+    # TPOT: (end - first) / 3 tokens = 0.1 / 3 s for every answered row; failed and unsent miss
+    assert s.tpot_slo_attainment == pytest.approx(18 / 20)
+    assert s.tpot_p90_s == pytest.approx(0.1 / 3)
+    slow = Outcome("S", 0.0, sent_s=0.0, status=200, first_s=0.1, end_s=1.0, num_output_tokens=4, expected_tokens=4)
+    assert slow.tpot_s == pytest.approx(0.3)
+    one = Outcome("O", 0.0, sent_s=0.0, status=200, first_s=0.1, end_s=0.1, num_output_tokens=1, expected_tokens=1)
+    assert math.isnan(one.tpot_s)                               # one token: no TPOT, not counted
+    s2 = summarize(PolicyRun("y", "ours", {}, [slow, one], _samples((0.0, {"RUNNING": 1}))),
+                   replace(spec, tpot_slo_s=0.2), (0.0, 100.0))
+    assert s2.tpot_slo_attainment == 0.0
 
 
 def test_recovery_runs_from_the_burst_to_the_end_of_the_last_bad_bin_after_it():
@@ -151,6 +163,18 @@ def test_peak_overloads_one_replica_and_stays_under_two():
     assert peak_rps(10.0, 20.0, 1.5) == pytest.approx(15.0)           # two double: 1.5 x X1
     assert peak_rps(10.0, 16.0, 1.5) == pytest.approx(0.85 * 16.0)    # lowered so that two keep up
     assert peak_rps(10.0, 9.0, 1.5) == pytest.approx(12.0)            # but always over one replica
+    assert peak_rps(10.0, 16.0, 4.0, emulate=True) == pytest.approx(40.0)   # emulated: factor x X1 as it is
+
+
+def test_an_emulated_run_paces_every_replica_and_raises_max_replicas():
+    spec = RealSpec(emulate=True, max_replicas=EMULATED_MAX_REPLICAS, model="demo")
+    _, section = autoscaling_section("serve-default", spec, _cal())
+    assert section["max_replicas"] == EMULATED_MAX_REPLICAS
+    cfg = real_app_config(spec, "/m", section)
+    parsed = AppConfig.model_validate(cfg)
+    assert parsed.engine.pace.enabled and parsed.engine.pace.step_base_s == EMULATED_PACE["step_base_s"]
+    assert parsed.autoscaling.max_replicas == EMULATED_MAX_REPLICAS
+    assert not AppConfig.model_validate(real_app_config(RealSpec(), "/m", section)).engine.pace.enabled
 
 
 def _cal() -> Calibration:
