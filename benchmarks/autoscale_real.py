@@ -19,6 +19,14 @@ model, the warm-up), takes CPU from the replicas that serve. Two more limits of 
   machine. The calibration prints X2 / X1 (below): under 1.2, two replicas cannot keep up with the burst
   and the run says little about the policies.
 
+`--emulate`: replicas that each add capacity, as replicas with one GPU each do. Every replica's engine
+steps are paced to an emulated device (`engine.pace` = EMULATED_PACE: the real ~3M demo model computes the
+tokens in a few ms, then the step waits out the device's modelled time), so a replica mostly sleeps and 6
+of them fit on 2 cores beside the HTTP path. Its defaults: the demo model, max 6 replicas, 32-96 output
+tokens (the routing simulator's are ~100; the CPU run's 8-16 keep its HTTP path affordable), 768 KV
+blocks per replica, the burst at 4 x X1, and C measured from TPOT (below). The calibration prints X2 / X1
+and warns under 1.7.
+
 Calibration (skipped for what `--peak-rps`, `--prefill-tokens-per-s`, `--decode-seqs` give). One fixed
 replica: its uncached prefill rate R (the TTFT slope between 128- and 1024-token prompts that share
 nothing), its unloaded TTFT, and its saturation throughput X1 (closed loop, `--calib-concurrency` N streams
@@ -28,7 +36,10 @@ of trace-like requests for `--calib-s`); then two fixed replicas' X2 at 2N strea
   phases around the burst run at half the peak, under one replica's X1;
 - ours gets `prefill_tokens_per_s` = R and `decode_seqs_per_replica` C = N / (1 - p), where p = X1 x
   (uncached prompt tokens per request) / R is the share of the replica's time spent prefilling at its
-  saturation point: one saturated replica then reads load L = p + N / C = 1.
+  saturation point: one saturated replica then reads load L = p + N / C = 1. With `--emulate`, N streams
+  do not saturate a replica (batching is nearly free to a device's decode step), so C is what its name
+  says: the sequences at which one replica's TPOT p50 reaches the TPOT SLO, on the line through its TPOT
+  at N and at 2N streams (one more closed-loop run).
 
 The trace: Poisson arrivals at `peak x profile(t / duration)`, `profile` being the simulator's load profile
 (benchmarks/autoscale.py PROFILE: 0.2 -> ramp to 0.5 -> 0.5 -> 1.0 burst -> 0.5 -> 0.05 quiet for the last
@@ -113,10 +124,14 @@ SETTLE_S = 12.0       # after the warm-up: longer than a replica's 10 s signal w
 PROGRESS_EVERY_S = 5.0
 MAX_REPLICAS = 3                         # on the 2-core CPU run; --emulate: EMULATED_MAX_REPLICAS
 EMULATED_MAX_REPLICAS = 6
-#: engine.pace of an --emulate run: each replica is a slow "device" (a decode step of 8 sequences of ~260
-#: tokens takes ~0.2 s), slow enough that 6 of them and the HTTP path fit on 2 cores
-EMULATED_PACE = {"enabled": True, "step_base_s": 0.1, "prefill_per_token_s": 2e-3, "decode_per_context_token_s": 50e-6}
-EMULATED_PEAK_FACTOR = 4.0               # the burst needs ~4-5 emulated replicas
+#: engine.pace of an --emulate run: each replica is a slow "device" (prefill 1000 tokens/s; a decode step of
+#: n sequences of ~300 tokens takes 0.05 + 0.0075 n s, so ~20 fit a 0.2 s TPOT), slow enough that 6 of them
+#: and the HTTP path fit on 2 cores
+EMULATED_PACE = {"enabled": True, "step_base_s": 0.05, "prefill_per_token_s": 1e-3,
+                 "decode_per_context_token_s": 25e-6}
+EMULATED_PEAK_FACTOR = 4.0               # the burst over X1 at 8 streams: ~3 replicas at the TPOT SLO's batch
+EMULATED_OUTPUT_TOKENS = (32, 96)        # output lengths of an --emulate run (the CPU run: 8-16)
+EMULATED_NUM_BLOCKS = 768                # KV blocks per emulated replica: ~40 sequences of ~300 tokens
 EMULATED_MIN_SCALING = 1.7               # X2 / X1 under this: the emulated replicas do not add capacity
 SERVE_DEFAULT_POLICY = "serve-default"
 TWO_KEEP_UP = 0.85                       # the peak stays under this share of two replicas' throughput ...
@@ -134,6 +149,7 @@ class RealSpec:
     max_in_flight: int = 512
     request_timeout_s: float = 60.0
     num_blocks: int = 256                # KV blocks per replica: holds every tenant's prompt plus a batch
+    output_tokens: tuple[int, int] = (8, 16)   # each request's max_tokens, uniform in this range
     calib_concurrency: int = 8
     calib_s: float = 20.0
     policies: tuple[str, ...] = ("engine", SERVE_DEFAULT_POLICY)
@@ -156,6 +172,7 @@ class Calibration:
     saturation_ttft_p50_s: float
     peak_rps: float
     source: str                          # "measured" or which values came from the command line
+    tpot_p50_s: tuple[float, float] | None = None   # --emulate: one replica's TPOT p50 at N and 2N streams
 
 
 @dataclass(slots=True)
@@ -248,6 +265,7 @@ def arrival_times(duration_s: float, peak_rps: float, seed: int) -> np.ndarray:
 def bench_spec(spec: RealSpec, requests: int) -> real.BenchSpec:
     """The routing benchmark's trace settings (tenants, prompt and output lengths) for `requests`."""
     return real.BenchSpec(replicas=spec.max_replicas, num_blocks=spec.num_blocks, requests=max(1, requests),
+                          max_tokens=spec.output_tokens,
                           seed=spec.seed, request_timeout_s=spec.request_timeout_s)
 
 
@@ -629,6 +647,21 @@ def _saturation(url: str, reqs: list[TraceRequest], concurrency: int, seconds: f
     return ok, len(ok) / wall
 
 
+def _tpot_p50(results: list[real.RequestResult]) -> float:
+    return float(np.median([(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in results
+                            if r.num_output_tokens > 1]))
+
+
+def decode_capacity(tpot_n: float, tpot_2n: float, n: int, tpot_slo_s: float) -> float:
+    """C, the sequences one replica decodes within the TPOT SLO, from its TPOT at n and 2n closed-loop
+    streams: the linear fit's crossing of the SLO (an emulated device's decode step grows linearly with
+    its batch). At least 1; 4n when TPOT did not grow."""
+    slope = (tpot_2n - tpot_n) / n
+    if slope <= 0:
+        return 4.0 * n
+    return max(1.0, n + (tpot_slo_s - tpot_n) / slope)
+
+
 def peak_rps(x1: float, x2: float, factor: float, emulate: bool = False) -> float:
     """`factor` x X1; on the CPU run lowered to TWO_KEEP_UP x X2 so that two replicas keep up, but never
     under MIN_OVERLOAD x X1 (the burst must overload one replica; two then may not keep up). Emulated
@@ -651,6 +684,10 @@ def calibrate(spec: RealSpec, model: str, url: str, vocab: int, given: dict[str,
         rate = _prefill_rate(url, vocab, spec.seed)
         unloaded = _ttfts(url, calib[:10], 30)
         one, x1 = _saturation(url, calib[10:], spec.calib_concurrency, spec.calib_s, spec.request_timeout_s)
+        tpots = None
+        if spec.emulate:      # C from the TPOT slope: one replica at 2N streams too
+            two_n, _ = _saturation(url, calib[10:], 2 * spec.calib_concurrency, spec.calib_s, spec.request_timeout_s)
+            tpots = (_tpot_p50(one), _tpot_p50(two_n))
         say("[calibration] two fixed replicas")
         deploy(spec, model, None, replicas=2)
         warm_up(url, real.warmup_trace(bs, vocab) * 2, spec.request_timeout_s, "calibration", settle_s=0)
@@ -660,11 +697,13 @@ def calibrate(spec: RealSpec, model: str, url: str, vocab: int, given: dict[str,
     uncached = float(np.mean([r.num_prompt_tokens - r.num_cached_tokens for r in one]))
     R = given["prefill_tokens_per_s"] or rate
     p = min(0.8, x1 * uncached / R)
+    c = (decode_capacity(*tpots, spec.calib_concurrency, spec.tpot_slo_s) if tpots is not None
+         else spec.calib_concurrency / (1.0 - p))
     return Calibration(
         unloaded_ttft_p50_s=float(np.median(unloaded)), unloaded_ttft_p90_s=float(np.percentile(unloaded, 90)),
         prefill_tokens_per_s=float(R), saturation_rps=x1, saturation_rps_2=x2, concurrency=spec.calib_concurrency,
         uncached_tokens_per_request=uncached, prefill_share=p,
-        decode_seqs_per_replica=float(given["decode_seqs"] or spec.calib_concurrency / (1.0 - p)),
+        decode_seqs_per_replica=float(given["decode_seqs"] or c), tpot_p50_s=tpots,
         saturation_ttft_p50_s=float(np.median([r.ttft_s for r in one])),
         peak_rps=float(given["peak_rps"] or peak_rps(x1, x2, spec.peak_factor, spec.emulate)),
         source=",".join(k for k, v in given.items() if v) or "measured")
@@ -677,11 +716,19 @@ def describe(cal: Calibration, spec: RealSpec) -> str:
             f"{cal.prefill_tokens_per_s:.0f} tok/s; saturation X1 {cal.saturation_rps:.1f} req/s at "
             f"{cal.concurrency} streams (TTFT p50 {cal.saturation_ttft_p50_s * 1e3:.0f} ms, "
             f"{cal.uncached_tokens_per_request:.0f} uncached prompt tokens/request, prefill share p "
-            f"{cal.prefill_share:.2f}) -> C = N/(1-p) = {cal.decode_seqs_per_replica:.1f}; two replicas X2 "
+            f"{cal.prefill_share:.2f}) -> {_c_source(cal, spec)} = {cal.decode_seqs_per_replica:.1f}; two replicas X2 "
             f"{cal.saturation_rps_2:.1f} req/s at {2 * cal.concurrency} streams ({scaling:.2f} x X1); peak "
             f"{cal.peak_rps:.1f} req/s = {cal.peak_rps / cal.saturation_rps:.2f} x X1 = "
             f"{cal.peak_rps / cal.saturation_rps_2:.2f} x X2 (steady {0.5 * cal.peak_rps:.1f}, quiet "
             f"{0.05 * cal.peak_rps:.2f} req/s)" + _scaling_warning(scaling, spec))
+
+
+def _c_source(cal: Calibration, spec: RealSpec) -> str:
+    if cal.tpot_p50_s is None:
+        return "C = N/(1-p)"
+    a, b = cal.tpot_p50_s
+    return (f"TPOT p50 {a * 1e3:.0f} ms at N, {b * 1e3:.0f} ms at 2N streams -> C (TPOT {spec.tpot_slo_s * 1e3:.0f} "
+            f"ms)")
 
 
 def _scaling_warning(scaling: float, spec: RealSpec) -> str:
@@ -741,7 +788,8 @@ def plot(runs: list[PolicyRun], results: list[Summary], spec: RealSpec, cal: Cal
     arrivals = np.array([o.arrival_s for o in runs[0].outcomes])
     bins, rate, _, _ = binned(arrivals, np.zeros(len(arrivals)), spec.ttft_slo_s, end)
     ax[0].step(bins, rate, where="post", color="k", label=f"arrivals per {BIN_S:g} s bin")
-    ax[0].axhline(cal.saturation_rps, color="r", ls=":", lw=1, label="one replica's saturation (calibrated)")
+    ax[0].axhline(cal.saturation_rps, color="r", ls=":", lw=1,
+                  label=f"one replica at {cal.concurrency} streams (X1, calibrated)")
     ax[0].set_ylabel("requests / s")
     ax[0].legend(fontsize=8)
     for i, (run, res) in enumerate(zip(runs, results)):
@@ -804,6 +852,16 @@ def run(spec: RealSpec, given: dict[str, float | None]) -> tuple[Calibration, li
     return cal, runs, [summarize(r, spec, window) for r in runs]
 
 
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        sys.exit(f"--output-tokens wants LO,HI (two integers), got {text!r}")
+    if not 2 <= lo <= hi:
+        sys.exit(f"--output-tokens wants 2 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def main() -> None:
     d = RealSpec()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -811,7 +869,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--emulate", action="store_true", help="pace every replica's steps to an emulated device "
                    "(engine.pace = EMULATED_PACE), so that each replica adds capacity; defaults then: --model demo, "
-                   f"--max-replicas {EMULATED_MAX_REPLICAS}, --peak-factor {EMULATED_PEAK_FACTOR:g}")
+                   f"--max-replicas {EMULATED_MAX_REPLICAS}, --peak-factor {EMULATED_PEAK_FACTOR:g}, "
+                   f"{EMULATED_OUTPUT_TOKENS[0]}-{EMULATED_OUTPUT_TOKENS[1]} output tokens, "
+                   f"{EMULATED_NUM_BLOCKS} KV blocks, and C from the TPOT at N and 2N streams")
     p.add_argument("--model", help="demo-large (default: the demo model's family at ~52M parameters), demo (~3M: "
                    "on the CPU run the HTTP path, not the replicas, then takes most of the CPU; the --emulate "
                    "default), or a path")
@@ -829,7 +889,11 @@ def main() -> None:
     p.add_argument("--decode-seqs", type=float, help="ours' C (default: from the calibration)")
     p.add_argument("--calib-concurrency", type=int, default=d.calib_concurrency)
     p.add_argument("--calib-s", type=float, default=d.calib_s)
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV blocks per replica")
+    p.add_argument("--output-tokens", help=f"LO,HI: each request's output length, uniform (default "
+                   f"{RealSpec().output_tokens[0]},{RealSpec().output_tokens[1]}; --emulate: "
+                   f"{EMULATED_OUTPUT_TOKENS[0]},{EMULATED_OUTPUT_TOKENS[1]})")
+    p.add_argument("--num-blocks", type=int, help=f"KV blocks per replica (default {d.num_blocks}; --emulate: "
+                   f"{EMULATED_NUM_BLOCKS})")
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
     p.add_argument("--ray-worker-niceness", type=int, help="nice level of Ray's workers (Serve's proxy, ingress, "
                    "replicas); Ray's default 15 makes any other busy process on the machine take their CPU first")
@@ -840,10 +904,13 @@ def main() -> None:
     spec = RealSpec(duration_s=a.duration, seed=a.seed, model=a.model or ("demo" if em else d.model),
                     ttft_slo_s=a.ttft_slo,
                     peak_factor=a.peak_factor or (EMULATED_PEAK_FACTOR if em else d.peak_factor),
-                    max_in_flight=a.max_in_flight, num_blocks=a.num_blocks, calib_concurrency=a.calib_concurrency,
+                    max_in_flight=a.max_in_flight,
+                    num_blocks=a.num_blocks or (EMULATED_NUM_BLOCKS if em else d.num_blocks), calib_concurrency=a.calib_concurrency,
                     calib_s=a.calib_s, policies=tuple(x for x in a.policies.split(",") if x),
                     ray_worker_niceness=a.ray_worker_niceness, emulate=em,
-                    max_replicas=a.max_replicas or (EMULATED_MAX_REPLICAS if em else MAX_REPLICAS))
+                    max_replicas=a.max_replicas or (EMULATED_MAX_REPLICAS if em else MAX_REPLICAS),
+                    output_tokens=_pair(a.output_tokens) if a.output_tokens
+                    else (EMULATED_OUTPUT_TOKENS if em else d.output_tokens))
     if spec.max_replicas < 2:
         sys.exit("--max-replicas must be at least 2 (the calibration runs two replicas)")
     for pol in spec.policies:

@@ -14,7 +14,8 @@ from ray.serve.config import AutoscalingConfig
 from app.builder import autoscaling_config
 from app.config import AppConfig
 from benchmarks.autoscale import BURST, PROFILE, profile
-from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome, PolicyRun, RealSpec, Sample, arrival_times,
+from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome,
+                                       decode_capacity, PolicyRun, RealSpec, Sample, arrival_times,
                                        autoscaling_section, binned, compare, load_trace, peak_rps, policy_role,
                                        real_app_config, recovery_s, replica_seconds, span, startup_times,
                                        summarize)
@@ -164,6 +165,12 @@ def test_peak_overloads_one_replica_and_stays_under_two():
     assert peak_rps(10.0, 16.0, 1.5) == pytest.approx(0.85 * 16.0)    # lowered so that two keep up
     assert peak_rps(10.0, 9.0, 1.5) == pytest.approx(12.0)            # but always over one replica
     assert peak_rps(10.0, 16.0, 4.0, emulate=True) == pytest.approx(40.0)   # emulated: factor x X1 as it is
+
+
+def test_decode_capacity_is_where_the_tpot_line_crosses_the_slo():
+    assert decode_capacity(0.11, 0.17, 8, 0.2) == pytest.approx(20.0)     # 0.11 + 0.0075 (C - 8) = 0.2
+    assert decode_capacity(0.25, 0.30, 8, 0.2) == pytest.approx(1.0)      # past the SLO at N already: floor 1
+    assert decode_capacity(0.10, 0.10, 8, 0.2) == pytest.approx(32.0)     # no growth measured: 4N
 
 
 def test_an_emulated_run_paces_every_replica_and_raises_max_replicas():
