@@ -27,8 +27,8 @@ def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], s
     step's token)."""
     prefill = ctx = 0
     for req_id, n in so.num_scheduled_tokens.items():
-        req = requests[req_id]
-        if n == 1 and req.num_output_tokens > 0:
+        req = requests.get(req_id)
+        if req is not None and n == 1 and req.num_output_tokens > 0:
             ctx += req.num_computed_tokens
         else:
             prefill += n
