@@ -24,7 +24,6 @@ from engine.kv_events import KVEventLog
 from engine.limits import EngineLimits, check_request
 from engine.llm_engine import LLMEngine, Prompt, StepError
 from engine.outputs import StreamDelta
-from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.types import KVCacheSnapshot, KVEventsReply
 
@@ -287,23 +286,8 @@ class AsyncLLMEngine:
         """Only between steps: reads the scheduler and KV pool, which the step thread mutates."""
         st = self.engine.scheduler.make_stats()
         kv = self.engine.kv_cache_manager
-        bg_running = bg_waiting = bg_tokens = 0
-        requests = self.engine.scheduler.requests
-        for rid in self._background:             # usually none: only a warm-up's requests
-            req = requests.get(rid)
-            if req is None:                      # not queued yet, or already finished
-                continue
-            # as the scheduler counts them: a waiting (or preempted) prompt whole, a running one's prompt
-            # tokens not computed yet, one whose KV is loading from a tier none
-            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                bg_waiting += 1
-                bg_tokens += req.num_tokens
-            elif req.status is RequestStatus.WAITING_FOR_KV:
-                bg_waiting += 1
-            elif req.status is RequestStatus.RUNNING:
-                bg_running += 1
-                if req.num_output_tokens == 0:
-                    bg_tokens += max(0, req.num_tokens - req.num_computed_tokens)
+        # usually no background requests: only a warm-up's
+        bg_running, bg_waiting, bg_tokens = self.engine.scheduler.load_of(self._background)
         return EngineLoad(
             num_running_reqs=st.num_running_reqs, num_waiting_reqs=st.num_waiting_reqs,
             kv_cache_usage=st.kv_cache_usage, num_queued_prefill_tokens=st.num_queued_prefill_tokens,

@@ -7,6 +7,7 @@ resumption after preemption are all the same rule. No torch here.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.block_pool import KVCacheBlock
@@ -559,6 +560,26 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def load_of(self, req_ids: Iterable[str]) -> tuple[int, int, int]:
+        """(running, waiting, queued prefill tokens) of the requests `req_ids`, counted as make_stats counts
+        them for all requests: a waiting or preempted prompt whole, a running one's prompt tokens not computed
+        yet, one whose KV is loading from a tier as waiting without tokens. Ids not queued here are skipped."""
+        running = waiting = tokens = 0
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                waiting += 1
+                tokens += req.num_tokens
+            elif req.status is RequestStatus.WAITING_FOR_KV:
+                waiting += 1
+            elif req.status is RequestStatus.RUNNING:
+                running += 1
+                if req.num_output_tokens == 0:
+                    tokens += max(0, req.num_tokens - req.num_computed_tokens)
+        return running, waiting, tokens
 
     def make_stats(self) -> SchedulerStats:
         pc = self.kv.stats

@@ -114,9 +114,8 @@ def _request(c: httpx.Client, url: str, prompt: list[int], max_tokens: int, stre
 
 class SteadyLoad:
     """`workers` clients sending back to back, alternating SSE streams and plain requests (out of step with
-    each other); two of three
-    share one of 2 prefixes (affinity traffic), every third brings a new prefix (a new group, which a
-    replica that joined gets first)."""
+    each other); two of three share one of 2 prefixes (affinity traffic), every third brings a new prefix
+    (a new group, which a replica that joined gets first)."""
 
     def __init__(self, url: str, workers: int = 4):
         self.url = url

@@ -448,3 +448,25 @@ def test_steady_decode_leaves_no_gc_tracked_objects_behind():
     out = subprocess.run([sys.executable, "-c", _STEADY_DECODE_GC_PROBE], capture_output=True, text=True,
                          cwd=root, check=True)
     assert int(out.stdout.strip()) < 16
+
+
+def test_load_of_counts_requests_as_make_stats_does():
+    """Through chunked prefill and preemptions, load_of(every request) equals make_stats' running, waiting
+    and queued prefill tokens (the async engine uses it to count background requests apart), and a split
+    of the ids adds up."""
+    s = make_scheduler(num_blocks=12, max_num_batched_tokens=8)     # 11 usable blocks of 4: preemptions
+    for r, n in (("a", 18), ("b", 10), ("c", 14), ("d", 6)):
+        s.add_request(make_request(r, n, max_tokens=12))
+    seen_preemption = seen_chunk = False
+    while s.has_unfinished_requests():
+        so, _ = step(s, token_fn=_greedy)
+        seen_preemption |= bool(so.preempted_req_ids)
+        st = s.make_stats()
+        seen_chunk |= st.num_queued_prefill_tokens > 0 and st.num_running_reqs > 0
+        ids = list(s.requests)
+        assert s.load_of(ids) == (st.num_running_reqs, st.num_waiting_reqs, st.num_queued_prefill_tokens)
+        half = [s.load_of(ids[::2]), s.load_of(ids[1::2])]
+        assert tuple(map(sum, zip(*half))) == s.load_of(ids)
+    assert seen_preemption and seen_chunk
+    assert s.load_of(["gone", "a"]) == (0, 0, 0)                    # finished or unknown ids count nothing
+    assert_all_blocks_free(s)
