@@ -17,7 +17,10 @@ What is simulated around the policies, the same for both:
 - a new replica takes `--startup` seconds before it serves (paid from the moment it is requested);
   scale-in stops starting replicas first, then the newest (Serve's order), and a stopped replica drains:
   it gets no new requests and is released when its last request ends. A drain longer than
-  `--graceful-timeout` would have cut requests: those count as failed.
+  `--graceful-timeout` would have cut requests: those count as failed;
+- `--max-ongoing N`: Serve's per-replica cap (max_ongoing_requests): a replica holds at most N requests, the
+  rest wait at the caller (first come first served) for any replica with room, and count as queued at
+  callers. Off by default: every request is routed when it arrives.
 
 Ray's default rule, as ray/serve/autoscaling_policy.py (2.60) implements it: desired = ceil(total ongoing
 requests (look-back mean) / target_ongoing_requests); a change must persist for upscale_delay_s /
@@ -117,8 +120,9 @@ class EnginePolicy:
         self.look_back_s, self.metrics_interval_s = look_back_s, metrics_interval_s
         self.decisions: list[tuple[float, int, str]] = []     # (t, target, reason) whenever the count moves
 
-    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float) -> int:
-        d = decide(signals, current, now, self.state, self.cfg)
+    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float,
+                 queued: float = 0.0) -> int:
+        d = decide(signals, current, now, self.state, self.cfg, num_queued_at_callers=queued)
         self.state = d.state
         if d.target_replicas != current:
             self.decisions.append((round(now, 2), d.target_replicas, d.reason.value))
@@ -137,7 +141,8 @@ class RayDefaultPolicy:
         self.direction, self.since = 0, None
         self.decisions: list[tuple[float, int, str]] = []
 
-    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float) -> int:
+    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float,
+                 queued: float = 0.0) -> int:
         target = self.decide(total_ongoing, current, now)
         if target != current:
             self.decisions.append((round(now, 2), target, "requests"))
@@ -179,10 +184,12 @@ class ElasticRouter:
         self.core.set_replicas([ReplicaInfo(rid) for rid in self.active])
 
     def route(self, req_id: str, hashes: list[BlockHash], num_prompt_tokens: int, max_tokens: int,
-              now: float) -> tuple[int, list[tuple[str, int]]]:
-        """The chosen replica's index and the decision's most_cached() (the shell sends it along)."""
+              now: float, candidates: list[int]) -> tuple[int, list[tuple[str, int]]]:
+        """The chosen replica's index among `candidates` (routable replicas with room) and the decision's
+        most_cached() (the shell sends it along)."""
         self.now = now
-        d = self.core.route(RouteRequest(req_id, hashes, num_prompt_tokens, max_tokens), self.active)
+        d = self.core.route(RouteRequest(req_id, hashes, num_prompt_tokens, max_tokens),
+                            [f"r{k}" for k in candidates])
         return int(d.chosen[1:]), d.most_cached(2)
 
     def feed(self, k: int, rep: SimReplica, now: float) -> None:
@@ -211,6 +218,9 @@ class SimConfig:
     feed_s: float = 0.5
     graceful_timeout_s: float = 20.0
     ttft_slo_s: float = 1.0
+    #: requests a replica holds at once (Serve's max_ongoing_requests); the rest wait at the caller, first come
+    #: first served, and count as queued at callers. 0: no cap, every request is routed when it arrives
+    max_ongoing: int = 0
 
 
 @dataclass
@@ -264,6 +274,14 @@ class AutoscaleSim:
     def routable(self) -> list[int]:
         return [k for k, r in enumerate(self.reps) if r.stopped_at is None and r.draining_since is None
                 and r.ready_at <= self.now]
+
+    def with_room(self) -> list[int]:
+        cap = self.cfg.max_ongoing
+        return [k for k in self.routable() if cap <= 0 or self.reps[k].ongoing < cap]
+
+    def dispatch_waiting(self) -> None:
+        while self.pending and self.with_room():
+            self.dispatch(self.pending.popleft())
 
     def target_count(self) -> int:
         return sum(1 for r in self.reps if r.stopped_at is None and r.draining_since is None)
@@ -324,7 +342,7 @@ class AutoscaleSim:
 
     def on_release(self, i: int) -> None:
         self.release[i] = self.now
-        if not self.routable():
+        if self.pending or not self.with_room():
             self.pending.append(i)
             return
         self.dispatch(i)
@@ -332,7 +350,7 @@ class AutoscaleSim:
     def dispatch(self, i: int) -> None:
         r = self.trace.requests[i]
         k, self.cached_on[i] = self.router.route(r.req_id, self.hashes[i], len(r.prompt_token_ids),
-                                                 len(r.output_token_ids), self.now)
+                                                 len(r.output_token_ids), self.now, self.with_room())
         rep = self.reps[k]
         rep.ongoing += 1
         self.where[i] = k
@@ -371,6 +389,8 @@ class AutoscaleSim:
         if rep.draining_since is not None and rep.ongoing == 0 and rep.stopped_at is None:
             rep.stopped_at = self.now
         self.start_step(k)
+        if res.finished_ids:                     # after this replica's next step is set going (dispatch would
+            self.dispatch_waiting()              # start one on an idle replica)
 
     def on_ready(self, k: int) -> None:
         rep = self.reps[k]
@@ -378,8 +398,7 @@ class AutoscaleSim:
             return
         self.router.set_active(self.routable())
         self.push(self.now, _FEED, k)
-        while self.pending:
-            self.dispatch(self.pending.popleft())
+        self.dispatch_waiting()
 
     def on_feed(self, k: int) -> None:
         rep = self.reps[k]
@@ -426,7 +445,8 @@ class AutoscaleSim:
         total_ongoing += len(self.pending)
         current = self.target_count()
         target = max(self.cfg.min_replicas, min(self.cfg.max_replicas,
-                                                self.policy(signals, total_ongoing, current, self.now)))
+                                                self.policy(signals, total_ongoing, current, self.now,
+                                                            float(len(self.pending)))))
         if target > current:
             self.provision(target - current)
         elif target < current:
@@ -471,7 +491,8 @@ class AutoscaleSim:
             policy=self.policy.name, role=self.policy.role, num_requests=len(reqs), ttft_slo_attainment=float(ok.mean()),
             ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
             replica_seconds=float(rep_s), recover_s=float(recover), failed=failed,
-            max_replicas_seen=max(s[1] for s in self.series), hit_rate=float(self.cached.sum() / prompt.sum()),
+            max_replicas_seen=max((s[1] for s in self.series), default=self.cfg.min_replicas),
+            hit_rate=float(self.cached.sum() / prompt.sum()),
             wall_s=wall_s, replica_seconds_before_quiet=float(rep_s_before_quiet),
             timeline={"bin_s": BIN_S, "bins": bins[:-1].tolist(), "arrivals_per_s": arrivals,
                       "attainment": att, "ttft_p90_s": p90, "t": t.tolist(),
@@ -594,6 +615,10 @@ def main() -> None:
     p.add_argument("--downscale-delay", type=float, default=30.0, help="ours and the tuned Serve rows")
     p.add_argument("--targets", default="8,16,32", help="tuned Serve rows' target_ongoing_requests values")
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-ongoing", type=int, default=0,
+                   help="requests one replica holds at once (Serve's max_ongoing_requests; the app's default is "
+                        "64); the rest wait at the caller, first come first served, and reach our policy as "
+                        "queued at callers. 0 (default): no cap, every request is routed when it arrives")
     p.add_argument("--out-dir", default="benchmarks/autoscale-results")
     a = p.parse_args()
     a.targets = [float(x) for x in a.targets.split(",") if x]
@@ -622,7 +647,8 @@ def main() -> None:
             else:
                 trace = shaped_trace(n, a.duration, a.peak_load, seed, say)
                 write_trace(trace, cached)
-            cfg = SimConfig(min_replicas=a.min_replicas, max_replicas=n, startup_s=a.startup, ttft_slo_s=a.ttft_slo)
+            cfg = SimConfig(min_replicas=a.min_replicas, max_replicas=n, startup_s=a.startup, ttft_slo_s=a.ttft_slo,
+                            max_ongoing=a.max_ongoing)
             results = []
             for pol in policies(cfg, spec, timing, a):
                 res = AutoscaleSim(trace, pol, cfg, spec, timing, seed).run()
