@@ -92,7 +92,7 @@ class EngineConfig(_Strict):
     model: str = Field(..., description="local Hugging Face checkpoint directory")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
     linear_backend: Literal["auto", "torch", "onednn"] = Field(
         "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode), 'torch' uses F.linear; "
                             "auto picks onednn for float32 on CPU when the torch build has oneDNN")

@@ -17,6 +17,13 @@ settings.register_profile("explore", max_examples=3000, derandomize=False, print
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Without CUDA, the Triton attention kernels run on CPU tensors through Triton's interpreter, which has to
+# be chosen before triton is first imported (its own library functions are jitted at import).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

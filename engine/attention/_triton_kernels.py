@@ -1,0 +1,86 @@
+"""The Triton kernels of engine/attention/triton_paged.py (see its docstring). A module of its own, imported
+on first use: Triton picks compiler or interpreter (TRITON_INTERPRET) when it decorates, and a kernel finds
+the jitted helpers it calls among its module's globals."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def key_tile(q, k_head, v_head, bt_row, t, t_mask, keep, d, s_kb, s_kt, scale, m_i, l_i, acc,
+             D: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+    """One tile of keys `t` (read through the block table row `bt_row`) into the online softmax:
+    scores where `keep`, the running max `m_i`, denominator `l_i` and output `acc` rescaled."""
+    blk = tl.load(bt_row + t // BS, mask=t_mask, other=0).to(tl.int64)
+    rows = blk * s_kb + (t % BS) * s_kt
+    kv_mask = t_mask[:, None] & (d < D)[None, :]
+    k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def decode(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_ot, s_oh, s_kh, s_kb, s_kt, s_bt,
+           scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+           BS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + r)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gd_mask = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + r * s_qt + (h * G + g)[:, None] * s_qh + d[None, :], mask=gd_mask, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_head = k_ptr + h.to(tl.int64) * s_kh              # a layer's cache can pass 2**31 elements
+    v_head = v_ptr + h.to(tl.int64) * s_kh
+    for start in range(0, seq_len, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        t_mask = t < seq_len
+        m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, t_mask[None, :], d, s_kb,
+                                 s_kt, scale, m_i, l_i, acc, D, BS, PREC)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + r * s_ot + (h * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=gd_mask)
+
+
+@triton.jit
+def prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, first_req, s_qt, s_qh, s_ot, s_oh,
+            s_kh, s_kb, s_kt, s_bt, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    r = first_req + tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + r)
+        ctx = seq_len - q_len
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        qd_mask = (i < q_len)[:, None] & (d < D)[None, :]
+        q = tl.load(q_ptr + (q_start + i)[:, None] * s_qt + h * s_qh + d[None, :], mask=qd_mask, other=0.0)
+        pos = ctx + i                                    # each query row's position in its sequence
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kvh = h // G
+        k_head = k_ptr + kvh.to(tl.int64) * s_kh
+        v_head = v_ptr + kvh.to(tl.int64) * s_kh
+        end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)    # no key after the tile's last row
+        for start in range(0, end, BLOCK_N):                 # key 0 is in the first tile of every row
+            t = start + tl.arange(0, BLOCK_N)
+            t_mask = t < end
+            keep = t_mask[None, :] & (t[None, :] <= pos[:, None])
+            m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, keep, d, s_kb, s_kt,
+                                     scale, m_i, l_i, acc, D, BS, PREC)
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + (q_start + i)[:, None] * s_ot + h * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=qd_mask)
