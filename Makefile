@@ -11,7 +11,7 @@ REPLICAS ?= 2
 PYTEST_ARGS ?=
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast test-explore bench clean
+.PHONY: venv serve test test-fast test-explore bench gpu-wheels test-gpu bench-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,24 @@ bench: venv
 	$(PIP) install -q -e ".[bench]" "$(TORCH_PIN)"
 	$(PY) benchmarks/scheduler_step.py
 	$(PY) benchmarks/engine_throughput.py
+
+# A GPU machine (issue 12's: CUDA torch, transformers and triton installed, no Ray, no network) runs the GPU
+# tests and the GPU benchmark with its own Python. `make gpu-wheels` (here, with the network) downloads what its
+# Python lacks into $(GPU_WHEELS) (pure-Python, plus pydantic-core for CPython 3.12: a few MiB) to carry there.
+GPU_PY ?= python3
+GPU_WHEELS ?= gpu-wheels
+GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis
+
+gpu-wheels: venv
+	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
+
+test-gpu:
+	if [ -d $(GPU_WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS); fi
+	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
+
+bench-gpu:
+	$(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

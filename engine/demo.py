@@ -49,11 +49,12 @@ def write_demo_model(path: str | Path, *, arch: str = "llama", hidden_size: int 
                      vocab_size: int | None = None, max_position_embeddings: int = 2048,
                      tie_word_embeddings: bool = False, rope_theta: float = 10000.0,
                      rope_scaling: dict | None = None, init_std: float = 0.1, seed: int = 0,
-                     shards: int = 1) -> Path:
+                     shards: int = 1, dtype: str = "float32") -> Path:
     """Write a checkpoint directory and return its path.
 
     vocab_size defaults to the tokenizer's size; a larger value pads the embedding (ids the tokenizer
     cannot decode are then possible). init_std is larger than usual so random logits have clear winners.
+    dtype ("float32", "bfloat16", "float16") is the stored weights' type (config.json's torch_dtype).
     """
     import torch
     from safetensors.torch import save_file
@@ -61,6 +62,8 @@ def write_demo_model(path: str | Path, *, arch: str = "llama", hidden_size: int 
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -75,7 +78,7 @@ def write_demo_model(path: str | Path, *, arch: str = "llama", hidden_size: int 
         "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
         "hidden_act": "silu", "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6,
-        "rope_theta": rope_theta, "tie_word_embeddings": tie_word_embeddings, "torch_dtype": "float32",
+        "rope_theta": rope_theta, "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype,
         "bos_token_id": tok.token_to_id("<s>"), "eos_token_id": tok.token_to_id("<|im_end|>"),
         "pad_token_id": tok.token_to_id("<pad>"), "initializer_range": init_std,
         "attention_bias": False, "mlp_bias": False,
@@ -93,7 +96,7 @@ def write_demo_model(path: str | Path, *, arch: str = "llama", hidden_size: int 
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * init_std
+        return (torch.randn(*shape, generator=g) * init_std).to(getattr(torch, dtype))
 
     kv = num_kv_heads * head_dim
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(vocab, hidden_size)}

@@ -1,0 +1,189 @@
+"""GPU throughput: our engine vs transformers `generate` on the same GPU, in one process.
+
+The model is Llama-3.2-1B-shaped (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192, vocab
+128256, tied embeddings, llama3 RoPE) with random bf16 weights written on the machine (no download). Cases,
+greedy, new tokens forced (no EOS), best of --reps, interleaved A/B:
+  batch 1, 32 and 128 x 512-token prompts -> 128 new tokens; and 32 x (512 shared + 32 unique) -> 128.
+Reports output tokens/s for both, the ratio, and our decode step time (all sequences decoding, measured
+over the steps after the last prefill) against the memory-bandwidth floor: the bytes one decode step must
+read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
+measured in the same run ((read + write bytes) / time of a large device-to-device copy).
+
+    python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--reps 2] [--json out.json]
+    python benchmarks/engine_throughput_gpu.py --device cpu --tiny          # smoke-tests the script on CPU
+
+Targets (issue 12): >= 2x transformers at batch 32, >= 1.2x at batch 1, decode step at batch 1 within 2x of
+the bandwidth floor.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                init_std=0.02)
+TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, vocab_size=1024,
+            max_position_embeddings=2048, tie_word_embeddings=True, init_std=0.02)
+
+
+def cases(tiny: bool) -> list[tuple[str, int, int, int, int]]:
+    """(name, batch, shared prefix, prompt tokens after it, new tokens)."""
+    if tiny:
+        return [("batch 1, 32 -> 8", 1, 0, 32, 8), ("batch 4, 32 -> 8", 4, 0, 32, 8),
+                ("4 x (32 shared + 8) -> 8", 4, 32, 8, 8)]
+    return [("batch 1, 512 -> 128", 1, 0, 512, 128), ("batch 32, 512 -> 128", 32, 0, 512, 128),
+            ("batch 128, 512 -> 128", 128, 0, 512, 128), ("32 x (512 shared + 32) -> 128", 32, 512, 32, 128)]
+
+
+def prompts(n: int, plen: int, prefix: int, vocab: int, seed: int = 123) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    pre = torch.randint(3, vocab, (prefix,), generator=g).tolist()
+    return [pre + torch.randint(3, vocab, (plen,), generator=g).tolist() for _ in range(n)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """(read + write) bytes per second of a device-to-device copy of `nbytes`, best of 5."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * 4 / best
+
+
+def run_hf(model, ps: list[list[int]], new: int, device: torch.device) -> float:
+    ids = torch.tensor(ps, device=device)
+    sync(device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - t
+
+
+def run_ours(llm, ps: list[list[int]], new: int) -> tuple[float, float, int]:
+    """(total seconds, mean decode step seconds once every sequence decodes, decode steps measured)."""
+    from engine import SamplingParams
+    eng = llm.engine
+    assert eng.reset_prefix_cache()
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
+    t0 = time.perf_counter()
+    for i, p in enumerate(ps):
+        eng.add_request(f"b{i}", p, params)
+    produced = {f"b{i}": 0 for i in range(len(ps))}
+    decode_t, decode_steps = 0.0, 0
+    while eng.has_unfinished_requests():
+        all_decoding = all(n >= 1 for n in produced.values())
+        t = time.perf_counter()
+        out = eng.step()
+        dt = time.perf_counter() - t                        # the step returns sampled ids to the host: synced
+        for d in out.deltas:
+            produced[d.request_id] += len(d.token_ids)
+        if all_decoding and out.deltas and all(len(d.token_ids) == 1 for d in out.deltas):
+            decode_t += dt
+            decode_steps += 1
+    total = time.perf_counter() - t0
+    assert all(n == new for n in produced.values()), produced
+    return total, decode_t / max(decode_steps, 1), decode_steps
+
+
+def floor_bytes(model: torch.nn.Module, cfg: dict, contexts: list[int], elem: int) -> int:
+    """Bytes one decode step must read: every parameter once (a tied embedding is read once, as the lm_head;
+    the embedding lookup itself reads a row per sequence) plus each sequence's K and V."""
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    head_dim = cfg["hidden_size"] // cfg["num_heads"]
+    kv = sum(contexts) * cfg["num_layers"] * 2 * cfg["num_kv_heads"] * head_dim
+    return (params + kv) * elem
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--backend", default="auto", help="our attention_backend: auto | triton | torch | flash")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and short cases (smoke test)")
+    ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="our KV pool (transformers needs the rest)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --device cpu --tiny to check the script")
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from engine.demo import write_demo_model
+
+    cfg = TINY if args.tiny else LLAMA_1B
+    dt = getattr(torch, args.dtype)
+    say = lambda msg: print(f"[engine_throughput_gpu] {msg}", flush=True)  # noqa: E731
+    tmp = tempfile.mkdtemp(prefix="affinity-gpu-bench-")
+    say(f"writing the {'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model ({args.dtype}) to {tmp} ...")
+    path = write_demo_model(tmp, dtype=args.dtype, **cfg)
+    say("loading transformers ...")
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dt).to(device).eval()
+    say(f"loading ours (attention_backend={args.backend}) ...")
+    llm = LLM(path, device=args.device, dtype=args.dtype, attention_backend=args.backend,
+              cache={"block_size": 16, "memory_budget_bytes": int(args.kv_budget_gib * 2 ** 30)},
+              scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 256})
+    backend = llm.engine.runner.backend.name
+    bw = copy_bandwidth(device, 64 * 2 ** 20 if args.tiny else 2 * 2 ** 30)
+    say(f"backend {backend}; device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    say("warming up ...")
+    warm = prompts(2, 16, 0, cfg["vocab_size"])
+    run_hf(hf, warm, 4, device)
+    run_ours(llm, warm, 4)
+    rows = []
+    for name, batch, prefix, plen, new in cases(args.tiny):
+        ps = prompts(batch, plen, prefix, cfg["vocab_size"])
+        best_hf, best_ours, step = float("inf"), float("inf"), float("inf")
+        for rep in range(args.reps):
+            t_hf = run_hf(hf, ps, new, device)
+            t_ours, t_step, n_steps = run_ours(llm, ps, new)
+            best_hf, best_ours, step = min(best_hf, t_hf), min(best_ours, t_ours), min(step, t_step)
+            say(f"{name} rep {rep + 1}/{args.reps}: transformers {t_hf:.2f}s, ours {t_ours:.2f}s "
+                f"(decode step {t_step * 1e3:.2f} ms over {n_steps} steps)")
+        # the floor at the mean context of the measured decode steps (prompt + half the new tokens)
+        ctx = [prefix + plen + new // 2] * batch
+        floor = floor_bytes(llm.engine.runner.model, cfg, ctx, dt.itemsize) / bw
+        n = batch * new
+        rows.append({"case": name, "hf_tok_s": round(n / best_hf, 1), "ours_tok_s": round(n / best_ours, 1),
+                     "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 3),
+                     "floor_ms": round(floor * 1e3, 3), "step_over_floor": round(step / floor, 2)})
+    hdr = (f"{'case':<32} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
+           f"{'floor ms':>9} {'step/floor':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['case']:<32} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
+              f"{r['decode_step_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['step_over_floor']:>9.2f}x")
+    if args.json:
+        dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        args.json.write_text(json.dumps({"device": dev_name, "dtype": args.dtype, "backend": backend,
+                                         "copy_bandwidth_gb_s": round(bw / 1e9, 1), "reps": args.reps,
+                                         "torch": torch.__version__, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

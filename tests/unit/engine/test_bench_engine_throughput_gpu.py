@@ -1,0 +1,44 @@
+"""benchmarks/engine_throughput_gpu.py (the GPU throughput benchmark) runs end to end on CPU with --tiny, so
+the script is known to work before a GPU session spends its time on it; and its bandwidth floor counts
+what a decode step must read."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_the_gpu_benchmark_runs_on_cpu_tiny_and_writes_its_rows(tmp_path):
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
+                        "--tiny", "--reps", "1", "--dtype", "float32", "--json", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cpu" and doc["backend"] == "torch" and doc["copy_bandwidth_gb_s"] > 0
+    assert [row["case"] for row in doc["rows"]] == ["batch 1, 32 -> 8", "batch 4, 32 -> 8",
+                                                    "4 x (32 shared + 8) -> 8"]
+    for row in doc["rows"]:
+        assert row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0 and row["decode_step_ms"] > 0
+        # the ratio is computed before rounding; the tiny model's floor is ~0.03 ms, so 3 decimals cost a few %
+        assert row["step_over_floor"] == pytest.approx(row["decode_step_ms"] / row["floor_ms"], rel=0.05)
+    assert "step/floor" in r.stdout
+
+
+def test_floor_bytes_reads_each_weight_once_and_every_sequences_kv():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.engine_throughput_gpu import floor_bytes
+
+    emb = torch.nn.Embedding(10, 4)
+    model = torch.nn.Module()
+    model.embed, model.head = emb, torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = emb.weight                               # tied: counted once
+    cfg = dict(hidden_size=4, num_heads=2, num_kv_heads=1, num_layers=3)
+    # 40 parameters + contexts 5 + 7 tokens x 3 layers x (K, V) x 1 KV head x head dim 2, at 2 bytes each
+    assert floor_bytes(model, cfg, [5, 7], 2) == (40 + 12 * 3 * 2 * 1 * 2) * 2
