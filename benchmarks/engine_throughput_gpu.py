@@ -9,7 +9,8 @@ over the steps after the last prefill) against the memory-bandwidth floor: the b
 read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
 measured in the same run ((read + write bytes) / time of a large device-to-device copy).
 
-    python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--reps 2] [--json out.json]
+    python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
+        [--json out.json]
     python benchmarks/engine_throughput_gpu.py --device cpu --tiny          # smoke-tests the script on CPU
 
 Targets (issue 12): >= 2x transformers at batch 32, >= 1.2x at batch 1, decode step at batch 1 within 2x of
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--backend", default="auto", help="our attention_backend: auto | triton | torch | flash")
+    ap.add_argument("--enforce-eager", action="store_true", help="ours without CUDA-graph decode")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short cases (smoke test)")
     ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="our KV pool (transformers needs the rest)")
@@ -145,11 +147,13 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dt).to(device).eval()
     say(f"loading ours (attention_backend={args.backend}) ...")
     llm = LLM(path, device=args.device, dtype=args.dtype, attention_backend=args.backend,
+              enforce_eager=args.enforce_eager,
               cache={"block_size": 16, "memory_budget_bytes": int(args.kv_budget_gib * 2 ** 30)},
               scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 256})
     backend = llm.engine.runner.backend.name
+    graphs = llm.engine.runner.decode_graphs is not None
     bw = copy_bandwidth(device, 64 * 2 ** 20 if args.tiny else 2 * 2 ** 30)
-    say(f"backend {backend}; device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    say(f"backend {backend}, CUDA-graph decode {'on' if graphs else 'off'}; device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     say("warming up ...")
     warm = prompts(2, 16, 0, cfg["vocab_size"])
     run_hf(hf, warm, 4, device)
@@ -181,7 +185,8 @@ def main() -> None:
     if args.json:
         dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": dev_name, "dtype": args.dtype, "backend": backend,
-                                         "copy_bandwidth_gb_s": round(bw / 1e9, 1), "reps": args.reps,
+                                         "cuda_graphs": graphs, "copy_bandwidth_gb_s": round(bw / 1e9, 1),
+                                         "reps": args.reps,
                                          "torch": torch.__version__, "rows": rows}, indent=2))
 
 

@@ -99,6 +99,10 @@ class EngineConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    enforce_eager: bool = Field(
+        False, description="CUDA: run every step eagerly; by default decode-only steps replay CUDA graphs "
+                           "captured at start-up for batch sizes up to scheduler.max_num_seqs (<= 256), with the "
+                           "triton attention backend")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel on CPU; falls back to pure torch when no compiler is found")

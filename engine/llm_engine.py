@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_sizes
 from engine.errors import EngineError, InvalidRequestError
 from engine.hashing import BlockHash, check_block_hashes
 from engine.kv_cache_manager import KVCacheManager
@@ -100,6 +101,14 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
                                   device=self.device, dtype=self.dtype, seed=config.seed,
                                   kv_connector=connector[1] if connector is not None else None)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if backend.name == "triton":
+                self.runner.decode_graphs = DecodeGraphs(
+                    model, self.runner.kv_caches, backend, graph_sizes(config.scheduler.max_num_seqs),
+                    -(-self.max_model_len // block_size), block_size, self.device)
+            else:
+                logger.info("CUDA-graph decode needs attention_backend triton (the %s backend reads Python-side "
+                            "lengths); decode runs eager", backend.name)
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
         self.last_stats = SchedulerStats()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, build_attention_metadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_connector.base import KVConnectorWorker
 from engine.models.config import ModelArgs
 from engine.sampler import Sampler, SamplingInfo, gather_logprobs
@@ -56,6 +57,8 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler(seed, device)
         self.kv_connector = kv_connector
+        #: set by the engine on CUDA (engine/cuda_graphs.py): decode-only steps replay a captured graph
+        self.decode_graphs: DecodeGraphs | None = None
         if kv_connector is not None:
             from engine.kv_connector.worker import block_view_permutation
             kv_connector.register_kv_caches(self.kv_caches, block_view_permutation(backend.kv_cache_shape))
@@ -118,7 +121,11 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampling.append(st)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(meta):
+            hidden = graphs.run(input_ids, meta)
+        else:
+            hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         for st, start, n in zip(states, computed, num_sched):
             st.num_computed_tokens = start + n
         prompt_logprobs = self._gather_prompt_logprobs(hidden, prompt_chunks) if prompt_chunks else None

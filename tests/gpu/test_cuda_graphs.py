@@ -1,0 +1,59 @@
+"""CUDA-graph decode on a real GPU (issue 12, part 3): graphs are captured at start-up with the Triton
+backend, decode steps replay them (padded to the next captured size) with transformers' tokens in float32
+and the eager run's tokens in bfloat16; `enforce_eager` switches them off. Skipped without CUDA."""
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 700) for _ in range(rng.randint(2, 80))] for _ in range(n)]
+
+
+def _llm(path, dtype, **kw):
+    pytest.importorskip("triton", reason="needs the triton package")
+    from engine import LLM
+    return LLM(path, device="cuda", dtype=dtype, attention_backend="triton", scheduler={"max_num_seqs": 32}, **kw)
+
+
+def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, hf_reference):
+    from engine import SamplingParams
+
+    path = checkpoints["llama"]
+    llm = _llm(path, "float32")
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4, 8, 16, 24, 32]
+    prompts = _prompts(11)
+    params = [SamplingParams(max_tokens=5 + 3 * i, **GREEDY) for i in range(11)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 5 + 3 * i) for i, p in enumerate(prompts)]
+    assert graphs.num_replays > 20
+    pool = llm.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
+    from engine import SamplingParams
+
+    path = checkpoints["qwen2"]
+    prompts = _prompts(20, seed=1)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    graphed = _llm(path, "bfloat16")
+    eager = _llm(path, "bfloat16", enforce_eager=True)
+    assert graphed.engine.runner.decode_graphs is not None and eager.engine.runner.decode_graphs is None
+    a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert a == b and graphed.engine.runner.decode_graphs.num_replays > 0
+
+
+def test_torch_backend_on_cuda_runs_eager(checkpoints):
+    from engine import LLM
+    llm = LLM(checkpoints["llama"], device="cuda", dtype="float32", attention_backend="torch")
+    assert llm.engine.runner.decode_graphs is None
