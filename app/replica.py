@@ -219,7 +219,7 @@ class LLMReplica:
         return {"replica_id": self.replica_id, "num_free_blocks": load.num_free_blocks,
                 "num_blocks": load.num_blocks, "num_requests": load.num_requests,
                 "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats(),
-                "autoscaling": self.record_autoscaling_stats(),
+                "autoscaling": self.record_autoscaling_stats(), "signal_totals": dict(self.signals.totals),
                 # the KV connector's cumulative counters (lookups, hit/loaded/stored blocks, failures)
                 "kv_connector": dataclasses.asdict(conn) if conn is not None else None}
 

@@ -63,13 +63,18 @@ class SignalRecorder:
         self._first: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
         self._preempt: deque[tuple[float, int]] = deque(maxlen=max_samples)         # (t, preemptions total)
+        #: lifetime sums of what on_first_token saw (for inspection: debug_state, tests), never windowed
+        self.totals = {"num_first_tokens": 0, "uncached_prompt_tokens": 0, "refilled_tokens": 0}
 
     def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int,
                        num_refilled_tokens: int = 0) -> None:
         """`num_refilled_tokens`: of the uncached tokens, those the router predicted another replica held
         (`refilled_tokens`)."""
-        self._first.append((now, ttft_s, num_uncached_prompt_tokens,
-                            max(0, min(num_refilled_tokens, num_uncached_prompt_tokens))))
+        refilled = max(0, min(num_refilled_tokens, num_uncached_prompt_tokens))
+        self._first.append((now, ttft_s, num_uncached_prompt_tokens, refilled))
+        self.totals["num_first_tokens"] += 1
+        self.totals["uncached_prompt_tokens"] += num_uncached_prompt_tokens
+        self.totals["refilled_tokens"] += refilled
 
     def on_finished(self, now: float, decode_s: float, num_output_tokens: int) -> None:
         """A sequence ended: `decode_s` from its first to its last token over `num_output_tokens` tokens."""

@@ -10,6 +10,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+#: a tiny test model needs a few KiB per block: the default budget (80% of free GPU memory) would build a pool
+#: of tens of millions of blocks, seconds and GBs of host memory per engine
+SMALL_KV = 256 << 20
 
 
 def _prompts(n, seed=0):
@@ -20,7 +23,8 @@ def _prompts(n, seed=0):
 def _llm(path, dtype, **kw):
     pytest.importorskip("triton", reason="needs the triton package")
     from engine import LLM
-    return LLM(path, device="cuda", dtype=dtype, attention_backend="triton", scheduler={"max_num_seqs": 32}, **kw)
+    return LLM(path, device="cuda", dtype=dtype, attention_backend="triton", scheduler={"max_num_seqs": 32},
+               cache={"memory_budget_bytes": SMALL_KV}, **kw)
 
 
 def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, hf_reference):
@@ -43,7 +47,7 @@ def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
     from engine import SamplingParams
 
     path = checkpoints["qwen2"]
-    prompts = _prompts(20, seed=1)
+    prompts = _prompts(24, seed=1)             # a captured size: the graph's GEMMs see the eager run's rows
     params = SamplingParams(max_tokens=24, **GREEDY)
     graphed = _llm(path, "bfloat16")
     eager = _llm(path, "bfloat16", enforce_eager=True)
@@ -55,5 +59,6 @@ def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
 
 def test_torch_backend_on_cuda_runs_eager(checkpoints):
     from engine import LLM
-    llm = LLM(checkpoints["llama"], device="cuda", dtype="float32", attention_backend="torch")
+    llm = LLM(checkpoints["llama"], device="cuda", dtype="float32", attention_backend="torch",
+              cache={"memory_budget_bytes": SMALL_KV})
     assert llm.engine.runner.decode_graphs is None

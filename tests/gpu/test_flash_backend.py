@@ -26,7 +26,7 @@ def test_torch_backend_on_gpu_matches_transformers(checkpoints, hf_reference):
 
     path = checkpoints["qwen2"]
     ids = [11, 22, 33, 44, 55, 66, 77]
-    llm = LLM(path, device="cuda", dtype="float32", attention_backend="torch")
+    llm = LLM(path, device="cuda", dtype="float32", attention_backend="torch", cache={"num_blocks": 64})
     out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_reference(path, ids, 8)
 

@@ -101,28 +101,42 @@ def test_the_replica_a_held_prefix_spills_to_reports_recomputing_it_as_a_refill(
     """The router sends along what the fleet holds of each prompt (GenerateRequest.fleet_cached_tokens): the
     replica a hot prefix spills to recomputes the 64 tokens the other holds and reports them as refills,
     which the autoscaler does not count as lasting load."""
+    def held() -> dict[str, dict[str, int]]:             # per ingress replica: blocks its index puts on each
+        return {ing: {rid: r["num_held_blocks"] for rid, r in st["routers"][0]["replicas"].items()}
+                for ing, st in _states().items()}
+
+    before = held()
     with httpx.Client(timeout=60) as c:
         holder = _post(c, url, _prompt(4, 64, 0))["system_fingerprint"].removeprefix("replica:")
-    wait_until(lambda: all(st["routers"][0]["replicas"][holder]["num_held_blocks"] >= 16
-                           for st in _states().values()), 5, "the prefix in both indexes")
+    # 16 more blocks (the 64-token prefix) in both indexes: earlier tests' blocks already count there, so an
+    # absolute count could pass before the new prefix was indexed (the spills then carried no prediction)
+    wait_until(lambda: all(now[holder] >= before[ing][holder] + 16 for ing, now in held().items()), 5,
+               "the prefix in both indexes")
+
+    def refilled() -> dict[str, int]:                   # per model replica: refilled tokens so far (lifetime)
+        states: dict[str, int] = {}
+        for _ in range(40):
+            s = _model_replicas().debug_state.remote().result(timeout_s=30)
+            states[s["replica_id"]] = s["signal_totals"]["refilled_tokens"]
+            if len(states) == 2:
+                return states
+        raise AssertionError(f"debug_state reached only {sorted(states)}")
 
     async def go():
         async with httpx.AsyncClient(timeout=120) as c:
             return await asyncio.gather(*[c.post(f"{url}/v1/completions", json={
                 "prompt": _prompt(4, 64, i), "max_tokens": 24, "ignore_eos": True}) for i in range(1, 25)])
+    start = refilled()
     rs = asyncio.run(go())
     assert all(r.status_code == 200 for r in rs)
     others = {r.json()["system_fingerprint"].removeprefix("replica:") for r in rs} - {holder}
     assert len(others) == 1, others                                # it spilled
-    states: dict[str, dict] = {}
-    for _ in range(40):
-        s = _model_replicas().debug_state.remote().result(timeout_s=30)
-        states[s["replica_id"]] = s
-        if len(states) == 2:
-            break
     (other,) = others
-    window_s = 10.0                                                # the replicas' SignalRecorder window
-    assert states[other]["autoscaling"]["refill_tokens_per_s"] * window_s >= 64, states[other]["autoscaling"]
+    # lifetime totals, compared before and after: the rate (refill_tokens_per_s) covers only the last 10 s,
+    # which a slow machine can have left behind by now (the rate is unit-tested in test_signals.py)
+    end = refilled()
+    assert end[other] - start[other] >= 64, (start, end)        # the spill recomputed the held prefix
+    assert end[holder] == start[holder], (start, end)            # the holder had it: no refill there
 
 
 def test_reset_prefix_cache_reaches_the_routers_index_within_a_few_periods(url):

@@ -57,6 +57,8 @@ def test_refills_are_the_recomputed_tokens_the_fleet_held_and_are_reported_apart
     s = r.snapshot(5.0, **LOAD, num_preemptions_total=0)         # 3 arrivals, the oldest 4 s old: 16/3 s
     assert s.prefill_tokens_per_s == pytest.approx(210 * 3 / 16)
     assert s.refill_tokens_per_s == pytest.approx(70 * 3 / 16)
+    r.snapshot(100.0, **LOAD, num_preemptions_total=0)           # the window has moved on; the totals stay
+    assert r.totals == {"num_first_tokens": 3, "uncached_prompt_tokens": 210, "refilled_tokens": 70}
 
 
 def test_rates_cover_the_time_since_the_oldest_first_token_and_at_least_half_the_window():
