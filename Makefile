@@ -49,18 +49,22 @@ bench: venv
 # Python lacks into $(GPU_WHEELS) (pure-Python, plus pydantic-core for CPython 3.12: a few MiB) to carry there.
 GPU_PY ?= python3
 GPU_WHEELS ?= gpu-wheels
+GPU_SITE ?= .gpu-site
 GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis
+# installed beside that Python's own packages (--target: no upgrade of what it has, no system-install refusal)
+GPU_ENV := PYTHONPATH=$(GPU_SITE):$$PYTHONPATH
 
 gpu-wheels: venv
 	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
 
 test-gpu:
-	if [ -d $(GPU_WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) $(GPU_DEPS); fi
-	$(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
+	if [ -d $(GPU_WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) \
+		--target $(GPU_SITE) $(GPU_DEPS); fi
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
 
 bench-gpu:
-	$(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
+	$(GPU_ENV) $(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
