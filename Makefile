@@ -11,7 +11,7 @@ REPLICAS ?= 2
 PYTEST_ARGS ?=
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast test-explore bench gpu-wheels test-gpu bench-gpu clean
+.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -48,22 +48,27 @@ bench: venv
 # tests and the GPU benchmark with its own Python. `make gpu-wheels` (here, with the network) downloads what its
 # Python lacks into $(GPU_WHEELS) (pure-Python, plus pydantic-core for CPython 3.12: a few MiB) to carry there.
 GPU_PY ?= python3
+GPU_PYVER ?= 3.12
 GPU_WHEELS ?= gpu-wheels
 GPU_SITE ?= .gpu-site
 GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis
-# installed beside that Python's own packages (--target: no upgrade of what it has, no system-install refusal)
+# Installed into $(GPU_SITE) (--target: that Python's own installs are left alone, and no "externally managed"
+# refusal), which goes first on PYTHONPATH: where it holds a newer copy of a shared dependency
+# (typing_extensions, packaging), that copy is the one imported.
 GPU_ENV := PYTHONPATH=$(GPU_SITE):$$PYTHONPATH
 
 gpu-wheels: venv
-	$(PIP) download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+	$(PIP) download -q --only-binary=:all: --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
 
-test-gpu:
+gpu-site:
 	if [ -d $(GPU_WHEELS) ]; then $(GPU_PY) -m pip install -q --no-index --find-links $(GPU_WHEELS) \
 		--target $(GPU_SITE) $(GPU_DEPS); fi
+
+test-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
 
-bench-gpu:
+bench-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
 
 clean:

@@ -7,7 +7,8 @@ greedy, new tokens forced (no EOS), best of --reps, interleaved A/B:
 Reports output tokens/s for both, the ratio, and our decode step time (all sequences decoding, measured
 over the steps after the last prefill) against the memory-bandwidth floor: the bytes one decode step must
 read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
-measured in the same run ((read + write bytes) / time of a large device-to-device copy).
+measured in the same run ((read + write bytes) / time of a large device-to-device copy). The floor counts
+every sequence's KV, shared prefix included (no cascade: what the triton backend reads).
 
     python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
         [--json out.json]
@@ -145,6 +146,8 @@ def main() -> None:
     path = write_demo_model(tmp, dtype=args.dtype, **cfg)
     say("loading transformers ...")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dt).to(device).eval()
+    if hf.dtype != dt:                          # an old transformers ignores `dtype=` (it was torch_dtype)
+        sys.exit(f"transformers loaded the model in {hf.dtype}, not {dt}: the comparison would not be fair")
     say(f"loading ours (attention_backend={args.backend}) ...")
     llm = LLM(path, device=args.device, dtype=args.dtype, attention_backend=args.backend,
               enforce_eager=args.enforce_eager,

@@ -49,7 +49,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.num_replays = 0                       # steps that went through this path (graph or padded eager)
+        self.num_steps = 0                         # decode steps that took this path (graph or padded eager)
+        self.num_graph_replays = 0                 # of them, replayed graphs
         if capture:
             self._capture()
 
@@ -75,10 +76,11 @@ class DecodeGraphs:
                 buf[b:p].zero_()
             self.seq_lens[b:p].fill_(1)
             self.block_tables[b:p, 0] = 0
-        self.num_replays += 1
+        self.num_steps += 1
         if p in self.graphs:
             graph, out = self.graphs[p]
             graph.replay()
+            self.num_graph_replays += 1
             return out[:b]
         lens = meta.seq_lens_list + [1] * (p - b)
         return self.model(self.input_ids[:p], self._meta(p, lens), self.kv_caches, self.backend)[:b]

@@ -103,9 +103,13 @@ class LLMEngine:
                                   kv_connector=connector[1] if connector is not None else None)
         if self.device.type == "cuda" and not config.enforce_eager:
             if backend.name == "triton":
-                self.runner.decode_graphs = DecodeGraphs(
-                    model, self.runner.kv_caches, backend, graph_sizes(config.scheduler.max_num_seqs),
-                    -(-self.max_model_len // block_size), block_size, self.device)
+                try:
+                    self.runner.decode_graphs = DecodeGraphs(
+                        model, self.runner.kv_caches, backend, graph_sizes(config.scheduler.max_num_seqs),
+                        -(-self.max_model_len // block_size), block_size, self.device)
+                except Exception as e:                 # graphs are a speed-up: never the reason a replica is down
+                    logger.warning("CUDA-graph capture failed (%s: %s); decode runs eager (set enforce_eager: "
+                                   "true to skip the attempt)", type(e).__name__, e)
             else:
                 logger.info("CUDA-graph decode needs attention_backend triton (the %s backend reads Python-side "
                             "lengths); decode runs eager", backend.name)

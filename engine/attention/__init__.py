@@ -1,23 +1,22 @@
 """Attention backends: `torch` (CPU / reference), `triton` and `flash` (GPU), chosen by `select_backend`."""
 from __future__ import annotations
 
+import logging
+
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_attention_metadata
+
+logger = logging.getLogger(__name__)
 
 
 def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool = True) -> AttentionBackend:
-    """'auto' -> flash when CUDA, flash-attn and the block size allow it, else triton on CUDA when it imports,
-    else torch; 'torch' / 'flash' / 'triton' force one."""
+    """'auto' -> flash when CUDA, flash-attn and the block size allow it, else triton on CUDA when its kernels
+    pass a start-up self-test there, else torch; 'torch' / 'flash' / 'triton' force one."""
     from engine.attention.flash import FlashPagedAttention, flash_attn_available
     from engine.attention.torch_paged import TorchPagedAttention
-    from engine.attention.triton_paged import TritonPagedAttention, interpreting, triton_available
+    from engine.attention.triton_paged import TritonPagedAttention, interpreting
 
     if name == "auto":
-        if device == "cuda" and flash_attn_available() and block_size % 256 == 0:
-            name = "flash"
-        elif device == "cuda" and triton_available():
-            name = "triton"
-        else:
-            name = "torch"
+        name = _auto(device, block_size)
     if name == "flash":
         if device != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend 'flash' needs a CUDA device and the flash-attn package "
@@ -31,6 +30,25 @@ def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool
     if name == "torch":
         return TorchPagedAttention(cpu_kernels=cpu_kernels and device == "cpu")
     raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'triton' or 'flash'")
+
+
+def _auto(device: str, block_size: int) -> str:
+    """What 'auto' means here. Triton needs a working toolchain at run time (it compiles a small C launcher
+    and the kernels for this GPU), so it is taken only once its kernels have compiled and agreed with the
+    torch backend on a small mixed batch on this device; otherwise a warning says why, and torch runs."""
+    from engine.attention import flash, triton_paged
+
+    if device != "cuda":
+        return "torch"
+    if flash.flash_attn_available() and block_size % 256 == 0:
+        return "flash"
+    if triton_paged.triton_available():
+        why = triton_paged.self_test(device, block_size)
+        if why is None:
+            return "triton"
+        logger.warning("attention_backend auto: the triton kernels failed their self-test on this device (%s); "
+                       "using the torch backend", why)
+    return "torch"
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "build_attention_metadata", "select_backend"]

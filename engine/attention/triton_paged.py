@@ -15,6 +15,7 @@ CPU tensors through Triton's interpreter (slow; how the CPU test suite checks th
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,6 +35,44 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def self_test(device: str, block_size: int) -> str | None:
+    """None when the kernels compile on `device` and agree with the torch backend (float32, within 1e-3) on a
+    small mixed batch: decodes of different lengths, a chunk after cached context, a fresh prefill. Else why
+    not, in a line. Cached per (device, block size)."""
+    from engine.attention.base import build_attention_metadata
+    from engine.attention.torch_paged import TorchPagedAttention
+    try:
+        dev = torch.device(device)
+        g = torch.Generator().manual_seed(0)
+        heads, kv_heads, dim = 4, 2, 32
+        computed, sched = [37, 3, 20, 0], [1, 1, 9, 13]
+        tables, nxt = [], 1
+        for c, n in zip(computed, sched):
+            need = -(-(c + n) // block_size)
+            tables.append(list(range(nxt, nxt + need)))
+            nxt += need
+        full = [(torch.randn(c + n, kv_heads, dim, generator=g), torch.randn(c + n, kv_heads, dim, generator=g))
+                for c, n in zip(computed, sched)]
+        shape = TorchPagedAttention.kv_cache_shape(nxt, block_size, kv_heads, dim)
+        caches = [torch.zeros(shape, device=dev) for _ in range(2)]
+        ctx = [i for i, c in enumerate(computed) if c]
+        pre = build_attention_metadata([0] * len(ctx), [computed[i] for i in ctx], [tables[i] for i in ctx],
+                                       block_size, dev)
+        for cache in caches:
+            _write_kv(torch.cat([full[i][0][:computed[i]] for i in ctx]).to(dev),
+                      torch.cat([full[i][1][:computed[i]] for i in ctx]).to(dev), cache, pre.slot_mapping)
+        q = torch.randn(sum(sched), heads, dim, generator=g).to(dev)
+        k = torch.cat([kv[0][c:] for kv, c in zip(full, computed)]).to(dev)
+        v = torch.cat([kv[1][c:] for kv, c in zip(full, computed)]).to(dev)
+        outs = [b.forward(q, k, v, cache, build_attention_metadata(computed, sched, tables, block_size, dev), 0.2)
+                for b, cache in zip((TorchPagedAttention(cpu_kernels=False), TritonPagedAttention()), caches)]
+        err = float((outs[0] - outs[1]).abs().max())
+        return None if err <= 1e-3 else f"they differ from the torch backend by {err:.1e}"
+    except Exception as e:                       # a missing compiler, an unsupported GPU, a Triton too old, ...
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def _kernels():

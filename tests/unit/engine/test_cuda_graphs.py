@@ -64,7 +64,7 @@ def test_prefill_steps_and_batches_past_the_largest_size_run_eager(checkpoints, 
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 4 + 3 * i) for i, p in enumerate(prompts)]
     # one prefill step, then 3 decode steps each with 4, 3, 2 and 1 requests left: only the 2s and 1s fit
-    assert graphs.num_replays == 3 + 3
+    assert graphs.num_steps == 3 + 3
 
 
 def test_bad_sizes_are_rejected():

@@ -15,7 +15,10 @@ from engine.attention.torch_paged import TorchPagedAttention, _write_kv  # noqa:
 from engine.attention.triton_paged import interpreting  # noqa: E402
 
 pytest.importorskip("triton", reason="needs the triton package (pip install -e '.[test]')")
-if not torch.cuda.is_available() and not interpreting():
+if torch.cuda.is_available():
+    pytest.skip("with CUDA the kernels are tested compiled, in tests/gpu/test_triton_backend.py",
+                allow_module_level=True)
+if not interpreting():
     pytest.skip("without CUDA the kernels need TRITON_INTERPRET=1 set before triton is imported "
                 "(tests/conftest.py does that)", allow_module_level=True)
 
@@ -79,6 +82,36 @@ def test_selection_auto_and_errors(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("triton", "cpu", 16)
+
+
+def test_auto_on_cuda_takes_triton_only_after_its_self_test(monkeypatch, caplog):
+    """What 'auto' picks on a CUDA device (the device itself is not needed to decide): flash where it is
+    installed and the block size allows it, triton once its kernels passed the self-test, else torch with a
+    warning that says why."""
+    from engine.attention import _auto, flash, triton_paged
+
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(triton_paged, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_paged, "self_test", lambda device, bs: None)
+    assert _auto("cuda", 16) == "triton" and _auto("cpu", 16) == "torch"
+    monkeypatch.setattr(triton_paged, "self_test", lambda device, bs: "RuntimeError: no gcc")
+    with caplog.at_level("WARNING"):
+        assert _auto("cuda", 16) == "torch"
+    assert "no gcc" in caplog.text and "self-test" in caplog.text
+    monkeypatch.setattr(flash, "flash_attn_available", lambda: True)
+    assert _auto("cuda", 256) == "flash" and _auto("cuda", 16) == "torch"
+
+
+def test_self_test_passes_here_and_reports_a_failure_in_a_line(monkeypatch):
+    from engine.attention import triton_paged
+
+    assert triton_paged.self_test.__wrapped__("cpu", 16) is None        # the interpreted kernels agree
+    assert triton_paged.self_test.__wrapped__("cpu", 5) is None         # an odd block size too
+
+    def broken():
+        raise RuntimeError("Failed to compile the launcher\nlong log")
+    monkeypatch.setattr(triton_paged, "_kernels", broken)
+    assert triton_paged.self_test.__wrapped__("cpu", 16) == "RuntimeError: Failed to compile the launcher"
 
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
