@@ -621,6 +621,8 @@ def main() -> None:
                         "queued at callers. 0 (default): no cap, every request is routed when it arrives")
     p.add_argument("--out-dir", default="benchmarks/autoscale-results")
     a = p.parse_args()
+    if a.max_ongoing < 0:
+        p.error(f"--max-ongoing must be >= 0 (0: no cap), got {a.max_ongoing}")
     a.targets = [float(x) for x in a.targets.split(",") if x]
     a.decode_seqs = [float(x) for x in a.decode_seqs.split(",") if x]
     if a.quick:
