@@ -236,7 +236,12 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         load = replace(load, trend_units=trend)
         state = replace(state, load_history=history)
     idle = load.num_in_flight <= 0
-    state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now) if idle else None)
+    # The idle clock runs only on what replicas report: a replica still starting has not been seen idle, so
+    # a fleet deployed with no traffic goes to zero downscale_to_zero_delay_s after its first replica reports
+    # (counting from the deploy, the real Serve test's replica was stopped the moment it came up).
+    seen_idle = idle and bool(signals)
+    state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now)
+                    if seen_idle else None)
     if preempting(load, cfg):
         state = replace(state, preempt_since=state.preempt_since if state.preempt_since is not None else now)
     else:

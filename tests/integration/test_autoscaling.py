@@ -1,6 +1,11 @@
-"""The engine-aware autoscaling policy on a real Ray Serve: a step of concurrent requests drives LLMReplica
-from 1 to 3 replicas through Serve's custom-policy hook (the replicas' record_autoscaling_stats ->
-EngineAwarePolicy), and after the load stops it returns to min_replicas; no request fails."""
+"""The engine-aware autoscaling policy on a real Ray Serve, through Serve's custom-policy hook (the replicas'
+record_autoscaling_stats -> EngineAwarePolicy):
+- a step of concurrent requests drives LLMReplica from 1 to 3 replicas; when it ends, a light streaming load
+  keeps running while the fleet returns to min_replicas, so streams are in flight during the scale-in; every
+  request completes whole (a stream cut by a scale-in would still have status 200, so each is judged by its
+  content);
+- with min_replicas 0 the policy takes an idle fleet to zero, and the next request starts a replica and is
+  served."""
 from __future__ import annotations
 
 import threading
@@ -10,10 +15,12 @@ import httpx
 import pytest
 
 from tests.integration.conftest import app_config, wait_running
+from tests.integration.outcomes import Outcome, send
 
 pytestmark = pytest.mark.slow
 
 APP = "affinity-autoscale"
+ZERO_APP = "affinity-autoscale-zero"
 
 
 def _running(app: str) -> int:
@@ -23,59 +30,112 @@ def _running(app: str) -> int:
     return dep.replica_states.get("RUNNING", 0) if dep else 0
 
 
-def test_load_scales_out_to_three_and_back_to_one_with_no_failures(ray_serve, checkpoints):
+def _fast_engine_policy(**overrides) -> dict:
+    """Our policy with short delays and metric windows, SLOs out of reach (only the predicted load acts)."""
+    return {"enabled": True, "policy": "engine", "prefill_tokens_per_s": 1e6, "ttft_slo_s": 30.0,
+            "tpot_slo_s": 30.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "metrics_interval_s": 0.25,
+            "look_back_period_s": 1.0, **overrides}
+
+
+def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_failures(ray_serve, checkpoints):
     from ray import serve
 
     from app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
-    # one replica "decodes" 2 sequences within its TPOT SLO: 8 concurrent streams need ceil(8/2/0.8) = 5,
-    # capped at 3; idle, the fleet fits in 1 again after downscale_delay_s
-    cfg["autoscaling"] = {"enabled": True, "policy": "engine", "min_replicas": 1, "max_replicas": 3,
-                          "decode_seqs_per_replica": 2.0, "prefill_tokens_per_s": 1e6, "ttft_slo_s": 30.0,
-                          "tpot_slo_s": 30.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
-                          "metrics_interval_s": 0.25, "look_back_period_s": 1.0}
+    # One replica "decodes" 3 sequences within its TPOT SLO. 8 concurrent clients: ~8 / 3 = 2.7 units of load
+    # need ceil(2.7 / 0.8) = 4 replicas, capped at 3. One client streaming back to back: ~0.33 units, which
+    # the down rule (load x 0.8 / 0.5, then the up rule) fits in 1 replica.
+    cfg["autoscaling"] = _fast_engine_policy(min_replicas=1, max_replicas=3, decode_seqs_per_replica=3.0)
     serve.run(build_app(cfg), name=APP, route_prefix="/autoscale")
     wait_running(APP, "LLMReplica", 1)
-    url = f"{ray_serve}/autoscale/v1/completions"
-    stop = threading.Event()
-    statuses: list[int] = []
-    counts: list[tuple[float, int]] = []
+    url = f"{ray_serve}/autoscale"
+    heavy_stop, light_stop = threading.Event(), threading.Event()
+    outcomes: list[Outcome] = []
+    counts: list[tuple[float, int]] = []          # (time, RUNNING replicas) whenever it changed
 
-    def client(i: int) -> None:
+    def client(i: int, stop: threading.Event, always_stream: bool) -> None:
         with httpx.Client(timeout=60) as c:
             j = 0
             while not stop.is_set():
-                body = {"prompt": [5 + i, 6 + j % 50, 7, 8], "max_tokens": 24, "ignore_eos": True,
-                        "temperature": 0, "stream": j % 2 == 0}
-                r = c.post(url, json=body)
-                statuses.append(r.status_code)
+                stream = always_stream or j % 2 == 0
+                outcomes.append(send(c, url, [5 + i, 6 + j % 50, 7, 8], 160 if always_stream else 24, stream))
                 j += 1
 
+    def poll(until: int, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            n = _running(APP)
+            if not counts or counts[-1][1] != n:
+                counts.append((time.monotonic(), n))
+            if n == until:
+                return
+            time.sleep(0.2)
+
+    light = threading.Thread(target=client, args=(0, light_stop, True), daemon=True)
+    heavy = [threading.Thread(target=client, args=(i, heavy_stop, False), daemon=True) for i in range(1, 8)]
     t0 = time.monotonic()
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
     try:
-        for t in threads:
+        light.start()
+        for t in heavy:
             t.start()
-        while time.monotonic() - t0 < 75 and _running(APP) < 3:   # replica start-up dominates on a busy machine
-            counts.append((time.monotonic() - t0, _running(APP)))
-            time.sleep(0.25)
-        reached = _running(APP)
-        time.sleep(1.0)                         # a little load at 3 replicas
-    finally:
-        stop.set()
-        for t in threads:
+        poll(3, 75)                               # replica start-up dominates on a busy machine
+        time.sleep(1.0)                           # a little load at 3 replicas
+        heavy_stop.set()
+        for t in heavy:
             t.join(timeout=60)
-    t_up = time.monotonic() - t0
-    assert reached == 3, f"replica counts seen: {counts}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _running(APP) != 1:
-        time.sleep(0.25)
-    t_down = time.monotonic() - t0 - t_up
+        t_light = time.monotonic()
+        poll(1, 45)                               # the light streams keep going through the scale-in
+        time.sleep(1.0)
+    finally:
+        heavy_stop.set()
+        light_stop.set()
+        for t in [light, *heavy]:
+            t.join(timeout=60)
     try:
-        assert _running(APP) == 1, "did not return to min_replicas after the load stopped"
-        assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
-        print(f"1 -> 3 replicas in {t_up:.1f} s under load ({len(statuses)} requests), back to 1 in "
-              f"{t_down:.1f} s")
+        seen = [(round(t - t0, 1), n) for t, n in counts]
+        assert max(n for _, n in counts) == 3, f"replica counts seen: {seen}"
+        assert counts[-1][1] == 1, f"did not return to min_replicas under the light load: {seen}"
+        bad = [o for o in outcomes if not o.completed]
+        assert outcomes and not bad, [(o.status, o.transport_error, o.payloads[-2:]) for o in bad[:5]]
+        # the moments the count fell (3 -> 2 -> 1 or 3 -> 1): a light stream was in flight at one of them
+        drops = [t for (t, n), (_, prev) in zip(counts[1:], counts) if n < prev and t > t_light]
+        assert drops, f"no scale-in after the heavy load stopped: {seen}"
+        in_flight = [o for o in outcomes if o.stream and any(o.start < t < o.end for t in drops)]
+        assert in_flight, "no stream was in flight when the fleet scaled in"
+        print(f"replica counts {seen}; {len(outcomes)} requests, {len(in_flight)} streams across a scale-in")
     finally:
         serve.delete(APP)
+
+
+def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_back(ray_serve, checkpoints):
+    from ray import serve
+
+    from app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"], num_replicas=1, cold_start_timeout_s=60.0)
+    cfg["autoscaling"] = _fast_engine_policy(min_replicas=0, max_replicas=1, decode_seqs_per_replica=3.0,
+                                             downscale_to_zero_delay_s=2.0)
+    serve.run(build_app(cfg), name=ZERO_APP, route_prefix="/autoscale-zero")
+    url = f"{ray_serve}/autoscale-zero"
+    try:
+        wait_running(ZERO_APP, "LLMReplica", 1)   # initial_replicas: serve.num_replicas within the bounds
+        with httpx.Client(timeout=90) as c:
+            first = send(c, url, [5, 6, 7, 8], 8, stream=True)
+            assert first.completed, (first.status, first.payloads[-2:], first.transport_error)
+            t_idle = time.monotonic()
+            deadline = t_idle + 30
+            while time.monotonic() < deadline and _running(ZERO_APP) > 0:
+                time.sleep(0.2)
+            to_zero_s = time.monotonic() - t_idle
+            assert _running(ZERO_APP) == 0, "the idle fleet was not scaled to zero"
+            # idle for downscale_to_zero_delay_s (2 s) once the look-back mean (1 s) reads nothing in flight
+            assert to_zero_s >= 2.0, to_zero_s
+            again = send(c, url, [5, 6, 7, 9], 8, stream=True)
+            assert again.completed, (again.status, again.payloads[-2:], again.transport_error)
+            plain = send(c, url, [5, 6, 7, 10], 8, stream=False)
+            assert plain.completed, plain.payloads
+        print(f"to zero {to_zero_s:.1f} s after the last request; a cold start served in "
+              f"{again.end - again.start:.1f} s")
+    finally:
+        serve.delete(ZERO_APP)

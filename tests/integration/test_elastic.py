@@ -8,12 +8,12 @@ import json
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
 from tests.integration.conftest import app_config, wait_running
+from tests.integration.outcomes import Outcome, send
 
 pytestmark = pytest.mark.slow
 
@@ -52,66 +52,6 @@ def _prompt(group: int, j: int) -> list[int]:
     return [rng.randrange(5, 600) for _ in range(24)] + [600 + j % 100, 700 + j // 100 % 50]
 
 
-@dataclass
-class Outcome:
-    stream: bool
-    start: float
-    end: float = 0.0
-    status: int | None = None
-    replica: str | None = None
-    payloads: list[str] = field(default_factory=list)      # SSE data payloads, or [the JSON body]
-    transport_error: str | None = None
-
-    @property
-    def completed(self) -> bool:
-        """200 and a whole response: a stream's last chunk has a finish_reason, then [DONE], no error event."""
-        if self.status != 200 or self.transport_error:
-            return False
-        if not self.stream:
-            return json.loads(self.payloads[0])["choices"][0]["finish_reason"] == "length"
-        if len(self.payloads) < 2 or self.payloads[-1] != "[DONE]":
-            return False
-        objs = [json.loads(p) for p in self.payloads[:-1]]
-        return not any("error" in o for o in objs) and objs[-1]["choices"][0]["finish_reason"] == "length"
-
-    @property
-    def error_event(self) -> dict | None:
-        """The in-band error of a stream that ended with one, followed by [DONE]; else None."""
-        if self.stream and self.status == 200 and len(self.payloads) >= 2 and self.payloads[-1] == "[DONE]":
-            last = json.loads(self.payloads[-2])
-            return last.get("error")
-        return None
-
-
-def _request(c: httpx.Client, url: str, prompt: list[int], max_tokens: int, stream: bool,
-             first_chunk: threading.Event | None = None) -> Outcome:
-    o = Outcome(stream, time.monotonic())
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
-    try:
-        if stream:
-            with c.stream("POST", f"{url}/v1/completions", json=body) as r:
-                o.status = r.status_code
-                if r.status_code != 200:
-                    o.payloads = [r.read().decode()]
-                for line in r.iter_lines() if r.status_code == 200 else ():
-                    if line.startswith("data: "):
-                        o.payloads.append(line[6:])
-                        if o.replica is None and o.payloads[-1] != "[DONE]":
-                            o.replica = json.loads(o.payloads[-1]).get("system_fingerprint")
-                            if first_chunk is not None:
-                                first_chunk.set()
-        else:
-            r = c.post(f"{url}/v1/completions", json=body)
-            o.status, o.payloads = r.status_code, [r.text]
-            o.replica = r.json().get("system_fingerprint") if r.status_code == 200 else None
-            if r.status_code == 503:
-                o.payloads.append(r.headers.get("retry-after", ""))
-    except Exception as e:        # noqa: BLE001 - a reset or a timeout is what the test must not see
-        o.transport_error = repr(e)
-    o.end = time.monotonic()
-    return o
-
-
 class SteadyLoad:
     """`workers` clients sending back to back, alternating SSE streams and plain requests (out of step with
     each other); two of three share one of 2 prefixes (affinity traffic), every third brings a new prefix
@@ -131,7 +71,7 @@ class SteadyLoad:
                 # half the workers start with a stream, half with a plain request, so that some stream is
                 # in flight at any moment (in step, all four were sometimes between streams at once)
                 streaming = (i + j) % 2 == 0
-                self.outcomes.append(_request(c, self.url, _prompt(group, j * 7 + i), 64 if streaming else 32,
+                self.outcomes.append(send(c, self.url, _prompt(group, j * 7 + i), 64 if streaming else 32,
                                               stream=streaming))
                 j += 1
 
@@ -216,7 +156,7 @@ def test_streams_cut_past_the_graceful_timeout_end_with_an_error_event(forced_ur
     def run(i: int) -> None:
         with httpx.Client(timeout=90) as c:
             stream = i < n_streams
-            outs.append(_request(c, forced_url, _prompt(100 + i, i), 480, stream,
+            outs.append(send(c, forced_url, _prompt(100 + i, i), 480, stream,
                                  started[i] if stream else None))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n_streams + n_plain)]
@@ -245,7 +185,7 @@ def test_streams_cut_past_the_graceful_timeout_end_with_an_error_event(forced_ur
                 assert o.payloads[1] == "1"                                         # Retry-After
     wait_running(FORCED_APP, "LLMReplica", 1, timeout_s=60)
     with httpx.Client(timeout=60) as c:
-        assert _request(c, forced_url, _prompt(1, 1), 4, stream=True).completed
+        assert send(c, forced_url, _prompt(1, 1), 4, stream=True).completed
 
 
 def _zero_options(cfg: dict, **autoscaling) -> dict:
@@ -282,7 +222,7 @@ def test_a_request_to_a_deployment_scaled_to_zero_starts_a_replica_and_is_served
         st = serve.status().applications[ZERO_APP].deployments["LLMReplica"]
         assert st.replica_states.get("RUNNING", 0) == 0
         with httpx.Client(timeout=90) as c:
-            o = _request(c, f"{ray_serve}/zero", _prompt(7, 7), 8, stream=True)
+            o = send(c, f"{ray_serve}/zero", _prompt(7, 7), 8, stream=True)
         assert o.completed, (o.status, o.payloads[-2:], o.transport_error)
         wait_running(ZERO_APP, "LLMReplica", 1, timeout_s=10)
     finally:

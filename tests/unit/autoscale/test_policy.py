@@ -92,6 +92,27 @@ def test_decision_table(signals, current, state, overrides, queued, target, reas
     assert (d.target_replicas, d.reason) == (target, reason), d.describe()
 
 
+def test_the_idle_clock_starts_when_a_replica_first_reports_not_at_deploy():
+    """min_replicas 0, one replica starting for 60 s with no traffic (no signals: NO_METRICS). Its first
+    report starts the idle clock: to zero only downscale_to_zero_delay_s (20 s) later, not at once."""
+    cfg = replace(CFG, min_replicas=0)
+    st = FRESH
+    for t in range(0, 61, 10):
+        d = decide([], 1, float(t), st, cfg)
+        assert (d.target_replicas, d.reason) == (1, Reason.NO_METRICS)
+        st = d.state
+    d = decide([IDLE], 1, 61.0, st, cfg)
+    assert (d.target_replicas, d.reason) == (1, Reason.TO_ZERO_PENDING)
+    d = decide([IDLE], 1, 80.0, d.state, cfg)
+    assert (d.target_replicas, d.reason) == (1, Reason.TO_ZERO_PENDING)
+    d = decide([IDLE], 1, 81.0, d.state, cfg)
+    assert (d.target_replicas, d.reason) == (0, Reason.TO_ZERO)
+    # a request in flight restarts the clock
+    d = decide([busy(1)], 1, 90.0, d.state, cfg)
+    d = decide([IDLE], 1, 91.0, d.state, cfg)
+    assert d.reason == Reason.TO_ZERO_PENDING and d.state.idle_since == 91.0
+
+
 def test_prefill_rule_is_backlog_over_rate_and_slo():
     """2 replicas, 1500 + 500 queued tokens, 400 + 200 tokens/s served: (600 + 2000 / 1 s) / 1000 = 2.6."""
     load = fleet_load([busy(queued_tokens=1500, rate=400), busy(queued_tokens=500, rate=200)], CFG)
