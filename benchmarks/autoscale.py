@@ -31,7 +31,8 @@ once; then the min/max bounds. Rows:
   look_back_period_s 30, metrics_interval_s 10;
 - sensitivity rows: the same rule at `--targets` (8, 16, 32) with this app's delays and metric windows
   (`--upscale-delay`, `--downscale-delay`, look-back 5 s, metrics 1 s: app/config.py's defaults), i.e. Serve's
-  rule tuned for this workload. Ours runs with the same app delays and windows.
+  rule tuned for this workload. Ours runs with the same app delays and windows (`--look-back`,
+  `--metrics-interval` change both).
 
     python benchmarks/autoscale.py --quick                       # 8 replicas, short trace (~1-2 min)
     python benchmarks/autoscale.py --max-replicas 8 --seed 0,1,2,3           # full trace, four seeds
@@ -522,7 +523,7 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
                             preemption_persist_s=a.preempt_persist, trend_lead_s=a.trend_lead,
                             trend_window_s=a.trend_window, headroom_z=a.headroom_z,
                             refill_weight=a.refill_weight)
-        pol = EnginePolicy(ours, APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"engine (ours), C={c:g}")
+        pol = EnginePolicy(ours, a.look_back, a.metrics_interval, f"engine (ours), C={c:g}")
         if i:
             pol.name, pol.role = f"engine (ours), C={c:g} [variant]", "ours-variant"
         out.append(pol)
@@ -533,7 +534,7 @@ def policies(cfg: SimConfig, spec: ReplicaSpec, timing: TimingModel, a) -> list:
                             f"down {d['downscale_delay_s']:g} s, lb {d['look_back_period_s']:g} s)", "baseline")]
     for t in a.targets:
         out.append(RayDefaultPolicy(t, cfg.min_replicas, cfg.max_replicas, a.upscale_delay, a.downscale_delay,
-                                    APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S,
+                                    a.look_back, a.metrics_interval,
                                     f"Serve rule tuned: t={t:g}, app delays/windows", "sensitivity"))
     return out
 
@@ -613,6 +614,10 @@ def main() -> None:
     p.add_argument("--refill-weight", type=float, default=1.0, help="ours: refill_weight (0: leave refills out)")
     p.add_argument("--upscale-delay", type=float, default=2.0, help="ours and the tuned Serve rows")
     p.add_argument("--downscale-delay", type=float, default=30.0, help="ours and the tuned Serve rows")
+    p.add_argument("--look-back", type=float, default=APP_LOOK_BACK_S,
+                   help="ours and the tuned Serve rows: look_back_period_s (app/config.py's default)")
+    p.add_argument("--metrics-interval", type=float, default=APP_METRICS_INTERVAL_S,
+                   help="ours and the tuned Serve rows: metrics_interval_s (app/config.py's default)")
     p.add_argument("--targets", default="8,16,32", help="tuned Serve rows' target_ongoing_requests values")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-ongoing", type=int, default=0,
@@ -623,6 +628,8 @@ def main() -> None:
     a = p.parse_args()
     if a.max_ongoing < 0:
         p.error(f"--max-ongoing must be >= 0 (0: no cap), got {a.max_ongoing}")
+    if not 0 < a.metrics_interval < a.look_back:
+        p.error(f"need 0 < --metrics-interval < --look-back (Serve's rule), got {a.metrics_interval}, {a.look_back}")
     a.targets = [float(x) for x in a.targets.split(",") if x]
     a.decode_seqs = [float(x) for x in a.decode_seqs.split(",") if x]
     if a.quick:

@@ -75,3 +75,18 @@ def test_without_a_cap_every_request_is_routed_at_once():
 def test_every_request_finishes_whatever_the_cap(cap):
     sim, _, res, peak = _run(cap, n=30)
     assert peak <= cap and res.failed == 0 and not np.isnan(sim.finish).any()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-ongoing", "-1"], "--max-ongoing must be >= 0"),
+    (["--look-back", "1", "--metrics-interval", "1"], "need 0 < --metrics-interval < --look-back"),
+    (["--metrics-interval", "0"], "need 0 < --metrics-interval < --look-back"),
+])
+def test_the_cli_rejects_settings_serve_would_not_take_with_a_usage_error(args, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "autoscale.py"), *args], capture_output=True,
+                       text=True, cwd=root, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-500:]
