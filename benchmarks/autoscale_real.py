@@ -75,14 +75,19 @@ Results, per policy:
 - failed: a non-200 status, an SSE error event, a stream short of its tokens, or no response;
 - peak replicas (all states), each replica's start-up time (STARTING -> RUNNING), ours' replica-seconds
   over the row's, and the issue's target: equal or better attainment with >= 20% fewer replica-seconds
-  than Serve's default policy, and zero failed (or unsent) requests.
+  than Serve's default policy, and zero failed (or unsent) requests;
+- the scale-out cliff: the requests each replica that joined during the trace got in its first 20 s
+  (count, TTFT p50 / p90, attainment, prefix hit rate from the responses' cached tokens) beside all other
+  requests.
 
 Policies (`--policies`):
 - `engine`: ours with this app's delays and windows (app/config.py defaults: up 2 s, down 30 s, look-back
   5 s, metrics 1 s), ttft_slo_s = `--ttft-slo`, R and C from the calibration;
 - `serve-default`: Serve's rule, ceil(ongoing requests / target_ongoing_requests), at Serve 2.60's shipped
   AutoscalingConfig defaults (target 2, up 30 s, down 600 s, look-back 30 s, metrics 10 s);
-- `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows.
+- `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows;
+- `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
+  false`), to measure whether warming a joining replica pays on a live fleet.
 
     python benchmarks/autoscale_real.py --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python benchmarks/autoscale_real.py --duration 60 --policies engine     # a smoke run (~4 min)
@@ -189,6 +194,8 @@ class Outcome:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     expected_tokens: int = 0
+    num_prompt_tokens: int = 0
+    replica_id: str = ""                 # the replica that answered (the stream's system_fingerprint)
     error: str = ""
 
     @property
@@ -222,7 +229,7 @@ class Sample:
 @dataclass(slots=True)
 class PolicyRun:
     policy: str
-    role: str                             # "ours" | "baseline" | "sensitivity"
+    role: str                             # "ours" | "ours-variant" | "baseline" | "sensitivity"
     autoscaling: dict[str, Any]
     outcomes: list[Outcome]
     samples: list[Sample]
@@ -248,6 +255,10 @@ class Summary:
     send_lag_p99_s: float
     span_s: tuple[float, float]
     startup_s: list[float] = field(default_factory=list)   # each replica's STARTING -> RUNNING
+    #: the requests a replica that joined during the trace got in its first JOIN_WINDOW_S, and all the others
+    #: (joined_stats): does the new replica's empty cache make a TTFT cliff?
+    joined_first: dict[str, float] = field(default_factory=dict)
+    others: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
 
@@ -314,6 +325,38 @@ def startup_times(samples: list[Sample]) -> list[float]:
     return out
 
 
+JOIN_WINDOW_S = 20.0
+
+
+def joined_first_requests(outcomes: list[Outcome], window_s: float = JOIN_WINDOW_S) -> tuple[list[Outcome],
+                                                                                              list[Outcome]]:
+    """(the answered requests each replica that joined during the trace got within `window_s` of its first
+    one, every other answered request). The replica that answered first was up before the trace (the
+    benchmark warmed it up); every later one joined by a scale-out, with an empty cache unless the router
+    warmed it."""
+    answered = sorted((o for o in outcomes if o.replica_id and o.sent_s is not None), key=lambda o: o.sent_s)
+    first: dict[str, float] = {}
+    for o in answered:
+        first.setdefault(o.replica_id, o.sent_s)
+    initial = next(iter(first), None)
+    early = [o for o in answered if o.replica_id != initial and o.sent_s - first[o.replica_id] < window_s]
+    ids = {id(o) for o in early}
+    return early, [o for o in answered if id(o) not in ids]
+
+
+def joined_stats(reqs: list[Outcome], slo_s: float) -> dict[str, float]:
+    """Count, TTFT p50 / p90, SLO attainment and prefix hit rate (cached / prompt tokens) of `reqs`."""
+    if not reqs:
+        return {"n": 0}
+    ttfts = np.array([o.ttft_s for o in reqs])
+    fin = ttfts[np.isfinite(ttfts)]
+    prompt = sum(o.num_prompt_tokens for o in reqs)
+    return {"n": len(reqs), "ttft_p50_s": float(np.percentile(fin, 50)) if len(fin) else math.inf,
+            "ttft_p90_s": float(np.percentile(fin, 90)) if len(fin) else math.inf,
+            "ttft_slo_attainment": float((ttfts <= slo_s).mean()),
+            "hit_rate": sum(o.num_cached_tokens for o in reqs) / prompt if prompt else 0.0}
+
+
 def binned(arrivals: np.ndarray, ttfts: np.ndarray, slo_s: float, end_s: float,
            bin_s: float = BIN_S) -> tuple[np.ndarray, list[float], list[float], list[float]]:
     """Per `bin_s` bin of arrival time: (bin starts, arrivals/s, attainment (1.0 when empty), TTFT p90 with
@@ -351,6 +394,7 @@ def summarize(run: PolicyRun, spec: RealSpec, window: tuple[float, float]) -> Su
     lags = [o.sent_s - o.arrival_s for o in run.outcomes if o.sent_s is not None]
     tpots = np.array([o.tpot_s for o in run.outcomes])
     tpots = tpots[~np.isnan(tpots)]
+    early, rest = joined_first_requests(run.outcomes)
 
     def pct(xs: np.ndarray, p: float) -> float:
         return float(np.percentile(xs, p)) if len(xs) else math.nan
@@ -368,6 +412,7 @@ def summarize(run: PolicyRun, spec: RealSpec, window: tuple[float, float]) -> Su
         peak_replicas=max((costly_replicas(s.states) for s in run.samples), default=0),
         send_lag_p99_s=pct(np.array(lags), 99), span_s=window,
         startup_s=[round(x, 1) for x in startup_times(run.samples)],
+        joined_first=joined_stats(early, spec.ttft_slo_s), others=joined_stats(rest, spec.ttft_slo_s),
         errors=sorted({o.error for o in run.outcomes if o.error})[:5])
 
 
@@ -382,21 +427,28 @@ def compare(ours: Summary, base: Summary) -> dict[str, Any]:
 
 
 # ================================================================== policies
+#: ours with the router's warm-up on join turned off (routing.warmup_on_join false): does warming pay?
+NO_WARMUP_POLICY = "engine-nowarm"
+
+
 def policy_role(policy: str) -> str:
     if policy == "engine":
         return "ours"
+    if policy == NO_WARMUP_POLICY:
+        return "ours-variant"
     if policy == SERVE_DEFAULT_POLICY:
         return "baseline"
     if policy.startswith("serve-t") and policy[7:].replace(".", "", 1).isdigit():
         return "sensitivity"
-    raise ValueError(f"unknown policy {policy!r}: engine, {SERVE_DEFAULT_POLICY} or serve-t<target>")
+    raise ValueError(f"unknown policy {policy!r}: engine, {NO_WARMUP_POLICY}, {SERVE_DEFAULT_POLICY} or "
+                     "serve-t<target>")
 
 
 def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[str, dict[str, Any]]:
     """(role, the app's `autoscaling` section) for a policy name."""
     role = policy_role(policy)
     common = {"enabled": True, "min_replicas": 1, "max_replicas": spec.max_replicas}
-    if role == "ours":
+    if role in ("ours", "ours-variant"):
         return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s, "tpot_slo_s": spec.tpot_slo_s,
                                "prefill_tokens_per_s": round(cal.prefill_tokens_per_s, 1),
                                "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)}
@@ -430,25 +482,28 @@ def resolve_model(name: str) -> str:
 
 
 # ================================================================== cluster
-def real_app_config(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1) -> dict[str, Any]:
+def real_app_config(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1,
+                    warmup_on_join: bool = True) -> dict[str, Any]:
     """The app's config: the routing benchmark's (prefix-affinity router), autoscaled by `autoscaling`
     (None: `replicas` fixed), paced to the emulated device on an --emulate run."""
     cfg = real.app_config(replace(bench_spec(spec, 1), replicas=replicas), "prefix_affinity", model)
     if autoscaling is not None:
         cfg["autoscaling"] = autoscaling
+    cfg.setdefault("routing", {})["warmup_on_join"] = warmup_on_join
     if spec.emulate:
         cfg["engine"]["pace"] = dict(EMULATED_PACE)
     return cfg
 
 
-def deploy(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1) -> float:
+def deploy(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, replicas: int = 1,
+           warmup_on_join: bool = True) -> float:
     """The demo app on `replicas` fixed replicas, or autoscaled by `autoscaling` from one; returns the
     deploy time."""
     from ray import serve
 
     from app.builder import build_app
     t0 = time.monotonic()
-    cfg = real_app_config(spec, model, autoscaling, replicas)
+    cfg = real_app_config(spec, model, autoscaling, replicas, warmup_on_join)
     serve.run(build_app(cfg), name=real.APP_NAME, route_prefix=real.ROUTE)
     real._wait_running("LLMReplica", replicas)
     return time.monotonic() - t0
@@ -533,6 +588,7 @@ async def _stream(client: Any, url: str, r: TraceRequest, out: Outcome, t0: floa
         out.error = f"{type(e).__name__}: {e}"[:200]
     out.end_s = time.monotonic() - t0
     out.first_s, out.num_output_tokens, out.num_cached_tokens = res.ttft_s, res.num_output_tokens, res.num_cached_tokens
+    out.replica_id = res.replica_id
     if not out.ok and not out.error:
         out.error = f"incomplete: {out.num_output_tokens} of {out.expected_tokens} tokens"
 
@@ -541,7 +597,8 @@ async def replay(url: str, trace: list[TraceRequest], spec: RealSpec, t0: float,
                  sampler: Sampler, counter: list[int]) -> list[Outcome]:
     """Send each request at its arrival time (open loop); `counter[0]` is the number in flight."""
     import httpx
-    outcomes = [Outcome(r.req_id, r.arrival_s, expected_tokens=len(r.output_token_ids)) for r in trace]
+    outcomes = [Outcome(r.req_id, r.arrival_s, expected_tokens=len(r.output_token_ids),
+                        num_prompt_tokens=len(r.prompt_token_ids)) for r in trace]
     tasks: list[asyncio.Task] = []
 
     async def one(r: TraceRequest, out: Outcome) -> None:
@@ -592,7 +649,7 @@ def run_policy(policy: str, spec: RealSpec, cal: Calibration, model: str, url: s
     role, section = autoscaling_section(policy, spec, cal)
     say(f"[{policy}] deploying: {json.dumps(section)}")
     since_wall = time.time()
-    deploy_s = deploy(spec, model, section)
+    deploy_s = deploy(spec, model, section, warmup_on_join=policy != NO_WARMUP_POLICY)
     say(f"[{policy}] deployed in {deploy_s:.1f} s; warming up")
     try:
         warm_up(url, warmup, spec.request_timeout_s, policy)
@@ -764,7 +821,7 @@ def table(results: list[Summary], spec: RealSpec) -> str:
         if ours is not None:
             c = compare(ours, r)
             ratio = f"{c['replica_seconds_ratio']:.2f}"
-            met = "" if r.role == "ours" else ("met" if c["target_met"] else "NOT met")
+            met = {"ours": "", "ours-variant": "variant"}.get(r.role, "met" if c["target_met"] else "NOT met")
         lines.append(f"{r.policy:<34} {r.num_requests:>8} {r.ttft_slo_attainment:>8.3f} {r.ttft_p50_s:>8.2f}s "
                      f"{r.ttft_p99_s:>8.2f}s {r.tpot_slo_attainment:>8.3f} {r.tpot_p90_s * 1e3:>6.0f}ms "
                      f"{r.replica_seconds:>7.0f} {ratio:>9} {met:>8} {r.recover_s:>7.0f}s "
@@ -774,6 +831,14 @@ def table(results: list[Summary], spec: RealSpec) -> str:
     lines.append("replica start-up (STARTING -> RUNNING): " + "; ".join(
         f"{r.policy} {', '.join(f'{x:.0f}' for x in r.startup_s) or '-'} s" for r in results)
         + "; driver send lag p99: " + ", ".join(f"{r.send_lag_p99_s * 1e3:.0f} ms" for r in results))
+
+    def js(d: dict[str, float]) -> str:
+        if not d.get("n"):
+            return "none"
+        return (f"{d['n']:.0f} req, TTFT p50 {d['ttft_p50_s']:.2f} s, p90 {d['ttft_p90_s']:.2f} s, att. "
+                f"{d['ttft_slo_attainment']:.3f}, prefix hit {d['hit_rate']:.2f}")
+    lines.append(f"scale-out cliff? requests a joining replica got in its first {JOIN_WINDOW_S:g} s vs all others:")
+    lines += [f"  {r.policy:<20} joined: {js(r.joined_first)}; others: {js(r.others)}" for r in results]
     return "\n".join(lines)
 
 
@@ -880,7 +945,7 @@ def main() -> None:
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo_s, help="seconds; ours' ttft_slo_s too")
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated: engine, {SERVE_DEFAULT_POLICY}, serve-t<N> (Serve's rule at target N "
-                        "with this app's delays)")
+                        f"with this app's delays), {NO_WARMUP_POLICY} (ours without the warm-up on join)")
     p.add_argument("--peak-rps", type=float, help="the burst's rate (default: --peak-factor x one replica's "
                    "measured saturation throughput)")
     p.add_argument("--peak-factor", type=float, help=f"the burst over one replica's saturation (default "
@@ -932,7 +997,7 @@ def main() -> None:
         doc = {"spec": asdict(spec), "calibration": asdict(cal), "max_replicas": spec.max_replicas,
                "pace": EMULATED_PACE if spec.emulate else None,
                "results": [asdict(r) for r in results],
-               "ours_vs": [compare(ours, r) for r in results if r.role != "ours"] if ours else [],
+               "ours_vs": [compare(ours, r) for r in results if not r.role.startswith("ours")] if ours else [],
                "runs": [{"policy": r.policy, "autoscaling": r.autoscaling, "deploy_s": r.deploy_s,
                          "scaling_log": r.scaling_log, "timeline": [asdict(s) for s in r.samples],
                          "requests": [asdict(o) for o in r.outcomes]} for r in runs]}

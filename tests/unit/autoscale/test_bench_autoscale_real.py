@@ -16,9 +16,9 @@ from app.config import AppConfig
 from benchmarks.autoscale import BURST, PROFILE, profile
 from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome,
                                        decode_capacity, PolicyRun, RealSpec, Sample, arrival_times,
-                                       autoscaling_section, binned, compare, load_trace, peak_rps, policy_role,
-                                       real_app_config, recovery_s, replica_seconds, span, startup_times,
-                                       summarize)
+                                       autoscaling_section, binned, compare, joined_first_requests, joined_stats,
+                                       load_trace, peak_rps, policy_role, real_app_config, recovery_s,
+                                       replica_seconds, span, startup_times, summarize)
 from benchmarks.routing.workload import FIRST_TOKEN_ID
 
 
@@ -216,6 +216,39 @@ def test_ours_runs_with_the_calibration_and_the_apps_delays():
     assert autoscaling_section("serve-t8", spec, _cal())[1]["target_ongoing_requests"] == 8.0
     with pytest.raises(ValueError):
         policy_role("serve-tx")
+
+
+def test_the_no_warmup_variant_is_ours_with_the_routers_warm_up_on_join_off():
+    spec, cal = RealSpec(), _cal()
+    role, section = autoscaling_section("engine-nowarm", spec, cal)
+    assert role == "ours-variant" and section == autoscaling_section("engine", spec, cal)[1]
+    assert real_app_config(spec, "/m", section, warmup_on_join=False)["routing"]["warmup_on_join"] is False
+    on = AppConfig.model_validate(real_app_config(spec, "/m", section))
+    assert on.routing.warmup_on_join is True
+    off = AppConfig.model_validate(real_app_config(spec, "/m", section, warmup_on_join=False))
+    assert off.routing.warmup_on_join is False
+
+
+def test_a_joining_replicas_first_requests_are_told_apart_from_the_rest():
+    """Replica a answered first (up before the trace); b joined at 30 s and c at 50 s. Within 20 s of its
+    first request each joined replica's requests count as its first ones; unanswered requests count nowhere."""
+    def o(t: float, rid: str, first: float | None = 0.2, cached: int = 0) -> Outcome:
+        out = Outcome(f"r{t}", t, sent_s=t, status=200, first_s=None if first is None else t + first,
+                      end_s=t + 1, num_output_tokens=4, expected_tokens=4, num_prompt_tokens=100,
+                      num_cached_tokens=cached, replica_id=rid)
+        return out
+    outs = [o(1, "a", cached=90), o(2, "a", cached=90), o(30, "b", 0.9, 0), o(40, "b", 1.5, 50),
+            o(49.9, "b", 0.3, 90), o(50, "b", 0.2, 90), o(50, "c", 0.7, 0), o(60, "a", cached=90),
+            o(55, "", None)]
+    early, rest = joined_first_requests(outs)
+    assert sorted((x.replica_id, x.sent_s) for x in early) == [("b", 30), ("b", 40), ("b", 49.9), ("c", 50)]
+    assert sorted((x.replica_id, x.sent_s) for x in rest) == [("a", 1), ("a", 2), ("a", 60), ("b", 50)]
+    st = joined_stats(early, slo_s=1.0)
+    assert st["n"] == 4 and st["hit_rate"] == pytest.approx(140 / 400)
+    assert st["ttft_slo_attainment"] == pytest.approx(3 / 4)             # the 1.5 s one missed
+    assert st["ttft_p50_s"] == pytest.approx(0.8)
+    assert joined_stats([], 1.0) == {"n": 0}
+    assert joined_first_requests(outs[:2]) == ([], outs[:2])            # one replica throughout: nothing joined
 
 
 def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_decisions():
