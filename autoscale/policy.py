@@ -237,8 +237,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         state = replace(state, load_history=history)
     idle = load.num_in_flight <= 0
     # The idle clock runs only on what replicas report: a replica still starting has not been seen idle, so
-    # a fleet deployed with no traffic goes to zero downscale_to_zero_delay_s after its first replica reports
-    # (counting from the deploy, the real Serve test's replica was stopped the moment it came up).
+    # a fleet deployed with no traffic goes to zero downscale_to_zero_delay_s after its first replica
+    # reports, not the moment it comes up.
     seen_idle = idle and bool(signals)
     state = replace(state, idle_since=(state.idle_since if state.idle_since is not None else now)
                     if seen_idle else None)

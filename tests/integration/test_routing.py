@@ -105,7 +105,14 @@ def test_the_replica_a_held_prefix_spills_to_reports_recomputing_it_as_a_refill(
         return {ing: {rid: r["num_held_blocks"] for rid, r in st["routers"][0]["replicas"].items()}
                 for ing, st in _states().items()}
 
-    before = held()
+    # Earlier tests' requests may still be reaching the indexes as events: wait until the counts hold still
+    # for a second, or their late blocks could stand in for the new prefix's below.
+    readings: list[dict] = []
+
+    def settled() -> dict | None:
+        readings.append(held())
+        return readings[-1] if len(readings) > 3 and all(r == readings[-1] for r in readings[-4:]) else None
+    before = wait_until(settled, 15, "the indexes to settle", period_s=0.3)
     with httpx.Client(timeout=60) as c:
         holder = _post(c, url, _prompt(4, 64, 0))["system_fingerprint"].removeprefix("replica:")
     # 16 more blocks (the 64-token prefix) in both indexes: earlier tests' blocks already count there, so an
