@@ -89,6 +89,8 @@ class LLMEngine:
             self.max_model_len = capacity
         backend = select_backend(config.attention_backend, self.device.type, block_size,
                                  cpu_kernels=config.cpu_kernels)
+        if backend.name == "triton":
+            model.use_fused_ops()          # the per-token ops as Triton kernels too (engine/models/fused.py)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,

@@ -84,3 +84,73 @@ def prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, first_req
         out = acc / l_i[:, None]
         tl.store(o_ptr + (q_start + i)[:, None] * s_ot + h * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=qd_mask)
+
+
+@triton.jit
+def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, s_kt, s_kh, s_vt, s_vh, s_ch, D: tl.constexpr,
+             BLOCK_D: tl.constexpr):
+    """One (token, KV head): its K and V rows into the cache row its slot names (block * BS + offset, which
+    is the row index in a head's [num_blocks * BS, D] view)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    dst = h * s_ch + slot * D + d
+    tl.store(kc_ptr + dst, tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=m), mask=m)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=m), mask=m)
+
+
+@triton.jit
+def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_kh, s_kb, s_kt,
+                 s_bt, scale, H: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Split-K decode (flash-decoding): program (request, KV head, split) runs the online softmax over its
+    share of the key tiles and writes the unnormalised partial (running max, denominator, output) for
+    `decode_merge`. A split with no tiles writes max -inf, denominator 0."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + r)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gd_mask = (g < G)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + r * s_qt + (h * G + g)[:, None] * s_qh + d[None, :], mask=gd_mask, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_head = k_ptr + h.to(tl.int64) * s_kh
+    v_head = v_ptr + h.to(tl.int64) * s_kh
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    per = tl.cdiv(tiles, S)
+    lo = sp * per * BLOCK_N
+    hi = tl.minimum(seq_len, (sp + 1) * per * BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        t_mask = t < hi
+        m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, t_mask[None, :], d, s_kb,
+                                 s_kt, scale, m_i, l_i, acc, D, BS, PREC)
+    row = (r * H + h * G + g) * S + sp                   # partials laid out [request, query head, split]
+    tl.store(m_ptr + row, m_i, mask=g < G)
+    tl.store(l_ptr + row, l_i, mask=g < G)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
+
+
+@triton.jit
+def decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ot, s_oh, H: tl.constexpr, S: tl.constexpr,
+                 BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (request, query head): the splits' partials rescaled to their common max and summed."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sm = sp < S
+    row = (r * H + h) * S + sp
+    m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
+    l_s = tl.load(l_ptr + row, mask=sm, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    m_all = tl.max(m, 0)                                 # split 0 always has key 0: finite
+    w = tl.where(sm, tl.exp(m - m_all), 0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(o_ptr + r * s_ot + h * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)

@@ -76,9 +76,23 @@ def self_test(device: str, block_size: int) -> str | None:
 
 
 def _kernels():
-    """(decode, prefill), compiled on first launch."""
-    from engine.attention._triton_kernels import decode, prefill
-    return decode, prefill
+    """The kernels module (decode, prefill, write_kv, decode_split, decode_merge), compiled on first launch."""
+    from engine.attention import _triton_kernels
+    return _triton_kernels
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8                                    # the interpreter: small, so the CPU tests take the split path
+
+
+def decode_splits(device: torch.device, num_decodes: int, num_kv_heads: int, max_splits: int = 16) -> int:
+    """Key-range splits per (request, KV head) for a decode batch: enough programs to give each SM about
+    two, at most max_splits. A function of the batch shape only (not of the lengths), so a CUDA graph
+    captured for a batch size and the eager step of that size split alike."""
+    return max(1, min(max_splits, -(-2 * _num_sms(device) // (num_decodes * num_kv_heads))))
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -90,11 +104,11 @@ class TritonPagedAttention:
 
     name = "triton"
 
-    def __init__(self, block_n: int = 64, block_m: int = 64):
+    def __init__(self, block_n: int = 64, block_m: int = 64, max_splits: int = 16):
         if not triton_available():
             raise ValueError("attention_backend 'triton' needs the triton package (it comes with CUDA builds of "
                              "torch); use 'torch' or 'auto' instead")
-        self.block_n, self.block_m = block_n, block_m
+        self.block_n, self.block_m, self.max_splits = block_n, block_m, max_splits
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -102,11 +116,17 @@ class TritonPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        _write_kv(k, v, kv_cache, meta.slot_mapping)
-        decode, prefill = _kernels()
+        kern = _kernels()
+        _, kvh, nb, bs, hd = kv_cache.shape
+        assert kv_cache.stride(2) == bs * hd and kv_cache.stride(3) == hd and kv_cache.stride(4) == 1, "pages of contiguous [block_size, head_dim]"
+        if meta.num_tokens:
+            if k.stride(-1) != 1 or v.stride(-1) != 1:
+                k, v = k.contiguous(), v.contiguous()
+            kern.write_kv[(meta.num_tokens, kvh)](k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, k.stride(0),
+                                                  k.stride(1), v.stride(0), v.stride(1), kv_cache.stride(1), D=hd,
+                                                  BLOCK_D=_pow2(hd))
         if q.stride(-1) != 1:
             q = q.contiguous()
-        _, kvh, _, bs, hd = kv_cache.shape
         heads = q.shape[1]
         g = heads // kvh
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -117,14 +137,24 @@ class TritonPagedAttention:
         common = dict(s_kh=kc.stride(0), s_kb=kc.stride(1), s_kt=kc.stride(2), s_bt=bt.stride(0), scale=scale,
                       G=g, D=hd, BLOCK_D=_pow2(hd), BS=bs, BLOCK_N=self.block_n, PREC=prec)
         nd = meta.num_decodes
-        if nd:
-            decode[(nd, kvh)](q, kc, vc, out, bt, meta.seq_lens, q.stride(0), q.stride(1), out.stride(0),
-                              out.stride(1), BLOCK_G=_pow2(g), **common)
+        splits = decode_splits(q.device, nd, kvh, self.max_splits) if nd else 1
+        if nd and splits == 1:
+            kern.decode[(nd, kvh)](q, kc, vc, out, bt, meta.seq_lens, q.stride(0), q.stride(1), out.stride(0),
+                                   out.stride(1), BLOCK_G=_pow2(g), **common)
+        elif nd:
+            block_d = common["BLOCK_D"]
+            m = torch.empty(nd * heads * splits, dtype=torch.float32, device=q.device)
+            den = torch.empty_like(m)
+            part = torch.empty(nd * heads * splits, block_d, dtype=torch.float32, device=q.device)
+            kern.decode_split[(nd, kvh, splits)](q, kc, vc, m, den, part, bt, meta.seq_lens, q.stride(0),
+                                                 q.stride(1), H=heads, S=splits, BLOCK_G=_pow2(g), **common)
+            kern.decode_merge[(nd, heads)](m, den, part, out, out.stride(0), out.stride(1), H=heads, S=splits,
+                                           BLOCK_S=_pow2(splits), D=hd, BLOCK_D=block_d)
         num_prefills = len(meta.query_lens_list) - nd
         if num_prefills:
             longest = max(meta.query_lens_list[nd:])
             block_m = min(self.block_m, _pow2(longest))
             grid = (num_prefills, -(-longest // block_m), heads)
-            prefill[grid](q, kc, vc, out, bt, meta.seq_lens, meta.query_start_loc, nd, q.stride(0), q.stride(1),
-                          out.stride(0), out.stride(1), BLOCK_M=block_m, **common)
+            kern.prefill[grid](q, kc, vc, out, bt, meta.seq_lens, meta.query_start_loc, nd, q.stride(0), q.stride(1),
+                               out.stride(0), out.stride(1), BLOCK_M=block_m, **common)
         return out

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models import fused
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_linears
 from engine.models.rope import apply_rope, cos_sin_table
@@ -41,8 +42,19 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """cos / sin: gathered per token ([T, rotary_dim], model dtype), or with `positions` (fused ops) the
+        float32 tables themselves."""
         t = x.shape[0]
+        if positions is not None:                    # fused ops: q and k rotated by one kernel, in place
+            qkv = self.qkv_proj(x)
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            fused.rope_(qk, positions, cos, sin)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            o = backend.forward(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                                v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
+            return self.o_proj(o.reshape(t, self.q_size))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)        # [T, H, D], in place
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)     # [T, KVH, D], in place
@@ -55,10 +67,13 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.inter = args.intermediate_size
+        self.fused = False
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -76,6 +91,14 @@ class DecoderLayer(nn.Module):
         x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
+    def forward_fused(self, x, delta, positions, cos, sin, kv_cache, meta, backend):
+        """Fused ops: x += delta (the previous layer's MLP output) inside the first norm; returns the updated
+        residual stream and this layer's MLP output, which the next norm adds."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        h = fused.add_rms_norm(x, delta, n1.weight, n1.eps)
+        a = self.self_attn(h, cos, sin, kv_cache, meta, backend, positions)
+        return x, self.mlp(fused.add_rms_norm(x, a, n2.weight, n2.eps))
+
 
 class LlamaForCausalLM(nn.Module):
     """Checkpoint parameter names follow Hugging Face's (`model.layers.N...`); see loader.py."""
@@ -92,6 +115,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
         self.lm_head_t: torch.Tensor | None = None
+        #: per-token ops as fused Triton kernels (engine/models/fused.py); set by use_fused_ops
+        self.fused = False
+
+    def use_fused_ops(self, on: bool = True) -> None:
+        """Run RMSNorm (with the residual add), RoPE and SiLU * up as fused Triton kernels (CUDA, or CPU
+        tensors under TRITON_INTERPRET=1)."""
+        self.fused = on
+        for layer in self.layers:
+            layer.mlp.fused = on
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -111,6 +143,12 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids: [T] -> final hidden states [T, hidden] (logits are computed separately)."""
         x = self.embed_tokens(input_ids)
+        if self.fused:
+            delta = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, delta = layer.forward_fused(x, delta, meta.positions, self.rope_cos, self.rope_sin, kv_cache,
+                                               meta, backend)
+            return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         dtype = x.dtype
         cos = self.rope_cos[meta.positions].to(dtype)
         sin = self.rope_sin[meta.positions].to(dtype)
