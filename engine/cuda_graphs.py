@@ -42,11 +42,23 @@ class DecodeGraphs:
         self.sizes, self.block_size, self.device = list(sizes), block_size, device
         top = self.sizes[-1]
         self.max_blocks = max_blocks_per_seq
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(top, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The static inputs live in two device buffers (int64: token ids, positions, slots; int32: lengths, then
+        # the block tables), filled per step from pinned host mirrors by three copies instead of a dozen small
+        # copies and kernels.
+        pin = device.type == "cuda"
+        self._d64 = torch.zeros(3, top, dtype=torch.long, device=device)
+        self._d32 = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._h64 = torch.zeros(3, top, dtype=torch.long, pin_memory=pin)
+        self._h32 = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self.input_ids, self.positions, self.slot_mapping = self._d64.unbind(0)
+        self.seq_lens = self._d32[:top]
+        self.block_tables = self._d32[top:].view(top, max_blocks_per_seq)
+        self._hlens = self._h32[:top]
+        self._htables = self._h32[top:].view(top, max_blocks_per_seq)
+        self._n64, self._nlens, self._n32 = self._h64.numpy(), self._hlens.numpy(), self._htables.numpy()
+        self.seq_lens.fill_(1)
+        #: recorded after each step's copies: the host mirrors are not rewritten while a copy may still read them
+        self._copied = torch.cuda.Event() if pin else None
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_steps = 0                         # decode steps that took this path (graph or padded eager)
@@ -55,35 +67,50 @@ class DecodeGraphs:
             self._capture()
 
     # ------------------------------------------------------------------ use
-    def covers(self, meta: AttentionMetadata) -> bool:
-        return (0 < meta.num_tokens == meta.num_decodes and meta.num_tokens <= self.sizes[-1]
-                and meta.block_tables.shape[1] <= self.max_blocks)
-
     def padded_size(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's hidden states, [B, hidden] (a view of a static buffer: use it before the next step)."""
-        b = meta.num_tokens
+    def covers_step(self, num_scheduled: list[int], block_ids: list[list[int]]) -> bool:
+        """A decode-only step (every request computes one token) this object can run."""
+        return (0 < len(num_scheduled) <= self.sizes[-1] and all(n == 1 for n in num_scheduled)
+                and max(map(len, block_ids)) <= self.max_blocks)
+
+    def run(self, token_ids: list[int], num_computed: list[int], block_ids: list[list[int]]) -> torch.Tensor:
+        """One decode step: request i computes token `token_ids[i]` at position `num_computed[i]` over its
+        blocks `block_ids[i]`. Returns the step's hidden states, [B, hidden] (a view of a static buffer: use
+        it before the next step)."""
+        b = len(token_ids)
         p = self.padded_size(b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(meta.positions)
-        self.slot_mapping[:b].copy_(meta.slot_mapping)
-        self.seq_lens[:b].copy_(meta.seq_lens)
-        self.block_tables[:b, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if p > b:
-            for buf in (self.input_ids, self.positions, self.slot_mapping):
-                buf[b:p].zero_()
-            self.seq_lens[b:p].fill_(1)
-            self.block_tables[b:p, 0] = 0
+        bs = self.block_size
+        h, t = self._n64, self._n32
+        if self._copied is not None:
+            self._copied.synchronize()
+        width = max(map(len, block_ids))
+        h[0, :b] = token_ids
+        h[1, :b] = num_computed
+        for i, (blocks, pos) in enumerate(zip(block_ids, num_computed)):
+            t[i, :len(blocks)] = blocks
+            h[2, i] = blocks[pos // bs] * bs + pos % bs
+        lens = self._nlens
+        lens[:b] = h[1, :b] + 1
+        if p > b:                 # padding rows: token 0 at position 0 of the null block, one key
+            h[:, b:p] = 0
+            lens[b:p] = 1
+            t[b:p, 0] = 0
+        self._d64[:, :p].copy_(self._h64[:, :p], non_blocking=True)
+        self.seq_lens[:p].copy_(self._hlens[:p], non_blocking=True)
+        self.block_tables[:p, :width].copy_(self._htables[:p, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.num_steps += 1
         if p in self.graphs:
             graph, out = self.graphs[p]
             graph.replay()
             self.num_graph_replays += 1
             return out[:b]
-        lens = meta.seq_lens_list + [1] * (p - b)
-        return self.model(self.input_ids[:p], self._meta(p, lens), self.kv_caches, self.backend)[:b]
+        meta = self._meta(p, [c + 1 for c in num_computed] + [1] * (p - b))
+        meta.block_tables = self.block_tables[:p, :width]
+        return self.model(self.input_ids[:p], meta, self.kv_caches, self.backend)[:b]
 
     # ------------------------------------------------------------------ capture
     def _meta(self, p: int, seq_lens_list: list[int]) -> AttentionMetadata:

@@ -105,8 +105,8 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         num_sched = [sched[r] for r in order]
         computed = [s.num_computed_tokens for s in states]
-        meta = build_attention_metadata(computed, num_sched, [s.block_ids for s in states],
-                                        self.block_size, self.device)
+        graphs = self.decode_graphs
+        graphed = graphs is not None and graphs.covers_step(num_sched, [s.block_ids for s in states])
         ids: list[int] = []
         sample_rows: list[int] = []
         sampling: list[RunnerRequestState] = []
@@ -120,18 +120,20 @@ class ModelRunner:
             if start + n >= len(st.token_ids):          # reached the end of its known tokens: sample
                 sample_rows.append(offset - 1)
                 sampling.append(st)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.covers(meta):
-            hidden = graphs.run(input_ids, meta)
+        if graphed:                         # decode-only: static buffers, a captured graph where there is one
+            hidden = graphs.run(ids, computed, [s.block_ids for s in states])
         else:
+            meta = build_attention_metadata(computed, num_sched, [s.block_ids for s in states],
+                                            self.block_size, self.device)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         for st, start, n in zip(states, computed, num_sched):
             st.num_computed_tokens = start + n
         prompt_logprobs = self._gather_prompt_logprobs(hidden, prompt_chunks) if prompt_chunks else None
         if not sampling:
             return ModelRunnerOutput(order, [[] for _ in order], None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        # every row samples (a decode step): the rows as they are, no gather
+        logits = self.model.compute_logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])
         infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in sampling]
         tokens, lps = self.sampler(logits, infos)
         by_req: dict[str, list[int]] = {}

@@ -44,8 +44,8 @@ def test_padded_decode_matches_transformers(checkpoints, hf_reference, backend):
     graphs = _padded(llm, [1, 2, 4, 8])
     seen: list[tuple[int, int]] = []
     run = graphs.run
-    graphs.run = lambda ids, meta: (seen.append((meta.num_tokens, graphs.padded_size(meta.num_tokens))),
-                                    run(ids, meta))[1]
+    graphs.run = lambda ids, computed, blocks: (seen.append((len(ids), graphs.padded_size(len(ids)))),
+                                                run(ids, computed, blocks))[1]
     prompts = _prompts(7, seed=3)                      # 7 decoding together: padded to 8; fewer as they end
     outs = llm.generate(prompts, [SamplingParams(max_tokens=6 + 2 * i, **GREEDY) for i in range(7)],
                         use_tqdm=False)
