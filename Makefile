@@ -61,17 +61,20 @@ gpu-wheels: venv
 	$(PIP) download -q --only-binary=:all: --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
 
-# Only what that Python cannot import, without dependencies: its own pytest and plugins stay in charge
-# (a --target install would bring a second pytest that shadows them). pydantic comes with the versions
-# of its companions it was built against.
+# Only what that Python cannot import, one wheel each (the newest there) without dependency resolution: its own
+# pytest and plugins stay in charge (a resolving --target install brings a second pytest that shadows them).
+# Each dependency of these that may be missing is a name of its own in the list; pydantic comes with the
+# versions of its companions it was built against.
 gpu-site:
 	mkdir -p $(GPU_SITE); \
 	need() { PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import $$1" 2>/dev/null && return 1; return 0; }; \
 	pick=""; \
 	if need pydantic; then pick="$$pick pydantic pydantic_core annotated_types typing_inspection typing_extensions"; fi; \
-	for m in pytest pytest_timeout pytest_asyncio hypothesis sortedcontainers; do need $$m && pick="$$pick $$m"; done; \
-	for m in $$pick; do ls $(GPU_WHEELS)/$$m-*.whl >/dev/null 2>&1 || { echo "gpu-site: $$m is missing and $(GPU_WHEELS)/ has no wheel of it: run 'make gpu-wheels' where pip has the network"; exit 1; }; \
-		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) --upgrade $(GPU_WHEELS)/$$m-*.whl || exit 1; done; \
+	for m in pytest iniconfig pluggy packaging pygments pytest_timeout pytest_asyncio hypothesis sortedcontainers; do \
+		need $$m && pick="$$pick $$m"; done; \
+	for m in $$pick; do w=$$(ls $(GPU_WHEELS)/$$m-*.whl 2>/dev/null | sort -V | tail -1); \
+		[ -n "$$w" ] || { echo "gpu-site: $$m is missing and $(GPU_WHEELS)/ has no wheel of it: run 'make gpu-wheels' where pip has the network"; exit 1; }; \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) --upgrade $$w || exit 1; done; \
 	echo "gpu-site: installed [$$pick ] into $(GPU_SITE)"
 
 test-gpu: gpu-site

@@ -42,20 +42,19 @@ class DecodeGraphs:
         self.sizes, self.block_size, self.device = list(sizes), block_size, device
         top = self.sizes[-1]
         self.max_blocks = max_blocks_per_seq
-        # The static inputs live in two device buffers (int64: token ids, positions, slots; int32: lengths, then
-        # the block tables), filled per step from pinned host mirrors by three copies instead of a dozen small
-        # copies and kernels.
+        # A decode step's inputs reach the device in two copies, each of a contiguous pinned host buffer (a
+        # strided copy would go through an unpinned temporary): int64 token ids, positions and slots, all of it
+        # (a few KiB); int32 lengths, then this step's block tables packed [p, width], whose device copy is
+        # `seq_lens` and a staging area that one device-side copy spreads into `block_tables`.
         pin = device.type == "cuda"
         self._d64 = torch.zeros(3, top, dtype=torch.long, device=device)
-        self._d32 = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
         self._h64 = torch.zeros(3, top, dtype=torch.long, pin_memory=pin)
-        self._h32 = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
+        self._dstage = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._hstage = torch.zeros(top * (1 + max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
         self.input_ids, self.positions, self.slot_mapping = self._d64.unbind(0)
-        self.seq_lens = self._d32[:top]
-        self.block_tables = self._d32[top:].view(top, max_blocks_per_seq)
-        self._hlens = self._h32[:top]
-        self._htables = self._h32[top:].view(top, max_blocks_per_seq)
-        self._n64, self._nlens, self._n32 = self._h64.numpy(), self._hlens.numpy(), self._htables.numpy()
+        self.seq_lens = self._dstage[:top]
+        self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._n64, self._nstage = self._h64.numpy(), self._hstage.numpy()
         self.seq_lens.fill_(1)
         #: recorded after each step's copies: the host mirrors are not rewritten while a copy may still read them
         self._copied = torch.cuda.Event() if pin else None
@@ -82,26 +81,28 @@ class DecodeGraphs:
         b = len(token_ids)
         p = self.padded_size(b)
         bs = self.block_size
-        h, t = self._n64, self._n32
+        top = self.sizes[-1]
+        h, lens = self._n64, self._nstage[:top]
         if self._copied is not None:
             self._copied.synchronize()
         width = max(map(len, block_ids))
+        tables = self._nstage[top:top + p * width].reshape(p, width)
         h[0, :b] = token_ids
         h[1, :b] = num_computed
         for i, (blocks, pos) in enumerate(zip(block_ids, num_computed)):
-            t[i, :len(blocks)] = blocks
+            tables[i, :len(blocks)] = blocks                # columns past a row's blocks are never read
             h[2, i] = blocks[pos // bs] * bs + pos % bs
-        lens = self._nlens
         lens[:b] = h[1, :b] + 1
         if p > b:                 # padding rows: token 0 at position 0 of the null block, one key
             h[:, b:p] = 0
             lens[b:p] = 1
-            t[b:p, 0] = 0
-        self._d64[:, :p].copy_(self._h64[:, :p], non_blocking=True)
-        self.seq_lens[:p].copy_(self._hlens[:p], non_blocking=True)
-        self.block_tables[:p, :width].copy_(self._htables[:p, :width], non_blocking=True)
+            tables[b:p, 0] = 0
+        self._d64.copy_(self._h64, non_blocking=True)
+        n = top + p * width
+        self._dstage[:n].copy_(self._hstage[:n], non_blocking=True)
+        self.block_tables[:p, :width].copy_(self._dstage[top:n].view(p, width))
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         self.num_steps += 1
         if p in self.graphs:
             graph, out = self.graphs[p]

@@ -18,6 +18,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVLayout, build_kv_connector, model_identity
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models import fused as fused_ops
 from engine.models.checkpoint import resolve_context_length, validate_checkpoint
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_supported
@@ -89,8 +90,13 @@ class LLMEngine:
             self.max_model_len = capacity
         backend = select_backend(config.attention_backend, self.device.type, block_size,
                                  cpu_kernels=config.cpu_kernels)
-        if backend.name == "triton":
-            model.use_fused_ops()          # the per-token ops as Triton kernels too (engine/models/fused.py)
+        if backend.name == "triton":   # the per-token ops as Triton kernels too, once they pass a self-test
+            why = fused_ops.self_test(str(self.device))
+            if why is None:
+                model.use_fused_ops()
+            else:
+                logger.warning("fused Triton ops failed their self-test on this device (%s); the model's "
+                               "norms, RoPE and SiLU run as torch ops", why)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,

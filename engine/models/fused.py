@@ -14,6 +14,8 @@ the CPU tests check them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -34,8 +36,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if t == 0:
         return y
     d = delta if delta is not None else x
+    block = _pow2(n)
+    # a row is one program: more warps for wide rows keep the per-thread share (registers) bounded
     _k().add_rms_norm[(t,)](x, d, weight, y, x.stride(0), d.stride(0), y.stride(0), n, eps,
-                            HAS_DELTA=delta is not None, BLOCK=_pow2(n))
+                            HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(4, block // 1024)))
     return y
 
 
@@ -63,3 +67,31 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, _pow2(n))
     _k().silu_mul[(t, -(-n // block))](x, y, x.stride(0), y.stride(0), n, BLOCK=block)
     return y
+
+
+@functools.lru_cache(maxsize=8)
+def self_test(device: str) -> str | None:
+    """None when the three kernels compile on `device` and agree with the torch ops (float32, small shapes);
+    else why not, in a line. The engine switches the fused ops on only after this passes."""
+    import torch.nn.functional as F
+
+    from engine.models.rope import apply_rope
+    try:
+        dev = torch.device(device)
+        g = torch.Generator().manual_seed(0)
+        x, d = (torch.randn(3, 48, generator=g).to(dev) for _ in range(2))
+        w = torch.rand(48, generator=g).to(dev) + 0.5
+        ref_x = x + d
+        ref = torch.rms_norm(ref_x, (48,), w, 1e-6)
+        errs = [float((add_rms_norm(x, d, w, 1e-6) - ref).abs().max()), float((x - ref_x).abs().max())]
+        cos, sin = torch.rand(16, 8, generator=g).to(dev), torch.rand(16, 8, generator=g).to(dev)
+        q = torch.randn(4, 3, 8, generator=g).to(dev)
+        pos = torch.tensor([0, 5, 9, 15], device=dev)
+        ref_q = apply_rope(q.clone(), cos[pos], sin[pos])
+        errs.append(float((rope_(q, pos, cos, sin) - ref_q).abs().max()))
+        gu = torch.randn(2, 64, generator=g).to(dev)
+        errs.append(float((silu_mul(gu) - F.silu(gu[:, :32]) * gu[:, 32:]).abs().max()))
+        err = max(errs)
+        return None if err <= 1e-4 else f"they differ from the torch ops by {err:.1e}"
+    except Exception as e:                       # a missing compiler, an unsupported GPU, a Triton too old, ...
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -56,7 +56,7 @@ def test_engine_on_triton_matches_transformers_fp32(checkpoints, hf_reference, n
     prompts = [[10 + (7 * i + j) % 600 for j in range(n)] for i, n in enumerate((5, 40, 300, 33))]
     llm = LLM(path, device="cuda", dtype="float32", attention_backend="triton",
               cache={"memory_budget_bytes": 256 << 20}, scheduler={"max_num_batched_tokens": 64})
-    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.runner.backend.name == "triton" and llm.engine.runner.model.fused   # self-tests passed
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 12) for p in prompts]
 

@@ -48,3 +48,29 @@ def test_split_k_decode_matches_the_torch_backend(nd, lens):
 
 def test_the_model_with_fused_ops_matches_the_unfused_model(checkpoints):
     check_fused_model_matches_unfused(checkpoints["qwen2"], DEV, torch.float32, tol=1e-5)
+
+
+def test_self_test_passes_here_and_a_failing_kernel_leaves_the_torch_ops_on(checkpoints, hf_reference, monkeypatch,
+                                                                           caplog):
+    """The engine switches the fused ops on only after their start-up self-test: a kernel that cannot compile
+    costs a warning, not the replica (the model then runs its torch ops, still token-exact)."""
+    from engine import LLM, SamplingParams
+    from engine.models import fused
+
+    assert fused.self_test.__wrapped__("cpu") is None
+    assert LLM(checkpoints["llama"], attention_backend="triton", cache={"num_blocks": 16}).engine.runner.model.fused
+
+    def broken():
+        raise RuntimeError("Failed to compile the launcher\nlong log")
+    monkeypatch.setattr(fused, "_k", broken)
+    fused.self_test.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            llm = LLM(checkpoints["llama"], attention_backend="triton", cache={"num_blocks": 16})
+    finally:
+        fused.self_test.cache_clear()
+    assert "fused Triton ops failed their self-test" in caplog.text and "Failed to compile" in caplog.text
+    assert llm.engine.runner.backend.name == "triton" and not llm.engine.runner.model.fused
+    prompt = [12, 40, 7, 300, 5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_reference(checkpoints["llama"], prompt, 5)
