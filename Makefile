@@ -11,7 +11,7 @@ REPLICAS ?= 2
 PYTEST_ARGS ?=
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu clean
+.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu profile-gpu clean
 
 venv: $(VENV)/.installed
 
@@ -82,6 +82,9 @@ test-gpu: gpu-site
 
 bench-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
+
+profile-gpu: gpu-site
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_decode_profile.py --kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
