@@ -105,8 +105,9 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         num_sched = [sched[r] for r in order]
         computed = [s.num_computed_tokens for s in states]
+        blocks = [s.block_ids for s in states]
         graphs = self.decode_graphs
-        graphed = graphs is not None and graphs.covers_step(num_sched, [s.block_ids for s in states])
+        graphed = graphs is not None and graphs.covers_step(num_sched, blocks)
         ids: list[int] = []
         sample_rows: list[int] = []
         sampling: list[RunnerRequestState] = []
@@ -121,10 +122,9 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampling.append(st)
         if graphed:                         # decode-only: static buffers, a captured graph where there is one
-            hidden = graphs.run(ids, computed, [s.block_ids for s in states])
+            hidden = graphs.run(ids, computed, blocks)
         else:
-            meta = build_attention_metadata(computed, num_sched, [s.block_ids for s in states],
-                                            self.block_size, self.device)
+            meta = build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         for st, start, n in zip(states, computed, num_sched):

@@ -47,18 +47,16 @@ class Attention(nn.Module):
         """cos / sin: gathered per token ([T, rotary_dim], model dtype), or with `positions` (fused ops) the
         float32 tables themselves."""
         t = x.shape[0]
+        qkv = self.qkv_proj(x)
         if positions is not None:                    # fused ops: q and k rotated by one kernel, in place
-            qkv = self.qkv_proj(x)
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             fused.rope_(qk, positions, cos, sin)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            o = backend.forward(q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                                v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta, self.scale)
-            return self.o_proj(o.reshape(t, self.q_size))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)        # [T, H, D], in place
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)     # [T, KVH, D], in place
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                               # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)                            # [T, KVH, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if positions is None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)                # in place
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, H, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
