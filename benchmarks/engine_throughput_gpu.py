@@ -8,7 +8,8 @@ Reports output tokens/s for both, the ratio, and our decode step time (all seque
 over the steps after the last prefill) against the memory-bandwidth floor: the bytes one decode step must
 read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
 measured in the same run ((read + write bytes) / time of a large device-to-device copy). The floor counts
-every sequence's KV, shared prefix included (no cascade: what the triton backend reads).
+every sequence's KV, shared prefix included (no cascade: what the triton backend reads). With
+overlap_decode on (the default with CUDA graphs), batch 1 also runs with it off, interleaved, as its own row.
 
     python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
         [--json out.json]
@@ -161,34 +162,47 @@ def main() -> None:
     warm = prompts(2, 16, 0, cfg["vocab_size"])
     run_hf(hf, warm, 4, device)
     run_ours(llm, warm, 4)
+    runner = llm.engine.runner
+    overlap = runner.overlap_decode
+    say(f"overlap_decode {'on' if overlap else 'off'}")
     rows = []
     for name, batch, prefix, plen, new in cases(args.tiny):
         ps = prompts(batch, plen, prefix, cfg["vocab_size"])
-        best_hf, best_ours, step = float("inf"), float("inf"), float("inf")
+        # batch 1 with overlap_decode also runs in order (the switch off), interleaved: what the overlap buys
+        variants = [(name, overlap)] + ([(f"{name}, in order", False)] if overlap and batch == 1 else [])
+        best = {v: [float("inf")] * 3 for v, _ in variants}             # transformers s, ours s, step s
         for rep in range(args.reps):
             t_hf = run_hf(hf, ps, new, device)
-            t_ours, t_step, n_steps = run_ours(llm, ps, new)
-            best_hf, best_ours, step = min(best_hf, t_hf), min(best_ours, t_ours), min(step, t_step)
-            say(f"{name} rep {rep + 1}/{args.reps}: transformers {t_hf:.2f}s, ours {t_ours:.2f}s "
-                f"(decode step {t_step * 1e3:.2f} ms over {n_steps} steps)")
+            for v, ov in variants:
+                runner.overlap_decode = ov
+                t_ours, t_step, n_steps = run_ours(llm, ps, new)
+                b = best[v]
+                best[v] = [min(b[0], t_hf), min(b[1], t_ours), min(b[2], t_step)]
+                say(f"{v} rep {rep + 1}/{args.reps}: transformers {t_hf:.2f}s, ours {t_ours:.2f}s "
+                    f"(decode step {t_step * 1e3:.2f} ms over {n_steps} steps)")
+            runner.overlap_decode = overlap
         # the floor at the mean context of the measured decode steps (prompt + half the new tokens)
         ctx = [prefix + plen + new // 2] * batch
-        floor = floor_bytes(llm.engine.runner.model, cfg, ctx, dt.itemsize) / bw
+        floor = floor_bytes(runner.model, cfg, ctx, dt.itemsize) / bw
         n = batch * new
-        rows.append({"case": name, "hf_tok_s": round(n / best_hf, 1), "ours_tok_s": round(n / best_ours, 1),
-                     "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 3),
-                     "floor_ms": round(floor * 1e3, 3), "step_over_floor": round(step / floor, 2)})
-    hdr = (f"{'case':<32} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
+        for v, ov in variants:
+            best_hf, best_ours, step = best[v]
+            rows.append({"case": v, "hf_tok_s": round(n / best_hf, 1), "ours_tok_s": round(n / best_ours, 1),
+                         "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 3),
+                         "floor_ms": round(floor * 1e3, 3), "step_over_floor": round(step / floor, 2),
+                         "overlap_decode": ov})
+    hdr = (f"{'case':<40} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
            f"{'floor ms':>9} {'step/floor':>10}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['case']:<32} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
+        print(f"{r['case']:<40} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
               f"{r['decode_step_ms']:>8.2f} {r['floor_ms']:>9.2f} {r['step_over_floor']:>9.2f}x")
     if args.json:
         dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": dev_name, "dtype": args.dtype, "backend": backend,
-                                         "cuda_graphs": graphs, "copy_bandwidth_gb_s": round(bw / 1e9, 1),
+                                         "cuda_graphs": graphs, "overlap_decode": overlap,
+                                         "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                                          "reps": args.reps,
                                          "torch": torch.__version__, "rows": rows}, indent=2))
 

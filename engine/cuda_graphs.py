@@ -62,6 +62,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_steps = 0                         # decode steps that took this path (graph or padded eager)
         self.num_graph_replays = 0                 # of them, replayed graphs
+        self._last = (0, 0, 0)                     # the last step's (batch, padded size, block-table width)
+        #: per request of the last `run`, the blocks its device block-table row holds
+        self.row_blocks: list[int] = []
         if capture:
             self._capture()
 
@@ -103,13 +106,34 @@ class DecodeGraphs:
         self.block_tables[:p, :width].copy_(self._dstage[top:n].view(p, width))
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
+        self._last = (b, p, width)
+        self.row_blocks = [len(blocks) for blocks in block_ids]
+        return self._forward(b, p, width, [c + 1 for c in num_computed])
+
+    def run_next(self, tokens: torch.Tensor, seq_lens_list: list[int]) -> torch.Tensor:
+        """The decode step after the last `run` / `run_next`, for the same requests, prepared on the device:
+        request i computes `tokens[i]` (its sampled id, still on the device: no host round trip) at the
+        position after the last step's, in the block tables already on the device. The caller checks that
+        every next position lies inside the blocks those tables hold (`row_blocks`). `seq_lens_list` (the new
+        lengths, host-side) is read only by an eager run. Returns the hidden states as `run` does."""
+        b, p, width = self._last
+        bs = self.block_size
+        pos = self.positions[:b]
+        pos.add_(1)
+        self.input_ids[:b].copy_(tokens)
+        self.seq_lens[:b].copy_(pos + 1)
+        blk = self.block_tables[:b].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1)).squeeze(1)
+        self.slot_mapping[:b].copy_(blk.long() * bs + pos % bs)
+        return self._forward(b, p, width, seq_lens_list)
+
+    def _forward(self, b: int, p: int, width: int, seq_lens_list: list[int]) -> torch.Tensor:
         self.num_steps += 1
         if p in self.graphs:
             graph, out = self.graphs[p]
             graph.replay()
             self.num_graph_replays += 1
             return out[:b]
-        meta = self._meta(p, [c + 1 for c in num_computed] + [1] * (p - b))
+        meta = self._meta(p, seq_lens_list + [1] * (p - b))
         meta.block_tables = self.block_tables[:p, :width]
         return self.model(self.input_ids[:p], meta, self.kv_caches, self.backend)[:b]
 

@@ -38,6 +38,27 @@ class RunnerRequestState:
     prompt_logprobs: list[Logprobs | None] | None = None
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """A decode step launched by the step before it, on that step's sampled ids (overlap_decode)."""
+
+    order: tuple[str, ...]           # its requests, in the runner's row order
+    positions: list[int]             # the position each computes (the scheduler's num_computed_tokens)
+    ids: list[int]                   # the ids it computes (the previous step's samples, once on the host)
+    tokens: torch.Tensor             # its own greedy samples, on the device
+
+    def is_step(self, so: SchedulerOutput, order: list[str], computed: list[int], ids: list[int]) -> bool:
+        """Is this scheduled step the one launched ahead? (Same requests, positions and input ids, and nobody
+        preempted or (re)admitted in between, so the block tables it used are this step's too.)"""
+        return (not so.scheduled_new_reqs and not so.preempted_req_ids and self.order == tuple(order)
+                and self.positions == computed and self.ids == ids)
+
+
+def _argmax_only(p: SamplingParams) -> bool:
+    """Sampled as the argmax of the raw logits, with nothing handed out but the id."""
+    return p.is_greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties
+
+
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
@@ -59,6 +80,14 @@ class ModelRunner:
         self.kv_connector = kv_connector
         #: set by the engine on CUDA (engine/cuda_graphs.py): decode-only steps replay a captured graph
         self.decode_graphs: DecodeGraphs | None = None
+        #: with decode_graphs: a greedy decode step launches the next one on its sampled ids, still on the
+        #: device, before it hands its own ids out; the next call uses it if it is that step (`_Ahead`)
+        self.overlap_decode = False
+        self._ahead: _Ahead | None = None
+        self.num_overlapped_steps = 0              # decode steps finished through _finish_overlapped
+        self.num_ahead_used = 0                    # of them, steps launched by the step before
+        self._tokens_host: torch.Tensor | None = None          # CUDA: pinned, for the sampled ids
+        self._tokens_copied = torch.cuda.Event() if device.type == "cuda" else None
         if kv_connector is not None:
             from engine.kv_connector.worker import block_view_permutation
             kv_connector.register_kv_caches(self.kv_caches, block_view_permutation(backend.kv_cache_shape))
@@ -122,8 +151,17 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 sampling.append(st)
         if graphed:                         # decode-only: static buffers, a captured graph where there is one
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead.is_step(so, order, computed, ids):
+                self.num_ahead_used += 1
+                return self._finish_overlapped(order, states, computed, ahead.tokens, so)
             hidden = graphs.run(ids, computed, blocks)
+            if self.overlap_decode and not prompt_chunks and len(sampling) == len(states) \
+                    and all(_argmax_only(st.params) for st in states):
+                return self._finish_overlapped(order, states, computed,
+                                               self.model.compute_logits(hidden).argmax(dim=-1), so)
         else:
+            self._ahead = None
             meta = build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
@@ -146,6 +184,42 @@ class ModelRunner:
                     logprobs = {}
                 logprobs[st.req_id] = [lp]
         return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs, prompt_logprobs)
+
+    def _finish_overlapped(self, order: list[str], states: list[RunnerRequestState], computed: list[int],
+                           tokens: torch.Tensor, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Finish a decode step whose sampled ids (`tokens`, greedy, on the device) may still be computing:
+        queue their copy to the host, launch the next decode step on them before waiting for it (see
+        `overlap_decode`), then hand this step's ids out."""
+        b = len(states)
+        graphs = self.decode_graphs
+        if self._tokens_copied is not None and self._tokens_host is None:
+            self._tokens_host = torch.zeros(graphs.sizes[-1], dtype=torch.long, pin_memory=True)
+        host = self._tokens_host
+        if host is not None:                       # CUDA: a pinned copy queued ahead of the next step
+            host[:b].copy_(tokens, non_blocking=True)
+            self._tokens_copied.record()
+        bs = self.block_size
+        # Launch the next step only where it is likely to be the next step: no request reaches max_tokens
+        # with this token, each next position lies in a block its device-side table row already holds, and
+        # no waiting request can join (the scheduler said so). A stop token or an arrival wastes it.
+        if not so.admits_waiting and all(
+                c + 1 < held * bs and len(st.token_ids) + 1 - st.num_prompt_tokens < st.params.max_tokens
+                for st, c, held in zip(states, computed, graphs.row_blocks)):
+            hidden = graphs.run_next(tokens, [c + 2 for c in computed])
+            self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [],
+                                 self.model.compute_logits(hidden).argmax(dim=-1))
+        if host is not None:
+            self._tokens_copied.synchronize()
+            token_list = host[:b].tolist()
+        else:
+            token_list = tokens.tolist()
+        if self._ahead is not None:
+            self._ahead.ids = token_list
+        for st, c, tok in zip(states, computed, token_list):
+            st.num_computed_tokens = c + 1
+            st.token_ids.append(tok)
+        self.num_overlapped_steps += 1
+        return ModelRunnerOutput(order, [[t] for t in token_list])
 
     def _gather_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[tuple[RunnerRequestState, int, int, int]]
                                 ) -> dict[str, list[Logprobs | None]] | None:

@@ -39,6 +39,8 @@ def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, 
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 5 + 3 * i) for i, p in enumerate(prompts)]
     assert graphs.num_graph_replays > 20 and graphs.num_graph_replays == graphs.num_steps
+    runner = llm.engine.runner         # overlap_decode (on by default): steps launched ahead were used
+    assert runner.overlap_decode and runner.num_ahead_used > 10 and runner._ahead is None
     pool = llm.engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
 
@@ -50,11 +52,45 @@ def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
     prompts = _prompts(24, seed=1)             # a captured size: the graph's GEMMs see the eager run's rows
     params = SamplingParams(max_tokens=24, **GREEDY)
     graphed = _llm(path, "bfloat16")
+    in_order = _llm(path, "bfloat16", overlap_decode=False)
     eager = _llm(path, "bfloat16", enforce_eager=True)
     assert graphed.engine.runner.decode_graphs is not None and eager.engine.runner.decode_graphs is None
+    assert not in_order.engine.runner.overlap_decode
     a = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    assert a == b and graphed.engine.runner.decode_graphs.num_graph_replays > 0
+    c = [o.outputs[0].token_ids for o in in_order.generate(prompts, params, use_tqdm=False)]
+    assert a == b == c and graphed.engine.runner.decode_graphs.num_graph_replays > 0
+    assert graphed.engine.runner.num_ahead_used > 0 and in_order.engine.runner.num_ahead_used == 0
+
+
+def test_overlapped_decode_with_stop_tokens_and_arrivals(checkpoints, hf_reference):
+    """On CUDA the sampled ids cross to the host through a pinned buffer while the next step is already
+    queued: requests ending on a stop token and requests arriving mid-decode keep transformers' tokens."""
+    from engine import SamplingParams
+
+    path = checkpoints["mistral"]
+    llm = _llm(path, "float32")
+    eng = llm.engine
+    prompts = _prompts(6, seed=3)
+    refs = [hf_reference(path, p, 30) for p in prompts]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[r[7 + i]]) for i, r in enumerate(refs)]
+    got = {i: [] for i in range(6)}
+    for i in range(3):
+        eng.add_request(str(i), prompts[i], params[i])
+    steps = 0
+    while eng.has_unfinished_requests():
+        for d in eng.step().deltas:
+            got[int(d.request_id)].extend(d.token_ids)
+        steps += 1
+        if steps in (4, 9, 13):
+            i = 3 + (4, 9, 13).index(steps)
+            eng.add_request(str(i), prompts[i], params[i])
+    for i, r in enumerate(refs):
+        stop = r[7 + i]
+        assert got[i] == r[:r.index(stop) + 1], i
+    assert eng.runner.num_ahead_used > 0
+    pool = eng.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
 
 
 def test_torch_backend_on_cuda_runs_eager(checkpoints):

@@ -59,6 +59,25 @@ def test_running_first_then_waiting_and_max_num_seqs():
     assert_all_blocks_free(s)
 
 
+def test_admits_waiting_says_whether_the_next_step_may_take_a_waiting_request():
+    """The runner launches no decode step ahead while a waiting request may join the next step (overlap_decode)."""
+    s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=2)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 6))                    # the budget takes only part of b: a slot is free
+    so, _ = step(s)
+    assert so.num_scheduled_tokens == {"a": 6, "b": 2} and not so.admits_waiting
+    s.add_request(make_request("c", 5))
+    so, _ = step(s)
+    assert "c" not in so.num_scheduled_tokens and not so.admits_waiting   # max_num_seqs reached: c waits
+    s2 = make_scheduler(max_num_batched_tokens=4, max_num_seqs=4)
+    s2.add_request(make_request("a", 4))
+    s2.add_request(make_request("b", 4))
+    so, _ = step(s2)
+    assert so.num_scheduled_tokens == {"a": 4} and so.admits_waiting      # b waits with a slot free
+    so, _ = step(s2)
+    assert not so.admits_waiting
+
+
 def test_token_budget_respected_for_decodes():
     s = make_scheduler(max_num_batched_tokens=3, max_num_seqs=10)
     for r in "abcde":
