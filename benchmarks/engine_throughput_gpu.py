@@ -9,7 +9,8 @@ over the steps after the last prefill) against the memory-bandwidth floor: the b
 read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
 measured in the same run ((read + write bytes) / time of a large device-to-device copy). The floor counts
 every sequence's KV, shared prefix included (no cascade: what the triton backend reads). With
-overlap_decode on (the default with CUDA graphs), batch 1 also runs with it off, interleaved, as its own row.
+overlap_decode on (the default with CUDA graphs), batch 1 and 32 also run with it off, interleaved, as rows of
+their own.
 
     python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
         [--json out.json]
@@ -168,8 +169,9 @@ def main() -> None:
     rows = []
     for name, batch, prefix, plen, new in cases(args.tiny):
         ps = prompts(batch, plen, prefix, cfg["vocab_size"])
-        # batch 1 with overlap_decode also runs in order (the switch off), interleaved: what the overlap buys
-        variants = [(name, overlap)] + ([(f"{name}, in order", False)] if overlap and batch == 1 else [])
+        # batch 1 and 32 with overlap_decode also run in order (the switch off), interleaved: what it buys
+        variants = [(name, overlap)] + ([(f"{name}, in order", False)]
+                                        if overlap and batch in (1, 32) and not prefix else [])
         best = {v: [float("inf")] * 3 for v, _ in variants}             # transformers s, ours s, step s
         for rep in range(args.reps):
             t_hf = run_hf(hf, ps, new, device)

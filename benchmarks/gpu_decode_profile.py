@@ -62,6 +62,7 @@ def main() -> None:
         model = eng.runner.model
         overlap = eng.runner.overlap_decode
         eng.runner.overlap_decode = False
+        eng.runner._ahead = None                    # a step launched before the switch is not used
         step = timed(eng.step)                      # in order: the host's work adds to the GPU's
         eng.runner.overlap_decode = overlap
         step_overlapped = timed(eng.step) if overlap else float("nan")

@@ -110,6 +110,27 @@ class DecodeGraphs:
         self.row_blocks = [len(blocks) for blocks in block_ids]
         return self._forward(b, p, width, [c + 1 for c in num_computed])
 
+    def refresh_tables(self, block_ids: list[list[int]]) -> None:
+        """Copy the last step's requests' block tables to the device again (they gained blocks since `run`),
+        leaving the other buffers as they are; queued behind whatever already reads the old tables."""
+        b, p, _ = self._last
+        top = self.sizes[-1]
+        if self._copied is not None:
+            self._copied.synchronize()
+        width = max(map(len, block_ids))
+        tables = self._nstage[top:top + p * width].reshape(p, width)
+        for i, blocks in enumerate(block_ids):
+            tables[i, :len(blocks)] = blocks
+        if p > b:
+            tables[b:p, 0] = 0
+        n = top + p * width
+        self._dstage[top:n].copy_(self._hstage[top:n], non_blocking=True)
+        self.block_tables[:p, :width].copy_(self._dstage[top:n].view(p, width))
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+        self._last = (b, p, width)
+        self.row_blocks = [len(blocks) for blocks in block_ids]
+
     def run_next(self, tokens: torch.Tensor, seq_lens_list: list[int]) -> torch.Tensor:
         """The decode step after the last `run` / `run_next`, for the same requests, prepared on the device:
         request i computes `tokens[i]` (its sampled id, still on the device: no host round trip) at the

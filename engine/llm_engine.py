@@ -115,7 +115,10 @@ class LLMEngine:
                     self.runner.decode_graphs = DecodeGraphs(
                         model, self.runner.kv_caches, backend, graph_sizes(config.scheduler.max_num_seqs),
                         -(-self.max_model_len // block_size), block_size, self.device)
-                    self.runner.overlap_decode = config.overlap_decode and self.kv_connector is None
+                    if config.overlap_decode and self.kv_connector is None:
+                        self.runner.overlap_decode = True
+                        self.runner.max_model_len = self.max_model_len
+                        self.scheduler.num_lookahead_tokens = 1
                 except Exception as e:                 # graphs are a speed-up: never the reason a replica is down
                     logger.warning("CUDA-graph capture failed (%s: %s); decode runs eager (set enforce_eager: "
                                    "true to skip the attempt)", type(e).__name__, e)

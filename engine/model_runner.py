@@ -86,6 +86,8 @@ class ModelRunner:
         self._ahead: _Ahead | None = None
         self.num_overlapped_steps = 0              # decode steps finished through _finish_overlapped
         self.num_ahead_used = 0                    # of them, steps launched by the step before
+        self.num_launched_ahead = 0                # steps launched ahead, used or thrown away
+        self.max_model_len = 1 << 62               # set by the engine with overlap_decode
         self._tokens_host: torch.Tensor | None = None          # CUDA: pinned, for the sampled ids
         self._tokens_copied = torch.cuda.Event() if device.type == "cuda" else None
         if kv_connector is not None:
@@ -128,6 +130,7 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
+            self._ahead = None
             return ModelRunnerOutput([], [])
         sched = so.num_scheduled_tokens
         order = sorted(sched, key=lambda r: sched[r] != 1)            # decodes first (stable)
@@ -198,14 +201,19 @@ class ModelRunner:
         if host is not None:                       # CUDA: a pinned copy queued ahead of the next step
             host[:b].copy_(tokens, non_blocking=True)
             self._tokens_copied.record()
-        bs = self.block_size
-        # Launch the next step only where it is likely to be the next step: no request reaches max_tokens
-        # with this token, each next position lies in a block its device-side table row already holds, and
-        # no waiting request can join (the scheduler said so). A stop token or an arrival wastes it.
+        bs, cap = self.block_size, self.max_model_len
+        # Launch the next step only where it is likely to be the next step: no request ends at max_tokens or
+        # the model's length with this token, each next position lies in a block it holds (the scheduler
+        # allocates one token ahead for this when a block is free), and no waiting request can join (the
+        # scheduler said so). A stop token or an arrival wastes it.
         if not so.admits_waiting and all(
-                c + 1 < held * bs and len(st.token_ids) + 1 - st.num_prompt_tokens < st.params.max_tokens
-                for st, c, held in zip(states, computed, graphs.row_blocks)):
+                c + 1 < len(st.block_ids) * bs and c + 2 < cap
+                and len(st.token_ids) + 1 - st.num_prompt_tokens < st.params.max_tokens
+                for st, c in zip(states, computed)):
+            if any(len(st.block_ids) != held for st, held in zip(states, graphs.row_blocks)):
+                graphs.refresh_tables([st.block_ids for st in states])
             hidden = graphs.run_next(tokens, [c + 2 for c in computed])
+            self.num_launched_ahead += 1
             self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [],
                                  self.model.compute_logits(hidden).argmax(dim=-1))
         if host is not None:

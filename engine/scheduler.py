@@ -82,6 +82,9 @@ class Scheduler:
         #: outputs of schedule() whose update_from_output has not come yet, oldest first
         self._awaiting_output: list[SchedulerOutput] = []
         self.connector = kv_connector
+        #: decodes also get a KV slot for this many tokens past this step's when a block is free (the runner's
+        #: overlap_decode launches the next step before this one's tokens are known; it needs that slot)
+        self.num_lookahead_tokens = 0
         self._loading: dict[str, _Load] = {}                  # WAITING_FOR_KV requests
         self._orphans: dict[str, list[KVCacheBlock]] = {}     # loads whose request left before the report
         self._saving: dict[str, list[KVCacheBlock]] = {}      # finished requests whose saves are in flight
@@ -154,8 +157,12 @@ class Scheduler:
             req = running[i]
             computed = req.num_computed_tokens
             n = req.num_tokens - computed
-            if n == 1 and computed < len(req_to_blocks[req.req_id]) * block_size:
+            held = len(req_to_blocks[req.req_id]) * block_size
+            if n == 1 and computed + self.num_lookahead_tokens < held:
                 block_ids: list[int] = []    # decode fast path: the last block has room
+            elif n == 1 and computed < held:
+                # room for this token, not the lookahead's: its block now if one is free, never by preempting
+                block_ids = [b.block_id for b in self.kv.allocate_slots(req, 1 + self.num_lookahead_tokens) or []]
             elif n == 0:
                 i += 1        # its token is in flight (schedule() again before update_from_output)
                 continue

@@ -1,6 +1,8 @@
 """CUDA-graph decode on a real GPU (issue 12, part 3): graphs are captured at start-up with the Triton
 backend, decode steps replay them (padded to the next captured size) with transformers' tokens in float32
-and the eager run's tokens in bfloat16; `enforce_eager` switches them off. Skipped without CUDA."""
+and the eager run's tokens in bfloat16; `enforce_eager` switches them off. overlap_decode (on by default) launches
+steps ahead through pinned copies: the same tokens with it on and off, with stop tokens and arrivals. Skipped
+without CUDA."""
 import random
 
 import pytest
@@ -73,7 +75,7 @@ def test_overlapped_decode_with_stop_tokens_and_arrivals(checkpoints, hf_referen
     eng = llm.engine
     prompts = _prompts(6, seed=3)
     refs = [hf_reference(path, p, 30) for p in prompts]
-    params = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[r[7 + i]]) for i, r in enumerate(refs)]
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[r[7 + i]], **GREEDY) for i, r in enumerate(refs)]
     got = {i: [] for i in range(6)}
     for i in range(3):
         eng.add_request(str(i), prompts[i], params[i])

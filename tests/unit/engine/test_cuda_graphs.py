@@ -74,8 +74,12 @@ def test_bad_sizes_are_rejected():
 
 # ---------------------------------------------------------------- overlap_decode (a step launched ahead)
 def _overlapped(llm, sizes):
+    """What the engine sets up on CUDA with overlap_decode, over the padded eager path."""
     graphs = _padded(llm, sizes)
-    llm.engine.runner.overlap_decode = True
+    eng = llm.engine
+    eng.runner.overlap_decode = True
+    eng.runner.max_model_len = eng.max_model_len
+    eng.scheduler.num_lookahead_tokens = 1
     return graphs
 
 
@@ -87,8 +91,9 @@ def _free(llm):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_decode_steps_launched_ahead_give_transformers_tokens(checkpoints, hf_reference, backend):
     """Steps launched on the device-side ids of the step before: the same tokens as transformers, through block
-    boundaries (block_size 8: the step that needs a new block is not launched ahead), requests ending at
-    different max_tokens, and padded batch sizes."""
+    boundaries (block_size 8: the scheduler allocates the next block a step early), requests ending at
+    different max_tokens, and padded batch sizes. Every step launched ahead is used: none is launched past a
+    request's max_tokens."""
     if backend == "triton":
         pytest.importorskip("triton", reason="needs the triton package")
     path = checkpoints["llama"]
@@ -99,18 +104,40 @@ def test_decode_steps_launched_ahead_give_transformers_tokens(checkpoints, hf_re
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lens], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, n) for p, n in zip(prompts, lens)]
     runner = llm.engine.runner
-    assert runner._ahead is None                     # nothing launched past the last request's max_tokens
-    # 26 decode steps; of them, those after a block boundary or a request's end could not be launched ahead
-    assert runner.num_overlapped_steps == 26 and 14 <= runner.num_ahead_used < 26
-    # every launched step was either used or thrown away at a boundary; none past a request's max_tokens
-    assert graphs.num_steps >= runner.num_overlapped_steps
+    assert runner._ahead is None
+    # 26 decode steps (tokens 2..27). Run in order: the first, and the one after each step that ends a request
+    # (tokens 4, 10, 15 and 21, after 3, 9, 14 and 20): the other 21 were launched by the step before them.
+    assert runner.num_overlapped_steps == 26
+    assert runner.num_ahead_used == runner.num_launched_ahead == 21
+    assert graphs.num_steps == 26                     # 5 in order + 21 launched ahead: no forward wasted
+    assert _free(llm)
+
+
+def test_a_step_launched_ahead_is_thrown_away_when_a_request_stops(checkpoints, hf_reference):
+    """Greedy requests only, two ending on a stop token mid-way: the steps launched ahead of those ends are not
+    the scheduled ones, so they are thrown away (their KV writes overwritten or never read), and everyone
+    keeps transformers' tokens."""
+    path = checkpoints["mistral"]
+    llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+    _overlapped(llm, [1, 2, 4])
+    prompts = _prompts(4, seed=41)
+    refs = [hf_reference(path, p, 20) for p in prompts]
+    stops = {0: refs[0][6], 2: refs[2][11]}
+    params = [SamplingParams(max_tokens=20, stop_token_ids=[stops[i]] if i in stops else [], **GREEDY)
+              for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.outputs[0].token_ids == (r[:r.index(stops[i]) + 1] if i in stops else r), i
+    runner = llm.engine.runner
+    assert runner.num_launched_ahead - runner.num_ahead_used == 2      # one thrown away per stop
+    assert runner.num_ahead_used > 10
     assert _free(llm)
 
 
 def test_stop_tokens_and_other_params_fall_back_and_lose_nothing(checkpoints, hf_reference):
-    """A greedy request that stops on its eos token (the step launched ahead is thrown away), a sampled one and
-    one asking for logprobs in the same batch: the batch then decodes through the sampler; alone, the greedy
-    ones overlap again. Tokens are transformers' where greedy, seeded draws repeat, every block comes back."""
+    """A greedy request with a stop token, a sampled one and one asking for logprobs in the same batch: the
+    batch then decodes in order through the sampler; alone, the greedy one overlaps again. Tokens are
+    transformers' where greedy, seeded draws repeat, every block comes back."""
     path = checkpoints["qwen2"]
     ref_llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
     llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
@@ -118,7 +145,7 @@ def test_stop_tokens_and_other_params_fall_back_and_lose_nothing(checkpoints, hf
     prompts = _prompts(4, seed=21)
     ref = hf_reference(path, prompts[0], 12)
     eos = ref[5]                                                 # stops at the first occurrence of this id
-    params = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[eos]),
+    params = [SamplingParams(max_tokens=12, stop_token_ids=[eos], **GREEDY),
               SamplingParams(max_tokens=10, temperature=0.9, seed=7),
               SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=16, **GREEDY)]
@@ -127,15 +154,17 @@ def test_stop_tokens_and_other_params_fall_back_and_lose_nothing(checkpoints, hf
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert got[0].outputs[0].token_ids == ref[:ref.index(eos) + 1]
     assert got[3].outputs[0].token_ids == hf_reference(path, prompts[3], 16)
-    assert [lp.logprob for lp in got[2].outputs[0].logprobs] == [lp.logprob for lp in want[2].outputs[0].logprobs]
+    assert [lp.logprob for lp in got[2].outputs[0].logprobs] == pytest.approx(
+        [lp.logprob for lp in want[2].outputs[0].logprobs], abs=1e-5)      # padded rows: other GEMM shapes
     assert llm.engine.runner.num_ahead_used > 0       # the last greedy request decodes alone, overlapped
     assert _free(llm)
 
 
 def test_arrivals_aborts_and_preemption_between_overlapped_steps(checkpoints, hf_reference):
-    """The engine driven step by step: a request arrives while others decode with a step launched ahead, one is
-    aborted, and a pool too small for all of them preempts. The step launched ahead is used only when it is
-    the scheduled step; tokens stay transformers', and every block comes back."""
+    """The engine driven step by step: requests arrive while others decode with steps launched ahead, one is
+    aborted, and a pool too small for all of them preempts (at prefill chunks and block boundaries, where no
+    step is launched ahead). The step launched ahead is used only when it is the scheduled step; tokens
+    stay transformers', and every block comes back."""
     path = checkpoints["llama"]
     # 12 usable blocks of 4 tokens: three requests growing to ~30 tokens each cannot all fit, so some are
     # preempted (and recomputed) while the others decode with steps launched ahead
@@ -169,4 +198,5 @@ def test_arrivals_aborts_and_preemption_between_overlapped_steps(checkpoints, hf
         assert got[r] == want[r], r
     assert got["r3"] == want["r3"][:len(got["r3"])]
     assert eng.runner.num_ahead_used > 0
+    assert eng.runner.num_launched_ahead > eng.runner.num_ahead_used    # the arrivals and the abort
     assert _free(llm)

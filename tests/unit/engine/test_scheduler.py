@@ -78,6 +78,35 @@ def test_admits_waiting_says_whether_the_next_step_may_take_a_waiting_request():
     assert not so.admits_waiting
 
 
+def test_lookahead_slot_takes_a_free_block_a_step_early_but_never_preempts():
+    """num_lookahead_tokens (set with overlap_decode): a decode whose next token would start a new block gets
+    that block in this step when one is free; when none is, it decodes without it and preempts nobody."""
+    s = make_scheduler(num_blocks=16, block_size=4)
+    s.num_lookahead_tokens = 1
+    s.add_request(make_request("a", 3, max_tokens=6))
+    step(s)                                                     # prompt: 1 block, token 4 sampled
+    assert len(s.kv.req_to_blocks["a"]) == 1
+    so, _ = step(s)                                             # computes position 3, the block's last slot
+    assert so.num_scheduled_tokens == {"a": 1} and len(so.scheduled_cached_reqs.new_block_ids[0]) == 1
+    assert len(s.kv.req_to_blocks["a"]) == 2                    # position 4's block, one step early
+    so, _ = step(s)
+    assert so.scheduled_cached_reqs.new_block_ids == [[]]       # position 4 fits: nothing new
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+    # a full pool: two requests of one block each, the lookahead block is not to be had
+    s = make_scheduler(num_blocks=3, block_size=4, max_model_len=8)
+    s.num_lookahead_tokens = 1
+    s.add_request(make_request("a", 3, max_tokens=3))
+    s.add_request(make_request("b", 3, max_tokens=3))
+    step(s)
+    assert s.kv.pool.num_free_blocks == 0
+    so, _ = step(s)                                             # both decode at their block's last slot
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.preempted_req_ids
+    assert so.scheduled_cached_reqs.new_block_ids == [[], []]
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
 def test_token_budget_respected_for_decodes():
     s = make_scheduler(max_num_batched_tokens=3, max_num_seqs=10)
     for r in "abcde":

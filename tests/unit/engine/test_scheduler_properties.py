@@ -69,13 +69,15 @@ def check_invariants(s, so=None):
 # lead with a pool and batch size that preempt, rather than a single sequence that never can.
 @given(ops=ops, num_blocks=st.sampled_from([10, *range(5, 10), *range(11, 17)]), budget=st.integers(1, 24),
        max_seqs=st.sampled_from([4, 1, 2, 3, 5, 6]), policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(),
-       threshold=st.sampled_from([None, 3, 8]))
-def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs, policy, chunked, threshold):
+       threshold=st.sampled_from([None, 3, 8]), lookahead=st.sampled_from([0, 1]))
+def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs, policy, chunked, threshold,
+                                              lookahead):
     if not chunked:
         budget = 64      # required: see Scheduler.__init__
     s = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=64, max_num_batched_tokens=budget,
                        max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked,
                        long_prefill_token_threshold=threshold)
+    s.num_lookahead_tokens = lookahead        # decodes' extra slot with overlap_decode
     ids = []
     finished = set()
     for n, op in enumerate(ops):
