@@ -104,10 +104,10 @@ class EngineConfig(_Strict):
                            "captured at start-up for batch sizes up to scheduler.max_num_seqs (<= 256), with the "
                            "triton attention backend")
     overlap_decode: bool = Field(
-        True, description="with CUDA-graph decode: a greedy decode step launches the next one on the GPU from its "
+        True, description="with CUDA-graph decode: a decode step launches the next one on the GPU from its "
                           "sampled ids (still on the device) before the host has them, so the host's per-step work "
                           "overlaps the GPU's; a step that turns out different (a stop token, an arrival) is thrown "
-                          "away. Greedy requests without logprobs, penalties or logit_bias; no kv_connector")
+                          "away. Requests without logprobs or penalties; no kv_connector")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel on CPU; falls back to pure torch when no compiler is found")

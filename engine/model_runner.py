@@ -54,9 +54,10 @@ class _Ahead:
                 and self.positions == computed and self.ids == ids)
 
 
-def _argmax_only(p: SamplingParams) -> bool:
-    """Sampled as the argmax of the raw logits, with nothing handed out but the id."""
-    return p.is_greedy and p.logprobs is None and not p.logit_bias and not p.needs_penalties
+def _overlappable(p: SamplingParams) -> bool:
+    """Sampled from this step's logits alone (no penalties, which read the output so far), with nothing
+    handed out but the id (no logprobs): a step launched ahead can sample it on the device."""
+    return p.logprobs is None and not p.needs_penalties
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -80,7 +81,7 @@ class ModelRunner:
         self.kv_connector = kv_connector
         #: set by the engine on CUDA (engine/cuda_graphs.py): decode-only steps replay a captured graph
         self.decode_graphs: DecodeGraphs | None = None
-        #: with decode_graphs: a greedy decode step launches the next one on its sampled ids, still on the
+        #: with decode_graphs: a decode step launches the next one on its sampled ids, still on the
         #: device, before it hands its own ids out; the next call uses it if it is that step (`_Ahead`)
         self.overlap_decode = False
         self._ahead: _Ahead | None = None
@@ -157,12 +158,13 @@ class ModelRunner:
             ahead, self._ahead = self._ahead, None
             if ahead is not None and ahead.is_step(so, order, computed, ids):
                 self.num_ahead_used += 1
-                return self._finish_overlapped(order, states, computed, ahead.tokens, so)
+                return self._finish_overlapped(order, states, computed, None, ahead.tokens, so)
             hidden = graphs.run(ids, computed, blocks)
             if self.overlap_decode and not prompt_chunks and len(sampling) == len(states) \
-                    and all(_argmax_only(st.params) for st in states):
-                return self._finish_overlapped(order, states, computed,
-                                               self.model.compute_logits(hidden).argmax(dim=-1), so)
+                    and all(_overlappable(st.params) for st in states):
+                infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
+                return self._finish_overlapped(order, states, computed, infos,
+                                               self.sampler.sample(self.model.compute_logits(hidden), infos), so)
         else:
             self._ahead = None
             meta = build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device)
@@ -189,8 +191,9 @@ class ModelRunner:
         return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs, prompt_logprobs)
 
     def _finish_overlapped(self, order: list[str], states: list[RunnerRequestState], computed: list[int],
-                           tokens: torch.Tensor, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Finish a decode step whose sampled ids (`tokens`, greedy, on the device) may still be computing:
+                           infos: list[SamplingInfo] | None, tokens: torch.Tensor, so: SchedulerOutput
+                           ) -> ModelRunnerOutput:
+        """Finish a decode step whose sampled ids (`tokens`, on the device) may still be computing:
         queue their copy to the host, launch the next decode step on them before waiting for it (see
         `overlap_decode`), then hand this step's ids out."""
         b = len(states)
@@ -214,8 +217,11 @@ class ModelRunner:
                 graphs.refresh_tables([st.block_ids for st in states])
             hidden = graphs.run_next(tokens, [c + 2 for c in computed])
             self.num_launched_ahead += 1
+            if infos is None:
+                infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
+            # sampled for the output index after this step's (a seeded row draws what it would in order)
             self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [],
-                                 self.model.compute_logits(hidden).argmax(dim=-1))
+                                 self.sampler.sample(self.model.compute_logits(hidden), infos, ahead=1))
         if host is not None:
             self._tokens_copied.synchronize()
             token_list = host[:b].tolist()

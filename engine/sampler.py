@@ -50,12 +50,7 @@ class Sampler:
         """logits: [N, vocab] float32, one row per entry of `infos`."""
         want_lp = [i.params.logprobs for i in infos]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
-        logits = self._apply_bias_and_penalties(logits, infos)
-        if all(i.params.is_greedy for i in infos):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, infos)
-        token_list = tokens.tolist()
+        token_list = self.sample(logits, infos).tolist()
         lps: list[Logprobs | None] = [None] * len(infos)
         if raw_logprobs is not None:
             for row, k in enumerate(want_lp):
@@ -63,9 +58,26 @@ class Sampler:
                     lps[row] = _logprobs(raw_logprobs[row], token_list[row], k)
         return token_list, lps
 
+    def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
+        """The sampled ids, [N] on the logits' device, without waiting for the device: every per-row value
+        reaches it through a pinned, non-blocking copy. `ahead` > 0 samples for a step that many tokens past
+        `infos`' (a seeded row draws for that output index); penalties then need tokens not known yet."""
+        assert not ahead or not any(i.params.needs_penalties for i in infos), "penalties read the output tokens"
+        logits = self._apply_bias_and_penalties(logits, infos)
+        if all(i.params.is_greedy for i in infos):
+            return logits.argmax(dim=-1)
+        return self._sample(logits, infos, ahead)
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device, without synchronising it (torch waits for the stream on a
+        blocking copy from pageable memory)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     # ------------------------------------------------------------------ processing
-    @staticmethod
-    def _apply_bias_and_penalties(logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    def _apply_bias_and_penalties(self, logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
         rows = [r for r, i in enumerate(infos) if i.params.logit_bias or i.params.needs_penalties]
         if not rows:
             return logits
@@ -75,9 +87,8 @@ class Sampler:
             p = infos[r].params
             row = logits[r]
             if p.logit_bias:
-                ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
-                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], dtype=row.dtype,
-                                    device=row.device)
+                ids = self._tensor([t for t in p.logit_bias if t < vocab], torch.long)
+                vals = self._tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], row.dtype)
                 row.index_add_(0, ids, vals)
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(infos[r].prompt_token_ids) | set(infos[r].output_token_ids)),
@@ -90,25 +101,24 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
-        temps = torch.tensor([i.params.temperature if not i.params.is_greedy else 1.0 for i in infos],
-                             dtype=logits.dtype, device=logits.device)
+        temps = self._tensor([1.0 if i.params.is_greedy else i.params.temperature for i in infos], logits.dtype)
         probs = torch.softmax(logits / temps[:, None], dim=-1)
         probs = _filter(probs, infos)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one independent draw per row.
         noise = torch.empty_like(probs)
         unseeded = [r for r, i in enumerate(infos) if i.params.seed is None and not i.params.is_greedy]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device,
-                                          dtype=probs.dtype).exponential_(generator=self.generator)
+            draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype)
+            noise[self._tensor(unseeded, torch.long)] = draws.exponential_(generator=self.generator)
         for r, info in enumerate(infos):
             p = info.params
             if p.seed is not None and not p.is_greedy:
-                self._seeded.manual_seed(_mix(p.seed, info.num_output_tokens))
+                self._seeded.manual_seed(_mix(p.seed, info.num_output_tokens + ahead))
                 noise[r].exponential_(generator=self._seeded)
         drawn = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([i.params.is_greedy for i in infos], device=logits.device)
+        is_greedy = self._tensor([i.params.is_greedy for i in infos], torch.bool)
         return torch.where(is_greedy, greedy, drawn)
 
 

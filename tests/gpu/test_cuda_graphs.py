@@ -100,3 +100,24 @@ def test_torch_backend_on_cuda_runs_eager(checkpoints):
     llm = LLM(checkpoints["llama"], device="cuda", dtype="float32", attention_backend="torch",
               cache={"memory_budget_bytes": SMALL_KV})
     assert llm.engine.runner.decode_graphs is None
+
+
+def test_overlapped_sampling_draws_what_the_in_order_run_draws(checkpoints):
+    """Seeded sampling, logit_bias and unseeded draws through steps launched ahead on CUDA (the per-row values
+    reach the device through pinned, non-blocking copies): seeded rows give the in-order run's tokens."""
+    from engine import SamplingParams
+
+    path = checkpoints["qwen2"]
+    prompts = _prompts(6, seed=5)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
+    params += [SamplingParams(max_tokens=20, temperature=0.0, logit_bias={11: 3.0}, ignore_eos=True),
+               SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)]
+    overlapped = _llm(path, "float32")
+    in_order = _llm(path, "float32", overlap_decode=False)
+    a = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in in_order.generate(prompts, params, use_tqdm=False)]
+    assert a[:5] == b[:5] and len(a[5]) == 20
+    runner = overlapped.engine.runner
+    assert runner.num_ahead_used == runner.num_launched_ahead > 10
+    pool = overlapped.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

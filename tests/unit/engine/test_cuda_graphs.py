@@ -134,6 +134,36 @@ def test_a_step_launched_ahead_is_thrown_away_when_a_request_stops(checkpoints, 
     assert _free(llm)
 
 
+def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints):
+    """Seeded sampling (temperature, top-k / top-p / min-p), logit_bias and greedy in one batch overlap: the
+    steps launched ahead draw on the device for the next output index, so every token equals the in-order run
+    (overlap off) and the run without graph buffers at all. Unseeded draws overlap too and lose nothing."""
+    path = checkpoints["qwen2"]
+    prompts = _prompts(4, seed=51)
+    params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=1.2, top_k=20, min_p=0.05, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.0, logit_bias={7: 2.5, 9: -3.0}, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.7, seed=8, ignore_eos=True)]
+    runs = {}
+    for mode in ("overlap", "in order", "plain"):
+        llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+        if mode != "plain":
+            _overlapped(llm, [1, 2, 4])
+            llm.engine.runner.overlap_decode = mode == "overlap"
+        runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if mode == "overlap":
+            runner = llm.engine.runner
+            assert runner.num_ahead_used == runner.num_launched_ahead > 10
+        assert _free(llm)
+    assert runs["overlap"] == runs["in order"] == runs["plain"]
+    assert [len(t) for t in runs["overlap"]] == [18, 14, 16, 12]
+    llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+    _overlapped(llm, [1, 2, 4])
+    unseeded = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 3
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], unseeded, use_tqdm=False)] == [15] * 3
+    assert llm.engine.runner.num_ahead_used > 5 and _free(llm)
+
+
 def test_stop_tokens_and_other_params_fall_back_and_lose_nothing(checkpoints, hf_reference):
     """A greedy request with a stop token, a sampled one and one asking for logprobs in the same batch: the
     batch then decodes in order through the sampler; alone, the greedy one overlaps again. Tokens are

@@ -54,6 +54,21 @@ def test_seed_is_independent_of_batch_and_position_in_it():
     assert len(set(seq)) > 1 and c[0] == seq[1]
 
 
+def test_sampling_ahead_draws_what_the_next_step_draws_in_order():
+    """Sampler.sample(..., ahead=1) (a decode step launched before this one's token is known): a seeded row
+    draws for the next output index, so it equals sampling in order one token later; penalties need that token
+    and are refused."""
+    lg = logits_rows(3, seed=4)
+    rows = [dict(temperature=0.9, seed=11, top_p=0.95), dict(temperature=0), dict(temperature=1.3, seed=3, top_k=9)]
+    for out_len in range(6):
+        now = [info(out=[5] * out_len, **kw) for kw in rows]
+        later = [info(out=[5] * (out_len + 1), **kw) for kw in rows]
+        assert Sampler(0).sample(lg, now, ahead=1).tolist() == Sampler(1)(lg, later)[0]
+    assert len({Sampler(0).sample(lg, [info(out=[5] * n, **rows[0])] * 3).tolist()[0] for n in range(12)}) > 1
+    with pytest.raises(AssertionError, match="penalties"):
+        Sampler(0).sample(lg, [info(temperature=1.0, seed=1, presence_penalty=0.5)], ahead=1)
+
+
 def test_logit_bias_forces_token():
     lg = logits_rows(1, seed=3)
     worst = int(lg[0].argmin())
