@@ -51,8 +51,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     #: the KV connector's copies for this step (None without a connector)
     kv_connector_metadata: KVConnectorMetadata | None = None
-    #: requests wait that the next schedule() may admit (a running slot is free): the next step will
-    #: likely differ from this one (the runner launches no decode step ahead then)
+    #: requests wait that the next schedule() may admit (a running slot and a KV block are free): the next
+    #: step will likely differ from this one (the runner launches no decode step ahead then)
     admits_waiting: bool = False
 
     @property

@@ -76,6 +76,15 @@ def test_admits_waiting_says_whether_the_next_step_may_take_a_waiting_request():
     assert so.num_scheduled_tokens == {"a": 4} and so.admits_waiting      # b waits with a slot free
     so, _ = step(s2)
     assert not so.admits_waiting
+    s3 = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4)       # 3 usable blocks
+    s3.add_request(make_request("a", 7, max_tokens=5))
+    s3.add_request(make_request("b", 7, max_tokens=2))
+    so, _ = step(s3)                                      # a takes 2 blocks, b's 2 do not fit in the third
+    assert so.num_scheduled_tokens == {"a": 7} and so.admits_waiting       # one block free (not enough)
+    step(s3)                                              # a's decode at position 7
+    so, _ = step(s3)                                      # position 8 takes the last block
+    assert so.num_scheduled_tokens == {"a": 1} and s3.kv.pool.num_free_blocks == 0
+    assert not so.admits_waiting                          # b waits for a block: the pool is full
 
 
 def test_lookahead_slot_takes_a_free_block_a_step_early_but_never_preempts():
