@@ -85,6 +85,7 @@ class Scheduler:
         #: decodes also get a KV slot for this many tokens past this step's when a block is free (the runner's
         #: overlap_decode launches the next step before this one's tokens are known; it needs that slot)
         self.num_lookahead_tokens = 0
+        self._lookahead: list[Request] = []                  # this schedule()'s decodes that may get one
         self._loading: dict[str, _Load] = {}                  # WAITING_FOR_KV requests
         self._orphans: dict[str, list[KVCacheBlock]] = {}     # loads whose request left before the report
         self._saving: dict[str, list[KVCacheBlock]] = {}      # finished requests whose saves are in flight
@@ -127,6 +128,8 @@ class Scheduler:
         budget = self._schedule_running(budget, num_scheduled, new_reqs, cached, preempted)
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        if self._lookahead:
+            self._allocate_lookahead(num_scheduled, cached)
         total = self.config.max_num_batched_tokens - budget
         self._last_num_scheduled = total
         finished, self._finished_for_runner = self._finished_for_runner, set()
@@ -153,17 +156,17 @@ class Scheduler:
         req_to_blocks = self.kv.req_to_blocks
         c_ids, c_blocks, c_computed = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         prefill_left = 0
+        lookahead = self._lookahead = []
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
             n = req.num_tokens - computed
             held = len(req_to_blocks[req.req_id]) * block_size
-            if n == 1 and computed + self.num_lookahead_tokens < held:
+            if n == 1 and computed < held:
                 block_ids: list[int] = []    # decode fast path: the last block has room
-            elif n == 1 and computed < held:
-                # room for this token, not the lookahead's: its block now if one is free, never by preempting
-                block_ids = [b.block_id for b in self.kv.allocate_slots(req, 1 + self.num_lookahead_tokens) or []]
+                if computed + self.num_lookahead_tokens >= held:
+                    lookahead.append(req)    # its next token starts a block: see _allocate_lookahead
             elif n == 0:
                 i += 1        # its token is in flight (schedule() again before update_from_output)
                 continue
@@ -188,6 +191,24 @@ class Scheduler:
             i += 1
         self._running_prefill_tokens = prefill_left
         return budget
+
+    def _allocate_lookahead(self, num_scheduled: dict[str, int], cached: CachedRequestData) -> None:
+        """num_lookahead_tokens: a decode whose next token starts a new block gets that block now, once
+        everyone scheduled and admitted in this step has theirs, and only from free blocks (never by
+        preempting), so the runner can launch the next step before this one's tokens are known. Not on a
+        request's last step (max_tokens or the model's length), where the block would never be used."""
+        for req in self._lookahead:
+            if num_scheduled.get(req.req_id) != 1 or req.status is not RequestStatus.RUNNING:
+                continue               # preempted later in this step (priority policy)
+            p = req.sampling_params
+            if req.num_output_tokens + 1 >= p.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                continue
+            if not self.kv.pool.num_free_blocks:
+                break
+            new = self.kv.allocate_slots(req, self.num_lookahead_tokens)
+            if new:
+                cached.new_block_ids[cached.req_ids.index(req.req_id)].extend(b.block_id for b in new)
+        self._lookahead = []
 
     def _allocate_or_preempt(self, req: Request, n: int, i: int, num_scheduled: dict[str, int],
                              cached: CachedRequestData, preempted: set[str]):

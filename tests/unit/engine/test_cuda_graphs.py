@@ -137,7 +137,8 @@ def test_a_step_launched_ahead_is_thrown_away_when_a_request_stops(checkpoints, 
 def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints):
     """Seeded sampling (temperature, top-k / top-p / min-p), logit_bias and greedy in one batch overlap: the
     steps launched ahead draw on the device for the next output index, so every token equals the in-order run
-    (overlap off) and the run without graph buffers at all. Unseeded draws overlap too and lose nothing."""
+    (overlap off); the greedy row also equals the run without graph buffers. Unseeded draws overlap too and
+    lose nothing."""
     path = checkpoints["qwen2"]
     prompts = _prompts(4, seed=51)
     params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
@@ -155,7 +156,9 @@ def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints)
             runner = llm.engine.runner
             assert runner.num_ahead_used == runner.num_launched_ahead > 10
         assert _free(llm)
-    assert runs["overlap"] == runs["in order"] == runs["plain"]
+    assert runs["overlap"] == runs["in order"]          # the same padded forwards: bitwise the same logits
+    assert runs["overlap"][2] == runs["plain"][2]         # the greedy row also without padding (draws could
+    #                                                       flip on a near-tie between GEMM shapes)
     assert [len(t) for t in runs["overlap"]] == [18, 14, 16, 12]
     llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
     _overlapped(llm, [1, 2, 4])

@@ -116,6 +116,28 @@ def test_lookahead_slot_takes_a_free_block_a_step_early_but_never_preempts():
     assert_all_blocks_free(s)
 
 
+def test_lookahead_blocks_come_last_and_never_on_a_last_step():
+    """The lookahead block is handed out after every scheduled and admitted request has its blocks: it never
+    takes the block another request needs for its own token (which would preempt). A request computing its
+    last token gets none."""
+    s = make_scheduler(num_blocks=4, block_size=4)               # 3 usable blocks
+    s.num_lookahead_tokens = 1
+    s.add_request(make_request("a", 3, max_tokens=4))
+    s.add_request(make_request("b", 4, max_tokens=4))
+    step(s)                                                      # one block each, one free
+    so, _ = step(s)       # a computes position 3 (its block's last slot); b's position 4 needs a new block
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and not so.preempted_req_ids
+    assert so.scheduled_cached_reqs.new_block_ids == [[], [3]]   # b got the free block, a no lookahead
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+    s = make_scheduler(num_blocks=16, block_size=4)
+    s.num_lookahead_tokens = 1
+    s.add_request(make_request("c", 3, max_tokens=2))
+    step(s)
+    so, _ = step(s)                                              # position 3 gives c's last token
+    assert so.scheduled_cached_reqs.new_block_ids == [[]] and len(s.kv.req_to_blocks.get("c", [])) <= 1
+
+
 def test_token_budget_respected_for_decodes():
     s = make_scheduler(max_num_batched_tokens=3, max_num_seqs=10)
     for r in "abcde":

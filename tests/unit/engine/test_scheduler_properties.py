@@ -56,6 +56,8 @@ def check_invariants(s, so=None):
         if req.status is RequestStatus.RUNNING:
             n_blocks = len(s.kv.req_to_blocks[req.req_id])
             assert n_blocks * s.block_size >= req.num_computed_tokens
+            # nothing past the computed tokens but the lookahead slot (overlap_decode)
+            assert n_blocks <= -(-(req.num_computed_tokens + s.num_lookahead_tokens) // s.block_size)
     assert len(s.running) <= s.config.max_num_seqs
     assert len(s.running) + len(s.waiting) == len(s.requests)
     if so is not None:
