@@ -107,7 +107,7 @@ class EngineConfig(_Strict):
         True, description="with CUDA-graph decode: a decode step launches the next one on the GPU from its "
                           "sampled ids (still on the device) before the host has them, so the host's per-step work "
                           "overlaps the GPU's; a step that turns out different (a stop token, an arrival) is thrown "
-                          "away. Requests without logprobs or penalties; no kv_connector")
+                          "away. Requests without logprobs; no kv_connector")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel on CPU; falls back to pure torch when no compiler is found")

@@ -55,9 +55,8 @@ class _Ahead:
 
 
 def _overlappable(p: SamplingParams) -> bool:
-    """Sampled from this step's logits alone (no penalties, which read the output so far), with nothing
-    handed out but the id (no logprobs): a step launched ahead can sample it on the device."""
-    return p.logprobs is None and not p.needs_penalties
+    """Nothing handed out but the id (no logprobs): a step launched ahead can sample it on the device."""
+    return p.logprobs is None
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -219,9 +218,10 @@ class ModelRunner:
             self.num_launched_ahead += 1
             if infos is None:
                 infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
-            # sampled for the output index after this step's (a seeded row draws what it would in order)
+            # sampled as if this step's ids were appended (penalties count them, seeded rows draw what they
+            # would in order)
             self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [],
-                                 self.sampler.sample(self.model.compute_logits(hidden), infos, ahead=1))
+                                 self.sampler.sample(self.model.compute_logits(hidden), infos, pending=tokens))
         if host is not None:
             self._tokens_copied.synchronize()
             token_list = host[:b].tolist()

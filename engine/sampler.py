@@ -58,15 +58,16 @@ class Sampler:
                     lps[row] = _logprobs(raw_logprobs[row], token_list[row], k)
         return token_list, lps
 
-    def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The sampled ids, [N] on the logits' device, without waiting for the device: every per-row value
-        reaches it through a pinned, non-blocking copy. `ahead` > 0 samples for a step that many tokens past
-        `infos`' (a seeded row draws for that output index); penalties then need tokens not known yet."""
-        assert not ahead or not any(i.params.needs_penalties for i in infos), "penalties read the output tokens"
-        logits = self._apply_bias_and_penalties(logits, infos)
+        reaches it through a pinned, non-blocking copy. `pending` ([N] on the device) samples for the step
+        after the one that sampled these ids, before they reach the host: each row's output then ends with its
+        pending id (penalties count it) and a seeded row draws for the next output index."""
+        logits = self._apply_bias_and_penalties(logits, infos, pending)
         if all(i.params.is_greedy for i in infos):
             return logits.argmax(dim=-1)
-        return self._sample(logits, infos, ahead)
+        return self._sample(logits, infos, 0 if pending is None else 1)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small host list on the device, without synchronising it (torch waits for the stream on a
@@ -77,7 +78,8 @@ class Sampler:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ processing
-    def _apply_bias_and_penalties(self, logits: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    def _apply_bias_and_penalties(self, logits: torch.Tensor, infos: list[SamplingInfo],
+                                  pending: torch.Tensor | None = None) -> torch.Tensor:
         rows = [r for r, i in enumerate(infos) if i.params.logit_bias or i.params.needs_penalties]
         if not rows:
             return logits
@@ -86,18 +88,29 @@ class Sampler:
         for r in rows:
             p = infos[r].params
             row = logits[r]
+            last = None if pending is None else pending[r:r + 1]          # [1]: an output id not on the host yet
             if p.logit_bias:
                 ids = self._tensor([t for t in p.logit_bias if t < vocab], torch.long)
                 vals = self._tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], row.dtype)
                 row.index_add_(0, ids, vals)
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(infos[r].prompt_token_ids) | set(infos[r].output_token_ids)),
-                                    dtype=torch.long, device=row.device)
+                rp = p.repetition_penalty
+                seen = self._tensor(sorted(set(infos[r].prompt_token_ids) | set(infos[r].output_token_ids)),
+                                    torch.long)
                 vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and infos[r].output_token_ids:
-                out = torch.tensor(infos[r].output_token_ids, dtype=torch.long, device=row.device)
-                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+                row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+                if last is not None:                  # once more for the pending id, unless already seen
+                    v = row.gather(0, last)
+                    fresh = ~torch.isin(last, seen)
+                    row.scatter_(0, last, torch.where(fresh, torch.where(v > 0, v / rp, v * rp), v))
+            if (p.presence_penalty or p.frequency_penalty) and (infos[r].output_token_ids or last is not None):
+                counts = torch.zeros(vocab, dtype=torch.long, device=row.device)
+                if infos[r].output_token_ids:
+                    counts += torch.bincount(self._tensor(infos[r].output_token_ids, torch.long),
+                                             minlength=vocab)[:vocab]
+                if last is not None:
+                    counts.index_add_(0, last, torch.ones_like(last))
+                counts = counts.to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 

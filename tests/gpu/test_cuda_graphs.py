@@ -103,14 +103,16 @@ def test_torch_backend_on_cuda_runs_eager(checkpoints):
 
 
 def test_overlapped_sampling_draws_what_the_in_order_run_draws(checkpoints):
-    """Seeded sampling, logit_bias and unseeded draws through steps launched ahead on CUDA (the per-row values
-    reach the device through pinned, non-blocking copies): seeded rows give the in-order run's tokens."""
+    """Seeded sampling, logit_bias, penalties and unseeded draws through steps launched ahead on CUDA (the
+    per-row values reach the device through pinned, non-blocking copies): seeded rows give the in-order run's
+    tokens."""
     from engine import SamplingParams
 
     path = checkpoints["qwen2"]
     prompts = _prompts(6, seed=5)
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
-    params += [SamplingParams(max_tokens=20, temperature=0.0, logit_bias={11: 3.0}, ignore_eos=True),
+    params += [SamplingParams(max_tokens=20, temperature=0.0, logit_bias={11: 3.0}, repetition_penalty=1.3,
+                              frequency_penalty=0.5, ignore_eos=True),
                SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)]
     overlapped = _llm(path, "float32")
     in_order = _llm(path, "float32", overlap_decode=False)

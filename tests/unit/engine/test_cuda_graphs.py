@@ -135,21 +135,26 @@ def test_a_step_launched_ahead_is_thrown_away_when_a_request_stops(checkpoints, 
 
 
 def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints):
-    """Seeded sampling (temperature, top-k / top-p / min-p), logit_bias and greedy in one batch overlap: the
-    steps launched ahead draw on the device for the next output index, so every token equals the in-order run
+    """Seeded sampling (temperature, top-k / top-p / min-p), logit_bias, penalties and greedy in one batch
+    overlap: the steps launched ahead count the pending ids in the penalties and draw on the device for the next
+    output index, so every token equals the in-order run
     (overlap off); the greedy row also equals the run without graph buffers. Unseeded draws overlap too and
     lose nothing."""
     path = checkpoints["qwen2"]
-    prompts = _prompts(4, seed=51)
+    prompts = _prompts(6, seed=51)
     params = [SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
               SamplingParams(max_tokens=14, temperature=1.2, top_k=20, min_p=0.05, seed=6, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.0, logit_bias={7: 2.5, 9: -3.0}, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.7, seed=8, ignore_eos=True)]
+              SamplingParams(max_tokens=12, temperature=0.7, seed=8, ignore_eos=True),
+              SamplingParams(max_tokens=17, temperature=0.8, seed=9, repetition_penalty=1.4, frequency_penalty=0.6,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=15, temperature=0.0, presence_penalty=1.5, repetition_penalty=1.2,
+                             ignore_eos=True)]
     runs = {}
     for mode in ("overlap", "in order", "plain"):
         llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
         if mode != "plain":
-            _overlapped(llm, [1, 2, 4])
+            _overlapped(llm, [1, 2, 4, 8])
             llm.engine.runner.overlap_decode = mode == "overlap"
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode == "overlap":
@@ -159,7 +164,7 @@ def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints)
     assert runs["overlap"] == runs["in order"]          # the same padded forwards: bitwise the same logits
     assert runs["overlap"][2] == runs["plain"][2]         # the greedy row also without padding (draws could
     #                                                       flip on a near-tie between GEMM shapes)
-    assert [len(t) for t in runs["overlap"]] == [18, 14, 16, 12]
+    assert [len(t) for t in runs["overlap"]] == [18, 14, 16, 12, 17, 15]
     llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
     _overlapped(llm, [1, 2, 4])
     unseeded = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 3

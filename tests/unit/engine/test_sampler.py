@@ -55,18 +55,25 @@ def test_seed_is_independent_of_batch_and_position_in_it():
 
 
 def test_sampling_ahead_draws_what_the_next_step_draws_in_order():
-    """Sampler.sample(..., ahead=1) (a decode step launched before this one's token is known): a seeded row
-    draws for the next output index, so it equals sampling in order one token later; penalties need that token
-    and are refused."""
-    lg = logits_rows(3, seed=4)
-    rows = [dict(temperature=0.9, seed=11, top_p=0.95), dict(temperature=0), dict(temperature=1.3, seed=3, top_k=9)]
-    for out_len in range(6):
-        now = [info(out=[5] * out_len, **kw) for kw in rows]
-        later = [info(out=[5] * (out_len + 1), **kw) for kw in rows]
-        assert Sampler(0).sample(lg, now, ahead=1).tolist() == Sampler(1)(lg, later)[0]
-    assert len({Sampler(0).sample(lg, [info(out=[5] * n, **rows[0])] * 3).tolist()[0] for n in range(12)}) > 1
-    with pytest.raises(AssertionError, match="penalties"):
-        Sampler(0).sample(lg, [info(temperature=1.0, seed=1, presence_penalty=0.5)], ahead=1)
+    """Sampler.sample(..., pending=ids) (a decode step launched before the ids it follows reach the host): each
+    row's output ends with its pending id, so penalties count it and a seeded row draws for the next output
+    index. Logits after penalties and the draws equal sampling in order with the ids appended, whether the
+    pending id is new to the row or already in its prompt or output."""
+    lg = logits_rows(4, seed=4)
+    rows = [dict(temperature=0.9, seed=11, top_p=0.95, repetition_penalty=1.3),
+            dict(temperature=0, frequency_penalty=0.7, presence_penalty=0.4),
+            dict(temperature=1.3, seed=3, top_k=9, repetition_penalty=0.8, frequency_penalty=-0.5),
+            dict(temperature=0.8, seed=5, logit_bias={6: 2.0})]
+    s = Sampler(0)
+    for out in ([], [5], [5, 9, 5], [7, 30, 31, 5, 5]):
+        for pending in ([5, 5, 5, 5], [9, 2, 44, 6], [1, 49, 30, 7]):         # 1, 2: in the prompt (1, 2)
+            now = [info(out=out, **kw) for kw in rows]
+            later = [info(out=out + [t], **kw) for kw, t in zip(rows, pending)]
+            pend = torch.tensor(pending)
+            assert torch.equal(s._apply_bias_and_penalties(lg, now, pend), s._apply_bias_and_penalties(lg, later))
+            assert Sampler(0).sample(lg, now, pend).tolist() == Sampler(1)(lg, later)[0]
+    seeded = [info(out=[5] * n, **rows[0]) for n in range(12)]
+    assert len({Sampler(0).sample(lg[:1], [i]).item() for i in seeded}) > 1        # the index matters
 
 
 def test_logit_bias_forces_token():
