@@ -15,7 +15,8 @@ The rule (README "Autoscaling" writes it out):
    when the load inflated by target / downscale utilization fits in fewer replicas by the up rule and
    nothing breaches its SLO: that inflation is the hysteresis band. Each direction must hold for its delay
    before it acts.
-3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight.
+3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight and
+   no request started within the replicas' signal window.
    From zero, any queued request starts the replicas its load needs at once.
 """
 from __future__ import annotations
@@ -235,7 +236,10 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         history, trend = _trend(state.load_history, now, load.load_units, cfg)
         load = replace(load, trend_units=trend)
         state = replace(state, load_history=history)
-    idle = load.num_in_flight <= 0
+    # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
+    # are sampled (every metrics interval): a request shorter than the interval can fall between two samples,
+    # and with in-flight alone a fleet whose requests all did would go to zero under steady traffic.
+    idle = load.num_in_flight <= 0 and load.num_recent_requests <= 0
     # The idle clock runs only on what replicas report: a replica still starting has not been seen idle, so
     # a fleet deployed with no traffic goes to zero downscale_to_zero_delay_s after its first replica
     # reports, not the moment it comes up.

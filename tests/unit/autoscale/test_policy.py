@@ -113,6 +113,25 @@ def test_the_idle_clock_starts_when_a_replica_first_reports_not_at_deploy():
     assert d.reason == Reason.TO_ZERO_PENDING and d.state.idle_since == 91.0
 
 
+def test_a_request_no_in_flight_sample_saw_still_keeps_the_fleet_up():
+    """Requests shorter than the metrics interval can start and end between two in-flight samples; the
+    replicas' recent-request count (first tokens in their signal window) still shows them. A fleet whose
+    replica reports such requests but never one in flight, for longer than downscale_to_zero_delay_s (20 s),
+    stays up; the idle clock starts once the window holds no request."""
+    cfg = replace(CFG, min_replicas=0)
+    quiet_but_served = S(num_recent_requests=1, ttft_p90_s=0.05)
+    d = decide([IDLE], 1, 0.0, FRESH, cfg)
+    st = d.state
+    for t in range(5, 200, 5):
+        d = decide([quiet_but_served], 1, float(t), st, cfg)
+        assert (d.target_replicas, d.reason) == (1, Reason.HOLD), t
+        st = d.state
+    d = decide([IDLE], 1, 200.0, st, cfg)
+    assert d.reason == Reason.TO_ZERO_PENDING and d.state.idle_since == 200.0
+    d = decide([IDLE], 1, 220.0, d.state, cfg)
+    assert (d.target_replicas, d.reason) == (0, Reason.TO_ZERO)
+
+
 def test_prefill_rule_is_backlog_over_rate_and_slo():
     """2 replicas, 1500 + 500 queued tokens, 400 + 200 tokens/s served: (600 + 2000 / 1 s) / 1000 = 2.6."""
     load = fleet_load([busy(queued_tokens=1500, rate=400), busy(queued_tokens=500, rate=200)], CFG)
