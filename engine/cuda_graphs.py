@@ -136,8 +136,8 @@ class DecodeGraphs:
         request i computes `tokens[i]` (its sampled id, still on the device: no host round trip) at the
         position after the last step's, in the block tables already on the device. The caller checks that
         every next position lies inside the request's blocks and, where they grew, refreshes the tables first
-        (`refresh_tables`). `seq_lens_list` (the new
-        lengths, host-side) is read only by an eager run. Returns the hidden states as `run` does."""
+        (`refresh_tables`). `seq_lens_list` (the new lengths, host-side) is read only by an eager run.
+        Returns the hidden states as `run` does."""
         b, p, width = self._last
         bs = self.block_size
         pos = self.positions[:b]

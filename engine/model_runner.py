@@ -45,7 +45,7 @@ class _Ahead:
     order: tuple[str, ...]           # its requests, in the runner's row order
     positions: list[int]             # the position each computes (the scheduler's num_computed_tokens)
     ids: list[int]                   # the ids it computes (the previous step's samples, once on the host)
-    tokens: torch.Tensor             # its own greedy samples, on the device
+    tokens: torch.Tensor             # its own samples, on the device
 
     def is_step(self, so: SchedulerOutput, order: list[str], computed: list[int], ids: list[int]) -> bool:
         """Is this scheduled step the one launched ahead? (Same requests, positions and input ids, and nobody
@@ -206,8 +206,8 @@ class ModelRunner:
         bs, cap = self.block_size, self.max_model_len
         # Launch the next step only where it is likely to be the next step: no request ends at max_tokens or
         # the model's length with this token, each next position lies in a block it holds (the scheduler
-        # allocates one token ahead for this when a block is free), and no waiting request can join (the
-        # scheduler said so). A stop token or an arrival wastes it.
+        # allocates the next block a step early when one is free), and no waiting request can join (the
+        # scheduler said so). A stop token, an abort or an admitted arrival wastes it.
         if not so.admits_waiting and all(
                 c + 1 < len(st.block_ids) * bs and c + 2 < cap
                 and len(st.token_ids) + 1 - st.num_prompt_tokens < st.params.max_tokens
