@@ -93,9 +93,11 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
-    linear_backend: Literal["auto", "torch", "onednn"] = Field(
-        "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode), 'torch' uses F.linear; "
-                            "auto picks onednn for float32 on CPU when the torch build has oneDNN")
+    linear_backend: Literal["auto", "torch", "onednn", "hybrid"] = Field(
+        "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode at 3+ rows), 'hybrid' also "
+                            "keeps the plain weights for 1-2 row steps (faster batch-1 decode, twice the Linear "
+                            "weights' memory), 'torch' uses F.linear; auto picks hybrid for float32 on CPU when "
+                            "the torch build has oneDNN and the plain copy costs <= 1 GiB, else onednn")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
@@ -110,7 +112,8 @@ class EngineConfig(_Strict):
                           "away. Requests without logprobs; no kv_connector")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
-                          "kernel on CPU; falls back to pure torch when no compiler is found")
+                          "kernel and, in float32, the C fused per-token ops (add + RMSNorm, RoPE, SiLU * up) on "
+                          "CPU; falls back to pure torch when no compiler is found")
     skip_tokenizer_init: bool = Field(
         False, description="token ids only: load no tokenizer (none is needed in the checkpoint), return no "
                            "text, reject text prompts and chat messages (vLLM's name)")

@@ -21,7 +21,7 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import fused as fused_ops
 from engine.models.checkpoint import resolve_context_length, validate_checkpoint
 from engine.models.config import ModelArgs
-from engine.models.linear import prepack_supported
+from engine.models.linear import HYBRID_PLAIN_ROWS, prepack_supported
 from engine.models.loader import load_model
 from engine.outputs import EngineStepOutput, StreamDelta
 from engine.pacing import modelled_step_time_s
@@ -34,6 +34,9 @@ from engine.types import KVEvent, SchedulerStats
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+#: linear_backend auto keeps the plain weights beside the packed ones (hybrid) while that copy costs at most
+#: this much; larger models get onednn alone
+_HYBRID_AUTO_MAX_EXTRA_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Prompt = str | list[int] | list[dict[str, Any]]
@@ -77,9 +80,11 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_args)
         torch.manual_seed(config.seed)
-        self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype)
+        self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype,
+                                                   plain_copy_bytes(self.model_args, self.dtype))
         model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len,
-                              prepack=self.linear_backend == "onednn")
+                              prepack=self.linear_backend in ("onednn", "hybrid"),
+                              plain_rows=HYBRID_PLAIN_ROWS if self.linear_backend == "hybrid" else 0)
         block_size = config.cache.block_size
         self.num_blocks = self._num_blocks(block_size)
         capacity = (self.num_blocks - 1) * block_size
@@ -97,6 +102,15 @@ class LLMEngine:
             else:
                 logger.warning("fused Triton ops failed their self-test on this device (%s); the model's "
                                "norms, RoPE and SiLU run as torch ops", why)
+        elif self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_kernels:
+            from engine.attention.cpu_kernels import load_ops
+            ops = load_ops()                      # None (with a warning) without a C compiler
+            why = fused_ops.self_test("cpu", ops) if ops is not None else "no C kernels"
+            if why is None:
+                model.use_fused_ops(ops=ops)
+            elif ops is not None:
+                logger.warning("the C per-token ops failed their self-test (%s); the model's norms, RoPE and "
+                               "SiLU run as torch ops", why)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
@@ -359,12 +373,24 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def plain_copy_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
+    """What linear_backend hybrid costs on top of onednn: one plain copy of every Linear weight, the lm_head's
+    included."""
+    q, kv, h = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
+    return (args.num_layers * per_layer + args.vocab_size * h) * torch.empty((), dtype=dtype).element_size()
+
+
+def _pick_linear_backend(name: str, device: torch.device, dtype: torch.dtype, plain_bytes: int = 0) -> str:
+    """`plain_bytes`: what hybrid's plain copies would cost (plain_copy_bytes); auto picks hybrid up to
+    _HYBRID_AUTO_MAX_EXTRA_BYTES, onednn above."""
     supported = prepack_supported(device, dtype)
     if name == "auto":                # bf16 prepacking is opt-in: it has not been run on a bf16-native CPU here
-        return "onednn" if supported and dtype == torch.float32 else "torch"
-    if name == "onednn" and not supported:
-        raise ValueError(f"linear_backend 'onednn' needs a CPU device, float32 (or bfloat16 on a CPU with native "
+        if not (supported and dtype == torch.float32):
+            return "torch"
+        return "hybrid" if plain_bytes <= _HYBRID_AUTO_MAX_EXTRA_BYTES else "onednn"
+    if name in ("onednn", "hybrid") and not supported:
+        raise ValueError(f"linear_backend {name!r} needs a CPU device, float32 (or bfloat16 on a CPU with native "
                          f"bf16) and a torch build with oneDNN; got device={device.type}, dtype={dtype}. "
                          f"Use linear_backend: auto or torch")
     return name

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vec_math.h"
+
 /* 8 floats, unaligned loads allowed; GCC/Clang lower it to AVX on x86 and to NEON pairs on arm64 */
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 
@@ -52,24 +54,6 @@ static inline __attribute__((always_inline)) void accumulate_row(
         }
     }
     for (int64_t d = 0; d < D; d++) out[d] *= r;
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max), vectorisable: Cody-Waite reduction by ln 2
-   and Cephes' degree-6 polynomial, about 1 ulp; inputs below -87 give ~1e-38 instead of denormals. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n;
-    two_n.i = ((int32_t)n + 127) << 23;
-    return p * two_n.f;
 }
 
 /* One (request, KV head) pair: the G query rows that share this KV head. Returns -1 when out of memory.

@@ -4,7 +4,8 @@ At batch 1 a 1B model's decode step is a few GEMMs per layer plus dozens of tiny
 float32 upcast, square, mean, rsqrt, ... of each RMSNorm; seven ops per rotated tensor). Measured on an H200
 (eager profile, torch ops): those tiny kernels took about as long as the GEMMs. Each op below is one Triton
 kernel. They are used with `attention_backend: triton` (the engine calls `LlamaForCausalLM.use_fused_ops`);
-the torch ops stay the reference path (CPU, and the torch and flash backends).
+the torch ops stay the reference path. On CPU in float32 the engine uses C twins of these three instead
+(`engine.attention.cpu_kernels.CpuOps`, same signatures; `self_test` checks either).
 
 Arithmetic follows transformers: float32 inside each op, rounded to the model's type where transformers
 rounds (the residual sum, the normalised row before the weight, the SiLU before the multiply). RoPE is
@@ -70,12 +71,16 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)
-def self_test(device: str) -> str | None:
-    """None when the three kernels compile on `device` and agree with the torch ops (float32, small shapes);
-    else why not, in a line. The engine switches the fused ops on only after this passes."""
+def self_test(device: str, ops=None) -> str | None:
+    """None when the three kernels (this module's, or `ops` with the same functions) compile on `device`
+    and agree with the torch ops (float32, small shapes); else why not, in a line. The engine switches the
+    fused ops on only after this passes."""
+    import sys
+
     import torch.nn.functional as F
 
     from engine.models.rope import apply_rope
+    ops = ops if ops is not None else sys.modules[__name__]
     try:
         dev = torch.device(device)
         g = torch.Generator().manual_seed(0)
@@ -83,14 +88,14 @@ def self_test(device: str) -> str | None:
         w = torch.rand(48, generator=g).to(dev) + 0.5
         ref_x = x + d
         ref = torch.rms_norm(ref_x, (48,), w, 1e-6)
-        errs = [float((add_rms_norm(x, d, w, 1e-6) - ref).abs().max()), float((x - ref_x).abs().max())]
+        errs = [float((ops.add_rms_norm(x, d, w, 1e-6) - ref).abs().max()), float((x - ref_x).abs().max())]
         cos, sin = torch.rand(16, 8, generator=g).to(dev), torch.rand(16, 8, generator=g).to(dev)
         q = torch.randn(4, 3, 8, generator=g).to(dev)
         pos = torch.tensor([0, 5, 9, 15], device=dev)
         ref_q = apply_rope(q.clone(), cos[pos], sin[pos])
-        errs.append(float((rope_(q, pos, cos, sin) - ref_q).abs().max()))
+        errs.append(float((ops.rope_(q, pos, cos, sin) - ref_q).abs().max()))
         gu = torch.randn(2, 64, generator=g).to(dev)
-        errs.append(float((silu_mul(gu) - F.silu(gu[:, :32]) * gu[:, 32:]).abs().max()))
+        errs.append(float((ops.silu_mul(gu) - F.silu(gu[:, :32]) * gu[:, 32:]).abs().max()))
         err = max(errs)
         return None if err <= 1e-4 else f"they differ from the torch ops by {err:.1e}"
     except Exception as e:                       # a missing compiler, an unsupported GPU, a Triton too old, ...

@@ -40,6 +40,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.head_dim ** -0.5
+        self.ops = fused                             # the fused-op implementation (use_fused_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if positions is not None:                    # fused ops: q and k rotated by one kernel, in place
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            fused.rope_(qk, positions, cos, sin)
+            self.ops.rope_(qk, positions, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                               # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)                            # [T, KVH, D]
@@ -66,12 +67,13 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = args.intermediate_size
         self.fused = False
+        self.ops = fused
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -83,6 +85,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
+        self.ops = fused
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):
         """x is updated in place (the residual stream is owned by the forward pass)."""
@@ -93,9 +96,9 @@ class DecoderLayer(nn.Module):
         """Fused ops: x += delta (the previous layer's MLP output) inside the first norm; returns the updated
         residual stream and this layer's MLP output, which the next norm adds."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        h = fused.add_rms_norm(x, delta, n1.weight, n1.eps)
+        h = self.ops.add_rms_norm(x, delta, n1.weight, n1.eps)
         a = self.self_attn(h, cos, sin, kv_cache, meta, backend, positions)
-        return x, self.mlp(fused.add_rms_norm(x, a, n2.weight, n2.eps))
+        return x, self.mlp(self.ops.add_rms_norm(x, a, n2.weight, n2.eps))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,27 +116,32 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
         self.lm_head_t: torch.Tensor | None = None
-        #: per-token ops as fused Triton kernels (engine/models/fused.py); set by use_fused_ops
+        #: per-token ops as fused kernels; set by use_fused_ops
         self.fused = False
+        self.ops = fused
 
-    def use_fused_ops(self, on: bool = True) -> None:
-        """Run RMSNorm (with the residual add), RoPE and SiLU * up as fused Triton kernels (CUDA, or CPU
-        tensors under TRITON_INTERPRET=1)."""
+    def use_fused_ops(self, on: bool = True, ops=fused) -> None:
+        """Run RMSNorm (with the residual add), RoPE and SiLU * up as fused kernels. `ops`: the Triton
+        kernels of engine/models/fused.py (CUDA, or CPU tensors under TRITON_INTERPRET=1), or anything with
+        the same three functions, such as the C kernels of engine/attention/cpu_kernels.CpuOps (CPU)."""
         self.fused = on
+        self.ops = ops
         for layer in self.layers:
+            layer.ops = layer.self_attn.ops = layer.mlp.ops = ops
             layer.mlp.fused = on
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
 
-    def prepare_for_inference(self, prepack: bool = False) -> None:
-        """Last step of loading. `prepack`: swap every Linear for a oneDNN prepacked one (see linear.py).
+    def prepare_for_inference(self, prepack: bool = False, plain_rows: int = 0) -> None:
+        """Last step of loading. `prepack`: swap every Linear for a oneDNN prepacked one (see linear.py),
+        which also keeps its plain weight for inputs of at most `plain_rows` rows.
 
         Otherwise, on CPU, keep a [hidden, vocab] copy of the lm_head weight: MKL's NN GEMM is markedly
         faster than the NT one (F.linear) for this tall matrix (~1.3-1.8x at 1-32 rows).
         """
         if prepack:
-            prepack_linears(self)
+            prepack_linears(self, plain_rows)
         elif self.lm_head.weight.device.type == "cpu":
             self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
@@ -146,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta = layer.forward_fused(x, delta, meta.positions, self.rope_cos, self.rope_sin, kv_cache,
                                                meta, backend)
-            return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
+            return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         dtype = x.dtype
         cos = self.rope_cos[meta.positions].to(dtype)
         sin = self.rope_sin[meta.positions].to(dtype)

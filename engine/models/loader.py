@@ -26,10 +26,12 @@ _FUSED = {
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, *, prepack: bool = False) -> tuple[LlamaForCausalLM, ModelArgs]:
+               max_positions: int, *, prepack: bool = False,
+               plain_rows: int = 0) -> tuple[LlamaForCausalLM, ModelArgs]:
     """Build the model on the meta device, then stream tensors from the shards into real storage.
 
-    `prepack`: reorder the Linear weights for oneDNN afterwards (CPU; see engine/models/linear.py).
+    `prepack`: reorder the Linear weights for oneDNN afterwards (CPU; see engine/models/linear.py), keeping
+    the plain weights too for inputs of at most `plain_rows` rows.
     """
     path = Path(path)
     args = ModelArgs.from_dir(path)
@@ -54,7 +56,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)   # were on meta; float32 always
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    model.prepare_for_inference(prepack)
+    model.prepare_for_inference(prepack, plain_rows)
     return model.eval(), args
 
 

@@ -1,5 +1,6 @@
 """Checks of the fused Triton ops and the split-K decode against the torch ops they replace, shared by
-the CPU tests (Triton's interpreter) and the CUDA tests (compiled)."""
+the CPU tests (Triton's interpreter) and the CUDA tests (compiled). The op checks take `ops`, any object with
+the three functions of engine/models/fused.py (default: that module), so the C CPU ops run them too."""
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,16 @@ def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: float 
     torch.testing.assert_close(got.float(), ref.float(), rtol=steps * BF16_STEP, atol=1e-3)
 
 
-def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int) -> None:
-    from engine.models.fused import add_rms_norm
+def _ops(ops):
+    if ops is not None:
+        return ops
+    from engine.models import fused
+    return fused
+
+
+def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int, ops=None) -> None:
     from engine.models.llama import RMSNorm
+    add_rms_norm = _ops(ops).add_rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, hidden, generator=g).to(dev, dtype)
@@ -45,14 +53,15 @@ def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int) -> 
     _close(got, ref, dtype)
 
 
-def check_rope(dev, dtype, tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
+def check_rope(dev, dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, ops=None,
+               partial_rotary: float = 1.0) -> None:
     """q and k as one strided view of a [T, q + 2 kv] projection, as the model passes them."""
-    from engine.models.fused import rope_
     from engine.models.config import RopeSpec
+    rope_ = _ops(ops).rope_
     from engine.models.rope import apply_rope, cos_sin_table
 
     g = torch.Generator().manual_seed(1)
-    cos, sin = cos_sin_table(RopeSpec(theta=10000.0), head_dim, 512)
+    cos, sin = cos_sin_table(RopeSpec(theta=10000.0, params={"partial_rotary_factor": partial_rotary}), head_dim, 512)
     cos, sin = cos.to(dev), sin.to(dev)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dev, dtype)
     positions = torch.randint(0, 512, (tokens,), generator=g).to(dev)
@@ -68,11 +77,11 @@ def check_rope(dev, dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
     _close(qkv, ref, dtype)
 
 
-def check_silu_mul(dev, dtype, rows: int, inter: int) -> None:
-    from engine.models.fused import silu_mul
+def check_silu_mul(dev, dtype, rows: int, inter: int, ops=None, scale: float = 3.0) -> None:
+    silu_mul = _ops(ops).silu_mul
 
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(rows, 2 * inter, generator=g).to(dev, dtype) * 3
+    x = torch.randn(rows, 2 * inter, generator=g).to(dev, dtype) * scale
     gate, up = x.split([inter, inter], dim=-1)
     _close(silu_mul(x), F.silu(gate) * up, dtype)
 

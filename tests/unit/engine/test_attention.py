@@ -134,15 +134,15 @@ def test_c_kernel_is_cached_and_can_be_switched_off(monkeypatch, tmp_path):
     if cpu_kernels._compiler() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("AFFINITY_SERVE_CACHE", str(tmp_path))
-    cpu_kernels.load.cache_clear()
+    cpu_kernels._library.cache_clear()
     try:
         k = cpu_kernels.load()
         assert k is not None and k.path.parent == tmp_path / "kernels" and k.path.exists()
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._library.cache_clear()
         assert cpu_kernels.load().path == k.path                     # second load reuses the built library
         monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._library.cache_clear()
         assert cpu_kernels.load() is None
         assert TorchPagedAttention(cpu_kernels=True).decode_kernel is None
     finally:
-        cpu_kernels.load.cache_clear()
+        cpu_kernels._library.cache_clear()

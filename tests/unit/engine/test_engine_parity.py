@@ -31,19 +31,22 @@ def test_single_requests_match_transformers(checkpoints, hf_reference, name):
         assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("linear,cpu_kernels", [("torch", False), ("onednn", True)])
+@pytest.mark.parametrize("linear,cpu_kernels", [("torch", False), ("onednn", True), ("hybrid", True)])
 def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, linear, cpu_kernels):
-    """Both CPU GEMM paths (F.linear, oneDNN prepacked) and both decode paths (torch, C kernel)."""
+    """The CPU GEMM paths (F.linear, oneDNN prepacked, prepacked + plain for 1-2 rows) and both decode and
+    per-token-op paths (torch; the C decode kernel and C fused ops)."""
     from engine.attention import cpu_kernels as ck
     from engine.models.linear import prepack_supported
     if cpu_kernels and ck.load() is None:
         pytest.skip("no C compiler here: the C decode kernel cannot be built")
-    if linear == "onednn" and not prepack_supported(torch.device("cpu"), torch.float32):
+    if linear != "torch" and not prepack_supported(torch.device("cpu"), torch.float32):
         pytest.skip("this torch build has no oneDNN")
     path = checkpoints["qwen2"]                      # QKV bias: the packed linear's bias path too
     llm = _engine(path, linear_backend=linear, cpu_kernels=cpu_kernels)
     assert llm.engine.linear_backend == linear
     assert (llm.engine.runner.backend.decode_kernel is not None) == cpu_kernels
+    model = llm.engine.runner.model
+    assert model.fused == cpu_kernels and isinstance(model.ops, ck.CpuOps) == cpu_kernels
     prompts = _prompts(4, lo=1, hi=40, seed=21)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 10) for p in prompts]

@@ -82,16 +82,40 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
         _pick_linear_backend("onednn", torch.device("cuda"), torch.float16)
     if not prepack_supported(cpu, torch.float32):
         pytest.skip("this torch build has no oneDNN")
-    assert _pick_linear_backend("auto", cpu, torch.float32) == "onednn"
+    # auto: the plain copy beside the packed weights while it costs at most 1 GiB, packed alone above
+    assert _pick_linear_backend("auto", cpu, torch.float32, 1 << 30) == "hybrid"
+    assert _pick_linear_backend("auto", cpu, torch.float32, (1 << 30) + 1) == "onednn"
+    assert _pick_linear_backend("hybrid", cpu, torch.float32, 1 << 40) == "hybrid"
+    with pytest.raises(ValueError, match="linear_backend 'hybrid' needs a CPU device"):
+        _pick_linear_backend("hybrid", cpu, torch.float16)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     for bias in (None, b):
-        lin = PackedLinear(w, bias)
-        for shape in ((1, 40), (33, 40), (2, 5, 40)):
-            x = torch.randn(*shape, generator=g)
+        for plain_rows in (0, 2):
+            lin = PackedLinear(w, bias, plain_rows)
+            assert (lin.plain_t is not None) == (plain_rows > 0)
+            for shape in ((1, 40), (2, 40), (3, 40), (33, 40), (2, 5, 40), (1, 1, 40)):
+                x = torch.randn(*shape, generator=g)
+                torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+            x = torch.randn(40, 7, generator=g).t()                 # non-contiguous input
             torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
-        x = torch.randn(40, 7, generator=g).t()                     # non-contiguous input
-        torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    # rows <= plain_rows multiply the plain [in, out] copy: bit-equal to that addmm
+    lin = PackedLinear(w, b, 2)
+    for rows in (1, 2):
+        x = torch.randn(rows, 40, generator=g)
+        assert torch.equal(lin(x), torch.addmm(b, x, w.t().contiguous()))
+
+
+def test_plain_copy_bytes_counts_the_linears_hybrid_duplicates(checkpoints):
+    import torch
+
+    from engine.llm_engine import plain_copy_bytes
+    from engine.models.loader import load_model
+    for name in ("llama", "llama_tied_sharded"):
+        model, args = load_model(checkpoints[name], torch.float32, torch.device("cpu"), 64)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert plain_copy_bytes(args, torch.float32) == sum(m.weight.numel() * 4 for m in linears)
+        assert plain_copy_bytes(args, torch.bfloat16) * 2 == plain_copy_bytes(args, torch.float32)
 
 
 def test_validate_checkpoint_checks_what_the_loader_needs(checkpoints, tmp_path):
