@@ -8,9 +8,13 @@ before every run so repetitions never see an earlier run's blocks.
 
     python benchmarks/engine_throughput.py [--reps 3] [--threads 2] [--json out.json] [--ablate]
 
---ablate adds case (1) with our CPU speed-ups switched off one at a time (F.linear instead of oneDNN
-prepacked weights; pure-torch decode attention instead of the C kernel), each against the same
-transformers baseline, to show what each contributes.
+--ablate adds case (1) with our CPU speed-ups switched off (F.linear instead of oneDNN prepacked weights;
+pure-torch decode attention instead of the C kernel; the torch per-token ops instead of the C fused ones),
+and case (3) without the plain weights that `linear_backend: hybrid` keeps for 1-2 row steps and without
+the C per-token ops. The parts are switched on the default engine itself (only the F.linear rows need a
+second engine), and a case's variants run interleaved with it and with transformers in every repetition;
+each row gives its ratio to transformers and to our default engine ("vs default": below 1 means the
+switched-off part was worth that much).
 """
 from __future__ import annotations
 
@@ -82,32 +86,70 @@ def main() -> None:
     print("[engine_throughput] warming up ...", flush=True)
     run_hf(hf, prompts(2, 16))
     run_ours(llm, prompts(2, 16))
-    runs = [(key, *cases[key], llm) for key in args.cases.split(",")]
-    if args.ablate:
-        for label, kw in (("1 (F.linear, torch decode)", dict(linear_backend="torch", cpu_kernels=False)),
-                          ("1 (oneDNN, torch decode)", dict(linear_backend="auto", cpu_kernels=False)),
-                          ("1 (F.linear, C decode)", dict(linear_backend="torch", cpu_kernels=True))):
-            variant = LLM(path, **engine_kw, **kw)
-            run_ours(variant, prompts(2, 16))
-            runs.append((label, f"  {label.split(' ', 1)[1]}", cases["1"][1], variant))
+    # (case, label, linears, C decode kernel on, C per-token ops on); linears: "default" (hybrid: prepacked,
+    # plus the plain copy for 1-2 row steps), "packed" (the same engine with the plain copy unused) or
+    # "F.linear" (a second engine with linear_backend torch)
+    ablations = [
+        ("3", "oneDNN alone (plain copy unused)", "packed", True, True),
+        ("3", "hybrid, torch per-token ops", "default", True, False),
+        ("3", "oneDNN alone, torch per-token ops", "packed", True, False),
+        ("1", "F.linear, torch decode, torch ops", "F.linear", False, False),
+        ("1", "oneDNN, torch decode, torch ops", "default", False, False),
+        ("1", "F.linear, C decode, C ops", "F.linear", True, True),
+        ("1", "oneDNN, C decode, torch ops", "default", True, False),
+    ] if args.ablate else []
+    full = ("default", True, True)
+    flinear = None
+
+    def configure(linears: str, c_decode: bool, c_ops: bool):
+        """The engine for `linears` with the C parts switched on or off in place: every variant but F.linear
+        runs on the default engine itself, so no two variants differ in where their weights sit in memory."""
+        nonlocal flinear
+        if linears == "F.linear" and flinear is None:
+            flinear = LLM(path, **engine_kw, linear_backend="torch")
+            run_ours(flinear, prompts(2, 16))
+        engine = flinear if linears == "F.linear" else llm
+        runner = engine.engine.runner
+        runner.backend.decode_kernel = kernel if c_decode else None
+        runner.model.use_fused_ops(c_ops and c_ops_impl is not None, ops=c_ops_impl or runner.model.ops)
+        for m in runner.model.modules():
+            if isinstance(m, PackedLinear) and m.plain_t is not None:
+                m.plain_rows = 0 if linears == "packed" else HYBRID_PLAIN_ROWS
+        return engine
+
+    from engine.models.linear import HYBRID_PLAIN_ROWS, PackedLinear
+    kernel, c_ops_impl = llm.engine.runner.backend.decode_kernel, llm.engine.runner.model.ops
+    if not llm.engine.runner.model.fused:
+        c_ops_impl = None
     rows = []
-    for key, name, ps, engine in runs:
-        best = {"hf": float("inf"), "ours": float("inf")}
+    for key in args.cases.split(","):
+        name, ps = cases[key]
+        # a case's variants run interleaved with it and with transformers in every repetition, so the
+        # machine's drift hits them all alike
+        group = [(name, full)] + [(f"  {label}", cfg) for k, label, *cfg in ablations if k == key]
+        best = {who: float("inf") for who in ["hf", *range(len(group))]}
         for rep in range(args.reps):
-            for who in ("hf", "ours"):            # interleaved A/B
-                dt, n = run_hf(hf, ps) if who == "hf" else run_ours(engine, ps)
+            for who in best:
+                if who == "hf":
+                    dt, n = run_hf(hf, ps)
+                else:
+                    dt, n = run_ours(configure(*group[who][1]), ps)
+                    configure(*full)
                 assert n == len(ps) * NEW
                 best[who] = min(best[who], dt)
-                print(f"[engine_throughput] case {key} rep {rep + 1}/{args.reps} {who}: {dt:.2f}s", flush=True)
+                label = who if who == "hf" else ("ours" if who == 0 else group[who][0].strip())
+                print(f"[engine_throughput] case {key} rep {rep + 1}/{args.reps} {label}: {dt:.2f}s", flush=True)
         n = len(ps) * NEW
-        rows.append({"case": name, "hf_tok_s": round(n / best["hf"], 1), "ours_tok_s": round(n / best["ours"], 1),
-                     "ratio": round(best["hf"] / best["ours"], 2), "hf_s": round(best["hf"], 3),
-                     "ours_s": round(best["ours"], 3)})
-    hdr = f"{'case':<32} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6}"
+        for i, (label, _) in enumerate(group):
+            rows.append({"case": label, "hf_tok_s": round(n / best["hf"], 1), "ours_tok_s": round(n / best[i], 1),
+                         "ratio": round(best["hf"] / best[i], 2), "vs_default": round(best[0] / best[i], 2),
+                         "hf_s": round(best["hf"], 3), "ours_s": round(best[i], 3)})
+    hdr = f"{'case':<38} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'vs default':>10}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['case']:<32} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x")
+        print(f"{r['case']:<38} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
+              f"{r['vs_default']:>9.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "rows": rows}, indent=2))
 
