@@ -75,11 +75,11 @@ class CpuOps:
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, f32, i32]
         self._rope = lib.rope_f32
-        self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i32]
+        self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i32]
         self._silu = lib.silu_mul_f32
         self._silu.argtypes = [p, p, i64, i64, i64, i64, i32]
-        for fn in (self._norm, self._rope, self._silu):
-            fn.restype = None
+        self._norm.restype = self._silu.restype = None
+        self._rope.restype = ctypes.c_int
 
     @staticmethod
     def _check(*ts: torch.Tensor) -> None:
@@ -107,20 +107,26 @@ class CpuOps:
         """Rotate x [T, heads, head_dim] in place by the float32 [max_pos, rotary_dim] tables at `positions`."""
         self._check(x, cos, sin)
         t, heads, d = x.shape
-        if positions.shape != (t,) or cos.shape != sin.shape or cos.shape[-1] > d:
-            raise ValueError(f"rope_: x {tuple(x.shape)} needs ({t},) positions and equal cos / sin tables no wider "
-                             f"than the head; got {tuple(positions.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+        if (positions.shape != (t,) or cos.dim() != 2 or cos.shape != sin.shape or cos.stride() != sin.stride()
+                or cos.shape[-1] > d):
+            raise ValueError(f"rope_: x {tuple(x.shape)} needs ({t},) positions and 2-D cos / sin tables of one shape "
+                             f"and layout, no wider than the head; got {tuple(positions.shape)}, "
+                             f"{tuple(cos.shape)} {cos.stride()}, {tuple(sin.shape)} {sin.stride()}")
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        if t:
-            self._rope(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, x.stride(0),
-                       x.stride(1), cos.stride(0), cos.shape[-1] // 2, torch.get_num_threads())
+        if t and self._rope(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads,
+                            x.stride(0), x.stride(1), cos.stride(0), cos.shape[0], cos.shape[-1] // 2,
+                            torch.get_num_threads()):
+            raise IndexError(f"rope_: a position is outside the {cos.shape[0]}-row cos / sin tables "
+                             f"(positions {int(positions.min())}..{int(positions.max())})")
         return x
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, 2 * n] = [gate | up] -> silu(gate) * up, [T, n]."""
         self._check(x)
         t, two_n = x.shape
+        if two_n % 2:
+            raise ValueError(f"silu_mul: x is [gate | up], so its last dim must be even; got {tuple(x.shape)}")
         n = two_n // 2
         y = torch.empty(t, n, dtype=x.dtype)
         if t:

@@ -44,9 +44,13 @@ void add_rms_norm_f32(float *x, const float *d, const float *w, float *y, int64_
 }
 
 /* Rotate heads in place: x1 c - x2 s, x2 c + x1 s over the rotary halves of each head, cos / sin rows
-   picked by position from the float32 tables. x: [rows, heads, head_dim] with strides (sxt, sxh, 1). */
-void rope_f32(float *x, const int64_t *positions, const float *cos_t, const float *sin_t, int64_t rows,
-              int64_t heads, int64_t sxt, int64_t sxh, int64_t sc, int64_t half, int num_threads) {
+   picked by position from the float32 tables ([table_rows] rows of stride sc). x: [rows, heads, head_dim]
+   with strides (sxt, sxh, 1). Returns -1, having changed nothing, when a position is outside the table. */
+int rope_f32(float *x, const int64_t *positions, const float *cos_t, const float *sin_t, int64_t rows,
+             int64_t heads, int64_t sxt, int64_t sxh, int64_t sc, int64_t table_rows, int64_t half,
+             int num_threads) {
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows) return -1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (rows > 1 && rows * heads * half >= PARALLEL_MIN_ELEMS / 2)
     for (int64_t t = 0; t < rows; t++) {
@@ -63,10 +67,12 @@ void rope_f32(float *x, const int64_t *positions, const float *cos_t, const floa
             }
         }
     }
+    return 0;
 }
 
 /* y[t] = silu(gate) * up for x[t] = [gate | up] of 2n. silu(g) = g * sigmoid(g), with the logistic
-   function computed from exp(-|g|) so one vectorisable exp covers both signs. */
+   function computed from exp(-|g|) so one vectorisable exp covers both signs. Below -87 the logistic is
+   under float's normal range and taken as 0, so silu is -0 there (and NaN at -inf), as in torch. */
 void silu_mul_f32(const float *x, float *y, int64_t rows, int64_t n, int64_t sx, int64_t sy, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1 && rows * n >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < rows; t++) {
@@ -77,7 +83,7 @@ void silu_mul_f32(const float *x, float *y, int64_t rows, int64_t n, int64_t sx,
         for (int64_t i = 0; i < n; i++) {
             const float gi = g[i];
             const float e = exp_nonpos(gi < 0.0f ? gi : -gi);        /* exp(-|g|) in (0, 1] */
-            const float sig = (gi < 0.0f ? e : 1.0f) / (1.0f + e);
+            const float sig = gi < -87.0f ? 0.0f : (gi < 0.0f ? e : 1.0f) / (1.0f + e);
             yr[i] = (gi * sig) * u[i];
         }
     }

@@ -19,7 +19,8 @@ static inline float exp_nonpos(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     union { int32_t i; float f; } two_n;
-    two_n.i = ((int32_t)n + 127) << 23;
+    /* n is in [-126, 0] for x in [-87, 0]; the clamp only keeps a NaN input's cast defined (p is NaN then) */
+    two_n.i = ((int32_t)fmaxf(fminf(n, 0.0f), -126.0f) + 127) << 23;
     return p * two_n.f;
 }
 

@@ -51,9 +51,12 @@ def test_silu_mul_matches_the_torch_ops(ops, rows, inter, scale):
 
 
 def test_silu_mul_edge_values(ops):
-    gate = torch.tensor([[0.0, -0.0, 1e-8, -1e-8, 20.0, -20.0, 88.0, -88.0, 200.0, -200.0]])
-    x = torch.cat([gate, torch.full_like(gate, 1.5)], dim=-1)
-    torch.testing.assert_close(ops.silu_mul(x), F.silu(gate) * 1.5, rtol=1e-6, atol=1e-30)
+    gate = torch.tensor([[0.0, -0.0, 1e-8, -1e-8, 20.0, -20.0, 86.9, -86.9, 88.0, -88.0, 200.0, -200.0, -1e30,
+                          -3e38, 1e30, float("inf"), float("-inf"), float("nan")]])
+    for up in (1.5, 1e5):
+        x = torch.cat([gate, torch.full_like(gate, up)], dim=-1)
+        # below -87 torch's logistic is a denormal and ours 0: equal to 1e-30 absolute, however large the gate
+        torch.testing.assert_close(ops.silu_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-30, equal_nan=True)
 
 
 def test_wrong_inputs_get_a_clear_error(ops):
@@ -67,6 +70,16 @@ def test_wrong_inputs_get_a_clear_error(ops):
         ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(1, 8), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match=r"needs \(3,\) positions"):
         ops.rope_(torch.zeros(3, 2, 8), torch.zeros(2, dtype=torch.int64), torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(ValueError, match="one shape and layout"):              # sin read with cos's row stride
+        ops.rope_(torch.zeros(3, 2, 8), torch.zeros(3, dtype=torch.int64), torch.ones(4, 8), torch.ones(4, 16)[:, :8])
+    x = torch.randn(3, 2, 8)
+    before = x.clone()
+    for bad in (4, -1):                                 # outside the 4-row tables: nothing read or written
+        with pytest.raises(IndexError, match="outside the 4-row cos / sin tables"):
+            ops.rope_(x, torch.tensor([0, bad, 1]), torch.ones(4, 8), torch.ones(4, 8))
+        assert torch.equal(x, before)
+    with pytest.raises(ValueError, match="must be even"):
+        ops.silu_mul(torch.zeros(2, 7))
 
 
 def test_the_engine_runs_them_on_cpu_float32_and_not_when_switched_off(checkpoints, ops):

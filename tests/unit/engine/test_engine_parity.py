@@ -32,7 +32,7 @@ def test_single_requests_match_transformers(checkpoints, hf_reference, name):
 
 
 @pytest.mark.parametrize("linear,cpu_kernels", [("torch", False), ("onednn", True), ("hybrid", True)])
-def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, linear, cpu_kernels):
+def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, monkeypatch, linear, cpu_kernels):
     """The CPU GEMM paths (F.linear, oneDNN prepacked, prepacked + plain for 1-2 rows) and both decode and
     per-token-op paths (torch; the C decode kernel and C fused ops)."""
     from engine.attention import cpu_kernels as ck
@@ -47,9 +47,22 @@ def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, linear, c
     assert (llm.engine.runner.backend.decode_kernel is not None) == cpu_kernels
     model = llm.engine.runner.model
     assert model.fused == cpu_kernels and isinstance(model.ops, ck.CpuOps) == cpu_kernels
+    from engine.models.linear import PackedLinear
+    rows, forward = [], PackedLinear.forward
+
+    def spy(self, x):
+        rows.append((x.numel() // self.in_features, self.plain_rows))
+        return forward(self, x)
+    monkeypatch.setattr(PackedLinear, "forward", spy)
     prompts = _prompts(4, lo=1, hi=40, seed=21)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 10) for p in prompts]
+    one = llm.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0]   # 1-row decode
+    assert one.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    if linear == "hybrid":          # both sides of the split ran: 1-2 row inputs (the plain copy) and more
+        assert {r <= p for r, p in rows} == {True, False}
+    else:
+        assert all(p == 0 for _, p in rows) and (linear == "torch") == (not rows)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
