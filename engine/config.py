@@ -109,7 +109,7 @@ class EngineConfig(_Strict):
         True, description="with CUDA-graph decode: a decode step launches the next one on the GPU from its "
                           "sampled ids (still on the device) before the host has them, so the host's per-step work "
                           "overlaps the GPU's; a step that turns out different (a stop token, an arrival) is thrown "
-                          "away. Requests without logprobs; no kv_connector")
+                          "away. Not with a kv_connector")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel and, in float32, the C fused per-token ops (add + RMSNorm, RoPE, SiLU * up) on "

@@ -15,7 +15,7 @@ from engine.attention import AttentionBackend, build_attention_metadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_connector.base import KVConnectorWorker
 from engine.models.config import ModelArgs
-from engine.sampler import Sampler, SamplingInfo, gather_logprobs
+from engine.sampler import DeviceLogprobs, Sampler, SamplingInfo, device_logprobs, gather_logprobs
 from engine.sampling_params import SamplingParams
 from engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -46,17 +46,13 @@ class _Ahead:
     positions: list[int]             # the position each computes (the scheduler's num_computed_tokens)
     ids: list[int]                   # the ids it computes (the previous step's samples, once on the host)
     tokens: torch.Tensor             # its own samples, on the device
+    logprobs: DeviceLogprobs | None  # theirs, for the rows that ask, on the device too
 
     def is_step(self, so: SchedulerOutput, order: list[str], computed: list[int], ids: list[int]) -> bool:
         """Is this scheduled step the one launched ahead? (Same requests, positions and input ids, and nobody
         preempted or (re)admitted in between, so the block tables it used are this step's too.)"""
         return (not so.scheduled_new_reqs and not so.preempted_req_ids and self.order == tuple(order)
                 and self.positions == computed and self.ids == ids)
-
-
-def _overlappable(p: SamplingParams) -> bool:
-    """Nothing handed out but the id (no logprobs): a step launched ahead can sample it on the device."""
-    return p.logprobs is None
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -157,13 +153,14 @@ class ModelRunner:
             ahead, self._ahead = self._ahead, None
             if ahead is not None and ahead.is_step(so, order, computed, ids):
                 self.num_ahead_used += 1
-                return self._finish_overlapped(order, states, computed, None, ahead.tokens, so)
+                return self._finish_overlapped(order, states, computed, None, ahead.tokens, ahead.logprobs, so)
             hidden = graphs.run(ids, computed, blocks)
-            if self.overlap_decode and not prompt_chunks and len(sampling) == len(states) \
-                    and all(_overlappable(st.params) for st in states):
+            if self.overlap_decode and not prompt_chunks and len(sampling) == len(states):
                 infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
-                return self._finish_overlapped(order, states, computed, infos,
-                                               self.sampler.sample(self.model.compute_logits(hidden), infos), so)
+                logits = self.model.compute_logits(hidden)
+                tokens = self.sampler.sample(logits, infos)
+                return self._finish_overlapped(order, states, computed, infos, tokens,
+                                               device_logprobs(logits, tokens, infos), so)
         else:
             self._ahead = None
             meta = build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device)
@@ -190,11 +187,11 @@ class ModelRunner:
         return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs, prompt_logprobs)
 
     def _finish_overlapped(self, order: list[str], states: list[RunnerRequestState], computed: list[int],
-                           infos: list[SamplingInfo] | None, tokens: torch.Tensor, so: SchedulerOutput
-                           ) -> ModelRunnerOutput:
-        """Finish a decode step whose sampled ids (`tokens`, on the device) may still be computing:
-        queue their copy to the host, launch the next decode step on them before waiting for it (see
-        `overlap_decode`), then hand this step's ids out."""
+                           infos: list[SamplingInfo] | None, tokens: torch.Tensor, lps: DeviceLogprobs | None,
+                           so: SchedulerOutput) -> ModelRunnerOutput:
+        """Finish a decode step whose sampled ids (`tokens`, on the device) and logprobs (`lps`, for the rows
+        that ask) may still be computing: queue their copy to the host, launch the next decode step on them
+        before waiting for it (see `overlap_decode`), then hand this step's ids and logprobs out."""
         b = len(states)
         graphs = self.decode_graphs
         if self._tokens_copied is not None and self._tokens_host is None:
@@ -202,6 +199,9 @@ class ModelRunner:
         host = self._tokens_host
         if host is not None:                       # CUDA: a pinned copy queued ahead of the next step
             host[:b].copy_(tokens, non_blocking=True)
+        if lps is not None:
+            lps = lps.to_host()                    # queued too, before the next step
+        if host is not None:
             self._tokens_copied.record()
         bs, cap = self.block_size, self.max_model_len
         # Launch the next step only where it is likely to be the next step: no request ends at max_tokens or
@@ -220,8 +220,10 @@ class ModelRunner:
                 infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
             # sampled as if this step's ids were appended (penalties count them, seeded rows draw what they
             # would in order)
-            self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [],
-                                 self.sampler.sample(self.model.compute_logits(hidden), infos, pending=tokens))
+            logits = self.model.compute_logits(hidden)
+            ahead_tokens = self.sampler.sample(logits, infos, pending=tokens)
+            self._ahead = _Ahead(tuple(order), [c + 1 for c in computed], [], ahead_tokens,
+                                 device_logprobs(logits, ahead_tokens, infos))
         if host is not None:
             self._tokens_copied.synchronize()
             token_list = host[:b].tolist()
@@ -233,7 +235,10 @@ class ModelRunner:
             st.num_computed_tokens = c + 1
             st.token_ids.append(tok)
         self.num_overlapped_steps += 1
-        return ModelRunnerOutput(order, [[t] for t in token_list])
+        logprobs = None
+        if lps is not None:
+            logprobs = {order[row]: [lp] for row, lp in lps.build(token_list).items()}
+        return ModelRunnerOutput(order, [[t] for t in token_list], logprobs)
 
     def _gather_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[tuple[RunnerRequestState, int, int, int]]
                                 ) -> dict[str, list[Logprobs | None]] | None:

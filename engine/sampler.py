@@ -165,6 +165,55 @@ def _mix(seed: int, step: int) -> int:
     return (seed * _SEED_MIX + step * 0x632BE59BD9B4E019 + 1) & 0x7FFFFFFFFFFFFFFF
 
 
+@dataclass(slots=True)
+class DeviceLogprobs:
+    """The logprobs a decode step hands out, still on the device (overlap_decode): for the rows in `rows`,
+    each sampled id's log-probability and rank and the top max(ks) alternatives, computed as `Sampler.__call__`
+    computes them. `to_host` queues their copy without waiting; `build` reads them once the copy is done."""
+
+    rows: list[int]
+    ks: list[int]
+    chosen: torch.Tensor                  # [R]
+    ranks: torch.Tensor                   # [R]
+    top_v: torch.Tensor | None            # [R, max(ks)], None when every k is 0
+    top_i: torch.Tensor | None
+
+    def to_host(self) -> "DeviceLogprobs":
+        """Copies queued to host memory (pinned, from CUDA: the copy does not block); read after the stream
+        has reached them."""
+        def host(t):
+            return None if t is None else t.to("cpu", non_blocking=True)
+        return DeviceLogprobs(self.rows, self.ks, host(self.chosen), host(self.ranks), host(self.top_v),
+                              host(self.top_i))
+
+    def build(self, tokens: list[int]) -> dict[int, Logprobs]:
+        """{row: Logprobs} given every row's sampled id (host values)."""
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_v = self.top_v.tolist() if self.top_v is not None else None
+        top_i = self.top_i.tolist() if self.top_i is not None else None
+        return {row: Logprobs(tokens[row], chosen[j], ranks[j], top_i[j][:k] if k else [], top_v[j][:k] if k else [])
+                for j, (row, k) in enumerate(zip(self.rows, self.ks))}
+
+
+def device_logprobs(logits: torch.Tensor, tokens: torch.Tensor, infos: list[SamplingInfo]) -> DeviceLogprobs | None:
+    """Logprobs for the rows of `infos` that ask for them, of `tokens` ([N], on the device) under the raw
+    `logits` (before bias and penalties, as `Sampler.__call__`), without a host sync; None if no row asks."""
+    rows = [r for r, i in enumerate(infos) if i.params.logprobs is not None]
+    if not rows:
+        return None
+    ks = [infos[r].params.logprobs for r in rows]
+    index = torch.tensor(rows, dtype=torch.long)
+    if logits.device.type == "cuda":
+        index = index.pin_memory().to(logits.device, non_blocking=True)
+    raw = torch.log_softmax(logits[index], dim=-1)                         # [R, vocab]
+    chosen = raw.gather(1, tokens[index][:, None])                         # [R, 1]
+    ranks = (raw > chosen).sum(dim=1) + 1
+    top_v = top_i = None
+    if max(ks):
+        top_v, top_i = raw.topk(max(ks), dim=-1)
+    return DeviceLogprobs(rows, ks, chosen[:, 0], ranks, top_v, top_i)
+
+
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[Logprobs]:
     """One Logprobs per row: the given token's log-probability and rank, plus the top-k alternatives.
 

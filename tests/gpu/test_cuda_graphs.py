@@ -123,3 +123,28 @@ def test_overlapped_sampling_draws_what_the_in_order_run_draws(checkpoints):
     assert runner.num_ahead_used == runner.num_launched_ahead > 10
     pool = overlapped.engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_overlapped_logprobs_are_the_in_order_logprobs(checkpoints):
+    """Requests asking for logprobs overlap on CUDA too: the step launched ahead computes them on the device
+    and queues their pinned copy with the ids; ids, ranks and top ids equal the in-order run's, logprobs to
+    float32 rounding."""
+    from engine import SamplingParams
+
+    path = checkpoints["llama"]
+    prompts = _prompts(3, seed=9)
+    params = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=4, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+    overlapped = _llm(path, "float32")
+    in_order = _llm(path, "float32", overlap_decode=False)
+    a = [o.outputs[0] for o in overlapped.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0] for o in in_order.generate(prompts, params, use_tqdm=False)]
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    for x, y in zip(a[:2], b[:2]):
+        assert [(lp.token_id, lp.rank, lp.top_token_ids) for lp in x.logprobs] == \
+            [(lp.token_id, lp.rank, lp.top_token_ids) for lp in y.logprobs]
+        assert [lp.logprob for lp in x.logprobs] == pytest.approx([lp.logprob for lp in y.logprobs], abs=1e-6)
+    assert a[2].logprobs is None
+    runner = overlapped.engine.runner
+    assert runner.num_ahead_used == runner.num_launched_ahead > 10

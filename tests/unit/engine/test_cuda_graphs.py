@@ -172,10 +172,38 @@ def test_sampled_requests_overlap_with_the_draws_of_an_in_order_run(checkpoints)
     assert llm.engine.runner.num_ahead_used > 5 and _free(llm)
 
 
+def test_requests_with_logprobs_overlap_and_hand_out_the_in_order_logprobs(checkpoints):
+    """Logprobs (the chosen id's only, and top 2 / top 5) on greedy, seeded and penalised rows: the steps
+    launched ahead compute them on the device with their ids, and every token, logprob, rank and top list
+    equals the run with overlap off over the same padded forwards."""
+    path = checkpoints["llama"]
+    prompts = _prompts(4, seed=61)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=17, temperature=0.9, seed=3, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)]
+    runs = {}
+    for mode in ("overlap", "in order"):
+        llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+        _overlapped(llm, [1, 2, 4])
+        llm.engine.runner.overlap_decode = mode == "overlap"
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        if mode == "overlap":
+            runner = llm.engine.runner
+            assert runner.num_ahead_used == runner.num_launched_ahead > 10
+        assert _free(llm)
+    assert runs["overlap"] == runs["in order"]
+    ids, lps = runs["overlap"][2]
+    assert len(lps) == len(ids) == 12 and all(len(lp.top_token_ids) == 5 and lp.rank >= 1 for lp in lps)
+    assert all(lp.top_token_ids == [] for lp in runs["overlap"][0][1]) and runs["overlap"][3][1] is None
+
+
 def test_stop_tokens_and_other_params_fall_back_and_lose_nothing(checkpoints, hf_reference):
     """A greedy request with a stop token, a sampled one and one asking for logprobs in the same batch: the
-    batch then decodes in order through the sampler; alone, the greedy one overlaps again. Tokens are
-    transformers' where greedy, seeded draws repeat, every block comes back."""
+    steps launched ahead of the stop are thrown away; alone, the greedy one overlaps on. Tokens are
+    transformers' where greedy, seeded draws repeat, logprobs match the run without graph buffers, every block
+    comes back."""
     path = checkpoints["qwen2"]
     ref_llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
     llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
