@@ -127,3 +127,19 @@ def test_gather_logprobs_matches_per_row(k):
     got = gather_logprobs(lp, tokens, k)
     assert got == [_logprobs(lp[r], int(tokens[r]), k) for r in range(6)]
     assert all(len(g.top_token_ids) == k for g in got)
+
+
+def test_argmax_helper_picks_what_argmax_picks_on_ties_and_nan():
+    """The sampler's row argmax (max(dim).indices, faster on CPU) keeps argmax's choice: the first index of
+    the maximum on ties, the NaN's index in a row with a NaN, index 0 in a constant row."""
+    import torch
+
+    from engine.sampler import _argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 300, generator=g)
+    x[3, 10] = x[3, 20] = 50.0
+    x[5] = 0.0
+    x[7, 4] = float("nan")
+    for t in (x, x.bfloat16()):
+        assert torch.equal(_argmax(t), t.argmax(dim=-1))
+    assert _argmax(x)[[3, 5, 7]].tolist() == [10, 0, 4]
