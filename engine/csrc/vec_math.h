@@ -18,9 +18,12 @@ static inline float exp_nonpos(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n;
-    /* n is in [-126, 0] for x in [-87, 0]; the clamp only keeps a NaN input's cast defined (p is NaN then) */
-    two_n.i = ((int32_t)fmaxf(fminf(n, 0.0f), -126.0f) + 127) << 23;
+    /* 2^n built from n's bits: n + 1.5 * 2^23 holds n in its low mantissa bits, so no float -> int conversion
+       (undefined for a NaN input, whose result is NaN through p anyway) and all-unsigned integer arithmetic.
+       The loops that call this must vectorise (check with -fopt-info-vec): an fminf / fmaxf clamp here
+       stopped GCC 12 from vectorising them, and silu_mul ran 12x slower. */
+    union { float f; uint32_t u; } shifted = {n + 12582912.0f}, magic = {12582912.0f}, two_n;
+    two_n.u = (shifted.u - magic.u + 127u) << 23;
     return p * two_n.f;
 }
 
