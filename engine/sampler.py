@@ -48,14 +48,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo]
                  ) -> tuple[list[int], list[Logprobs | None]]:
         """logits: [N, vocab] float32, one row per entry of `infos`."""
-        want_lp = [i.params.logprobs for i in infos]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_lp) else None
-        token_list = self.sample(logits, infos).tolist()
+        tokens = self.sample(logits, infos)
+        lp = device_logprobs(logits, tokens, infos)
+        token_list = tokens.tolist()
         lps: list[Logprobs | None] = [None] * len(infos)
-        if raw_logprobs is not None:
-            for row, k in enumerate(want_lp):
-                if k is not None:
-                    lps[row] = _logprobs(raw_logprobs[row], token_list[row], k)
+        if lp is not None:
+            for row, x in lp.build(token_list).items():
+                lps[row] = x
         return token_list, lps
 
     def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None = None
@@ -203,16 +202,20 @@ class DeviceLogprobs:
 
 def device_logprobs(logits: torch.Tensor, tokens: torch.Tensor, infos: list[SamplingInfo]) -> DeviceLogprobs | None:
     """Logprobs for the rows of `infos` that ask for them, of `tokens` ([N], on the device) under the raw
-    `logits` (before bias and penalties, as `Sampler.__call__`), without a host sync; None if no row asks."""
+    `logits` (before bias and penalties), without a host sync; None if no row asks."""
     rows = [r for r, i in enumerate(infos) if i.params.logprobs is not None]
     if not rows:
         return None
-    ks = [infos[r].params.logprobs for r in rows]
     index = torch.tensor(rows, dtype=torch.long)
     if logits.device.type == "cuda":
         index = index.pin_memory().to(logits.device, non_blocking=True)
-    raw = torch.log_softmax(logits[index], dim=-1)                         # [R, vocab]
-    chosen = raw.gather(1, tokens[index][:, None])                         # [R, 1]
+    return _select_logprobs(torch.log_softmax(logits[index], dim=-1), tokens[index], rows,
+                            [infos[r].params.logprobs for r in rows])
+
+
+def _select_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]) -> DeviceLogprobs:
+    """raw: [R, vocab] log-probabilities; tokens: [R] the ids whose logprob and rank to take; top max(ks)."""
+    chosen = raw.gather(1, tokens[:, None])                                # [R, 1]
     ranks = (raw > chosen).sum(dim=1) + 1
     top_v = top_i = None
     if max(ks):
@@ -225,20 +228,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
 
     logprobs: [N, vocab] (log_softmax output); token_ids: [N] long. Host syncs per batch, not per row.
     """
-    chosen = logprobs.gather(1, token_ids[:, None])                     # [N, 1]
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-    tokens, values = token_ids.tolist(), chosen[:, 0].tolist()
-    if k:
-        top_v, top_i = logprobs.topk(k, dim=-1)                         # [N, k]
-        return [Logprobs(t, v, r, i, tv) for t, v, r, i, tv
-                in zip(tokens, values, ranks, top_i.tolist(), top_v.tolist())]
-    return [Logprobs(t, v, r, [], []) for t, v, r in zip(tokens, values, ranks)]
-
-
-def _logprobs(row: torch.Tensor, token: int, k: int) -> Logprobs:
-    chosen = float(row[token])
-    rank = int((row > row[token]).sum()) + 1
-    if k:
-        top_v, top_i = row.topk(k)
-        return Logprobs(token, chosen, rank, top_i.tolist(), top_v.tolist())
-    return Logprobs(token, chosen, rank, [], [])
+    n = token_ids.shape[0]
+    if n == 0:
+        return []
+    return list(_select_logprobs(logprobs, token_ids, list(range(n)), [k] * n).build(token_ids.tolist()).values())

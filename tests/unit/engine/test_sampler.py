@@ -121,12 +121,17 @@ def test_parameter_validation(kw, param):
 
 @pytest.mark.parametrize("k", [0, 4])
 def test_gather_logprobs_matches_per_row(k):
-    from engine.sampler import _logprobs, gather_logprobs
+    from engine.sampler import gather_logprobs
+    from engine.types import Logprobs
     lp = torch.log_softmax(logits_rows(6, seed=9), dim=-1)
     tokens = torch.tensor([0, 5, 49, 7, 7, 13])
     got = gather_logprobs(lp, tokens, k)
-    assert got == [_logprobs(lp[r], int(tokens[r]), k) for r in range(6)]
-    assert all(len(g.top_token_ids) == k for g in got)
+
+    def one(row, t):                                # the definition, one row at a time
+        top_v, top_i = row.topk(k) if k else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+        return Logprobs(t, float(row[t]), int((row > row[t]).sum()) + 1, top_i.tolist(), top_v.tolist())
+    assert got == [one(lp[r], int(tokens[r])) for r in range(6)]
+    assert all(len(g.top_token_ids) == k for g in got) and gather_logprobs(lp, tokens[:0], k) == []
 
 
 def test_argmax_helper_picks_what_argmax_picks_on_ties_and_nan():
