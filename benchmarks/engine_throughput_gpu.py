@@ -8,12 +8,13 @@ Reports output tokens/s for both, the ratio, and our decode step time (all seque
 over the steps after the last prefill) against the memory-bandwidth floor: the bytes one decode step must
 read (every weight once, the lm_head included, plus each sequence's KV) over the device's copy bandwidth
 measured in the same run ((read + write bytes) / time of a large device-to-device copy). The floor counts
-every sequence's KV, shared prefix included (no cascade: what the triton backend reads). With
-overlap_decode on (the default with CUDA graphs), batch 1 and 32 also run with it off, interleaved, as rows of
-their own.
+every sequence's KV; with cascade decode (the torch and triton backends' default for a shared prefix of 64
+tokens or more) the shared prefix once. With overlap_decode on (the default with CUDA graphs), batch 1 and 32 also run
+with it off, and with cascade decode the shared-prefix case also runs with it off, interleaved on the same
+engine, as rows of their own.
 
     python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
-        [--json out.json]
+        [--case TEXT] [--json out.json]
     python benchmarks/engine_throughput_gpu.py --device cpu --tiny          # smoke-tests the script on CPU
 
 Targets (issue 12): >= 2x transformers at batch 32, >= 1.2x at batch 1, decode step at batch 1 within 2x of
@@ -45,7 +46,7 @@ def cases(tiny: bool) -> list[tuple[str, int, int, int, int]]:
     """(name, batch, shared prefix, prompt tokens after it, new tokens)."""
     if tiny:
         return [("batch 1, 32 -> 8", 1, 0, 32, 8), ("batch 4, 32 -> 8", 4, 0, 32, 8),
-                ("4 x (32 shared + 8) -> 8", 4, 32, 8, 8)]
+                ("4 x (64 shared + 8) -> 8", 4, 64, 8, 8)]
     return [("batch 1, 512 -> 128", 1, 0, 512, 128), ("batch 32, 512 -> 128", 32, 0, 512, 128),
             ("batch 128, 512 -> 128", 128, 0, 512, 128), ("32 x (512 shared + 32) -> 128", 32, 512, 32, 128)]
 
@@ -112,6 +113,12 @@ def run_ours(llm, ps: list[list[int]], new: int) -> tuple[float, float, int]:
     return total, decode_t / max(decode_steps, 1), decode_steps
 
 
+def cascade_count(runner) -> int:
+    """Steps (graph replays) and eager forwards that ran cascade decode so far."""
+    graphs = runner.decode_graphs
+    return getattr(runner.backend, "num_cascade_forwards", 0) + (graphs.num_cascade_steps if graphs else 0)
+
+
 def floor_bytes(model: torch.nn.Module, cfg: dict, contexts: list[int], elem: int) -> int:
     """Bytes one decode step must read: every parameter once (a tied embedding is read once, as the lm_head;
     the embedding lookup itself reads a row per sequence) plus each sequence's K and V."""
@@ -130,6 +137,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short cases (smoke test)")
     ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="our KV pool (transformers needs the rest)")
+    ap.add_argument("--case", action="append", default=[], metavar="TEXT",
+                    help="only the cases whose name contains TEXT (repeatable; e.g. --case shared)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -165,34 +174,52 @@ def main() -> None:
     run_ours(llm, warm, 4)
     runner = llm.engine.runner
     overlap = runner.overlap_decode
-    say(f"overlap_decode {'on' if overlap else 'off'}")
+    least = getattr(runner.backend, "cascade_min_tokens", None)            # cascade decode (triton backend)
+    say(f"overlap_decode {'on' if overlap else 'off'}; cascade decode "
+        f"{'from %d shared tokens' % least if least is not None else 'off'}")
     rows = []
     for name, batch, prefix, plen, new in cases(args.tiny):
+        if args.case and not any(c in name for c in args.case):
+            continue
         ps = prompts(batch, plen, prefix, cfg["vocab_size"])
-        # batch 1 and 32 with overlap_decode also run in order (the switch off), interleaved: what it buys
-        variants = [(name, overlap)] + ([(f"{name}, in order", False)]
-                                        if overlap and batch in (1, 32) and not prefix else [])
-        best = {v: [float("inf")] * 3 for v, _ in variants}             # transformers s, ours s, step s
+        cascade = least is not None and batch > 1 and prefix // 16 * 16 >= least
+        # on the same engine, interleaved: batch 1 and 32 with overlap_decode also run in order (the switch
+        # off), and a shared prefix read in cascade also runs without: what each buys
+        variants = [(name, overlap, cascade)]
+        if overlap and batch in (1, 32) and not prefix:
+            variants.append((f"{name}, in order", False, cascade))
+        if cascade:
+            variants.append((f"{name}, no cascade", overlap, False))
+        best = {v: [float("inf")] * 3 for v, _, _ in variants}          # transformers s, ours s, step s
+        cascaded = {v: False for v, _, _ in variants}                   # whether a step actually ran in cascade
         for rep in range(args.reps):
             t_hf = run_hf(hf, ps, new, device)
-            for v, ov in variants:
+            for v, ov, casc in variants:
                 runner.overlap_decode = ov
+                if least is not None:
+                    runner.backend.cascade_min_tokens = least if casc else None
+                before = cascade_count(runner)
                 t_ours, t_step, n_steps = run_ours(llm, ps, new)
+                cascaded[v] |= cascade_count(runner) > before
                 b = best[v]
                 best[v] = [min(b[0], t_hf), min(b[1], t_ours), min(b[2], t_step)]
                 say(f"{v} rep {rep + 1}/{args.reps}: transformers {t_hf:.2f}s, ours {t_ours:.2f}s "
                     f"(decode step {t_step * 1e3:.2f} ms over {n_steps} steps)")
             runner.overlap_decode = overlap
-        # the floor at the mean context of the measured decode steps (prompt + half the new tokens)
-        ctx = [prefix + plen + new // 2] * batch
-        floor = floor_bytes(runner.model, cfg, ctx, dt.itemsize) / bw
+            if least is not None:
+                runner.backend.cascade_min_tokens = least
         n = batch * new
-        for v, ov in variants:
+        for v, ov, _ in variants:
+            # the floor at the mean context of the measured decode steps (prompt + half the new tokens); in
+            # cascade the shared prefix is read once
+            casc = cascaded[v]
+            ctx = [prefix] + [plen + new // 2] * batch if casc else [prefix + plen + new // 2] * batch
+            floor = floor_bytes(runner.model, cfg, ctx, dt.itemsize) / bw
             best_hf, best_ours, step = best[v]
             rows.append({"case": v, "hf_tok_s": round(n / best_hf, 1), "ours_tok_s": round(n / best_ours, 1),
                          "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 3),
                          "floor_ms": round(floor * 1e3, 3), "step_over_floor": round(step / floor, 2),
-                         "overlap_decode": ov})
+                         "overlap_decode": ov, "cascade": casc})
     hdr = (f"{'case':<40} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
            f"{'floor ms':>9} {'step/floor':>10}")
     print(hdr)
@@ -204,6 +231,7 @@ def main() -> None:
         dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": dev_name, "dtype": args.dtype, "backend": backend,
                                          "cuda_graphs": graphs, "overlap_decode": overlap,
+                                         "cascade_min_tokens": least,
                                          "copy_bandwidth_gb_s": round(bw / 1e9, 1),
                                          "reps": args.reps,
                                          "torch": torch.__version__, "rows": rows}, indent=2))

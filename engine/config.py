@@ -110,6 +110,12 @@ class EngineConfig(_Strict):
                           "sampled ids (still on the device) before the host has them, so the host's per-step work "
                           "overlaps the GPU's; a step that turns out different (a stop token, an arrival) is thrown "
                           "away. Not with a kv_connector")
+    cascade_min_tokens: int | None = Field(
+        64, ge=1, description="cascade decode: when every request of a decode batch shares at least this many "
+                              "leading tokens in the same KV pages (a common system prompt hit in the prefix "
+                              "cache), attention reads them once for the whole batch instead of once per request "
+                              "(torch and triton backends; with CUDA graphs a cascade graph is captured per size); "
+                              "null turns it off")
     cpu_kernels: bool = Field(
         True, description="compile (once, with the system C compiler) and use the C paged-decode attention "
                           "kernel and, in float32, the C fused per-token ops (add + RMSNorm, RoPE, SiLU * up) on "

@@ -94,7 +94,7 @@ class LLMEngine:
                            capacity, self.max_model_len)
             self.max_model_len = capacity
         backend = select_backend(config.attention_backend, self.device.type, block_size,
-                                 cpu_kernels=config.cpu_kernels)
+                                 cpu_kernels=config.cpu_kernels, cascade_min_tokens=config.cascade_min_tokens)
         if backend.name == "triton":   # the per-token ops as Triton kernels too, once they pass a self-test
             why = fused_ops.self_test(str(self.device))
             if why is None:

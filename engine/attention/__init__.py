@@ -4,13 +4,16 @@ from __future__ import annotations
 import logging
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, build_attention_metadata
+from engine.attention.torch_paged import CASCADE_MIN_TOKENS
 
 logger = logging.getLogger(__name__)
 
 
-def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool = True) -> AttentionBackend:
+def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool = True,
+                   cascade_min_tokens: int | None = CASCADE_MIN_TOKENS) -> AttentionBackend:
     """'auto' -> flash when CUDA, flash-attn and the block size allow it, else triton on CUDA when its kernels
-    pass a start-up self-test there, else torch; 'torch' / 'flash' / 'triton' force one."""
+    pass a start-up self-test there, else torch; 'torch' / 'flash' / 'triton' force one. cascade_min_tokens:
+    decode batches sharing at least this many leading tokens read them once (torch and triton; None: never)."""
     from engine.attention.flash import FlashPagedAttention, flash_attn_available
     from engine.attention.torch_paged import TorchPagedAttention
     from engine.attention.triton_paged import TritonPagedAttention, interpreting
@@ -26,9 +29,9 @@ def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool
         if device != "cuda" and not interpreting():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run its "
                              "kernels slowly on CPU for testing); use 'torch' or 'auto' instead")
-        return TritonPagedAttention()
+        return TritonPagedAttention(cascade_min_tokens=cascade_min_tokens)
     if name == "torch":
-        return TorchPagedAttention(cpu_kernels=cpu_kernels and device == "cpu")
+        return TorchPagedAttention(cpu_kernels=cpu_kernels and device == "cpu", cascade_min_tokens=cascade_min_tokens)
     raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'triton' or 'flash'")
 
 

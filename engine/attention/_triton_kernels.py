@@ -102,13 +102,15 @@ def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, s_kt, s_kh, s_vt, s_vh, s_
 
 
 @triton.jit
-def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_kh, s_kb, s_kt,
-                 s_bt, scale, H: tl.constexpr, S: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PREC: tl.constexpr):
+def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_ptr, first_key_ptr, s_qt, s_qh,
+                 s_kh, s_kb, s_kt, s_bt, scale, H: tl.constexpr, S: tl.constexpr, SROW: tl.constexpr,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, SKIP_PREFIX: tl.constexpr):
     """Split-K decode (flash-decoding): program (request, KV head, split) runs the online softmax over its
-    share of the key tiles and writes the unnormalised partial (running max, denominator, output) for
-    `decode_merge`. A split with no tiles writes max -inf, denominator 0."""
+    share of the key tiles and writes the unnormalised partial (running max, denominator, output) to slot
+    `split` of the SROW slots of its (request, query head), for `decode_merge`. A split with no tiles writes
+    max -inf, denominator 0. With SKIP_PREFIX the keys start at *first_key_ptr (the shared prefix, which
+    `decode_prefix` reads once for the whole batch, fills the slots after the first S)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -122,16 +124,20 @@ def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_pt
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + h.to(tl.int64) * s_kh
     v_head = v_ptr + h.to(tl.int64) * s_kh
-    tiles = tl.cdiv(seq_len, BLOCK_N)
+    if SKIP_PREFIX:
+        first = tl.load(first_key_ptr)
+    else:
+        first = 0
+    tiles = tl.cdiv(tl.maximum(seq_len - first, 0), BLOCK_N)   # a padding row of a CUDA graph may have none
     per = tl.cdiv(tiles, S)
-    lo = sp * per * BLOCK_N
-    hi = tl.minimum(seq_len, (sp + 1) * per * BLOCK_N)
+    lo = first + sp * per * BLOCK_N
+    hi = tl.minimum(seq_len, first + (sp + 1) * per * BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < hi
         m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, t_mask[None, :], d, s_kb,
                                  s_kt, scale, m_i, l_i, acc, D, BS, PREC)
-    row = (r * H + h * G + g) * S + sp                   # partials laid out [request, query head, split]
+    row = (r * H + h * G + g) * SROW + sp                # partials laid out [request, query head, slot]
     tl.store(m_ptr + row, m_i, mask=g < G)
     tl.store(l_ptr + row, l_i, mask=g < G)
     tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=gd_mask)
@@ -150,7 +156,47 @@ def decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ot, s_oh, H: tl.constexpr, S: t
     m = tl.load(m_ptr + row, mask=sm, other=float("-inf"))
     l_s = tl.load(l_ptr + row, mask=sm, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
-    m_all = tl.max(m, 0)                                 # split 0 always has key 0: finite
+    m_all = tl.max(m, 0)          # finite: split 0 has key 0, or the suffix's first key and the prefix split 0
     w = tl.where(sm, tl.exp(m - m_all), 0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(o_ptr + r * s_ot + h * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def decode_prefix(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, prefix_len_ptr, n_rows, s_qt, s_qh, s_kh, s_kb,
+                  s_kt, scale, H: tl.constexpr, S: tl.constexpr, P: tl.constexpr, SROW: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+    """Cascade decode, the shared part: the first *prefix_len_ptr keys, the same pages for every request (block
+    table row 0), read once per (KV head, tile of BLOCK_R query rows) instead of once per request. Program
+    (KV head, row tile, split): the rows are the batch's (request, query head of this KV head) pairs, n_rows =
+    requests x G, so one tile of keys is scored against many requests' queries in one dot. Writes the split's partial to slot
+    S + split of each row's SROW slots; `decode_split` with SKIP_PREFIX fills slots 0..S-1 with the suffix."""
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    sp = tl.program_id(2)
+    plen = tl.load(prefix_len_ptr)
+    rho = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = rho < n_rows
+    req = rho // G
+    head = h * G + rho % G
+    d = tl.arange(0, BLOCK_D)
+    rd_mask = r_mask[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + req[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=rd_mask, other=0.0)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    k_head = k_ptr + h.to(tl.int64) * s_kh
+    v_head = v_ptr + h.to(tl.int64) * s_kh
+    per = tl.cdiv(tl.cdiv(plen, BLOCK_N), P)
+    lo = sp * per * BLOCK_N
+    hi = tl.minimum(plen, (sp + 1) * per * BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        t_mask = t < hi
+        m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr, t, t_mask, t_mask[None, :], d, s_kb, s_kt, scale,
+                                 m_i, l_i, acc, D, BS, PREC)
+    row = (req * H + head) * SROW + S + sp
+    tl.store(m_ptr + row, m_i, mask=r_mask)
+    tl.store(l_ptr + row, l_i, mask=r_mask)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc, mask=rd_mask)

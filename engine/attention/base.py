@@ -30,6 +30,11 @@ class AttentionMetadata:
     block_size: int
     #: leading block ids shared by every decode request (all full, each request has tokens after them)
     num_common_prefix_blocks: int = 0
+    #: device int32 [1]: a shared-prefix length (tokens) that decode rows 0..num_decodes-1 may all read through
+    #: block-table row 0, set by the CUDA-graph path (a graph replays whatever it holds; padding rows read the
+    #: prefix too and are discarded). Backends that read it run cascade decode on it; None: they decide from
+    #: num_common_prefix_blocks
+    cascade_prefix_len: torch.Tensor | None = None
     #: per-step memo for a backend: what it derives from this metadata once and reuses in every layer
     backend_cache: dict = field(default_factory=dict)
 

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
 
+#: shared-prefix length from which decode attention reads the prefix once for the whole batch
+CASCADE_MIN_TOKENS = 64
+
 
 class TorchPagedAttention:
     """Decodes run as one batched attention over gathered pages; prefill chunks run one SDPA each.
@@ -24,9 +27,13 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, cpu_kernels: bool = True):
+    def __init__(self, cpu_kernels: bool = True, cascade_min_tokens: int | None = CASCADE_MIN_TOKENS):
         """cpu_kernels: use the compiled C paged-decode kernel for float32 decode on CPU when it builds
-        (engine/attention/cpu_kernels.py); otherwise decode runs on pure torch."""
+        (engine/attention/cpu_kernels.py); otherwise decode runs on pure torch. cascade_min_tokens: decode
+        batches sharing at least this many leading tokens (the same pages) read them once (`_cascade_decode`);
+        None: never."""
+        self.cascade_min_tokens = cascade_min_tokens
+        self.num_cascade_forwards = 0              # forwards whose decode took the cascade path
         self.decode_kernel = None
         if cpu_kernels:
             from engine.attention.cpu_kernels import load
@@ -70,12 +77,14 @@ class TorchPagedAttention:
         kvh, hd = kv_cache.shape[1], kv_cache.shape[-1]
         heads = q.shape[1]
         common = meta.num_common_prefix_blocks
-        cascade = common * meta.block_size >= CASCADE_MIN_TOKENS
+        least = self.cascade_min_tokens
+        cascade = least is not None and nd > 1 and common * meta.block_size >= max(least, 1)
         if (not cascade and self.decode_kernel is not None and kv_cache.dtype == torch.float32
                 and kv_cache.device.type == "cpu"):
             return self.decode_kernel(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
         if cascade:
+            self.num_cascade_forwards += 1
             o = _cascade_decode(qg, kv_cache, meta, nd, common, scale)
         else:
             memo = meta.backend_cache
@@ -102,10 +111,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         s.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32)
     return torch.matmul(p.to(v.dtype), v)
-
-
-#: shared-prefix length from which decode attention reads the prefix once for the whole batch
-CASCADE_MIN_TOKENS = 64
 
 
 def _length_mask(seq_lens: torch.Tensor, max_len: int, lens: list[int]) -> torch.Tensor | None:

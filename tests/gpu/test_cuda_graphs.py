@@ -35,7 +35,8 @@ def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, 
     path = checkpoints["llama"]
     llm = _llm(path, "float32")
     graphs = llm.engine.runner.decode_graphs
-    assert graphs is not None and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32]
+    assert sorted(graphs.graphs) == [(1, False)] + [(p, c) for p in graphs.sizes[1:] for c in (False, True)]
     prompts = _prompts(11)
     params = [SamplingParams(max_tokens=5 + 3 * i, **GREEDY) for i in range(11)]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -148,3 +149,28 @@ def test_overlapped_logprobs_are_the_in_order_logprobs(checkpoints):
     assert a[2].logprobs is None
     runner = overlapped.engine.runner
     assert runner.num_ahead_used == runner.num_launched_ahead > 10
+
+
+def test_cascade_graphs_replay_for_a_shared_prefix_with_transformers_tokens(checkpoints, hf_reference):
+    """Requests on a cached 96-token prefix replay the cascade graph of their size (the shared length read
+    from a device buffer at replay), in fp32 with transformers' tokens; a batch that shares nothing replays
+    the plain graphs."""
+    from engine import SamplingParams
+
+    path = checkpoints["llama"]
+    llm = _llm(path, "float32")
+    graphs = llm.engine.runner.decode_graphs
+    rng = random.Random(7)
+    prefix = [rng.randrange(10, 700) for _ in range(96)]
+    llm.generate([prefix + [5]], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
+    prompts = [prefix + [rng.randrange(10, 700) for _ in range(rng.randint(1, 20))] for _ in range(11)]
+    params = [SamplingParams(max_tokens=6 + 2 * i, **GREEDY) for i in range(11)]
+    before = graphs.num_cascade_steps
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 6 + 2 * i) for i, p in enumerate(prompts)]
+    assert graphs.num_cascade_steps - before >= 10 and graphs.num_graph_replays == graphs.num_steps
+    cascaded = graphs.num_cascade_steps
+    llm.generate(_prompts(6, seed=8), SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+    assert graphs.num_cascade_steps == cascaded
+    pool = llm.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

@@ -69,3 +69,51 @@ def test_auto_picks_triton_on_cuda_without_flash_attn():
     expected = "flash" if flash_attn_available() else "triton"
     assert select_backend("auto", "cuda", 256).name == expected
     assert select_backend("auto", "cuda", 16).name == "triton"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nd,H,KVH,D", [(32, 32, 8, 64), (5, 14, 2, 64), (128, 32, 8, 64)])
+def test_cascade_decode_matches_torch_backend_on_cuda(nd, H, KVH, D, dtype, tol):
+    """Decodes sharing a 512-token prefix (the same pages) read it once for the batch (decode_prefix): the
+    torch backend's result (which runs its own cascade) within fp32 / bf16 tolerance, and the plain kernels'."""
+    pytest.importorskip("triton", reason="needs the triton package")
+    from engine.attention import build_attention_metadata
+    from engine.attention.torch_paged import TorchPagedAttention, _write_kv
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    dev, bs, plen = torch.device("cuda"), 16, 512
+    g = torch.Generator().manual_seed(1)
+    own = torch.randint(1, 200, (nd,), generator=g).tolist()            # each request's cached suffix
+    computed, sched = [plen + n for n in own] + [100], [1] * nd + [50]  # and a prefill chunk after them
+    shared, nxt, tables = list(range(1, plen // bs + 1)), plen // bs + 1, []
+    for i, (c, n) in enumerate(zip(computed, sched)):
+        extra = -(-(c + n) // bs) - (len(shared) if i < nd else 0)
+        tables.append((shared if i < nd else []) + list(range(nxt, nxt + extra)))
+        nxt += extra
+    pk, pv = torch.randn(plen, KVH, D, generator=g), torch.randn(plen, KVH, D, generator=g)
+    ks, vs = [], []
+    for i, (c, n) in enumerate(zip(computed, sched)):
+        k, v = torch.randn(c + n, KVH, D, generator=g), torch.randn(c + n, KVH, D, generator=g)
+        if i < nd:
+            k[:plen], v[:plen] = pk, pv
+        ks.append(k.to(dev, dtype))
+        vs.append(v.to(dev, dtype))
+    caches = [torch.zeros(TorchPagedAttention.kv_cache_shape(nxt, bs, KVH, D), dtype=dtype, device=dev)
+              for _ in range(3)]
+    pre = build_attention_metadata([0] * len(computed), computed, tables, bs, dev)
+    for cache in caches:
+        _write_kv(torch.cat([x[:c] for x, c in zip(ks, computed)]), torch.cat([x[:c] for x, c in zip(vs, computed)]),
+                  cache, pre.slot_mapping)
+    q = torch.randn(sum(sched), H, D, generator=g).to(dev, dtype)
+    k = torch.cat([x[c:] for x, c in zip(ks, computed)])
+    v = torch.cat([x[c:] for x, c in zip(vs, computed)])
+    meta = lambda: build_attention_metadata(computed, sched, tables, bs, dev)  # noqa: E731
+    assert meta().num_common_prefix_blocks == plen // bs
+    ref = TorchPagedAttention(cpu_kernels=False).forward(q, k, v, caches[0], meta(), D ** -0.5)
+    cascade = TritonPagedAttention()
+    m = meta()
+    out = cascade.forward(q, k, v, caches[1], m, D ** -0.5)
+    assert "cascade_len" in m.backend_cache                                     # it took the cascade path
+    plain = TritonPagedAttention(cascade_min_tokens=None).forward(q, k, v, caches[2], meta(), D ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), plain.float(), rtol=tol, atol=tol)

@@ -81,7 +81,8 @@ def test_backend_selection_and_flash_validation():
 
 
 def test_cascade_decode_matches_plain_decode():
-    """Decodes sharing prefix blocks: the prefix-once path equals the gather-everything path."""
+    """Decodes sharing prefix blocks: the prefix-once path equals the gather-everything path (the switch off, or
+    a threshold above the shared length)."""
     import engine.attention.torch_paged as tp
     g = torch.Generator().manual_seed(1)
     H, KVH, D, bs = 8, 2, 16, 4
@@ -95,14 +96,19 @@ def test_cascade_decode_matches_plain_decode():
     q = torch.randn(3, H, D, generator=g)
     k = torch.randn(3, KVH, D, generator=g)
     v = torch.randn(3, KVH, D, generator=g)
-    out_cascade = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
-    old = tp.CASCADE_MIN_TOKENS
-    tp.CASCADE_MIN_TOKENS = 10**9
+    cascades = []
+    real = tp._cascade_decode
+    tp._cascade_decode = lambda *a: (cascades.append(1), real(*a))[1]
     try:
-        out_plain = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
+        out_cascade = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
+        assert cascades == [1]
+        for least in (None, 69):
+            backend.cascade_min_tokens = least
+            out_plain = backend.forward(q, k, v, cache.clone(), meta, D ** -0.5)
+            torch.testing.assert_close(out_cascade, out_plain, rtol=1e-5, atol=1e-5)
     finally:
-        tp.CASCADE_MIN_TOKENS = old
-    torch.testing.assert_close(out_cascade, out_plain, rtol=1e-5, atol=1e-5)
+        tp._cascade_decode = real
+    assert cascades == [1]
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [

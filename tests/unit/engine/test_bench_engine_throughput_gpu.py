@@ -14,16 +14,29 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_the_gpu_benchmark_runs_on_cpu_tiny_and_writes_its_rows(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_the_gpu_benchmark_runs_on_cpu_tiny_and_writes_its_rows(tmp_path, backend):
+    """The shared-prefix case also runs without cascade decode; the rows say whether a step actually ran in
+    cascade, and the cascade row's floor counts the prefix once. With the triton backend (interpreted here)
+    only that case runs (--case)."""
+    only = []
+    if backend == "triton":
+        pytest.importorskip("triton", reason="needs the triton package")
+        only = ["--case", "shared"]
     out = tmp_path / "gpu.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
-                        "--tiny", "--reps", "1", "--dtype", "float32", "--json", str(out)],
-                       capture_output=True, text=True, timeout=240)
+                        "--tiny", "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out),
+                        *only], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["device"] == "cpu" and doc["backend"] == "torch" and doc["copy_bandwidth_gb_s"] > 0
-    assert [row["case"] for row in doc["rows"]] == ["batch 1, 32 -> 8", "batch 4, 32 -> 8",
-                                                    "4 x (32 shared + 8) -> 8"]
+    assert doc["device"] == "cpu" and doc["backend"] == backend and doc["copy_bandwidth_gb_s"] > 0
+    cases = ["batch 1, 32 -> 8", "batch 4, 32 -> 8", "4 x (64 shared + 8) -> 8",
+             "4 x (64 shared + 8) -> 8, no cascade"]
+    assert [row["case"] for row in doc["rows"]] == (cases[2:] if only else cases)
+    assert doc["cascade_min_tokens"] == 64
+    shared, plain = doc["rows"][-2:]
+    assert shared["cascade"] and not plain["cascade"] and shared["floor_ms"] < plain["floor_ms"]
+    assert not any(row["cascade"] for row in doc["rows"][:-2])              # nothing shared there
     for row in doc["rows"]:
         assert row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0 and row["decode_step_ms"] > 0
         # the ratio is computed before rounding; the tiny model's floor is ~0.03 ms, so 3 decimals cost a few %

@@ -266,3 +266,61 @@ def test_arrivals_aborts_and_preemption_between_overlapped_steps(checkpoints, hf
     assert eng.runner.num_ahead_used > 0
     assert eng.runner.num_launched_ahead > eng.runner.num_ahead_used    # the arrivals and the abort
     assert _free(llm)
+
+
+# ---------------------------------------------------------------- cascade graphs (a prefix the batch shares)
+def test_shared_prefix_counts_whole_blocks_every_request_has_before_its_token():
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    graphs = DecodeGraphs(None, [], SimpleNamespace(cascade_min_tokens=16, device_cascade_len=True), [1, 2, 4], 8, 8,
+                          torch.device("cpu"), capture=False)
+    stale = 99                                         # packed-table columns past a row's own blocks
+    tables = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 7, stale], [1, 2, 3, 4, 9]])
+    blocks = [[1, 2, 3, 4, 5], [1, 2, 3, 7], [1, 2, 3, 4, 9]]
+    assert graphs._shared_prefix(tables, blocks, np.array([35, 30, 36])) == 24       # 3 blocks in common
+    assert graphs._shared_prefix(tables, blocks, np.array([35, 23, 36])) == 16       # one is at token 23
+    assert graphs._shared_prefix(tables, blocks, np.array([35, 15, 36])) == 0        # 8 < cascade_min_tokens
+    assert graphs._shared_prefix(tables[:1], blocks[:1], np.array([35])) == 0        # a batch of one
+    tables[1, 0] = 6
+    assert graphs._shared_prefix(tables, blocks, np.array([35, 30, 36])) == 0
+    both = (tables[[0, 2]], [blocks[0], blocks[2]], np.array([35, 36]))
+    assert graphs._shared_prefix(*both) == 32
+    graphs.backend.device_cascade_len = False          # a backend that cannot read the length from the device
+    assert graphs._shared_prefix(*both) == 0
+    graphs.backend.device_cascade_len, graphs.backend.cascade_min_tokens = True, None      # switched off
+    assert graphs._shared_prefix(*both) == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_padded_decode_in_cascade_matches_transformers(monkeypatch, checkpoints, hf_reference, overlap):
+    """Five requests on a cached 40-token prefix, padded to 8 (the padding rows read the prefix too): the
+    step's shared length reaches the kernels through the device buffer a graph would replay with, in order
+    and launched ahead (run_next keeps it), and the tokens are transformers'."""
+    pytest.importorskip("triton", reason="needs the triton package")
+    from engine.attention import triton_paged
+
+    path = checkpoints["llama"]
+    llm = LLM(path, attention_backend="triton", cache={"num_blocks": 64, "block_size": 8})
+    llm.engine.runner.backend.cascade_min_tokens = 16
+    graphs = _overlapped(llm, [1, 2, 4, 8]) if overlap else _padded(llm, [1, 2, 4, 8])
+    rng = random.Random(51)
+    prefix = [rng.randrange(10, 700) for _ in range(40)]
+    llm.generate([prefix + [5]], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
+    prompts = [prefix + [rng.randrange(10, 700) for _ in range(rng.randint(1, 12))] for _ in range(5)]
+    seen = []
+    forward = triton_paged.TritonPagedAttention.forward
+    monkeypatch.setattr(triton_paged.TritonPagedAttention, "forward",
+                        lambda self, q, k, v, cache, meta, scale: (
+                            seen.append(None if meta.cascade_prefix_len is None else int(meta.cascade_prefix_len)),
+                            forward(self, q, k, v, cache, meta, scale))[1])
+    lens = [6, 9, 4, 12, 7]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lens], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, n) for p, n in zip(prompts, lens)]
+    assert graphs.num_cascade_steps >= 3 and 40 in seen      # 5 blocks shared: every real row's first 40 keys
+    assert set(seen) <= {None, 40}
+    if overlap:                                              # steps launched ahead (run_next) kept the length
+        assert llm.engine.runner.num_ahead_used >= 3
+    assert _free(llm)

@@ -194,12 +194,20 @@ def test_n_samples_and_text_prompts_and_chat(checkpoints):
     assert chat.prompt_token_ids == list(expected)
 
 
-def test_concurrent_shared_prefix_decode_matches(checkpoints, hf_reference):
-    """Several requests decoding together over a long shared prefix (the cascade attention path)."""
+@pytest.mark.parametrize("least", [64, None], ids=["cascade", "cascade_min_tokens-null"])
+def test_concurrent_shared_prefix_decode_matches(monkeypatch, checkpoints, hf_reference, least):
+    """Several requests decoding together over a long shared prefix: the cascade attention path, and with
+    `cascade_min_tokens: null` the plain one; transformers' tokens either way."""
+    import engine.attention.torch_paged as tp
+    calls = []
+    real = tp._cascade_decode
+    monkeypatch.setattr(tp, "_cascade_decode", lambda *a: (calls.append(1), real(*a))[1])
     path = checkpoints["qwen2"]
     prefix = _prompts(1, lo=80, hi=80, seed=11)[0]
     prompts = [prefix + tail for tail in ([5], [6, 7], [8, 9, 10], [11, 12, 13, 14])]
-    llm = _engine(path)
+    llm = _engine(path, cascade_min_tokens=least)
+    assert llm.engine.runner.backend.cascade_min_tokens == least
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 10) for p in prompts]
     assert sum(o.num_cached_tokens for o in outs) >= 3 * 80 - 3 * 8
+    assert (len(calls) >= 9 * len(llm.engine.runner.kv_caches)) == (least is not None)

@@ -151,3 +151,117 @@ def test_engine_on_triton_through_preemption(checkpoints, hf_reference):
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 16) for p in prompts]
     pool = llm.engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+# ---------------------------------------------------------------- cascade decode (a prefix shared by the batch)
+def _launches(monkeypatch):
+    """The names of the Triton kernels launched from here on, in order."""
+    from engine.attention import triton_paged
+
+    kernels, calls = triton_paged._kernels(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            kernel = getattr(kernels, name)
+
+            class Launcher:
+                def __getitem__(self, grid):
+                    def launch(*args, **kwargs):
+                        calls.append(name)
+                        return kernel[grid](*args, **kwargs)
+                    return launch
+            return Launcher()
+    monkeypatch.setattr(triton_paged, "_kernels", lambda: Spy())
+    return calls
+
+
+def _shared_prefix_batch(H, KVH, D, bs, prefix_blocks, suffix_computed, prefills, seed=0):
+    """Decodes whose block tables start with the same `prefix_blocks` pages (one copy of the prefix's K/V in
+    the cache), each with `suffix_computed[i]` more cached tokens of its own, then prefill chunks
+    (computed, scheduled). Two caches with the same contents; q/k/v of the step; the metadata inputs."""
+    g = torch.Generator().manual_seed(seed)
+    nd, plen = len(suffix_computed), prefix_blocks * bs
+    computed = [plen + c for c in suffix_computed] + [c for c, _ in prefills]
+    sched = [1] * nd + [n for _, n in prefills]
+    shared, nxt, tables = list(range(1, prefix_blocks + 1)), prefix_blocks + 1, []
+    for i, (c, n) in enumerate(zip(computed, sched)):
+        own = -(-(c + n) // bs) - (prefix_blocks if i < nd else 0)
+        tables.append((shared if i < nd else []) + list(range(nxt, nxt + own)))
+        nxt += own
+    pk, pv = torch.randn(plen, KVH, D, generator=g), torch.randn(plen, KVH, D, generator=g)
+    full = []
+    for i, (c, n) in enumerate(zip(computed, sched)):
+        k, v = torch.randn(c + n, KVH, D, generator=g), torch.randn(c + n, KVH, D, generator=g)
+        if i < nd:
+            k[:plen], v[:plen] = pk, pv
+        full.append((k, v))
+    caches = [torch.zeros(TorchPagedAttention.kv_cache_shape(nxt, bs, KVH, D)) for _ in range(2)]
+    ctx = [i for i, c in enumerate(computed) if c]
+    pre = build_attention_metadata([0] * len(ctx), [computed[i] for i in ctx], [tables[i] for i in ctx], bs)
+    for cache in caches:
+        _write_kv(torch.cat([full[i][0][:computed[i]] for i in ctx]),
+                  torch.cat([full[i][1][:computed[i]] for i in ctx]), cache, pre.slot_mapping)
+    q = torch.randn(sum(sched), H, D, generator=g)
+    k = torch.cat([kv[0][c:] for kv, c in zip(full, computed)])
+    v = torch.cat([kv[1][c:] for kv, c in zip(full, computed)])
+    return caches, (computed, sched, tables, bs), q, k, v
+
+
+@pytest.mark.parametrize("H,KVH,D,bs,prefix_blocks,suffix,prefills", [
+    (8, 2, 64, 16, 5, [3, 17, 40, 0], [(0, 20)]),           # GQA 4, a suffix of one key, a prefill after
+    (6, 6, 80, 4, 20, [1, 2, 3], []),                       # MHA, d 80, 80 prefix tokens over tile edges
+    (14, 2, 64, 16, 9, [5] * 9, [(7, 30)]),                 # GQA 7: 63 prefix rows in one program
+    (4, 1, 32, 16, 4, [70, 0], []),                         # MQA, a suffix longer than the prefix
+    (14, 2, 32, 12, 6, list(range(20)), []),                # 140 rows: three row tiles; block size 12
+], ids=["gqa4", "mha-d80-bs4", "gqa7", "mqa", "gqa7-3-tiles"])
+def test_cascade_decode_matches_the_torch_backend(monkeypatch, H, KVH, D, bs, prefix_blocks, suffix, prefills):
+    """Decodes that share their first pages read them once for the batch (decode_prefix), their own keys in
+    decode_split from the prefix's end, and one merge over both: the torch backend's result in float32."""
+    caches, inputs, q, k, v = _shared_prefix_batch(H, KVH, D, bs, prefix_blocks, suffix, prefills)
+    ref = TorchPagedAttention(cpu_kernels=False, cascade_min_tokens=None).forward(     # reads every key itself
+        q, k, v, caches[0], build_attention_metadata(*inputs), D ** -0.5)
+    backend = select_backend("triton", "cpu", bs)
+    backend.cascade_min_tokens = 16
+    meta = build_attention_metadata(*inputs)
+    assert meta.num_common_prefix_blocks == prefix_blocks
+    calls = _launches(monkeypatch)
+    out = backend.forward(q, k, v, caches[1], meta, D ** -0.5)
+    assert calls.count("decode_prefix") == 1 and calls.count("decode_split") == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_needs_cascade_min_tokens_of_shared_pages(monkeypatch):
+    """A shorter shared prefix, a single decode, or the switch off (None): the plain decode kernels."""
+    backend = select_backend("triton", "cpu", 16)
+    calls = _launches(monkeypatch)
+    for least, suffix in ((80, [3, 9]), (16, [3]), (None, [3, 9])):       # 64 tokens shared
+        backend.cascade_min_tokens = least
+        caches, inputs, q, k, v = _shared_prefix_batch(4, 2, 32, 16, 4, suffix, [])
+        ref = TorchPagedAttention(cpu_kernels=False, cascade_min_tokens=None).forward(
+            q, k, v, caches[0], build_attention_metadata(*inputs), 0.2)
+        torch.testing.assert_close(backend.forward(q, k, v, caches[1], build_attention_metadata(*inputs), 0.2), ref,
+                                   rtol=1e-5, atol=1e-5)
+    assert "decode_prefix" not in calls and len(calls) > 3
+    backend.cascade_min_tokens = 64
+    backend.forward(q, k, v, caches[1], build_attention_metadata(*inputs), 0.2)
+    assert calls[-2] == "decode_prefix"                                  # exactly at the threshold: cascade
+
+
+def test_engine_on_triton_with_cascade_decode_matches_transformers(monkeypatch, checkpoints, hf_reference):
+    """Requests that hit a cached 40-token prefix decode together in cascade (eager steps): transformers'
+    tokens, and every block back in the pool."""
+    from engine import LLM, SamplingParams
+
+    path = checkpoints["llama"]
+    llm = LLM(path, attention_backend="triton", cache={"num_blocks": 64, "block_size": 8})
+    llm.engine.runner.backend.cascade_min_tokens = 16
+    prefix = _prompts(1, 40, 40, seed=21)[0]
+    llm.generate([prefix + [5]], SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)    # caches the prefix
+    prompts = [prefix + tail for tail in _prompts(4, 1, 12, seed=22)]
+    calls = _launches(monkeypatch)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=5 + 2 * i, **GREEDY) for i in range(4)],
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 5 + 2 * i) for i, p in enumerate(prompts)]
+    assert calls.count("decode_prefix") >= 4 * len(llm.engine.runner.kv_caches)      # 4+ steps in cascade
+    pool = llm.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
