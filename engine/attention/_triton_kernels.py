@@ -1,6 +1,7 @@
 """The Triton kernels of engine/attention/triton_paged.py (see its docstring). A module of its own, imported
 on first use: Triton picks compiler or interpreter (TRITON_INTERPRET) when it decorates, and a kernel finds
-the jitted helpers it calls among its module's globals."""
+the jitted helpers it calls among its module's globals. Split and slot counts are run-time arguments, not
+constexpr: they vary with the batch size, and each constexpr value is a kernel compiled on first use."""
 import triton
 import triton.language as tl
 
@@ -103,7 +104,7 @@ def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, s_kt, s_kh, s_vt, s_vh, s_
 
 @triton.jit
 def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_ptr, first_key_ptr, s_qt, s_qh,
-                 s_kh, s_kb, s_kt, s_bt, scale, H: tl.constexpr, S: tl.constexpr, SROW: tl.constexpr,
+                 s_kh, s_kb, s_kt, s_bt, scale, H: tl.constexpr, S, SROW,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
                  BLOCK_N: tl.constexpr, PREC: tl.constexpr, SKIP_PREFIX: tl.constexpr):
     """Split-K decode (flash-decoding): program (request, KV head, split) runs the online softmax over its
@@ -144,7 +145,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_pt
 
 
 @triton.jit
-def decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ot, s_oh, H: tl.constexpr, S: tl.constexpr,
+def decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ot, s_oh, H: tl.constexpr, S,
                  BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (request, query head): the splits' partials rescaled to their common max and summed."""
     r = tl.program_id(0)
@@ -164,7 +165,7 @@ def decode_merge(m_ptr, l_ptr, acc_ptr, o_ptr, s_ot, s_oh, H: tl.constexpr, S: t
 
 @triton.jit
 def decode_prefix(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, prefix_len_ptr, n_rows, s_qt, s_qh, s_kh, s_kb,
-                  s_kt, scale, H: tl.constexpr, S: tl.constexpr, P: tl.constexpr, SROW: tl.constexpr,
+                  s_kt, scale, H: tl.constexpr, S, P, SROW,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr, PREC: tl.constexpr):
     """Cascade decode, the shared part: the first *prefix_len_ptr keys, the same pages for every request (block
