@@ -11,7 +11,7 @@ REPLICAS ?= 2
 PYTEST_ARGS ?=
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu profile-gpu clean
+.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu profile-gpu gpu-report clean
 
 venv: $(VENV)/.installed
 
@@ -85,6 +85,18 @@ bench-gpu: gpu-site
 
 profile-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_decode_profile.py --kernels
+
+# All three in one go, each one's output (and gpu-bench.json) kept in $(GPU_REPORT): one call on a lent machine,
+# e.g. `make gpu-report GPU_REPORT=$$OUT`. A failing step does not stop the next; the exit code says if any failed.
+GPU_REPORT ?= gpu-report
+gpu-report: gpu-site
+	mkdir -p $(GPU_REPORT); rc=0; \
+	nvidia-smi > $(GPU_REPORT)/nvidia-smi.txt 2>&1; \
+	for t in test-gpu bench-gpu profile-gpu; do \
+		echo "== $$t"; PYTHONUNBUFFERED=1 $(MAKE) --no-print-directory $$t > $(GPU_REPORT)/$$t.log 2>&1 || rc=1; \
+		tail -n 30 $(GPU_REPORT)/$$t.log; done; \
+	cp gpu-bench.json $(GPU_REPORT)/ 2>/dev/null; \
+	exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
