@@ -149,6 +149,9 @@ def main() -> None:
     from engine import LLM
     from engine.demo import write_demo_model
 
+    names = [c[0] for c in cases(args.tiny)]
+    if args.case and not any(t in n for n in names for t in args.case):
+        sys.exit(f"--case {' / '.join(args.case)} matches none of the cases: {names}")
     cfg = TINY if args.tiny else LLAMA_1B
     dt = getattr(torch, args.dtype)
     say = lambda msg: print(f"[engine_throughput_gpu] {msg}", flush=True)  # noqa: E731

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.base import common_prefix_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +175,10 @@ class DecodeGraphs:
         if least is None or b < 2 or not getattr(self.backend, "device_cascade_len", False):
             return 0
         bs = self.block_size
-        width = int(computed.min()) // bs          # full blocks before every request's token (all its own)
-        if width * bs < least or (tables[1:b, 0] != tables[0, 0]).any():
+        if int(computed.min()) < least:            # cheap exit: not that many tokens before someone's current one
             return 0
-        same = (tables[:b, :width] == tables[0, :width]).all(0)
-        common = width if same.all() else int(same.argmin())
-        return common * bs if common * bs >= least else 0
+        tokens = common_prefix_blocks(tables, computed + 1, bs) * bs
+        return tokens if tokens >= least else 0
 
     def _forward(self, b: int, p: int, width: int, seq_lens_list: list[int]) -> torch.Tensor:
         self.num_steps += 1

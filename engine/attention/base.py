@@ -39,6 +39,20 @@ class AttentionMetadata:
     backend_cache: dict = field(default_factory=dict)
 
 
+def common_prefix_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """How many leading blocks the first len(seq_lens) rows of `tables` all hold, counting only whole blocks
+    before each row's last token (`seq_lens`: each row's tokens after this step, so every row keeps at least
+    one key of its own). Columns at or past a row's last token are not read: they may be padding or stale."""
+    n = len(seq_lens)
+    if n < 2:
+        return 0
+    width = int(seq_lens.min() - 1) // block_size
+    if width <= 0 or (tables[1:n, 0] != tables[0, 0]).any():
+        return 0
+    same = (tables[:n, :width] == tables[0, :width]).all(0)
+    return width if same.all() else int(same.argmin())
+
+
 def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], block_tables: list[list[int]],
                              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
     """Flat attention inputs for requests already ordered decodes-first.
@@ -65,11 +79,7 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
     num_decodes = 0
     while num_decodes < n and num_scheduled[num_decodes] == 1:
         num_decodes += 1
-    common = 0
-    if num_decodes > 1:
-        same = (table[:num_decodes] == table[0]).all(axis=0)
-        common = int(same.argmin()) if not same.all() else max_blocks
-        common = min(common, int(seq_lens[:num_decodes].min() - 1) // block_size)
+    common = common_prefix_blocks(table, seq_lens[:num_decodes], block_size)
     dev = torch.device(device)
     return AttentionMetadata(
         num_tokens=total,

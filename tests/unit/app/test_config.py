@@ -74,3 +74,17 @@ def test_errors_are_one_line_per_problem_naming_the_dotted_key(tmp_path):
         AppConfig.from_yaml(p)
     with pytest.raises(ConfigError, match="cannot read the file"):
         AppConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_cascade_min_tokens_takes_a_positive_count_or_null(tmp_path):
+    p = tmp_path / "c.yaml"
+    for bad, why in (("0", "greater than or equal to 1 (got 0)"), ("many", "valid integer")):
+        p.write_text(f"engine:\n  cascade_min_tokens: {bad}\n")
+        with pytest.raises(ConfigError) as ei:
+            AppConfig.from_yaml(p)
+        assert len(ei.value.problems) == 1 and ei.value.problems[0].startswith("engine.cascade_min_tokens: ")
+        assert why in ei.value.problems[0]
+    p.write_text("engine:\n  cascade_min_tokens: null\n")
+    assert AppConfig.from_yaml(p).engine.cascade_min_tokens is None
+    p.write_text("engine:\n  cascade_min_tokens: 128\n")
+    assert AppConfig.from_yaml(p).engine.cascade_min_tokens == 128

@@ -55,3 +55,9 @@ def test_floor_bytes_reads_each_weight_once_and_every_sequences_kv():
     cfg = dict(hidden_size=4, num_heads=2, num_kv_heads=1, num_layers=3)
     # 40 parameters + contexts 5 + 7 tokens x 3 layers x (K, V) x 1 KV head x head dim 2, at 2 bytes each
     assert floor_bytes(model, cfg, [5, 7], 2) == (40 + 12 * 3 * 2 * 1 * 2) * 2
+
+
+def test_a_case_filter_that_matches_nothing_is_an_error():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
+                        "--tiny", "--case", "batch 7"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "--case batch 7 matches none of the cases" in r.stderr
