@@ -84,7 +84,7 @@ bench-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
 
 profile-gpu: gpu-site
-	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_decode_profile.py --kernels
+	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_decode_profile.py --kernels --sweep
 
 # All three in one go, each one's output (and gpu-bench.json) kept in $(GPU_REPORT): one call on a lent machine,
 # e.g. `make gpu-report GPU_REPORT=$$OUT`. A failing step does not stop the next; the exit code says if any failed.
