@@ -116,6 +116,13 @@ def main() -> None:
           flush=True)
 
 
+def _forced_prefix_splits(p: int, real):
+    """`triton_paged.prefix_splits` with the split count fixed at p (the row tile as the real one picks it)."""
+    def splits(device, rows, num_kv_heads, max_splits=16):
+        return p, real(device, rows, num_kv_heads, max_splits)[1]
+    return splits
+
+
 def attention_sweep(device: torch.device, batches=(32, 128), prefixes=(512, 2048), tail: int = 32,
                     splits=(1, 2, 4, 8, 16), heads: int = 32, kv_heads: int = 8, head_dim: int = 64,
                     dtype=torch.bfloat16, iters: int = 200) -> list[dict]:
@@ -180,10 +187,11 @@ def attention_sweep(device: torch.device, batches=(32, 128), prefixes=(512, 2048
                                                                                head_dim ** -0.5).float()
                 row = {"batch": batch, "prefix": prefix, "plain_us": plain, "cascade_us": {}}
                 for p in splits:
-                    tp.prefix_splits = (lambda p_: lambda dev, r, kvh, max_splits=16:
-                                        (p_, real_prefix_splits(dev, r, kvh, max_splits)[1]))(p)
+                    tp.prefix_splits = _forced_prefix_splits(p, real_prefix_splits)
                     backend = tp.TritonPagedAttention(cascade_min_tokens=16)
                     out = backend.forward(q, k, v, cache.clone(), meta, head_dim ** -0.5).float()
+                    if not backend.num_cascade_forwards:
+                        raise RuntimeError(f"batch {batch}, prefix {prefix}: the cascade path did not run")
                     err = (out - ref).abs().max().item()
                     row["cascade_us"][p] = timed(backend)
                     row.setdefault("max_abs_diff", {})[p] = err
