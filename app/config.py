@@ -32,20 +32,20 @@ class AppEngineConfig(EngineConfig):
 
 
 class ServeSection(_Strict):
-    app_name: str = "affinity"
-    route_prefix: str = "/"
+    app_name: str = Field("affinity", description="the Serve application name (serve.get_app_handle)")
+    route_prefix: str = Field("/", description="HTTP path prefix of the app")
     host: str = Field("127.0.0.1", description="bind address; use 0.0.0.0 only deliberately")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     model_name: str | None = Field(None, description="name clients send as `model` (default: dir name)")
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="model replicas when autoscaling is off")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPU share per CPU replica")
     replica_num_gpus: float = Field(0.0, ge=0, description="1 for GPU replicas")
     replica_resources: dict[str, PositiveFloat] = Field(
         {}, description="custom Ray resources each model replica requests, e.g. {llm_replica_slot: 1}")
     max_replicas_per_node: int | None = Field(None, ge=1, description="spread: at most this many model replicas "
                                               "per node (null: no limit)")
-    ingress_num_cpus: float = Field(0.0, ge=0)
-    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.0, ge=0, description="CPU share per ingress replica")
+    ingress_replicas: int = Field(1, ge=1, description="ingress replicas (each runs its own router)")
     ingress_resources: dict[str, PositiveFloat] = Field(
         {}, description="custom Ray resources the ingress requests, e.g. {cpu_node: 0.001} to keep it on CPU nodes")
     proxy_location: Literal["HeadOnly", "EveryNode"] = Field(
@@ -53,15 +53,16 @@ class ServeSection(_Strict):
     max_ongoing_requests: int = Field(64, ge=1, description="per replica")
     max_queued_requests: int = Field(256, ge=-1, description="per caller; beyond it requests get 429")
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of 429 and 503 responses")
-    graceful_shutdown_timeout_s: float = Field(20.0, ge=0)
-    health_check_period_s: float = Field(5.0, gt=0)
-    health_check_timeout_s: float = Field(10.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="a stopping replica finishes its "
+                                               "requests for up to this long")
+    health_check_period_s: float = Field(5.0, gt=0, description="how often Serve checks each replica")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="a health check slower than this fails")
     wedge_timeout_s: float = Field(30.0, gt=0, description="running requests but no step for this long = unhealthy")
     first_token_timeout_s: float = Field(60.0, gt=0, description="503 when no replica produced anything by then")
     cold_start_timeout_s: float = Field(30.0, gt=0, description="a request arriving while no model replica runs "
                                         "(scaled to zero, or all starting) waits this long for one, then 503")
     api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes")
-    max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
+    max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod
@@ -80,8 +81,10 @@ class RoutingSection(_Strict):
     """Which replica serves a request (app/routing; README "Routing")."""
 
     policy: RoutingPolicyName = Field("prefix_affinity", description="prefix_affinity | power_of_two | round_robin")
-    request_routing_stats_period_s: float = Field(1.0, gt=0)
-    request_routing_stats_timeout_s: float = Field(5.0, gt=0)
+    request_routing_stats_period_s: float = Field(1.0, gt=0, description="how often Serve polls each "
+                                                  "replica's stats for the routers")
+    request_routing_stats_timeout_s: float = Field(5.0, gt=0, description="a stats poll slower than this "
+                                                   "is dropped")
     kv_events_period_s: float = Field(0.25, gt=0, description="how often each router pulls every replica's KV "
                                       "events (about 0.5 at 128 replicas)")
     kv_events_timeout_s: float = Field(1.0, gt=0, description="a replica slower than this is skipped for a period")
@@ -94,12 +97,12 @@ class RoutingSection(_Strict):
 class AutoscalingSection(_Strict):
     """How many model replicas run (autoscale/; README "Autoscaling")."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="false: serve.num_replicas, fixed")
     policy: Literal["engine", "requests"] = Field(
         "engine", description="engine: autoscale/policy.py on the engines' signals; requests: Serve's default "
         "(replicas = ongoing requests / target_ongoing_requests)")
     min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
-    max_replicas: int = Field(2, ge=1)
+    max_replicas: int = Field(2, ge=1, description="the most model replicas the autoscaler starts")
     upscale_delay_s: float = Field(2.0, ge=0, description="an up condition must hold this long")
     downscale_delay_s: float = Field(30.0, ge=0, description="a down condition must hold this long")
     downscale_to_zero_delay_s: float = Field(60.0, ge=0, description="idle this long before 1 -> 0")
@@ -147,10 +150,12 @@ class AutoscalingSection(_Strict):
 
 
 class ObservabilitySection(_Strict):
-    service_name: str = "affinity-serve"
-    traces: Literal["none", "memory", "console", "otlp"] = "memory"
+    service_name: str = Field("affinity-serve", description="OpenTelemetry service name")
+    traces: Literal["none", "memory", "console", "otlp"] = Field(
+        "memory", description="where spans go: none, kept in memory, printed, or sent over OTLP")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces and metrics")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level of the app's "
+                                                                    "JSON log lines")
     max_spans_kept: int = Field(2000, ge=0, description="in-memory spans kept for /debug inspection")
 
 

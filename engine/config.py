@@ -18,8 +18,9 @@ class CacheConfig(_Strict):
     memory_budget_bytes: int | None = Field(
         None, ge=1, description="size the pool from this many bytes when num_blocks is unset "
                                 "(unset too: 80% of free GPU memory, or 512 MiB on CPU)")
-    enable_prefix_caching: bool = True
-    enable_kv_cache_events: bool = False
+    enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of identical prompt prefixes")
+    enable_kv_cache_events: bool = Field(
+        False, description="record block stored/removed events (serving replicas always do)")
     kv_event_buffer_blocks: int = Field(
         100_000, ge=1, description="the async engine keeps its latest KV events for pulling routers up to this "
                                    "many block hashes (about 200 bytes each); a router further behind resyncs "
@@ -36,8 +37,9 @@ class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(128, ge=1, description="max running requests")
     long_prefill_token_threshold: int | None = Field(
         None, ge=1, description="cap one request's prefill chunk per step (None = no cap)")
-    enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = Field(True, description="split long prefills over several steps")
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs | priority (lower `priority` first; preempts the worst)")
 
 
 class KVConnectorConfig(_Strict):
@@ -73,7 +75,8 @@ class PaceConfig(_Strict):
     scaling and routing experiments on CPU machines with replicas that each add capacity like one GPU each;
     off by default, and a step that computes slower than the model is not sped up."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="pace steps to the modelled device (testing only; it only slows "
+                                             "a replica down)")
     step_base_s: float = Field(0.0, ge=0, description="fixed cost of every step (weights read once)")
     prefill_per_token_s: float = Field(0.0, ge=0, description="per prompt token computed in the step")
     decode_per_context_token_s: float = Field(0.0, ge=0, description="per context token of each decoding sequence")
@@ -90,16 +93,19 @@ class EngineConfig(_Strict):
     """Everything one engine (one replica) needs."""
 
     model: str = Field(..., description="local Hugging Face checkpoint directory")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton", "flash"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on GPU")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    attention_backend: Literal["auto", "torch", "triton", "flash"] = Field(
+        "auto", description="auto: flash (CUDA + flash-attn + block_size a multiple of 256), else triton on "
+                            "CUDA, else torch")
     linear_backend: Literal["auto", "torch", "onednn", "hybrid"] = Field(
         "auto", description="CPU GEMMs: 'onednn' prepacks weights once (faster decode at 3+ rows), 'hybrid' also "
                             "keeps the plain weights for 1-2 row steps (faster batch-1 decode, twice the Linear "
                             "weights' memory), 'torch' uses F.linear; auto picks hybrid for float32 on CPU when "
                             "the torch build has oneDNN and the plain copy costs <= 1 GiB, else onednn")
     max_model_len: int | None = Field(None, ge=2, description="defaults to the model's max positions")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the sampler for requests that bring no `seed` of their own")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
     enforce_eager: bool = Field(
         False, description="CUDA: run every step eagerly; by default decode-only steps replay CUDA graphs "
