@@ -63,6 +63,8 @@ class ServeSection(_Strict):
                                         "(scaled to zero, or all starting) waits this long for one, then 503")
     api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes")
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
+    # Limits on hostile or unlucky traffic (docs/limits.md)
+    max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod

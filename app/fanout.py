@@ -4,6 +4,7 @@ sequences accumulated, best_of selection, and what the request's telemetry needs
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -89,11 +90,14 @@ async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
             yield c.index, c
         return
     queue: asyncio.Queue = asyncio.Queue()
+    unfinished: dict[int, Any] = {}
 
     async def pump(i: int, req: GenerateRequest) -> None:
         try:
-            async for c in _with_first_timeout(handle.generate.remote(req), wait):
+            gen = unfinished[i] = own_serve_call(lambda: handle.generate.remote(req))
+            async for c in _with_first_timeout(gen, wait):
                 await queue.put((i * req.params.n + c.index, c))
+            del unfinished[i]
             await queue.put((i, None))
         except BaseException as e:   # noqa: BLE001 - delivered to the consumer
             await queue.put((i, e))
@@ -112,6 +116,33 @@ async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
     finally:
         for t in tasks:
             t.cancel()
+        # Each call has its own Serve id (own_serve_call), so Serve's cascade on the parent request's
+        # cancellation would miss those still waiting for a replica: cancel the unfinished ones here.
+        for gen in list(unfinished.values()):
+            gen.cancel()
+
+
+def own_serve_call(call: Callable[[], Any]) -> Any:
+    """`call()` (a handle call) made under its own Serve internal request id.
+
+    A handle call made inside a Serve request inherits that request's internal id, and Ray 2.60's router
+    indexes the calls waiting for a replica by it: of several concurrent calls sharing one id, only one is
+    ever assigned and the rest wait until they time out (batched prompts hung the fleet, issue 33). Outside
+    Serve (no request context) the call is made as it is: Serve then draws a fresh id itself.
+    """
+    try:
+        from ray.serve import context as serve_context
+    except ImportError:                 # no Ray here (unit tests with local handles)
+        return call()
+    current = serve_context._serve_request_context.get()      # noqa: SLF001 - no public way to set it
+    if current is None or not current._internal_request_id:  # noqa: SLF001
+        return call()
+    own = replace(current, _internal_request_id=uuid.uuid4().hex)
+
+    def in_own_context() -> Any:
+        serve_context._serve_request_context.set(own)         # noqa: SLF001
+        return call()
+    return contextvars.copy_context().run(in_own_context)
 
 
 async def _with_first_timeout(gen: Any, wait: ReplicaWait) -> AsyncIterator[ReplicaChunk]:

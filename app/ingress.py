@@ -61,7 +61,8 @@ class Ingress:
             replica, model_name=self.model_name, tokenizer=None if token_ids_only else load_tokenizer(model_dir),
             first_output_timeout_s=self.cfg.serve.first_token_timeout_s,
             cold_start_timeout_s=self.cfg.serve.cold_start_timeout_s,
-            observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics)
+            observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
+            max_prompts_per_request=self.cfg.serve.max_prompts_per_request)
 
     # ================================================================== HTTP routes
     @fastapi_app.post("/v1/completions")

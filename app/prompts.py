@@ -52,10 +52,12 @@ class PreparedRequest:
 
 
 def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest, request_id: str, *,
-                    model_name: str, limits: EngineLimits, tokenizer: Any | None) -> PreparedRequest:
+                    model_name: str, limits: EngineLimits, tokenizer: Any | None,
+                    max_prompts: int | None = None) -> PreparedRequest:
     """Raise APIError or InvalidRequestError (-> 400/404) for anything the engine would refuse.
 
-    `tokenizer` is None in token-ids-only mode: only token-id prompts are accepted then.
+    `tokenizer` is None in token-ids-only mode: only token-id prompts are accepted then. `max_prompts`
+    (serve.max_prompts_per_request) bounds a completion's prompts, checked before any is tokenized.
     """
     if req.model is not None and req.model != model_name:
         raise APIError(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
@@ -65,6 +67,7 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
         logprobs = _chat_logprobs(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
     else:
+        _check_num_prompts(req.prompt, max_prompts)
         prompts, texts = completion_prompt_ids(req.prompt, tokenizer)
         logprobs = req.logprobs
         max_tokens = req.max_tokens
@@ -108,6 +111,16 @@ def _resolve_max_tokens(kind: RequestKind, max_tokens: int | None, echo: bool, l
         raise APIError("max_tokens may be 0 only with echo: true (then the prompt alone is returned)", 400,
                        "invalid_request_error", "max_tokens", "invalid_value")
     return max_tokens
+
+
+def _check_num_prompts(prompt: Any, max_prompts: int | None) -> None:
+    """A batch (a list of strings or of token-id lists) of more than `max_prompts` prompts is a 400."""
+    if max_prompts is None or not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return
+    if len(prompt) > max_prompts:
+        raise APIError(f"this request has {len(prompt)} prompts; at most {max_prompts} are allowed per request "
+                       "(serve.max_prompts_per_request): split the batch", 400, "invalid_request_error", "prompt",
+                       "too_many_prompts")
 
 
 def completion_prompt_ids(prompt: Any, tokenizer: Any | None) -> tuple[list[list[int]], list[str | None]]:

@@ -26,11 +26,14 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 class OpenAIServing:
     def __init__(self, replica: Any, *, model_name: str, tokenizer: Any | None, first_output_timeout_s: float,
-                 observer: RequestObserver, metrics: ServingMetrics, cold_start_timeout_s: float | None = None):
+                 observer: RequestObserver, metrics: ServingMetrics, cold_start_timeout_s: float | None = None,
+                 max_prompts_per_request: int | None = None):
         """`tokenizer` None: token-ids-only mode (no text in, empty text out, `token_id:<id>` token strings).
         `cold_start_timeout_s` (default: the first-output timeout): how long a request waits for a model
-        replica to start while none is running (fanout.ReplicaWait)."""
+        replica to start while none is running (fanout.ReplicaWait). `max_prompts_per_request`: a
+        completion's batch of prompts beyond it is a 400 (None: no bound)."""
         self.replica = replica
+        self.max_prompts_per_request = max_prompts_per_request
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.first_output_timeout_s = first_output_timeout_s
@@ -63,7 +66,7 @@ class OpenAIServing:
 
     async def prepare(self, kind: RequestKind, req: OpenAIRequest, request_id: str) -> PreparedRequest:
         return prepare_request(kind, req, request_id, model_name=self.model_name, limits=await self.limits(),
-                               tokenizer=self.tokenizer)
+                               tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request)
 
     # ------------------------------------------------------------------ whole responses
     async def complete(self, kind: RequestKind, req: OpenAIRequest, request_id: str,

@@ -254,7 +254,9 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             ids = self._calls.get(call)
             if not ids:
                 return
-            self.core.on_finished(ids.pop(0))    # a fan-out's calls share Serve's internal id: one each
+            # Each call has its own Serve internal id (app.fanout.own_serve_call); a list still, so calls
+            # made elsewhere under one shared id each finish one of theirs.
+            self.core.on_finished(ids.pop(0))
             if not ids:
                 del self._calls[call]
         except Exception:

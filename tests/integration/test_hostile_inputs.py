@@ -1,0 +1,53 @@
+"""Issue 33 on the real Serve app over HTTP: batched prompts, fuzzed fields, deep JSON, health under load,
+disconnects, the HTTP-layer limits and the API key's routes. Loopback only."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-llama"
+
+
+def _post(url: str, body, timeout: float = 60, **kw) -> httpx.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(url, content=data, headers={"content-type": "application/json", **kw.pop("headers", {})},
+                      timeout=timeout, **kw)
+
+
+# ---------------------------------------------------------------- finding 1
+@pytest.mark.parametrize("num_prompts", [8, 50])
+def test_a_batch_of_token_prompts_is_answered_like_concurrent_requests(app_url, num_prompts):
+    """8 (or 50) token-id prompts in one completion: every prompt answered, promptly, and a single request
+    sent meanwhile is not held up (before the fix: 503 after the 60 s first-token timeout, fleet stalled)."""
+    client = openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused", max_retries=0, timeout=30)
+    prompts = [[5 + i % 7, 9, 11 + i] for i in range(num_prompts)]
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        batch = loop.run_in_executor(None, lambda: client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}))
+        await asyncio.sleep(0.2)
+        t = time.monotonic()
+        single = await loop.run_in_executor(None, lambda: client.completions.create(
+            model=MODEL, prompt="hello", max_tokens=2))
+        return await batch, single, time.monotonic() - t
+
+    t0 = time.monotonic()
+    batch, single, single_s = asyncio.run(both())
+    assert len(batch.choices) == num_prompts and all(c.finish_reason == "length" for c in batch.choices)
+    assert batch.usage.completion_tokens == 4 * num_prompts
+    assert single.choices[0].text is not None and single_s < 10
+    assert time.monotonic() - t0 < 25
+
+
+def test_too_many_prompts_is_a_400(app_url):
+    r = _post(f"{app_url}/v1/completions", {"model": MODEL, "prompt": [[1, 2]] * 65, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
