@@ -1,10 +1,9 @@
 """Writes docs/configuration-reference.md from the pydantic models' fields (AppConfig and the EngineConfig it
-embeds), so the reference cannot drift from the code.
+embeds), so the reference cannot drift from the code. The page is not committed (.gitignore): mkdocs.yml loads
+this file as a hook, so every `mkdocs build` / `mkdocs serve` (make docs, make test) writes it first.
 
-    python tools/gen_config_ref.py            # rewrite the page
-    python tools/gen_config_ref.py --check    # exit 1 if the page is out of date
-
-mkdocs.yml also loads this file as a hook: every `mkdocs build` / `mkdocs serve` regenerates the page first.
+    python tools/gen_config_ref.py            # write the page by hand
+    python tools/gen_config_ref.py --check    # exit 1 if the page on disk is out of date
 """
 from __future__ import annotations
 
