@@ -65,6 +65,7 @@ class ServeSection(_Strict):
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     # Limits on hostile or unlucky traffic (docs/limits.md)
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
+    max_json_depth: int = Field(32, ge=2, description="request bodies nested deeper than this get 400")
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import AppConfig
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
-from app.http import check_api_key, error_response, read_json_body, sse
+from app.http import check_api_key, check_json_value, error_response, read_json_body, sse
 from app.prompts import RequestKind
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.routing import debug as routing_debug
@@ -103,7 +103,8 @@ class Ingress:
         request_id_var.set(request_id)
         try:
             check_api_key(request, self.cfg.serve.api_key)
-            req = _parse(kind, await read_json_body(request, self.cfg.serve.max_request_body_bytes))
+            req = _parse(kind, await read_json_body(request, self.cfg.serve.max_request_body_bytes,
+                                                    self.cfg.serve.max_json_depth))
             carrier = inject_carrier(extract_context(request.headers))
             if req.stream:
                 gen = self.serving.stream(kind, req, request_id, carrier)
@@ -156,7 +157,7 @@ class Ingress:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
         try:
-            return await self.serving.complete(kind, _coerce(kind, request), request_id, {})
+            return await self.serving.complete(kind, self._coerce(kind, request), request_id, {})
         except Exception as e:
             raise self._fail(e, f"handle:{kind.value}", count=False) from e
 
@@ -164,10 +165,16 @@ class Ingress:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
         try:
-            async for chunk in self.serving.stream(kind, _coerce(kind, request), request_id, {}):
+            async for chunk in self.serving.stream(kind, self._coerce(kind, request), request_id, {}):
                 yield chunk
         except Exception as e:
             raise self._fail(e, f"handle:{kind.value}_stream", count=False) from e
+
+    def _coerce(self, kind: RequestKind, request: Any) -> OpenAIRequest:
+        """A handle caller's request (a dict or a model) checked as an HTTP body is (depth, Unicode)."""
+        body = request if isinstance(request, dict) else request.model_dump()
+        check_json_value(body, self.cfg.serve.max_json_depth)
+        return _parse(kind, body)
 
     # ================================================================== introspection
     async def debug_spans(self) -> list[dict]:
@@ -216,11 +223,6 @@ def _parse(kind: RequestKind, body: dict[str, Any]) -> OpenAIRequest:
         raise pydantic_error(e) from None
 
 
-def _coerce(kind: RequestKind, request: Any) -> OpenAIRequest:
-    cls = _REQUEST_TYPES[kind]
-    if isinstance(request, cls):
-        return request
-    return _parse(kind, request if isinstance(request, dict) else request.model_dump())
 
 
 def _make_ingress_class():

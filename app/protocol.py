@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,16 +11,24 @@ from engine.sampling_params import SamplingParams
 from engine.types import Logprobs
 
 
+#: The engine's integer ranges: token counts and ids are 32-bit, seeds 64-bit. A larger number is a 400 here,
+#: not an overflow somewhere further in (issue 33).
+INT32_MAX = 2**31 - 1
+TokenCount = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _OpenAIRequest(BaseModel):
-    # Unknown fields are ignored (clients send e.g. `user`); known ones are type-checked -> 400.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored (clients send e.g. `user`); known ones are type-checked -> 400. NaN and
+    # infinities are refused everywhere (the HTTP body reader already refuses JSON's NaN/Infinity literals).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
@@ -30,17 +38,17 @@ class _OpenAIRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     # extensions (vLLM-style)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: TokenCount = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-2**31, le=INT32_MAX)
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
     #: vLLM's extension: each choice's generated `token_ids`, and its prompt's `prompt_token_ids`
@@ -56,6 +64,8 @@ class _OpenAIRequest(BaseModel):
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+            if any(not 0 <= k <= INT32_MAX for k in bias):
+                raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
@@ -72,7 +82,7 @@ class CompletionRequest(_OpenAIRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     #: 0 only with echo: the prompt alone, scored (as OpenAI's legacy API and vLLM allow)
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     #: vLLM's extension: each choice's `prompt_logprobs`, the prompt tokens' logprobs with top-k each
@@ -81,10 +91,18 @@ class CompletionRequest(_OpenAIRequest):
     best_of: int | None = Field(None, ge=1, le=20)
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts reach the prompt (others, e.g. images, are dropped)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -93,14 +111,14 @@ class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def rendered_messages(self) -> list[dict[str, str]]:
         out = []
         for m in self.messages:
             content = m.content
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(p.text or "" for p in content)
             out.append({"role": m.role, "content": content or ""})
         return out
 

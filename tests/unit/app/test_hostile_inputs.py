@@ -107,3 +107,155 @@ async def test_a_batch_over_max_prompts_per_request_is_a_400_before_anything_run
         assert r.status_code == 400 and body["error"]["code"] == "too_many_prompts", body
         assert body["error"]["param"] == "prompt" and "at most 4" in body["error"]["message"]
     assert [name for name, _ in handle.calls].count("generate") == 4          # only the allowed batch ran
+
+
+# ---------------------------------------------------------------- finding 2: fuzzed fields
+@pytest.mark.parametrize("kind,body,param", [
+    (RequestKind.COMPLETION, '{"prompt": "hi", "max_tokens": 2, "request_id": "\\ud800"}', "request_id"),
+    (RequestKind.COMPLETION, '{"prompt": "\\udfff x", "max_tokens": 2}', "prompt"),
+    (RequestKind.COMPLETION, '{"prompt": ["ok", "\\ud800"], "max_tokens": 2}', "prompt.1"),
+    (RequestKind.CHAT, '{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}', "model"),
+    (RequestKind.CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    (RequestKind.CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "stop": ["\\ud800"]}', "stop.0"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "top_k": 18446744073709551616}', "top_k"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "seed": 18446744073709551616}', "seed"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "max_tokens": 18446744073709551616}', "max_tokens"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "min_tokens": 4294967296}', "min_tokens"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "priority": -9223372036854775809}', "priority"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "stop_token_ids": [1, 18446744073709551616]}', "stop_token_ids.1"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "logit_bias": {"18446744073709551616": 1}}', "logit_bias"),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "temperature": NaN}', None),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "repetition_penalty": Infinity}', None),
+    (RequestKind.COMPLETION, '{"prompt": "hi", "presence_penalty": -Infinity}', None),
+    (RequestKind.CHAT, '{"messages": [{"role": "user", "content": "x"}], "max_tokens": 4.5}', "max_tokens"),
+    (RequestKind.CHAT, '{"messages": [{"role": "user", "content": "x"}], "top_k": 2.5}', "top_k"),
+    (RequestKind.CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', None),
+])
+async def test_hostile_fields_are_400s_with_the_openai_body(checkpoints, kind, body, param):
+    ing, handle = ingress(checkpoints)
+    r = await asyncio.wait_for(ing._http(kind, http_request(body.encode())), 5)
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 400, err
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    assert "generate" not in [name for name, _ in handle.calls]
+
+
+async def test_an_integral_float_is_the_integer_and_answers(checkpoints):
+    """`max_tokens: 4.0` (as JavaScript clients send it) is 4 (it hung a chat request before); 4.5 is a 400."""
+    ing, _ = ingress(checkpoints, FakeReplica(n_tokens=4))
+    for stream in (False, True):
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4.0, "stream": stream}
+        r = await asyncio.wait_for(ing._http(RequestKind.CHAT, http_request(json.dumps(body).encode())), 5)
+        assert r.status_code == 200
+        if stream:
+            events = [e async for e in r.body_iterator]
+            assert events[-1] == "data: [DONE]\n\n" and not any('"error"' in e for e in events)
+
+
+async def test_the_python_handle_api_refuses_surrogates_too(checkpoints):
+    from app.errors import APIError
+    ing, _ = ingress(checkpoints)
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "request_id": "\ud800"})
+    assert e.value.status_code == 400 and e.value.code == "invalid_unicode"
+
+
+def test_an_error_message_holding_a_surrogate_is_still_a_json_body():
+    from app.errors import APIError
+    from app.http import error_response
+    r = error_response(APIError("model '\ud800' not found", 404, code="model_not_found"))
+    assert r.status_code == 404 and json.loads(r.body)["error"]["code"] == "model_not_found"
+
+
+# A seeded schema fuzz over both endpoints: valid values mixed with hostile ones for every field.
+def _hostile_values():
+    from hypothesis import strategies as st
+    big = st.sampled_from([2**31, 2**63, 2**64, -2**63 - 1, 10**30])
+    odd_floats = st.sampled_from([float("nan"), float("inf"), float("-inf"), 4.0, 4.5, 1e308, -0.0])
+    text = st.text(max_size=12)
+    surrogates = st.sampled_from(["\ud800", "a\udfffb", "\udc00" * 3])
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 40), big, odd_floats, text, surrogates)
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(text, inner, max_size=3)), max_leaves=8)
+
+
+_COMMON_FIELDS = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                  "presence_penalty", "frequency_penalty", "logit_bias", "seed", "top_k", "min_p",
+                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                  "priority", "cache_salt", "request_id", "return_token_ids"]
+_FIELDS = {RequestKind.COMPLETION: _COMMON_FIELDS + ["prompt", "logprobs", "echo", "prompt_logprobs", "best_of"],
+           RequestKind.CHAT: _COMMON_FIELDS + ["messages", "logprobs", "top_logprobs", "max_completion_tokens"]}
+
+
+def _bodies(kind):
+    from hypothesis import strategies as st
+    value = _hostile_values()
+    base = ({"prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(0, 100), min_size=1, max_size=5),
+                                 st.lists(st.lists(st.integers(-1, 2**33), max_size=4), max_size=3), value)}
+            if kind is RequestKind.COMPLETION else
+            {"messages": st.one_of(st.lists(st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                 "content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+                     {"type": st.just("text"), "text": value}), max_size=2), value)}), max_size=3), value)})
+    optional = {f: st.one_of(value, st.integers(0, 8), st.floats(0, 2)) for f in _FIELDS[kind] if f not in base}
+    return st.fixed_dictionaries(base, optional=optional)
+
+
+@pytest.mark.parametrize("kind", [RequestKind.COMPLETION, RequestKind.CHAT])
+def test_schema_fuzz_never_a_5xx_nor_a_hang(checkpoints, kind):
+    from hypothesis import HealthCheck, given, seed, settings
+
+    ing, _ = ingress(checkpoints, FakeReplica(n_tokens=2))
+
+    async def one(body: dict) -> None:
+        raw = json.dumps(body, allow_nan=True).encode()        # NaN/Infinity literals, \\ud800 escapes
+        r = await ing._http(kind, http_request(raw))
+        assert r.status_code < 500, (body, getattr(r, "body", b""))
+        if r.status_code == 200 and hasattr(r, "body_iterator"):
+            events = [e async for e in r.body_iterator]
+            assert events[-1] == "data: [DONE]\n\n"
+            assert not any('"server_error"' in e for e in events), (body, events)
+        elif r.status_code >= 400:
+            assert set(json.loads(r.body)["error"]) == {"message", "type", "param", "code"}
+
+    @seed(33)
+    @settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(_bodies(kind))
+    def check(body):
+        asyncio.run(asyncio.wait_for(one(body), 5))        # a hang fails as a TimeoutError
+
+    check()
+
+
+# ---------------------------------------------------------------- finding 12: deep JSON
+@pytest.mark.parametrize("kind,raw", [
+    (RequestKind.CHAT, b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": ' + b"[" * 2000
+     + b"]" * 2000 + b"}"),
+    (RequestKind.COMPLETION, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    (RequestKind.COMPLETION, b'{"prompt": "hi", "x": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"),
+])
+async def test_deeply_nested_json_is_a_400(checkpoints, kind, raw):
+    ing, handle = ingress(checkpoints)
+    r = await asyncio.wait_for(ing._http(kind, http_request(raw)), 5)
+    err = json.loads(r.body)["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_json" and "nested deeper than 32" in err["message"]
+    assert "generate" not in [name for name, _ in handle.calls]
+
+
+async def test_nesting_is_bounded_for_python_callers_too_and_the_bound_is_configurable(checkpoints):
+    from app.errors import APIError
+    ing, _ = ingress(checkpoints, max_json_depth=4)
+    nested: dict = {"prompt": "hi"}
+    for _ in range(5):
+        nested = {"x": nested}
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "extra": nested})
+    assert e.value.status_code == 400 and "nested deeper than 4" in e.value.message
+    ok = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": [[1, 2]], "max_tokens": 1, "a": {"b": 1}}'))
+    assert ok.status_code == 200
