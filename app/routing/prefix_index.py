@@ -4,17 +4,36 @@ Exact where the events are: each replica's view follows its event stream (per-re
 cache epoch); a gap or a changed epoch drops that replica's entries and waits for a snapshot. Between a
 routing decision and the chosen engine's BlockStored, the prompt's blocks count as held speculatively (TTL).
 
-Layout, chosen so a lookup costs O(matched blocks) whatever the number of replicas, and so the garbage
-collector never walks the index: only plain dicts of bytes -> int/float/None, which CPython untracks (an
-OrderedDict or a set of 500k hashes would cost a full collection tens of milliseconds):
-  `_held`  block hash -> bit mask of the replica slots holding it (bit i = slot i), in LRU order (a touch
-           re-inserts the key at the end; eviction takes keys from the front).
-  `_spec`  block hash -> the subset of those bits that are speculative (only hashes with any).
-  `_spec_expiry[slot]`  block hash -> when that slot's speculative hold ends.
-A slot's bit is confirmed or speculative for a hash, never both (a BlockStored turns one into the other).
-Matching ANDs the masks of the prompt's hashes in order, one dict lookup and one int AND per block; a
-replica's match length is recorded when its bit drops out. Each replica also keeps the hashes it holds
-(a dict used as a set), so dropping it costs O(its blocks), never a scan of the index.
+Layout, chosen so a decision costs O(replicas + matched blocks + prompt blocks / SPEC_STRIDE) whatever the
+prompt length, and so the garbage collector never walks the index: only plain dicts of bytes -> int/float/None,
+which CPython untracks (an OrderedDict or a set of millions of hashes would cost a full collection tens of
+milliseconds):
+  `_held`  block hash -> bit mask of the replica slots whose paged pool holds it (confirmed by events or a
+           snapshot), in insertion order (a re-store moves the key to the end; the bound evicts from the front).
+  `_spec`  checkpoint hash -> bit mask of the slots that were sent a request whose prompt has this hash at
+           one of its checkpoint depths (see below; a chained hash fixes its depth).
+  `_spec_expiry[slot]`  checkpoint hash -> when that slot's speculative hold ends.
+Speculative holds are sparse. Block hashes are chained (a hash names its whole prefix), so a request that
+shares a checkpoint hash at depth d with a routed one shares its first d blocks. A routed prompt of n blocks
+whose first m are already held records only the depths in (m, n] that are powers of two below SPEC_STRIDE,
+multiples of SPEC_STRIDE, or n itself: O(log + n / SPEC_STRIDE) dict writes, not O(n). A lookup probes the
+same depths of its own prompt; a speculative match may thus round down by less than SPEC_STRIDE blocks.
+Matching ANDs the confirmed masks of the prompt's hashes in order (one dict lookup and one int AND per
+matched block; a replica's length is recorded when its bit drops out), then raises each replica's length to
+its deepest speculative checkpoint. Lookups never write: recency is the order of the engines' own stores.
+
+Bound, sized from the fleet: the engines' events keep `_held` to the hashes the pools hold, at most the
+sum of their pool sizes. `set_capacity` (the core calls it from the replicas' reported `num_blocks`, times a
+margin, on every membership or size change) sets the bound; `max_blocks` is only an upper limit. Past the
+bound the oldest-stored hashes go, exactly as many as were added (amortized O(1) per stored hash, on the
+event path, never in a decision). The speculative checkpoints have their own bound (a quarter of the pool
+bound, oldest record first), and expire by TTL in FIFO order.
+
+Memory, measured with tracemalloc (tests/unit/routing/test_prefix_index.py::test_memory_per_entry, in a
+fresh interpreter): 125-175 bytes per hash held by one replica, counting the 65-byte hash object itself,
+plus 40-75 bytes per further replica holding it (its entry in that replica's dict). A 128-replica fleet
+of 8B models on 80 GB GPUs (~25k blocks of 16 tokens each, 3.2M blocks) thus costs about 400-560 MB of
+router memory when every hash has one holder.
 
 Tiers (engine/kv_connector; events with `medium` "offload" or "shared"): a block outside the paged pool is
 a load away, not free, so it is kept apart from `_held`:
@@ -29,16 +48,8 @@ order and mispredicted until the next event about it or a snapshot (which carrie
 engine's own lookup decides what is loaded, so a wrong prediction costs a routing choice, never a token.
 A pool reset (AllBlocksCleared) leaves the tiers; a lost stream (gap, epoch change) drops the replica's
 offload entries until its snapshot; the node's store entries stay until a snapshot replaces them.
-
-Memory bound: at most `max_blocks` hashes, least recently touched evicted first (down to 99% of the
-bound, in one pass); a lookup or store touches a chain's tail first so its head, which every longer prompt
-needs, is evicted last. Measured with tracemalloc (tests/unit/routing/test_prefix_index.py::
-test_memory_per_entry, in a fresh interpreter; 20k-300k hashes): 125-170 bytes per hash held by one replica, counting the 65-byte
-hash object itself, plus 40-70 bytes per further replica holding it (its entry in that replica's dict).
-The default 500,000 hashes thus cost at most about 90 MB with one holder each, plus up to 35 MB per extra
-copy; size `max_index_entries` to about (replicas x KV blocks per replica) / (replicas per hash).
-The tier dicts have their own bound, `max_tier_blocks` hashes over both (LRU, the same layout and cost per
-entry: at most about 90 MB at the default 500,000, plus 40-70 bytes per further holder).
+The tier dicts have their own bound, `max_tier_blocks` hashes over both (oldest stored first, amortized
+O(1) per stored hash, the same cost per entry).
 """
 from __future__ import annotations
 
@@ -88,7 +99,8 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int, speculative_ttl_s: float, max_tier_blocks: int = 500_000) -> None:
-        self.max_blocks = max_blocks
+        self.max_blocks = max_blocks                  # upper limit; `bound` is what is enforced
+        self.bound = max_blocks
         self.max_tier_blocks = max_tier_blocks
         self.speculative_ttl_s = speculative_ttl_s
         self._offload: dict[BlockHash, int] = {}
@@ -102,8 +114,16 @@ class PrefixIndex:
         self._replicas: dict[str, _ReplicaState] = {}
         self._slot_owner: list[str | None] = []
         self._spec_records: deque[tuple[float, int, list[BlockHash]]] = deque()   # FIFO: one TTL for all
+        self._num_spec_entries = 0                    # (slot, hash) holds in the live records, at most
         self.num_evictions = 0
+        self.num_spec_evictions = 0
         self.num_resyncs = 0
+
+    def set_capacity(self, num_blocks: int) -> None:
+        """Bound `_held` to `num_blocks` hashes (at most `max_blocks`): what the fleet's pools can hold,
+        times a margin. Shrinking evicts the excess now (a membership change, not a decision)."""
+        self.bound = max(1, min(self.max_blocks, int(num_blocks)))
+        self._enforce_bound()
 
     # ------------------------------------------------------------ membership
     @property
@@ -132,6 +152,7 @@ class PrefixIndex:
         st = self._replicas.pop(replica_id, None)
         if st is not None:
             self._drop(st)
+            self._drop_spec(st.slot)
             self._drop_offload(st)
             self._leave_node(replica_id, st.node)
             self._slot_owner[st.slot] = None
@@ -223,21 +244,17 @@ class PrefixIndex:
         return False
 
     def _store(self, st: _ReplicaState, hashes: list[BlockHash]) -> None:
-        bit, held, spec = 1 << st.slot, self._held, self._spec
+        bit, held, owned = 1 << st.slot, self._held, st.held
         for h in reversed(hashes):                           # tail first: the chain's head ends up newest
-            mask = held.pop(h, 0)
-            held[h] = mask | bit                             # (re)inserted last: most recently used
-            if mask and spec.get(h, 0) & bit:
-                self._clear_spec(h, st.slot)
-            st.held[h] = None
+            held[h] = held.pop(h, 0) | bit                   # (re)inserted last: evicted last
+            owned[h] = None
         self._enforce_bound()
 
     def _remove(self, st: _ReplicaState, hashes: list[BlockHash]) -> None:
-        # A speculative bit is kept: set after the block was stored, it predicts a newer store.
-        bit, held, spec = 1 << st.slot, self._held, self._spec
+        bit, held = 1 << st.slot, self._held
         for h in hashes:
             mask = held.get(h)
-            if mask is None or not mask & bit or spec.get(h, 0) & bit:
+            if mask is None or not mask & bit:
                 continue
             st.held.pop(h, None)
             if mask == bit:
@@ -246,14 +263,13 @@ class PrefixIndex:
                 held[h] = mask & ~bit
 
     def _drop(self, st: _ReplicaState) -> None:
-        """Forget every hash the replica holds: O(its blocks)."""
-        bit, held, spec = 1 << st.slot, self._held, self._spec
+        """Forget every hash the replica holds in its pool: O(its blocks). Speculative holds stay (they
+        predict stores still to come)."""
+        bit, held = 1 << st.slot, self._held
         for h in st.held:
             mask = held.get(h)
             if mask is None:
                 continue
-            if spec.get(h, 0) & bit:
-                self._clear_spec(h, st.slot)
             if mask == bit:
                 del held[h]
             else:
@@ -290,11 +306,9 @@ class PrefixIndex:
         self._tier_remove(self._shared, node.held, node.slot, list(node.held))
 
     def _enforce_tier_bound(self) -> None:
-        """Evict least recently used tier entries down to 99% of `max_tier_blocks`, from the larger dict."""
+        """Evict the oldest-stored tier entries, as many as exceed `max_tier_blocks`, from the larger dict
+        (amortized O(1) per stored hash)."""
         excess = len(self._offload) + len(self._shared) - self.max_tier_blocks
-        if excess <= 0:
-            return
-        excess += self.max_tier_blocks // 100
         while excess > 0:
             shared = len(self._shared) >= len(self._offload)
             tier = self._shared if shared else self._offload
@@ -327,7 +341,6 @@ class PrefixIndex:
         sh: list[int] = [0] * n
         off_get, sh_get = self._offload.get, self._shared.get
         out: dict[str, int] = {}
-        lo, hi = n, 0
         for rid in replica_ids:
             st = replicas.get(rid)
             if st is None:
@@ -345,13 +358,6 @@ class PrefixIndex:
                 j += 1
             if j > start:
                 out[rid] = j - start
-                lo, hi = min(lo, start), max(hi, j)
-        for i in range(hi - 1, lo - 1, -1):                 # LRU: tail first, so the head is newest
-            h = block_hashes[i]
-            if off[i]:
-                self._offload[h] = self._offload.pop(h)
-            if sh[i]:
-                self._shared[h] = self._shared.pop(h)
         return out
 
     def num_tier_held(self, replica_id: str) -> tuple[int, int]:
@@ -365,61 +371,69 @@ class PrefixIndex:
         return len(self._offload) + len(self._shared)
 
     # ------------------------------------------------------------ speculative inserts
-    def insert_speculative(self, replica_id: str, block_hashes: list[BlockHash], now: float) -> None:
-        """The replica will hold these blocks once it prefills the request: count them until the TTL ends."""
+    def insert_speculative(self, replica_id: str, block_hashes: list[BlockHash], now: float,
+                           start: int = 0) -> None:
+        """The replica will hold `block_hashes` (a whole prompt's) once it prefills the request; its first
+        `start` blocks are held already. Counted until the TTL ends, whatever the events say meanwhile.
+        Writes O(log SPEC_STRIDE + (n - start) / SPEC_STRIDE) checkpoints, never one per block."""
         st = self._replicas.get(replica_id)
-        if st is None or not block_hashes:
+        n = len(block_hashes)
+        if st is None or n <= start:
             return
         slot, bit, expiry = st.slot, 1 << st.slot, now + self.speculative_ttl_s
-        held, spec, expiries = self._held, self._spec, self._spec_expiry[st.slot]
+        spec, expiries = self._spec, self._spec_expiry[st.slot]
         fresh = []
-        for h in reversed(block_hashes):
-            mask = held.pop(h, 0)
-            held[h] = mask | bit
-            if mask & bit and not spec.get(h, 0) & bit:
-                continue                                      # confirmed already
-            spec[h] = spec.get(h, 0) | bit
+        for d in _checkpoints(start, n):
+            h = block_hashes[d - 1]
+            mask = spec.get(h, 0)
+            if not mask & bit:
+                spec[h] = mask | bit
+                self._num_spec_entries += 1
             expiries[h] = expiry
-            st.held[h] = None
             fresh.append(h)
-        if fresh:
-            self._spec_records.append((expiry, slot, fresh))
-        self._enforce_bound()
+        self._spec_records.append((expiry, slot, fresh))
+        limit = max(1, self.bound // 4)
+        while self._num_spec_entries > limit and len(self._spec_records) > 1:     # never the newest
+            self._expire_record(*self._spec_records.popleft())
+            self.num_spec_evictions += 1
 
     def expire(self, now: float) -> None:
-        """Drop speculative bits whose TTL ended unconfirmed (amortized O(1) per inserted hash)."""
-        records, held = self._spec_records, self._held
+        """Drop speculative holds whose TTL ended (amortized O(1) per inserted checkpoint)."""
+        records = self._spec_records
         while records and records[0][0] <= now:
-            expiry, slot, hashes = records.popleft()
-            owner = self._slot_owner[slot]
-            st = self._replicas[owner] if owner is not None else None
-            expiries, bit = self._spec_expiry[slot], 1 << slot
-            for h in hashes:
-                if expiries.get(h) != expiry:
-                    continue                     # confirmed, dropped or re-inserted later since
+            self._expire_record(*records.popleft())
+
+    def _expire_record(self, expiry: float, slot: int, hashes: list[BlockHash]) -> None:
+        expiries = self._spec_expiry[slot]
+        for h in hashes:
+            if expiries.get(h) == expiry:        # else re-inserted later (or dropped) since
                 self._clear_spec(h, slot)
-                mask = held.get(h)
-                if mask is not None:
-                    if mask == bit:
-                        del held[h]
-                    else:
-                        held[h] = mask & ~bit
-                if st is not None:
-                    st.held.pop(h, None)
 
     def _clear_spec(self, h: BlockHash, slot: int) -> None:
-        """Clear the slot's speculative bit (not its bit in `_held`)."""
-        mask = self._spec.get(h, 0) & ~(1 << slot)
-        if mask:
-            self._spec[h] = mask
-        else:
-            self._spec.pop(h, None)
+        mask = self._spec.get(h, 0)
+        bit = 1 << slot
+        if mask & bit:
+            self._num_spec_entries -= 1
+            mask &= ~bit
+            if mask:
+                self._spec[h] = mask
+            else:
+                del self._spec[h]
         self._spec_expiry[slot].pop(h, None)
+
+    def _drop_spec(self, slot: int) -> None:
+        for h in list(self._spec_expiry[slot]):
+            self._clear_spec(h, slot)
+
+    @property
+    def num_spec_entries(self) -> int:
+        return self._num_spec_entries
 
     # ------------------------------------------------------------ lookup
     def match(self, block_hashes: list[BlockHash], replica_ids: list[str]) -> dict[str, int]:
-        """Leading blocks of `block_hashes` each replica holds (confirmed or speculative); replicas with 0
-        are absent. Cost: one dict lookup and one int AND per matched block, plus one step per drop-out."""
+        """Leading blocks of `block_hashes` each replica holds (confirmed, or speculative to the deepest
+        checkpoint); replicas with 0 are absent. Cost: one dict lookup and one int AND per matched block,
+        one step per drop-out, one lookup per checkpoint depth of the prompt. Writes nothing."""
         slots = {}
         active = 0
         replicas = self._replicas
@@ -429,6 +443,9 @@ class PrefixIndex:
                 slots[st.slot] = rid
                 active |= 1 << st.slot
         out: dict[str, int] = {}
+        if not active:
+            return out
+        candidates = active
         get = self._held.get
         n = 0
         for h in block_hashes:
@@ -447,17 +464,24 @@ class PrefixIndex:
         if n:
             for slot in _bits(active):
                 out[slots[slot]] = n
-            held, pop = self._held, self._held.pop
-            for i in range(n - 1, -1, -1):                   # LRU: tail first, so the head is newest
-                h = block_hashes[i]
-                held[h] = pop(h)
+        spec = self._spec
+        if spec:
+            spec_get = spec.get
+            for d in _checkpoints(0, len(block_hashes)):
+                mask = spec_get(block_hashes[d - 1])
+                if mask and mask & candidates:
+                    for slot in _bits(mask & candidates):
+                        rid = slots[slot]
+                        if out.get(rid, 0) < d:
+                            out[rid] = d
         return out
 
     def holds_any(self, block_hash: BlockHash) -> bool:
-        """Whether any replica (candidate or not) holds the hash."""
-        return block_hash in self._held
+        """Whether any replica (candidate or not) holds the hash or was sent a prompt starting with it."""
+        return block_hash in self._held or block_hash in self._spec
 
     def num_held(self, replica_id: str) -> int:
+        """Hashes the replica's pool holds (confirmed)."""
         st = self._replicas.get(replica_id)
         return len(st.held) if st is not None else 0
 
@@ -468,18 +492,36 @@ class PrefixIndex:
 
     # ------------------------------------------------------------ bound
     def _enforce_bound(self) -> None:
-        """Evict least recently used hashes down to 99% of the bound, in one pass from the dict's front."""
+        """Evict the oldest-stored hashes, exactly as many as exceed the bound (amortized O(1) per store)."""
         held = self._held
-        if len(held) <= self.max_blocks:
+        num_evict = len(held) - self.bound
+        if num_evict <= 0:
             return
-        num_evict = len(held) - self.max_blocks * 99 // 100
         for h in [h for h, _ in zip(held, range(num_evict))]:
             mask = held.pop(h)
-            spec = self._spec.pop(h, 0)
             for slot in _bits(mask):
-                if spec >> slot & 1:
-                    self._spec_expiry[slot].pop(h, None)
                 owner = self._slot_owner[slot]
                 if owner is not None:
                     self._replicas[owner].held.pop(h, None)
             self.num_evictions += 1
+
+
+SPEC_STRIDE = 16
+
+
+def _checkpoints(start: int, n: int) -> list[int]:
+    """Depths d in (start, n] a speculative hold records: powers of two below SPEC_STRIDE, multiples of
+    SPEC_STRIDE, and n. A lookup probes the same depths of its prompt (with start = 0)."""
+    out = []
+    d = 1
+    while d < SPEC_STRIDE and d <= n:
+        if d > start:
+            out.append(d)
+        d <<= 1
+    d = max(SPEC_STRIDE, (start // SPEC_STRIDE + 1) * SPEC_STRIDE)
+    while d <= n:
+        out.append(d)
+        d += SPEC_STRIDE
+    if n > start and (not out or out[-1] != n):
+        out.append(n)
+    return out

@@ -136,12 +136,32 @@ def test_a_later_speculative_insert_extends_the_ttl():
 
 
 def test_a_removed_block_keeps_a_newer_speculative_hold():
+    """A speculative hold predicts a store still to come: an eviction event does not cancel it."""
     ix = index("a")
     p = chain("p", 2)
     feed(ix, "a", 0, [stored(p)])
-    ix.insert_speculative("a", chain("p", 3), now=0.0)          # only the third block is speculative
+    ix.insert_speculative("a", chain("p", 3), now=0.0, start=2)   # only the third block is speculative
     feed(ix, "a", 1, [BlockRemoved(p[1:])])
+    assert ix.match(chain("p", 3), ["a"]) == {"a": 3}
+    ix.expire(100.0)
     assert ix.match(chain("p", 3), ["a"]) == {"a": 1}
+
+
+def test_speculative_holds_write_checkpoints_not_every_block():
+    """A 32k-token prompt (2,048 blocks) costs ~130 dict writes, and matches to within a stride."""
+    from app.routing.prefix_index import SPEC_STRIDE
+    ix = index("a", "b")
+    p = chain("long", 2048)
+    ix.insert_speculative("a", p, now=0.0)
+    assert ix.num_spec_entries <= 2048 // SPEC_STRIDE + 4 + 1
+    assert ix.num_entries == 0                                     # nothing confirmed, nothing evicted
+    assert ix.match(p, ["a", "b"]) == {"a": 2048}                  # the same prompt: the exact depth
+    sibling = p[:1000] + chain("other", 50, start=1000)
+    got = ix.match(sibling, ["a", "b"])["a"]
+    assert 1000 - SPEC_STRIDE < got <= 1000                        # a shared prefix: within one stride
+    assert ix.match(p[:3] + chain("x", 5, start=3), ["a"]) == {"a": 2}   # short prefixes: powers of two
+    ix.insert_speculative("b", p, now=0.0, start=1500)             # b holds 1,500 already
+    assert ix.num_spec_entries <= 2048 // SPEC_STRIDE + 5 + 548 // SPEC_STRIDE + 2
 
 
 def test_removing_a_replica_frees_its_slot_without_leaking_entries():
@@ -156,19 +176,37 @@ def test_removing_a_replica_frees_its_slot_without_leaking_entries():
     ix.expire(1e9)
 
 
-def test_the_lru_bound_evicts_the_least_recently_touched_hashes():
+def test_the_bound_evicts_the_oldest_stored_hashes_exactly_as_many_as_exceed_it():
     ix = index("a", "b", max_blocks=100)
     old, new = chain("old", 60), chain("new", 42)
     feed(ix, "a", 0, [stored(old)])
-    feed(ix, "b", 0, [stored(old[:30])])
-    assert ix.match(old[:30], ["a"]) == {"a": 30}                # touches old[0:30], tail first
-    feed(ix, "a", 1, [stored(new)])                              # 102 > 100: evict down to 99
-    assert ix.num_entries == 99 and ix.num_evictions == 3
-    assert ix.match(old, ["a"]) == {"a": 57}                     # a chain loses its tail first
+    feed(ix, "b", 0, [stored(old[:30])])                         # re-stores old[0:30]: they are newest now
+    assert ix.match(old[:30], ["a"]) == {"a": 30}
+    feed(ix, "a", 1, [stored(new)])                              # 102 > 100: evict 2, no bulk margin
+    assert ix.num_entries == 100 and ix.num_evictions == 2
+    assert ix.match(old, ["a"]) == {"a": 58}                     # a chain loses its tail first
     assert ix.match(new, ["a"]) == {"a": 42}
-    assert ix.num_held("a") == 99 and ix.num_held("b") == 30
+    assert ix.num_held("a") == 100 and ix.num_held("b") == 30
+    for i in range(5):                                           # one more hash, one eviction: O(1) each
+        feed(ix, "a", 2 + i, [stored(chain("more", 1, start=i))])
+        assert ix.num_evictions == 3 + i and ix.num_entries == 100
     ix.apply_snapshot(KVSnapshot("b", "e0", 1, chain("snap", 200)))
     assert ix.num_entries <= 100 and ix.num_held("b") <= 100
+
+
+def test_decisions_never_evict_and_set_capacity_sizes_the_bound():
+    ix = index("a", max_blocks=1_000)
+    ix.set_capacity(50)
+    feed(ix, "a", 0, [stored(chain("p", 50))])
+    for i in range(20):                                          # speculative holds of long new prompts
+        ix.insert_speculative("a", chain(f"q{i}", 500), now=float(i))
+        assert ix.match(chain(f"q{i}", 500), ["a"]) == {"a": 500}
+    assert ix.num_entries == 50 and ix.num_evictions == 0        # the confirmed entries are untouched
+    assert ix.num_spec_entries <= 50 // 4 + 40                   # their own bound: oldest records first
+    ix.set_capacity(10_000)
+    assert ix.bound == 1_000                                     # max_blocks stays an upper limit
+    ix.set_capacity(20)
+    assert ix.num_entries == 20 and ix.num_evictions == 30
 
 
 _MEMORY_PROBE = """
