@@ -1,6 +1,7 @@
 """ReplicaStats: what a replica reports for routing and observability (typed, small, JSON-able)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ class ReplicaStats:
     cache_epoch: str = ""                   # "<boot id>:<reset count>": changes when the cache was emptied
     #                                         (the epoch of the replica's KV events too)
     num_blocks: int = 0                     # KV pool size in blocks (fixed; lets routers weigh cache room)
+    taken_at: float = 0.0                   # wall clock (time.time()) when the engine's load was read: a
+    #                                         router counts requests it sent after this on top
 
     @classmethod
     def from_load(cls, load: EngineLoad) -> ReplicaStats:
@@ -40,7 +43,8 @@ class ReplicaStats:
                    prefix_cache_hits=load.prefix_cache_hits_total,
                    recent_prefix_cache_queries=load.recent_prefix_cache_queries,
                    recent_prefix_cache_hits=load.recent_prefix_cache_hits,
-                   cache_epoch=load.cache_epoch, num_blocks=load.num_blocks)
+                   cache_epoch=load.cache_epoch, num_blocks=load.num_blocks,
+                   taken_at=round(time.time() - max(0.0, time.monotonic() - load.timestamp), 4))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ReplicaStats:

@@ -75,7 +75,9 @@ class Scheduler:
         self._finished_for_output: set[str] = set()
         self._pending_deltas: list[RequestDelta] = []    # aborts since the last step
         self._num_preemptions = 0
-        self._waiting_prefill_tokens = 0
+        self._waiting_prefill_tokens = 0      # every waiting request's tokens
+        self._waiting_hit_tokens = 0          # of those, the prefix-cache hits each had when it started waiting
+        self._waiting_hits: dict[str, int] = {}
         self._running_prefill_tokens = 0
         self._last_num_scheduled = 0
         self._refund = 0
@@ -106,7 +108,19 @@ class Scheduler:
         self.requests[request.req_id] = request
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
-        self._waiting_prefill_tokens += request.num_tokens
+        self._enter_waiting(request)
+
+    def _enter_waiting(self, req: Request) -> None:
+        """Count a request joining the waiting queue: all its tokens, and apart the prefix-cache hit it
+        has now (a pure lookup), so the queued-prefill stat is the uncached work a router predicts too."""
+        hit = self.kv.get_computed_blocks(req)[1] if req.block_hashes else 0
+        self._waiting_prefill_tokens += req.num_tokens
+        self._waiting_hit_tokens += hit
+        self._waiting_hits[req.req_id] = hit
+
+    def _leave_waiting(self, req: Request) -> None:
+        self._waiting_prefill_tokens -= req.num_tokens
+        self._waiting_hit_tokens -= self._waiting_hits.pop(req.req_id, 0)
 
     def validate_request(self, request: Request) -> None:
         """Raise InvalidRequestError if `request` can never be served; pure (changes nothing)."""
@@ -252,7 +266,7 @@ class Scheduler:
         self._num_preemptions += 1
         preempted.add(victim.req_id)
         self.waiting.add_front(victim)
-        self._waiting_prefill_tokens += victim.num_tokens
+        self._enter_waiting(victim)
         return refund
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
@@ -287,7 +301,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.pop()
-            self._waiting_prefill_tokens -= req.num_tokens
+            self._leave_waiting(req)
             self.kv.record_admission(req, num_hit_tokens)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit_tokens
@@ -344,7 +358,7 @@ class Scheduler:
         if new_blocks is None:
             return None
         self.waiting.pop()
-        self._waiting_prefill_tokens -= req.num_tokens
+        self._leave_waiting(req)
         self._loading[req.req_id] = _Load(req, num_hit_tokens + num_ext,
                                           time.monotonic() + self.connector.load_timeout_s, req.status)
         req.status = RequestStatus.WAITING_FOR_KV
@@ -367,7 +381,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = status
         self.waiting.add_front(req)
-        self._waiting_prefill_tokens += req.num_tokens
+        self._enter_waiting(req)
 
     def _expire_loads(self) -> None:
         """Loads past their deadline fail: the request recomputes, its blocks wait for the late report."""
@@ -508,7 +522,7 @@ class Scheduler:
             delta.finish_reason = req.status.finish_reason.value
             delta.stop_reason = req.stop_reason
             self.waiting.remove(req)
-            self._waiting_prefill_tokens -= req.num_tokens
+            self._leave_waiting(req)
             self._finish(req, was_running=False)
         return delta
 
@@ -565,7 +579,7 @@ class Scheduler:
                 self._orphans[req_id] = self.kv.detach(load.request)
             elif not was_running:     # waiting or preempted
                 self.waiting.remove(req)
-                self._waiting_prefill_tokens -= req.num_tokens
+                self._leave_waiting(req)
             req.status = status
             self._pending_deltas.append(RequestDelta(
                 req_id, [], True, finish_reason=status.finish_reason.value,
@@ -602,7 +616,7 @@ class Scheduler:
                 continue
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 waiting += 1
-                tokens += req.num_tokens
+                tokens += req.num_tokens - self._waiting_hits.get(rid, 0)
             elif req.status is RequestStatus.WAITING_FOR_KV:
                 waiting += 1
             elif req.status is RequestStatus.RUNNING:
@@ -617,7 +631,8 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self._loading),
             kv_cache_usage=self.kv.usage,
-            num_queued_prefill_tokens=self._waiting_prefill_tokens + self._running_prefill_tokens,
+            num_queued_prefill_tokens=(self._waiting_prefill_tokens - self._waiting_hit_tokens
+                                       + self._running_prefill_tokens),
             num_scheduled_tokens=self._last_num_scheduled,
             prefix_cache_queries_total=pc.queries,
             prefix_cache_hits_total=pc.hits,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,7 +44,9 @@ class ReplicaLoadView:
 
     `num_queued_prefill_tokens`: uncached prompt tokens admitted but not yet computed (waiting + chunked).
     `num_blocks` (KV pool size in blocks) is optional: with it, new-group placement weighs how much of the
-    pool the index sees filled; without it, `kv_cache_usage` alone.
+    pool the index sees filled, and the index is sized from the fleet's pools; without it, `kv_cache_usage`
+    alone. `age_s`: how long before delivery the snapshot was taken (from the replica's `taken_at` wall
+    time): requests routed since then are not in it.
     """
 
     num_running: int = 0
@@ -52,15 +55,22 @@ class ReplicaLoadView:
     num_queued_prefill_tokens: int = 0
     cache_epoch: str = ""
     num_blocks: int | None = None
+    age_s: float = 0.0
 
     @classmethod
-    def from_stats(cls, stats: Any) -> ReplicaLoadView:
-        """From a ReplicaStats (or anything with its attribute names) or the dict Serve carries."""
+    def from_stats(cls, stats: Any, now_wall: float | None = None) -> ReplicaLoadView:
+        """From a ReplicaStats (or anything with its attribute names) or the dict Serve carries; its
+        `taken_at` (wall clock, seconds) gives `age_s` against `now_wall` (default: time.time())."""
         get = stats.get if isinstance(stats, Mapping) else (lambda k, d=None: getattr(stats, k, d))
+        taken_at = float(get("taken_at", 0.0) or 0.0)
+        age = 0.0
+        if taken_at > 0.0:
+            age = min(60.0, max(0.0, (time.time() if now_wall is None else now_wall) - taken_at))
         return cls(num_running=int(get("num_running", 0) or 0), num_waiting=int(get("num_waiting", 0) or 0),
                    kv_cache_usage=float(get("kv_cache_usage", 0.0) or 0.0),
                    num_queued_prefill_tokens=int(get("num_queued_prefill_tokens", 0) or 0),
-                   cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None))
+                   cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None),
+                   age_s=age)
 
 
 @dataclass(slots=True)
@@ -271,8 +281,9 @@ class RouterCore(Protocol):
     def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
         """The engine's cached-token count for the request (predicted vs actual counters)."""
 
-    def on_finished(self, request_id: str) -> None:
-        """The request ended (success, error or cancel): it stops counting as load anywhere."""
+    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        """The request ended (success, error or cancel): it stops counting as load anywhere.
+        `num_output_tokens` (if known) feeds the observed output lengths that a group's demand uses."""
 
     def recent_decisions(self, n: int) -> list[Decision]:
         """The last `n` decisions, newest last."""

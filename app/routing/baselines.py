@@ -35,7 +35,7 @@ class _LoadOnlyCore(ABC):
         self._members = new
 
     def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
-        self.loads.set_stats(replica_id, load)
+        self.loads.set_stats(replica_id, load, self.clock())
 
     def on_kv_events(self, batch: KVEventBatch) -> bool:
         return True
@@ -91,15 +91,15 @@ class _LoadOnlyCore(ABC):
     def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
         if num_cached_tokens is not None:
             self.on_actual_cached(request_id, num_cached_tokens)
-        self.loads.start(request_id)
+        self.loads.start(request_id, self.clock())
 
     def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
         if self.loads.in_flight(request_id) is not None:
             self._counters.actual_cached_tokens += num_cached_tokens
             self._counters.num_accuracy_samples += 1
 
-    def on_finished(self, request_id: str) -> None:
-        self.loads.finish(request_id)
+    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        self.loads.finish(request_id, self.clock())
 
     def recent_decisions(self, n: int) -> list[Decision]:
         return list(self._decisions)[-n:] if n > 0 else []

@@ -1,8 +1,13 @@
 """Per-replica load as the router sees it (stats snapshot + its own in-flight requests) and the TTFT model.
 
 `LoadTracker` answers "how much uncached prefill is queued on replica r, and how many requests decode
-there" between stats polls: the replica's latest snapshot, minus this router's requests that were counted
-in it and have since started (or finished), plus this router's requests sent after it. All updates are O(1).
+there" between stats polls: the replica's latest snapshot, minus this router's requests that the snapshot
+counted and that have since started (or finished), plus this router's requests sent after it. A snapshot
+carries its age (`ReplicaLoadView.age_s`), so "after it" means after it was *taken*, not delivered: a
+request routed while the snapshot was on its way stays counted. Both sides count the same thing for a
+queued prompt: the engine its uncached part as its prefix cache stands (engine Scheduler), the router
+its predicted uncached part. Applying a snapshot costs O(the replica's in-flight requests); every other
+update is O(1).
 
 `TTFTModel` predicts TTFT = work / prefill_rate + tier tokens / load_rate + running x step_cost + KV-pressure
 penalty, and fits the first three online from observed TTFTs (ridge regression towards the configured
@@ -27,11 +32,11 @@ class InFlight:
     num_prompt_tokens: int
     block_hashes: list[BlockHash]
     routed_at: float
-    generation: int            # the replica's stats generation when sent (newer snapshots count it)
     work_ahead_tokens: int     # queued prefill tokens ahead of it when sent (for calibration)
     running_ahead: int
     started: bool = False
     tier_tokens: int = 0       # of predicted_cached_tokens, those to load from a KV tier
+    started_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -42,20 +47,27 @@ class ReplicaLoad:
     replica_id: str
     node_id: str | None = None
     stats: ReplicaLoadView = field(default_factory=ReplicaLoadView)
-    generation: int = 0
+    taken_at: float = float("-inf")   # when the snapshot was taken (the tracker's clock)
     pending_tokens: int = 0    # uncached tokens of requests sent since the snapshot, not started
     num_pending: int = 0       # requests sent since the snapshot, not finished
     retired_tokens: int = 0    # tokens counted in the snapshot's queue that have started since
-    num_retired: int = 0       # requests counted in the snapshot that have finished since
+    num_retired: int = 0       # requests counted running in the snapshot that have finished since
     queued_prefill_tokens: int = 0
     decode_load: int = 0
     kv_usage: float = 0.0
+    in_flight: dict[str, InFlight] = field(default_factory=dict)     # this router's, in routing order
+    #: (finished_at, routed_at, started_at or None, uncached tokens) of requests finished since the
+    #: snapshot was taken: a later snapshot taken before they finished still counts them
+    finished: deque = field(default_factory=deque)
 
     def refresh(self) -> None:
         s = self.stats
         self.queued_prefill_tokens = max(0, s.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
         self.decode_load = max(0, s.num_running - self.num_retired) + self.num_pending
         self.kv_usage = s.kv_cache_usage
+
+
+_MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot taken before them
 
 
 class LoadTracker:
@@ -75,17 +87,40 @@ class LoadTracker:
             load.node_id = node_id
 
     def remove_replica(self, replica_id: str) -> None:
-        self._loads.pop(replica_id, None)
-        for req_id in [r for r, f in self._in_flight.items() if f.replica_id == replica_id]:
-            del self._in_flight[req_id]
+        load = self._loads.pop(replica_id, None)
+        if load is not None:
+            for req_id in load.in_flight:
+                self._in_flight.pop(req_id, None)
 
-    def set_stats(self, replica_id: str, stats: ReplicaLoadView) -> None:
+    def set_stats(self, replica_id: str, stats: ReplicaLoadView, now: float) -> None:
+        """Apply a snapshot taken `stats.age_s` before `now`: this router's requests routed after that
+        instant are added on top; those routed before it and started (or finished) after it are taken off.
+        Re-applying a snapshot gives the same load (it is recomputed, never decremented twice)."""
         load = self._loads.get(replica_id)
         if load is None:
             return
-        load.stats = stats
-        load.generation += 1
-        load.pending_tokens = load.num_pending = load.retired_tokens = load.num_retired = 0
+        taken = now - max(0.0, stats.age_s)
+        load.stats, load.taken_at = stats, taken
+        pending_tokens = num_pending = retired_tokens = num_retired = 0
+        for f in load.in_flight.values():
+            if f.routed_at >= taken:
+                num_pending += 1
+                if not f.started:
+                    pending_tokens += f.uncached_tokens
+            elif f.started and f.started_at > taken:
+                retired_tokens += f.uncached_tokens
+        finished = load.finished
+        while finished and finished[0][0] <= taken:
+            finished.popleft()                                # finished before the snapshot: not in it
+        for _, routed_at, started_at, uncached in finished:
+            if routed_at >= taken:
+                continue
+            if started_at is not None and started_at <= taken:
+                num_retired += 1                              # counted running, gone since
+            else:
+                retired_tokens += uncached                    # counted queued, gone since
+        load.pending_tokens, load.num_pending = pending_tokens, num_pending
+        load.retired_tokens, load.num_retired = retired_tokens, num_retired
         load.refresh()
 
     # ------------------------------------------------------------ reads
@@ -105,16 +140,18 @@ class LoadTracker:
     def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
             num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0) -> None:
         if req_id in self._in_flight:
-            self.finish(req_id)
+            self._cancel(req_id)
         load = self._loads.get(replica_id)
         if load is None:
             return
-        self._in_flight[req_id] = InFlight(
+        f = self._in_flight[req_id] = InFlight(
             replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
-            load.generation, load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens)
-        load.pending_tokens += uncached_tokens
-        load.num_pending += 1
-        load.refresh()
+            load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens)
+        load.in_flight[req_id] = f
+        if now >= load.taken_at:
+            load.pending_tokens += uncached_tokens
+            load.num_pending += 1
+            load.refresh()
         self._by_age.append((now, req_id))
 
     def move(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
@@ -123,42 +160,59 @@ class LoadTracker:
         f = self._in_flight.get(req_id)
         if f is None or f.replica_id == replica_id:
             return f
-        self.finish(req_id)
+        self._cancel(req_id)
         self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
                  num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now,
                  tier_tokens=tier_tokens)
         return self._in_flight.get(req_id)
 
-    def start(self, req_id: str) -> InFlight | None:
+    def start(self, req_id: str, now: float) -> InFlight | None:
         """First token seen: the request's prefill left the replica's queue."""
         f = self._in_flight.get(req_id)
         if f is None or f.started:
             return None
-        f.started = True
+        f.started, f.started_at = True, now
         load = self._loads.get(f.replica_id)
         if load is not None:
-            if f.generation == load.generation:
+            if f.routed_at >= load.taken_at:
                 load.pending_tokens -= f.uncached_tokens
             else:
                 load.retired_tokens += f.uncached_tokens
             load.refresh()
         return f
 
-    def finish(self, req_id: str) -> InFlight | None:
+    def _cancel(self, req_id: str) -> None:
+        """Forget a request that never reached its recorded replica (moved, or re-added)."""
+        f = self._in_flight.pop(req_id)
+        load = self._loads.get(f.replica_id)
+        if load is None:
+            return
+        load.in_flight.pop(req_id, None)
+        if f.routed_at >= load.taken_at:
+            load.num_pending -= 1
+            if not f.started:
+                load.pending_tokens -= f.uncached_tokens
+            load.refresh()
+
+    def finish(self, req_id: str, now: float) -> InFlight | None:
         f = self._in_flight.pop(req_id, None)
         if f is None:
             return None
         load = self._loads.get(f.replica_id)
         if load is not None:
-            if f.generation == load.generation:
+            load.in_flight.pop(req_id, None)
+            if f.routed_at >= load.taken_at:
                 load.num_pending -= 1
                 if not f.started:
                     load.pending_tokens -= f.uncached_tokens
-            else:
-                load.num_retired += 1
-                if not f.started:
-                    load.retired_tokens += f.uncached_tokens
+            elif not f.started:
+                load.retired_tokens += f.uncached_tokens      # counted queued, never ran
+            elif f.started_at <= load.taken_at:
+                load.num_retired += 1                         # counted running
             load.refresh()
+            load.finished.append((now, f.routed_at, f.started_at if f.started else None, f.uncached_tokens))
+            while len(load.finished) > _MAX_FINISHED and load.finished:
+                load.finished.popleft()
         return f
 
     def expire(self, now: float) -> None:
@@ -168,7 +222,7 @@ class LoadTracker:
             routed_at, req_id = by_age.popleft()
             f = self._in_flight.get(req_id)
             if f is not None and f.routed_at == routed_at:
-                self.finish(req_id)
+                self.finish(req_id, now)
 
 
 class TTFTModel:
