@@ -12,7 +12,13 @@ class AffinityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # -- index
-    max_index_entries: int = Field(500_000, ge=1, description="block hashes indexed; LRU beyond")
+    max_index_entries: int = Field(8_000_000, ge=1, description="upper limit on the block hashes indexed (the "
+                                   "index is sized from the replicas' reported pool sizes; 125-175 bytes per "
+                                   "hash with one holder)")
+    index_capacity_margin: float = Field(1.25, ge=1.0, description="index bound = this x the sum of the "
+                                         "replicas' reported KV pool blocks")
+    index_blocks_per_unknown_replica: int = Field(32_768, ge=1, description="pool blocks assumed for a "
+                                                  "replica that has not reported its size yet")
     speculative_ttl_s: float = Field(10.0, gt=0, description="a routed prompt's blocks count as held this long "
                                      "unless a BlockStored confirms them")
     max_tier_index_entries: int = Field(500_000, ge=1, description="block hashes indexed in replicas' KV "
@@ -31,6 +37,10 @@ class AffinityConfig(BaseModel):
     # -- affinity release
     release_slack: float = Field(0.3, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
     release_slack_abs_s: float = Field(0.1, ge=0, description="the absolute part of that bound, seconds")
+    release_recompute_weight: float = Field(1.0, ge=0, description="a release must also beat this x fleet "
+                                            "saturation x the time to recompute the prefix it gives up")
+    release_busy_horizon_s: float = Field(0.25, ge=0, description="the least queued replica's prefill "
+                                          "backlog at which the fleet counts as fully saturated")
     min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
     # -- hot prefix groups
     group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")
@@ -41,6 +51,9 @@ class AffinityConfig(BaseModel):
                                         "the window is spread over at least share x N replicas")
     decode_token_weight: float = Field(2.0, ge=0, description="prefill-token equivalents per output token in "
                                        "a group's demand")
+    output_tokens_prior: float = Field(256.0, ge=0, description="output tokens a request is expected to "
+                                       "produce until finished requests were observed (a group's demand "
+                                       "uses the observed lengths, capped by max_tokens)")
     # -- new groups and ties
     new_group_room_tolerance: float = Field(0.0, ge=0, le=1, description="a new group goes to the replica "
                                             "with the most cache room among the TTFT near-ties; occupancies "

@@ -52,9 +52,22 @@ class PrefixAffinityRouterCore:
             self.index.add_replica(rid, node_id)
             self.loads.add_replica(rid, node_id)
         self._nodes = new
+        self._size_index()
 
     def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
-        self.loads.set_stats(replica_id, load)
+        before = self.loads.get(replica_id).stats.num_blocks
+        self.loads.set_stats(replica_id, load, self.clock())
+        if load.num_blocks != before:
+            self._size_index()
+
+    def _size_index(self) -> None:
+        """The index holds what the fleet's pools hold: the sum of the replicas' reported pool sizes
+        (`index_blocks_per_unknown_replica` for one that has not reported yet) times a margin, at most
+        `max_index_entries`. O(replicas), on membership and pool-size changes only."""
+        cfg = self.config
+        total = sum(self.loads.get(rid).stats.num_blocks or cfg.index_blocks_per_unknown_replica
+                    for rid in self._nodes)
+        self.index.set_capacity(int(total * cfg.index_capacity_margin))
 
     def on_kv_events(self, batch: KVEventBatch) -> bool:
         self.hot.on_events(batch.events)
@@ -98,7 +111,7 @@ class PrefixAffinityRouterCore:
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=request.block_hashes, now=now,
                        tier_tokens=result.scores.tier_cached(result.chosen_index))
-        self.index.insert_speculative(chosen, request.block_hashes[matched.get(chosen, 0):], now)
+        self.index.insert_speculative(chosen, request.block_hashes, now, start=matched.get(chosen, 0))
         self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
         return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
@@ -136,6 +149,7 @@ class PrefixAffinityRouterCore:
         self._nodes[replica_id] = None
         self.index.add_replica(replica_id)
         self.loads.add_replica(replica_id)
+        self._size_index()
 
     # ------------------------------------------------------------ request lifecycle
     def on_routed(self, request_id: str, replica_id: str) -> None:
@@ -153,16 +167,17 @@ class PrefixAffinityRouterCore:
         cached = min(matched + loadable, max_blocks) * self.block_size
         self.loads.move(request_id, replica_id, uncached_tokens=f.num_prompt_tokens - cached,
                         predicted_cached_tokens=cached, now=now, tier_tokens=cached - pool_cached)
-        self.index.insert_speculative(replica_id, f.block_hashes[matched:], now)
+        self.index.insert_speculative(replica_id, f.block_hashes, now, start=matched)
         self._counters.num_rerouted += 1
 
     def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
         if num_cached_tokens is not None:
             self.on_actual_cached(request_id, num_cached_tokens)
-        f = self.loads.start(request_id)
+        now = self.clock()
+        f = self.loads.start(request_id, now)
         if f is None:
             return
-        ttft = self.clock() - f.routed_at
+        ttft = now - f.routed_at
         if num_cached_tokens is None:
             uncached, loaded = f.uncached_tokens, f.tier_tokens
         else:
@@ -181,8 +196,10 @@ class PrefixAffinityRouterCore:
         c.actual_cached_tokens += num_cached_tokens
         c.num_accuracy_samples += 1
 
-    def on_finished(self, request_id: str) -> None:
-        self.loads.finish(request_id)
+    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        f = self.loads.finish(request_id, self.clock())
+        if f is not None and num_output_tokens is not None:
+            self.policy.groups.observe_output(self.policy.group_key_of(f.block_hashes), num_output_tokens)
 
     def hot_prefixes(self, n: int) -> list[list[int]]:
         """Token ids of the `n` hottest shared prefixes, to warm a joining replica (app/routing/warmup.py)."""

@@ -46,10 +46,21 @@ class PolicyResult:
 
 
 class HotGroups:
-    """Per prefix-group demand (prefill-token equivalents) over a sliding window; O(1) amortized."""
+    """Per prefix-group demand (prefill-token equivalents) over a sliding window; O(1) amortized.
 
-    def __init__(self, window_s: float) -> None:
+    A request's decode part of the demand is its group's *observed* output length (an exponentially
+    weighted mean of the group's finished requests, else of all groups', else `output_tokens_prior`), at
+    most its declared max_tokens: a client that leaves max_tokens unset (the server then allows the whole
+    context) must not make its group look hot.
+    """
+
+    OUTPUT_EWMA = 0.2
+
+    def __init__(self, window_s: float, output_tokens_prior: float = 256.0) -> None:
         self.window_s = window_s
+        self.output_tokens_prior = output_tokens_prior
+        self._out: dict[BlockHash, float] = {}   # group -> observed output tokens (EWMA)
+        self._out_all: float | None = None
         self._sums: dict[BlockHash, float] = {}
         self._total = 0.0                       # every group's demand in the window
         self._counts: dict[BlockHash, int] = {}  # requests per group in the window
@@ -75,6 +86,7 @@ class HotGroups:
             if left <= 1e-9:
                 del self._sums[key]
                 self._shared.pop(key, None)
+                self._out.pop(key, None)
             else:
                 self._sums[key] = left
 
@@ -88,6 +100,22 @@ class HotGroups:
         self._total += work_tokens
         self._counts[key] = self._counts.get(key, 0) + 1
         self._events.append((now, key, work_tokens))
+
+    def observe_output(self, key: BlockHash | None, num_output_tokens: int) -> None:
+        """A finished request of the group produced this many tokens."""
+        a = self.OUTPUT_EWMA
+        self._out_all = (float(num_output_tokens) if self._out_all is None
+                         else (1 - a) * self._out_all + a * num_output_tokens)
+        if key is not None and key in self._sums:
+            prev = self._out.get(key)
+            self._out[key] = float(num_output_tokens) if prev is None else (1 - a) * prev + a * num_output_tokens
+
+    def expected_output(self, key: BlockHash | None, max_tokens: int) -> float:
+        """Output tokens to expect of a request of the group (observed), capped by its max_tokens if set."""
+        est = self._out.get(key) if key is not None else None
+        if est is None:
+            est = self._out_all if self._out_all is not None else self.output_tokens_prior
+        return min(est, max_tokens) if max_tokens > 0 else est
 
     def demand_tokens_per_s(self, key: BlockHash, now: float) -> float:
         """Window demand; while the router is younger than the window, over its age (at least 1 s)."""
@@ -134,10 +162,12 @@ class AffinityPolicy:
         self.block_size = block_size
         self.model = model
         self.rng = rng
-        self.groups = HotGroups(config.hot_window_s)
+        self.groups = HotGroups(config.hot_window_s, config.output_tokens_prior)
 
     def group_key(self, request: RouteRequest) -> BlockHash | None:
-        hashes = request.block_hashes
+        return self.group_key_of(request.block_hashes)
+
+    def group_key_of(self, hashes: list[BlockHash]) -> BlockHash | None:
         return hashes[min(self.config.group_blocks, len(hashes)) - 1] if hashes else None
 
     def decide(self, request: RouteRequest, cands: list[ReplicaLoad], matched: dict[str, int],
@@ -183,15 +213,16 @@ class AffinityPolicy:
                 grow = self.model.predict_many(cands, [prompt - max(cached)] * len(cands))
                 chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
-                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA)
+                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA, cached)
         else:
             most = max(cached[i] for i in holders)
             tops = [i for i in holders if cached[i] == most]
             most_pool = max(pool_cached[i] for i in tops)     # equal reuse: the pool's is free
             affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
-            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY)
+            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY, cached)
         if key is not None:
-            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * request.max_tokens, now,
+            expected = self.groups.expected_output(key, request.max_tokens)
+            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * expected, now,
                                request.block_hashes)
         return self._result(cands, cached, ttft, chosen, reason, affinity, k, loaded)
 
@@ -208,18 +239,35 @@ class AffinityPolicy:
         return max(1, min(num_cands, k))
 
     def _pick_released(self, pool: list[int], ttft: list[float], cands: list[ReplicaLoad],
-                       request: RouteRequest, reason: Reason) -> tuple[int, Reason]:
-        """Best of `pool` unless a replica outside it beats it by more than the release slack."""
+                       request: RouteRequest, reason: Reason, cached: list[int]) -> tuple[int, Reason]:
+        """Best of `pool` unless a replica outside it beats it by more than the release slack plus what
+        the move costs the fleet: the prefix it recomputes, weighted by how saturated the fleet is.
+
+        A release trades this request's wait for extra prefill work (the tokens cached at the holder but
+        not at the other replica). While some replica is idle that work uses spare capacity; once every
+        replica is queued it delays every request behind it, and at 1.5x load moving requests whose holder
+        has most of the prompt onto replicas holding none of it only deepens the overload. So the bound
+        grows by `release_recompute_weight` x saturation x recompute time, saturation being the least
+        queued replica's prefill backlog over `release_busy_horizon_s` (0: someone is idle, 1: everyone
+        has that much queued)."""
         cfg = self.config
         best_in = self._pick(pool, ttft, cands, request)
         inside = set(pool)
         outside = [i for i in range(len(cands)) if i not in inside]
         if not outside:
             return best_in, reason
-        best_out = min(ttft[i] for i in outside)
-        if ttft[best_in] <= best_out * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s:
+        out = self._pick(outside, ttft, cands, request)
+        bound = ttft[out] * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s
+        if ttft[best_in] <= bound:
             return best_in, reason
-        return self._pick(outside, ttft, cands, request), Reason.RELEASED
+        extra = cached[best_in] - cached[out]
+        if extra > 0 and cfg.release_recompute_weight > 0:
+            rate = self.model.prefill_tokens_per_s
+            backlog_s = min(c.queued_prefill_tokens for c in cands) / rate
+            saturation = min(1.0, backlog_s / cfg.release_busy_horizon_s) if cfg.release_busy_horizon_s > 0 else 1.0
+            if ttft[best_in] <= bound + cfg.release_recompute_weight * saturation * extra / rate:
+                return best_in, reason
+        return out, Reason.RELEASED
 
     def _pick_room(self, ttft: list[float], cands: list[ReplicaLoad],
                    occupancy: Callable[[ReplicaLoad], float], request: RouteRequest) -> int:

@@ -18,11 +18,15 @@ from benchmarks.routing.routers import ClusterView, SimRequest, _Base
 
 class OursRouter(_Base):
     def __init__(self, replica: ReplicaSpec, config: AffinityConfig | None = None,
-                 policy: str = "prefix_affinity", name: str = "ours (prefix affinity)"):
+                 policy: str = "prefix_affinity", name: str = "ours (prefix affinity)",
+                 declared_max_tokens: int = 0):
         self.block_size = replica.block_size
         self.config = config or AffinityConfig()
         self.policy = policy
         self.name = name
+        #: the max_tokens every request declares (0: its own output length, as if the client knew it);
+        #: a chat client that sets none gets max_model_len - prompt from the server
+        self.declared_max_tokens = declared_max_tokens
 
     def setup(self, cluster: ClusterView, seed: int) -> None:
         super().setup(cluster, seed)
@@ -34,11 +38,15 @@ class OursRouter(_Base):
         self.core.set_replicas([ReplicaInfo(rid) for rid in self.ids])
         self.next_seq: list[int | None] = [None] * self.n
         self.epoch: list[str | None] = [None] * self.n
+        self.output_len: dict[str, int] = {}
 
     def route(self, req: SimRequest, now: float) -> int:
         self.now = now
-        d = self.core.route(RouteRequest(req.req_id, req.block_hashes, len(req.prompt_token_ids), req.max_tokens),
-                            self.ids)
+        # A client's max_tokens is an upper bound (often unset): the trace's output length is what the
+        # shell reports at the end (on_finished), not what the request declares.
+        self.output_len[req.req_id] = req.max_tokens
+        d = self.core.route(RouteRequest(req.req_id, req.block_hashes, len(req.prompt_token_ids),
+                                         self.declared_max_tokens or req.max_tokens), self.ids)
         return self.index_of[d.chosen]
 
     def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
@@ -47,7 +55,7 @@ class OursRouter(_Base):
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None:
         self.now = now
-        self.core.on_finished(req_id)
+        self.core.on_finished(req_id, self.output_len.pop(req_id, None))
 
     def on_stats(self, replica: int, feed: SimReplica, now: float) -> None:
         self.now = now
