@@ -38,7 +38,7 @@ from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # n
 from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,  # noqa: E402
                                         RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
 from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,  # noqa: E402
-                                         spec_from_args)
+                                         replica_from_args, spec_from_args)
 from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
 
 _STEP_END, _RELEASE, _EVENTS, _STATS = 0, 1, 2, 3
@@ -271,7 +271,9 @@ class Simulation:
 
 
 # ================================================================== routers by name
-ROUTER_NAMES = ("round-robin", "power-of-two", "ray", "ray-threshold", "ours", "shared", "pinned")
+ROUTER_NAMES = ("round-robin", "power-of-two", "ray", "ray-threshold", "llmd", "llmd-2s", "sglang", "dynamo",
+                "ours", "shared", "pinned")
+FIELD = ("llmd", "llmd-2s", "sglang", "dynamo")
 
 
 def ours_available() -> bool:
@@ -298,11 +300,22 @@ def make_router(name: str, prepared: PreparedTrace, text: TokenText) -> SimRoute
     if name == "ours":
         from benchmarks.routing.ours import OursRouter
         return OursRouter(prepared.trace.meta.replica)
+    if name in FIELD:
+        from benchmarks.routing.field import DynamoKV, LlmdPrecise, SglangCacheAware
+        replica = prepared.trace.meta.replica
+        peak = 1.0 / TimingModel().prefill_per_token_s
+        if name == "llmd":
+            return LlmdPrecise(replica, peak, 18.0)
+        if name == "llmd-2s":
+            return LlmdPrecise(replica, peak, 2.0)
+        if name == "sglang":
+            return SglangCacheAware(replica)
+        return DynamoKV(replica)
     raise ValueError(f"unknown router {name!r}; one of {', '.join(ROUTER_NAMES)}")
 
 
 def default_routers() -> list[str]:
-    return [n for n in ROUTER_NAMES if n != "ours" or ours_available()]
+    return [n for n in ROUTER_NAMES if (n != "ours" and n not in FIELD) or ours_available()]
 
 
 def run_all(trace: Trace, routers: list[str], *, periods: FeedPeriods | None = None, seed: int = 0,
@@ -335,7 +348,8 @@ HEADLINE = [  # (replicas, pressure, load, hot prefix, requests per replica)
 
 def _run_one(args, spec, say, out_stem: Path | None) -> dict:
     t0 = time.perf_counter()
-    trace = read_trace(args.trace) if getattr(args, "trace", None) else generate(spec, progress=say)
+    trace = (read_trace(args.trace) if getattr(args, "trace", None)
+             else generate(spec, replica_from_args(args), progress=say))
     say(f"{describe(trace.meta)} (built in {time.perf_counter() - t0:.1f} s)")
     routers = args.routers.split(",") if args.routers else default_routers()
     periods = FeedPeriods.default(trace.meta.spec.num_replicas)

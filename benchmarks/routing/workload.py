@@ -8,6 +8,9 @@ Traffic mix (PCR-Bench defaults, ../shared/ROUTING_NOTES.md (iii), lengths scale
 - C (10%) bursts of 4-16 siblings sharing a prefix, arriving within 20 ms;
 - D (15%) no reuse.
 `--hot`: one prefix takes 90% of the requests, the other 10% are D.
+`--long-tail`: lengths as production traces have them (LONG_TAIL below): system prompts, turn messages and
+no-reuse prompts with a heavy tail up to 32k tokens, contexts up to 34k; pair it with a GPU-sized KV pool
+(`--kv-blocks 8192` or more per replica).
 
 Sizing. Load is the arrival rate over the no-cache saturation rate of the fleet (one replica's rate,
 measured by running a sample of this very mix through the simulated replica with prefix caching off,
@@ -53,6 +56,14 @@ MAX_CONTEXT = 8192                      # prompt + output; a session ends before
 FIRST_TOKEN_ID = 3                      # ids below are special in most vocabularies
 PRESSURE_TOLERANCE = 0.05
 RATE_TOLERANCE = 0.03
+#: --long-tail: (median, sigma, lo, hi) with sigma 1.0-1.2 (p99 ~10-15x the median), capped at 32k tokens
+LONG_TAIL = {"SYSTEM_PROMPT": (1500, 1.1, 300, 32000), "QUESTION": (150, 0.8, 20, 2000),
+             "OUTPUT": (150, 0.8, 16, 1000), "TURN_MESSAGE": (300, 1.2, 50, 16000),
+             "NO_REUSE_INPUT": (600, 1.2, 100, 32000), "BURST_PREFIX": (600, 8000), "MAX_CONTEXT": 34000,
+             "PREAMBLE_TOKENS": 2000}
+DEFAULT_LENGTHS = {"SYSTEM_PROMPT": SYSTEM_PROMPT, "QUESTION": QUESTION, "OUTPUT": OUTPUT,
+                   "TURN_MESSAGE": TURN_MESSAGE, "NO_REUSE_INPUT": None, "BURST_PREFIX": BURST_PREFIX,
+                   "MAX_CONTEXT": MAX_CONTEXT, "PREAMBLE_TOKENS": PREAMBLE_TOKENS}
 CALIBRATION_REQUESTS = 200
 MAX_SIZING_ROUNDS = 10
 MAX_CALIBRATION_ROUNDS = 4
@@ -72,6 +83,10 @@ class WorkloadSpec:
     zipf_alpha: float = 0.8
     hot_share: float = 0.9
     vocab_size: int = 32000
+    long_tail: bool = False
+
+    def lengths(self) -> dict:
+        return LONG_TAIL if self.long_tail else DEFAULT_LENGTHS
 
 
 @dataclass(slots=True)
@@ -131,6 +146,7 @@ class _Gen:
 
     def __init__(self, spec: WorkloadSpec, knobs: _Knobs, timing: TimingModel):
         self.spec, self.k, self.timing = spec, knobs, timing
+        self.L = spec.lengths()
         self.out: list[TraceRequest] = []
 
     def rng(self, *key: int) -> np.random.Generator:
@@ -171,23 +187,24 @@ class _Gen:
         systems = []
         for k in range(g):
             rng = self.rng(self._A, 0, k)
-            systems.append(self.tokens(rng, self.lognormal(rng, SYSTEM_PROMPT)))
+            systems.append(self.tokens(rng, self.lognormal(rng, self.L["SYSTEM_PROMPT"])))
         weights = 1.0 / np.arange(1, g + 1) ** self.spec.zipf_alpha
         times = self.arrivals(self._A, rate)
         rng = self.rng(self._A, 1)
         picks = rng.choice(g, size=len(times), p=weights / weights.sum())
         for i, (t, k) in enumerate(zip(times, picks)):
-            prompt = systems[k] + self.tokens(rng, self.lognormal(rng, QUESTION))
+            prompt = systems[k] + self.tokens(rng, self.lognormal(rng, self.L["QUESTION"]))
             self.out.append(TraceRequest(f"A{i:06d}", float(t), "A", f"tenant{k}", prompt,
-                                         self.tokens(rng, self.lognormal(rng, OUTPUT))))
+                                         self.tokens(rng, self.lognormal(rng, self.L["OUTPUT"]))))
 
     def sessions(self, rate: float) -> None:
         """Sessions start over [-lifetime, T] so the trace opens in steady state; turns before 0 are
         dropped (the first kept turn arrives with its history, as a resumed conversation does)."""
         think = self.k.think_mean_s
         mean_turns = 1 + MEAN_EXTRA_TURNS
-        lifetime = mean_turns * (think + self.nominal_latency_s(TURN_MESSAGE[0], OUTPUT[0]))
-        preamble = self.tokens(self.rng(self._SHARED, 0), PREAMBLE_TOKENS)
+        L = self.L
+        lifetime = mean_turns * (think + self.nominal_latency_s(L["TURN_MESSAGE"][0], L["OUTPUT"][0]))
+        preamble = self.tokens(self.rng(self._SHARED, 0), L["PREAMBLE_TOKENS"])
         starts = self.arrivals(self._B, rate * self.k.session_rate_scale / mean_turns, start=-lifetime)
         for sid, t in enumerate(starts):
             rng = self.rng(self._B, sid)
@@ -195,10 +212,10 @@ class _Gen:
             history = list(preamble) if rng.random() < 0.5 else []
             parent = None
             for turn in range(num_turns):
-                message = self.tokens(rng, self.lognormal(rng, TURN_MESSAGE))
-                output = self.tokens(rng, self.lognormal(rng, OUTPUT))
+                message = self.tokens(rng, self.lognormal(rng, L["TURN_MESSAGE"]))
+                output = self.tokens(rng, self.lognormal(rng, L["OUTPUT"]))
                 prompt = history + message
-                if len(prompt) + len(output) > MAX_CONTEXT:
+                if len(prompt) + len(output) > L["MAX_CONTEXT"]:
                     break
                 think_s = think * float(rng.exponential(1.0)) if turn else 0.0
                 t = t + think_s
@@ -216,7 +233,7 @@ class _Gen:
         lo, hi = BURST_SIBLINGS
         for b, t in enumerate(self.arrivals(self._C, rate / ((lo + hi) / 2))):
             rng = self.rng(self._C, b)
-            prefix = self.tokens(rng, int(rng.integers(*BURST_PREFIX)))
+            prefix = self.tokens(rng, int(rng.integers(*self.L["BURST_PREFIX"])))
             for k in range(int(rng.integers(lo, hi + 1))):
                 prompt = prefix + self.tokens(rng, int(rng.integers(20, 200)))
                 self.out.append(TraceRequest(f"C{b:05d}s{k:02d}", float(t + rng.uniform(0, BURST_SPREAD_S)), "C",
@@ -224,18 +241,19 @@ class _Gen:
 
     def no_reuse(self, rate: float) -> None:
         rng = self.rng(self._D)
+        tail = self.L["NO_REUSE_INPUT"]
         for i, t in enumerate(self.arrivals(self._D, rate)):
-            self.out.append(TraceRequest(f"D{i:06d}", float(t), "D", "",
-                                         self.tokens(rng, int(rng.integers(*NO_REUSE_INPUT))),
+            n = self.lognormal(rng, tail) if tail else int(rng.integers(*NO_REUSE_INPUT))
+            self.out.append(TraceRequest(f"D{i:06d}", float(t), "D", "", self.tokens(rng, n),
                                          self.tokens(rng, int(rng.integers(*NO_REUSE_OUTPUT)))))
 
     def hot(self, rate: float) -> None:
         rng = self.rng(self._HOT)
         prefix = self.tokens(self.rng(self._SHARED, 1), HOT_PREFIX_TOKENS)
         for i, t in enumerate(self.arrivals(self._HOT, rate)):
-            prompt = prefix + self.tokens(rng, self.lognormal(rng, QUESTION))
+            prompt = prefix + self.tokens(rng, self.lognormal(rng, self.L["QUESTION"]))
             self.out.append(TraceRequest(f"H{i:06d}", float(t), "hot", "hot", prompt,
-                                         self.tokens(rng, self.lognormal(rng, OUTPUT))))
+                                         self.tokens(rng, self.lognormal(rng, self.L["OUTPUT"]))))
 
     def nominal_latency_s(self, new_tokens: float, output_tokens: float) -> float:
         """An unloaded replica's end-to-end time (history cached): for session turns' nominal arrivals."""
@@ -288,8 +306,9 @@ def measure_load(requests: list[TraceRequest], window: tuple[float, float], flee
 def _initial_knobs(spec: WorkloadSpec, replica: ReplicaSpec, rate: float, duration: float) -> _Knobs:
     """Analytic first guess: half the working set in tenants' system prompts, half in live sessions."""
     working_set = spec.pressure * spec.num_replicas * replica.num_kv_tokens
-    tenants = max(1, round(0.5 * working_set / SYSTEM_PROMPT[0] * 1.5))   # some tenants are never reused
-    live_sessions = 0.5 * working_set / (PREAMBLE_TOKENS / 2 + 2 * (TURN_MESSAGE[0] + OUTPUT[0]))
+    L = spec.lengths()
+    tenants = max(1, round(0.5 * working_set / L["SYSTEM_PROMPT"][0] * 1.5))   # some tenants are never reused
+    live_sessions = 0.5 * working_set / (L["PREAMBLE_TOKENS"] / 2 + 2 * (L["TURN_MESSAGE"][0] + L["OUTPUT"][0]))
     think = max(0.2, live_sessions / max(rate * spec.shares[1], 1e-9))
     return _Knobs(rate, duration, tenants, think)
 
@@ -428,11 +447,25 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot", action="store_true", help="one prefix takes 90%% of the requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--requests-per-replica", type=int, default=300)
+    p.add_argument("--long-tail", action="store_true", help="production-like lengths: prompts up to 32k tokens")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks of 16 tokens per replica (default "
+                   "1024; a GPU holds 8k-25k)")
 
 
 def spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(num_replicas=a.replicas, pressure=a.pressure, load=a.load, hot=a.hot, seed=a.seed,
-                        requests_per_replica=a.requests_per_replica)
+                        requests_per_replica=a.requests_per_replica, long_tail=getattr(a, "long_tail", False))
+
+
+def replica_from_args(a: argparse.Namespace) -> ReplicaSpec:
+    """The replica each simulated engine runs: KV pool from --kv-blocks; long prompts need a longer
+    max_model_len."""
+    blocks = getattr(a, "kv_blocks", None)
+    base = ReplicaSpec()
+    tokens = blocks * base.block_size if blocks else base.num_kv_tokens
+    max_len = max(base.max_model_len, LONG_TAIL["MAX_CONTEXT"] + 1024) if getattr(a, "long_tail", False) \
+        else base.max_model_len
+    return replace(base, num_kv_tokens=tokens, max_model_len=min(max_len, tokens))
 
 
 def main() -> None:
@@ -440,7 +473,8 @@ def main() -> None:
     add_spec_args(p)
     p.add_argument("--out", required=True, help="trace path (.jsonl or .jsonl.gz)")
     a = p.parse_args()
-    trace = generate(spec_from_args(a), progress=lambda m: print(m, file=sys.stderr, flush=True))
+    trace = generate(spec_from_args(a), replica_from_args(a),
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
     write_trace(trace, a.out)
     print(describe(trace.meta))
 
