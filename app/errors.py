@@ -40,7 +40,8 @@ def to_api_error(exc: BaseException) -> APIError:
     """Classify any exception (pure: logs nothing); never leaks a stack trace into the message."""
     from ray.serve.exceptions import (BackPressureError, DeploymentUnavailableError,
                                       ReplicaUnavailableError, RequestCancelledError)
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, TaskCancelledError
+    from starlette.requests import ClientDisconnect
 
     if isinstance(exc, APIError):
         return APIError(exc.message, exc.status_code, exc.type, exc.param, exc.code, exc.retry_after_s)
@@ -58,8 +59,11 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError, EngineDeadError, TimeoutError)):
         return APIError("no healthy model replica is available; retry later", 503, "service_unavailable",
                         None, "replica_unavailable", retry_after_s=1)
-    if isinstance(exc, RequestCancelledError):
+    if isinstance(exc, (RequestCancelledError, TaskCancelledError)):
         return APIError("the request was cancelled", 499, "cancelled", None, "cancelled")
+    if isinstance(exc, ClientDisconnect):      # the client went away mid-body: its choice, not a server error
+        return APIError("the client closed the connection before the request was read", 499, "cancelled", None,
+                        "client_closed_request")
     if isinstance(exc, ModelLoadError):
         return APIError(str(exc), 500, "server_error", None, "model_load_error")
     cause = getattr(exc, "cause", None)

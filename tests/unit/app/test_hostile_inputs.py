@@ -259,3 +259,35 @@ async def test_nesting_is_bounded_for_python_callers_too_and_the_bound_is_config
     assert e.value.status_code == 400 and "nested deeper than 4" in e.value.message
     ok = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": [[1, 2]], "max_tokens": 1, "a": {"b": 1}}'))
     assert ok.status_code == 200
+
+
+# ---------------------------------------------------------------- finding 4: client disconnects
+async def test_a_client_disconnect_mid_body_is_a_499_logged_without_a_traceback(checkpoints, app_logs):
+    from starlette.requests import Request
+    ing, handle = ingress(checkpoints)
+    codes: list[int] = []
+    ing.metrics.record_http = lambda route, status: codes.append(status)
+    parts = [{"type": "http.request", "body": b'{"prompt": "hel', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return parts.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+    for _ in range(3):
+        parts[:] = [{"type": "http.request", "body": b'{"prompt": "hel', "more_body": True},
+                    {"type": "http.disconnect"}]
+        r = await ing._http(RequestKind.COMPLETION, Request(scope, receive))
+        assert r.status_code == 499 and json.loads(r.body)["error"]["code"] == "client_closed_request"
+    assert codes == [499] * 3                                     # counted as client closes, not 5xx
+    failures = [rec for rec in app_logs.records if rec.getMessage() == "request failed"]
+    assert len(failures) == 3 and all(rec.levelname == "INFO" and not rec.exc_info for rec in failures)
+    assert "generate" not in [name for name, _ in handle.calls]
+
+
+def test_a_cancelled_replica_task_is_a_cancellation_not_a_server_error():
+    from ray.exceptions import TaskCancelledError
+
+    from app.errors import to_api_error
+    err = to_api_error(TaskCancelledError())
+    assert (err.status_code, err.code) == (499, "cancelled")
