@@ -1,45 +1,9 @@
-"""One config schema: the README's YAML loads as written, documents every key, and shows the defaults."""
-import pathlib
-import re
-
+"""One config schema. The YAML blocks of the README and docs/ load as written, and the generated
+configuration reference documents every key with its default: tests/unit/test_docs.py."""
 import pytest
-import yaml
 
 from app.config import AppConfig, AppEngineConfig, ConfigError
 from engine.config import EngineConfig
-
-README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
-
-
-def _readme_yaml_blocks() -> list[dict]:
-    blocks = re.findall(r"^```yaml\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-    return [yaml.safe_load(b) for b in blocks]
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def test_every_readme_yaml_block_loads():
-    blocks = _readme_yaml_blocks()
-    assert len(blocks) >= 2                        # the full reference block and the token-ids-only one
-    for block in blocks:
-        AppConfig.from_dict(block, source="README.md")
-
-
-def test_readme_reference_block_documents_every_key_with_its_default():
-    reference = _readme_yaml_blocks()[0]
-    documented = _flatten(reference)
-    defaults = _flatten(AppConfig().model_dump(mode="json"))
-    assert sorted(set(defaults) - set(documented)) == [], "keys missing from the README"
-    assert sorted(set(documented) - set(defaults)) == [], "README documents keys that do not exist"
-    assert {k: v for k, v in documented.items() if defaults[k] != v} == {}, "README defaults drifted"
 
 
 def test_engine_section_is_the_engine_config():
