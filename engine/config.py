@@ -55,8 +55,18 @@ class KVConnectorConfig(_Strict):
         "evict", description="offload: save a cached block when the pool evicts it (evict), or a request's "
                              "blocks when it ends (finish)")
     shared_dir: str | None = Field(
-        None, description="shared: the store's directory (default /dev/shm/affinity-serve-kv); replicas "
-                          "share blocks when they name the same one")
+        None, description="shared: the store's directory (default /dev/shm/affinity-serve-kv-<uid>); replicas "
+                          "share blocks when they name the same one. It must be owned by the serving user and "
+                          "not writable by others (docs/kv-store-safety.md)")
+    shared_group: str | None = Field(
+        None, description="shared: share the store with this group's members (a name or gid): directories "
+                          "02770, files 0660; unset: private to the serving user (0700 / 0600)")
+    shared_fsync: bool = Field(
+        False, description="shared: fsync each block file before it appears (for a disk-backed shared_dir; "
+                           "tmpfs needs none, and a torn file fails its checksum and is recomputed)")
+    share_salted_requests: bool = Field(
+        True, description="shared: requests with a cache_salt use the store too (their blocks live under "
+                          "salted hashes no other tenant can match); false keeps them to the replica's own pool")
     model_identity: str | None = Field(
         None, description="names the weights in tier keys (default: a digest of the checkpoint's path, "
                           "config.json and weight files)")

@@ -15,7 +15,8 @@ from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KV
                                       KVTransfer, PoolChanges)
 from engine.kv_connector.offload import OffloadConnectorScheduler
 from engine.kv_connector.shared import SharedConnectorScheduler
-from engine.kv_connector.shared_store import SharedKVStore, default_shared_root
+from engine.kv_connector.shared_store import (SharedKVStore, UnsafeSharedStoreError, check_shared_root,
+                                              default_shared_root)
 
 if TYPE_CHECKING:
     from engine.config import KVConnectorConfig
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorStats",
            "KVConnectorUpdate", "KVConnectorWorker", "KVLayout", "KVTransfer", "PoolChanges",
            "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "build_kv_connector",
-           "model_identity", "default_shared_root"]
+           "model_identity", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError"]
 
 _DEFAULT_CAPACITY_BYTES = 1 << 30
 
@@ -71,8 +72,8 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
         return sched, OffloadWorker(layout, n, device, dtype)
     if config.type == "shared":
         store = SharedKVStore(config.shared_dir or default_shared_root(), layout.namespace(model_identity),
-                              layout.block_bytes, n)
+                              layout.block_bytes, n, group=config.shared_group, fsync=config.shared_fsync)
         sched = SharedConnectorScheduler(layout, store, load_timeout_s=config.load_timeout_s,
-                                         enable_events=enable_events)
+                                         enable_events=enable_events, share_salted=config.share_salted_requests)
         return sched, SharedStoreWorker(layout, store, device, dtype)
     raise ValueError(f"unknown kv_connector.type {config.type!r}; use none, offload or shared")

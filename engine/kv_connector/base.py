@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from engine.hashing import BlockHash
+from engine.request import RequestStatus
 from engine.types import KVEvent
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class KVConnectorOutput:
     finished_stores: list[tuple[list[BlockHash], bool]] = field(default_factory=list)
     #: hashes the tier dropped while making room (a keyed tier whose eviction happens in the runner)
     tier_evicted: list[BlockHash] = field(default_factory=list)
+    #: why a load in `finished_loads` failed, by req_id: "missing" (a block was gone), "damaged" (a block
+    #: failed verification); a failed load without an entry failed with an error
+    load_failure_causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -121,16 +125,27 @@ class KVConnectorUpdate:
 
 @dataclass(slots=True)
 class KVConnectorStats:
-    """Cumulative counters (blocks and the tokens they hold)."""
+    """Cumulative counters (blocks, the tokens and bytes they hold). A failed load counts in `loads_failed`
+    and in exactly one `load_failures_*` cause."""
 
     lookups: int = 0
     hit_blocks: int = 0
+    hit_tokens: int = 0
     loads_ok: int = 0
     loads_failed: int = 0
     loaded_blocks: int = 0
+    loaded_bytes: int = 0
     stored_blocks: int = 0
+    stored_bytes: int = 0
     stores_failed: int = 0
     evicted_blocks: int = 0
+    load_failures_missing: int = 0       # a block was gone by the time it was read (evicted)
+    load_failures_damaged: int = 0       # a block failed verification (shared store)
+    load_failures_timed_out: int = 0     # not reported within load_timeout_s: the request recomputed
+    load_failures_error: int = 0         # the copy raised (logged with its traceback)
+
+
+LOAD_FAILURE_CAUSES = ("missing", "damaged", "timed_out", "error")
 
 
 # ---------------------------------------------------------------- the two sides
@@ -153,6 +168,8 @@ class KVConnectorScheduler(ABC):
 
     def __init__(self) -> None:
         self.stats = KVConnectorStats()
+        self._load_requests: dict[str, "Request"] = {}      # loads in flight, for timeout accounting
+        self._abandoned_loads: set[str] = set()             # timed out or aborted: their late report is not counted
 
     def _match_after_local(self, request: "Request", num_local_tokens: int, holds) -> tuple[int, bool]:
         """The tier's share of a lookup: full blocks right after the local hit for which `holds(hash)` is
@@ -166,7 +183,41 @@ class KVConnectorScheduler(ABC):
                 break
             n += 1
         self.stats.hit_blocks += n
+        self.stats.hit_tokens += n * bs
         return n * bs, n > 0
+
+    # Load accounting shared by the tiers: a subclass calls `_load_started` from update_state_after_alloc,
+    # `_note_abandoned_loads` from build_connector_meta (the Scheduler has just expired overdue loads in the
+    # same schedule()) and `_load_finished` for every reported load.
+    def _load_started(self, request: "Request") -> None:
+        self._load_requests[request.req_id] = request
+
+    def _note_abandoned_loads(self) -> None:
+        """Loads the Scheduler gave up on: it moves a request out of WAITING_FOR_KV only when its load is
+        reported, times out (counted here) or the request is aborted (not a load failure)."""
+        for req_id, req in list(self._load_requests.items()):
+            if req.status is RequestStatus.WAITING_FOR_KV:
+                continue
+            del self._load_requests[req_id]
+            self._abandoned_loads.add(req_id)
+            if not req.status.is_finished:
+                self.stats.loads_failed += 1
+                self.stats.load_failures_timed_out += 1
+
+    def _load_finished(self, req_id: str, ok: bool, num_blocks: int, cause: str | None, block_bytes: int) -> None:
+        self._load_requests.pop(req_id, None)
+        if req_id in self._abandoned_loads:
+            self._abandoned_loads.discard(req_id)
+            return
+        if ok:
+            self.stats.loads_ok += 1
+            self.stats.loaded_blocks += num_blocks
+            self.stats.loaded_bytes += num_blocks * block_bytes
+            return
+        self.stats.loads_failed += 1
+        cause = cause if cause in LOAD_FAILURE_CAUSES else "error"
+        name = f"load_failures_{cause}"
+        setattr(self.stats, name, getattr(self.stats, name) + 1)
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:

@@ -64,6 +64,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             self._pins[slot] = self._pins.get(slot, 0) + 1
             slots.append(slot)
         self._loading[request.req_id] = slots
+        self._load_started(request)
         self._pending_loads.append(KVTransfer(request.req_id, list(block_ids), list(hashes), slots))
 
     # ------------------------------------------------------------------ stores
@@ -73,6 +74,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         return False        # stores run before the next forward pass: the blocks may be reused right away
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", changes: PoolChanges) -> KVConnectorMetadata:
+        self._note_abandoned_loads()
         candidates = changes.evicted if self.store_on == "evict" else self._finish_candidates
         ids: list[int] = []
         hashes: list[BlockHash] = []
@@ -125,6 +127,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                     self._free_slots.append(slot)
             if ok:
                 self.stats.stored_blocks += len(stored)
+                self.stats.stored_bytes += len(stored) * self.layout.block_bytes
             else:
                 self.stats.stores_failed += len(hashes)
             if stored and self._enable_events:
@@ -137,11 +140,8 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                     self._pins[slot] = n
                 else:
                     del self._pins[slot]
-            if ok:
-                self.stats.loads_ok += 1
-                self.stats.loaded_blocks += len(slots)
-            else:
-                self.stats.loads_failed += 1
+            self._load_finished(req_id, ok, len(slots), output.load_failure_causes.get(req_id),
+                                self.layout.block_bytes)
         return KVConnectorUpdate(dict(output.finished_loads))
 
     def has_pending_work(self) -> bool:

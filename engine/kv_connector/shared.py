@@ -27,7 +27,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
     medium = "shared"
 
     def __init__(self, layout: KVLayout, store: SharedKVStore, *, load_timeout_s: float = 30.0,
-                 enable_events: bool = False):
+                 enable_events: bool = False, share_salted: bool = True):
         super().__init__()
         self.layout = layout
         self.block_size = layout.block_size
@@ -38,25 +38,52 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         self._enable_events = enable_events
         self._recent: OrderedDict[BlockHash, None] = OrderedDict()
         self._pending_loads: list[KVTransfer] = []
-        self._loading: dict[str, int] = {}          # req_id -> blocks
+        self._loading: dict[str, list[BlockHash]] = {}          # req_id -> hashes being loaded
         self._num_storing = 0
         self._events: list[KVEvent] = []
+        self.share_salted = share_salted
+        # share_salted=False: unsalted requests seen at admission (req_id -> (request, hashes taken)) and
+        # the hashes of their blocks, the only ones stored
+        self._public_requests: dict[str, tuple["Request", int]] = {}
+        self._public: OrderedDict[BlockHash, None] = OrderedDict()
 
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
+        if not self.share_salted:
+            if request.cache_salt:
+                return 0, False
+            self._public_requests.setdefault(request.req_id, (request, 0))
         return self._match_after_local(request, num_local_tokens, self.store.contains)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size
         hashes = request.block_hashes[start:start + len(block_ids)]
-        self._loading[request.req_id] = len(block_ids)
+        self._loading[request.req_id] = list(hashes)
+        self._load_started(request)
         self._pending_loads.append(KVTransfer(request.req_id, list(block_ids), list(hashes)))
 
+    def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
+        if request.req_id in self._public_requests:
+            self._take_public_hashes()
+            del self._public_requests[request.req_id]
+        return False
+
+    def _take_public_hashes(self) -> None:
+        for req_id, (req, taken) in self._public_requests.items():
+            for h in req.block_hashes[taken:]:
+                self._public[h] = None
+            self._public_requests[req_id] = (req, len(req.block_hashes))
+        while len(self._public) > _RECENT_WRITES:
+            self._public.popitem(last=False)
+
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", changes: PoolChanges) -> KVConnectorMetadata:
+        self._note_abandoned_loads()
+        if not self.share_salted:
+            self._take_public_hashes()
         ids: list[int] = []
         hashes: list[BlockHash] = []
         recent = self._recent
         for block_id, h in changes.cached:
-            if h in recent:
+            if h in recent or (not self.share_salted and h not in self._public):
                 continue
             recent[h] = None
             ids.append(block_id)
@@ -75,6 +102,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
             self._num_storing = max(0, self._num_storing - 1)
             if ok:
                 self.stats.stored_blocks += len(hashes)
+                self.stats.stored_bytes += len(hashes) * self.layout.block_bytes
                 if self._enable_events and hashes:
                     self._events.append(BlockStored(list(hashes), None, [], self.block_size, medium=self.medium))
             else:
@@ -88,12 +116,12 @@ class SharedConnectorScheduler(KVConnectorScheduler):
             if self._enable_events:
                 self._events.append(BlockRemoved(list(output.tier_evicted), medium=self.medium))
         for req_id, ok in output.finished_loads.items():
-            n = self._loading.pop(req_id, 0)
-            if ok:
-                self.stats.loads_ok += 1
-                self.stats.loaded_blocks += n
-            else:
-                self.stats.loads_failed += 1
+            hashes = self._loading.pop(req_id, [])
+            if not ok:       # the request recomputes these blocks: store them again (damaged files are gone)
+                for h in hashes:
+                    self._recent.pop(h, None)
+            self._load_finished(req_id, ok, len(hashes), output.load_failure_causes.get(req_id),
+                                self.layout.block_bytes)
         return KVConnectorUpdate(dict(output.finished_loads))
 
     def has_pending_work(self) -> bool:

@@ -1,67 +1,326 @@
 """SharedKVStore: a node-wide KV block store in POSIX shared memory (files on tmpfs), safe across processes.
 
-Layout: `<root>/<namespace>/<block hash hex>`, one file of `block_bytes` per block, where the namespace
-digests the model identity, dtype and KV layout (`KVLayout.namespace`) so a different model can never read
-another's blocks (and the cache salt is inside the block hash chain). `<root>` defaults to
-`/dev/shm/affinity-serve-kv`: tmpfs, i.e. shared memory that every process on the node can map or read.
+Layout: `<root>/<namespace>/<block hash hex>`, one file per block: a 96-byte header (format version,
+namespace, the block hash it was stored under, payload length, a BLAKE2b checksum of header and payload),
+then `block_bytes` of KV. The namespace digests the model identity, dtype and KV layout
+(`KVLayout.namespace`) so a different model can never read another's blocks; the cache salt is inside the
+block hash chain. The default root is `/dev/shm/affinity-serve-kv-<uid>`: tmpfs, one per user.
 
-- A write goes to a temporary file, then `os.replace` makes it appear whole: a reader sees a complete block
-  or none, without taking a lock. A reader that loses a race with eviction gets "not found" and the
-  engine recomputes.
+- Content: a read verifies every header field and the checksum. A file that fails (flipped bytes, another
+  key's block, truncated, an older format, a link or anything but a regular file, a foreign owner) is a
+  miss: counted by reason, logged once, and removed, so the next store of that block repairs it.
+- Files: every open is relative to the namespace directory's fd (opened once, checked) with O_NOFOLLOW;
+  a write goes to a fresh O_EXCL temporary in that directory, then a rename makes it appear whole: a
+  reader sees a complete block or none, without taking a lock. No fsync unless asked (`fsync=True`): the
+  store is a cache on tmpfs, and a torn file on a disk-backed root fails its checksum.
+- Access: private mode (default) makes directories 0700 and files 0600 and refuses a root or namespace
+  directory that another user owns or that others may write (`UnsafeSharedStoreError`, naming the path
+  and the problem). Group mode (`group=`) shares the store with one group's members: directories 02770,
+  files 0660, owned by that group; never writable by others.
 - Writers serialize on `fcntl.flock` of `<namespace>/.lock`, which guards `.index` (the block count) and
   eviction: past `capacity_blocks`, the least recently used tenth goes (a read refreshes a block's mtime).
 No server, no daemon: the kernel's tmpfs and file locks are the mechanism.
 """
 from __future__ import annotations
 
+import enum
 import fcntl
+import grp
+import hashlib
+import logging
 import os
+import pwd
+import secrets
+import stat
 import struct
 import tempfile
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from contextlib import contextmanager
 
 from engine.hashing import BlockHash
 
+logger = logging.getLogger(__name__)
+
+#: 1 was the headerless format (a file of exactly block_bytes); 2 adds the header below
+FORMAT_VERSION = 2
+_MAGIC = b"AFKV"
+# magic, version, hash length, payload length, namespace (16 bytes), block hash (padded to 32)
+_PREFIX = struct.Struct("<4sHHQ16s32s")
+_DIGEST_BYTES = 32
+HEADER_BYTES = _PREFIX.size + _DIGEST_BYTES          # 96
 _COUNT = struct.Struct("<Q")
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+_STALE_TMP_S = 600.0                                   # a temporary this old belongs to a dead writer
+_MAX_LOGGED = 10_000                                   # file names whose rejection was logged (bounded)
+
+
+class UnsafeSharedStoreError(ValueError):
+    """The store's root or namespace directory is not safe to use (wrong owner, mode or file type)."""
+
+
+class BlockRead(enum.Enum):
+    """What one block read found."""
+
+    OK = "ok"
+    MISSING = "missing"          # no file (never stored, or evicted since the lookup)
+    DAMAGED = "damaged"          # a file failed verification: removed, counted, logged once
 
 
 def default_shared_root() -> str:
+    """One root per user: `/dev/shm/affinity-serve-kv-<uid>` (the temp dir without /dev/shm)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, "affinity-serve-kv")
+    return os.path.join(base, f"affinity-serve-kv-{os.geteuid()}")
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """A group name or id as a gid (None: private mode)."""
+    if group is None:
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise UnsafeSharedStoreError(f"shared store group {group!r} does not exist on this node") from None
+
+
+def _describe_problem(st: os.stat_result, gid: int | None) -> str | None:
+    """Why a directory or file (its lstat/fstat) must not be trusted, or None."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        return f"mode {mode:04o} lets every user write it"
+    if gid is None:
+        if st.st_uid != os.geteuid():
+            return f"it is owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+        if mode & stat.S_IWGRP:
+            return f"mode {mode:04o} lets group {st.st_gid} write it (group sharing is opt-in: shared_group)"
+        return None
+    if st.st_gid != gid:
+        return f"its group is {st.st_gid}, not the shared group {gid}"
+    if st.st_uid != os.geteuid() and not _is_member(st.st_uid, gid):
+        return f"it is owned by uid {st.st_uid}, who is not a member of the shared group {gid}"
+    return None
+
+
+def _is_member(uid: int, gid: int) -> bool:
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return pw.pw_gid == gid or pw.pw_name in grp.getgrgid(gid).gr_mem
+
+
+class _Modes:
+    """Directory and file modes, and the group, of one sharing mode."""
+
+    def __init__(self, gid: int | None):
+        self.gid = gid
+        self.dir = 0o700 if gid is None else 0o2770
+        self.file = 0o600 if gid is None else 0o660
+
+    def fix_fd(self, fd: int, st: os.stat_result, *, is_dir: bool) -> None:
+        """Give a file or directory we own this mode's bits and group (tightens what an older store left)."""
+        if st.st_uid != os.geteuid():
+            return
+        if self.gid is not None and st.st_gid != self.gid:
+            os.fchown(fd, -1, self.gid)
+        want = self.dir if is_dir else self.file
+        if stat.S_IMODE(st.st_mode) != want:
+            os.fchmod(fd, want)
+
+
+def _open_dir(name: str, modes: _Modes, *, dir_fd: int | None = None, what: str, path: str) -> int:
+    """Create (if missing) and open a directory without following links; refuse an unsafe one, give one we
+    own this mode's bits (an older store's 0755 becomes 0700). `path`: the full path, for messages."""
+    try:
+        os.mkdir(name, modes.dir, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        raise UnsafeSharedStoreError(f"refusing the shared KV store {what} {path!r}: it cannot be opened as a "
+                                     f"directory without following links ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        problem = _describe_problem(st, modes.gid)
+        if problem is not None:
+            raise UnsafeSharedStoreError(f"refusing the shared KV store {what} {path!r}: {problem}. Remove it, "
+                                         "or name another kv_connector.shared_dir")
+        modes.fix_fd(fd, st, is_dir=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_shared_root(root: str, group: str | int | None = None) -> None:
+    """Raise UnsafeSharedStoreError if `root` exists and is unsafe for this mode (nothing is created):
+    a front end calls this before starting replicas, so a bad root fails once, clearly."""
+    modes = _Modes(resolve_group(group))
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSharedStoreError(f"refusing the shared KV store root {root!r}: it is not a directory "
+                                     "(a link or a file)")
+    problem = _describe_problem(st, modes.gid)
+    if problem is not None:
+        raise UnsafeSharedStoreError(f"refusing the shared KV store root {root!r}: {problem}. Remove it, or "
+                                     "name another kv_connector.shared_dir")
 
 
 class SharedKVStore:
-    def __init__(self, root: str, namespace: str, block_bytes: int, capacity_blocks: int):
+    def __init__(self, root: str, namespace: str, block_bytes: int, capacity_blocks: int, *,
+                 group: str | int | None = None, fsync: bool = False):
         if capacity_blocks < 1:
             raise ValueError(f"the shared store needs >= 1 block, got {capacity_blocks}")
-        self.dir = os.path.join(root, namespace)
+        self.root = os.path.abspath(root)
+        self.dir = os.path.join(self.root, namespace)
+        self.namespace = bytes.fromhex(namespace)
+        if len(self.namespace) != 16:
+            raise ValueError(f"a store namespace is 32 hex digits, got {namespace!r}")
         self.block_bytes = block_bytes
+        self.file_bytes = HEADER_BYTES + block_bytes
         self.capacity_blocks = capacity_blocks
         #: eviction frees down to this many blocks (a tenth of the capacity) so a scan is rare
         self.low_water = max(0, capacity_blocks - max(1, capacity_blocks // 10))
-        os.makedirs(self.dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(self.dir, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-        self._index_path = os.path.join(self.dir, ".index")
-        self._tmp_suffix = f".tmp{os.getpid()}"
+        self.fsync = fsync
+        self.modes = _Modes(resolve_group(group))
+        #: blocks a read rejected, by kind: checksum, key (another key's block), version, truncated, link (a
+        #: link or not a regular file), owner (another owner, or writable by others)
+        self.damaged: Counter[str] = Counter()
+        self._logged: OrderedDict[str, None] = OrderedDict()
+        self._dir_fd = self._lock_fd = -1
+        check_shared_root(self.root, group)
+        parent = os.path.dirname(self.root)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+        root_fd = _open_dir(self.root, self.modes, what="root", path=self.root)
+        try:
+            self._dir_fd = _open_dir(namespace, self.modes, dir_fd=root_fd, what="directory", path=self.dir)
+        finally:
+            os.close(root_fd)
+        self._lock_fd = self._open_own(".lock", os.O_CREAT | os.O_RDWR)
+
+    def _open_own(self, name: str, flags: int) -> int:
+        """Open a bookkeeping file in the namespace directory (no links; refuse another owner's)."""
+        fd = os.open(name, flags | _OPEN_FLAGS, self.modes.file, dir_fd=self._dir_fd)
+        st = os.fstat(fd)
+        problem = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _describe_problem(st, self.modes.gid)
+        if problem is not None:
+            os.close(fd)
+            raise UnsafeSharedStoreError(f"refusing {os.path.join(self.dir, name)!r}: {problem}")
+        self.modes.fix_fd(fd, st, is_dir=False)
+        return fd
+
+    # ------------------------------------------------------------------ the block file format
+    def _header(self, block_hash: BlockHash, data: memoryview) -> bytes:
+        if len(block_hash) > 32:
+            raise ValueError(f"a block hash is at most 32 bytes, got {len(block_hash)}")
+        prefix = _PREFIX.pack(_MAGIC, FORMAT_VERSION, len(block_hash), len(data), self.namespace, block_hash)
+        digest = hashlib.blake2b(prefix, digest_size=_DIGEST_BYTES)
+        digest.update(data)
+        return prefix + digest.digest()
+
+    def _verify(self, block_hash: BlockHash, header: bytes | bytearray, payload: memoryview) -> tuple[str, str] | None:
+        """(kind, detail) of why a file's header and payload do not hold `block_hash`'s block, or None."""
+        magic, version, hash_len, length, namespace, stored_hash = _PREFIX.unpack_from(header)
+        if magic != _MAGIC or version != FORMAT_VERSION:
+            return "version", f"format version {version if magic == _MAGIC else '?'}, not {FORMAT_VERSION}"
+        if namespace != self.namespace or hash_len != len(block_hash) or stored_hash[:hash_len] != block_hash:
+            return "key", "stored under another key"
+        if length != self.block_bytes:
+            return "truncated", f"payload of {length} bytes, not {self.block_bytes}"
+        digest = hashlib.blake2b(bytes(header[:_PREFIX.size]), digest_size=_DIGEST_BYTES)
+        digest.update(payload)
+        if digest.digest() != bytes(header[_PREFIX.size:HEADER_BYTES]):
+            return "checksum", "checksum mismatch"
+        return None
 
     # ------------------------------------------------------------------ reads (no lock)
-    def _path(self, block_hash: BlockHash) -> str:
-        return os.path.join(self.dir, block_hash.hex())
-
     def contains(self, block_hash: BlockHash) -> bool:
-        return os.path.exists(self._path(block_hash))
-
-    def read_into(self, block_hash: BlockHash, buf: memoryview) -> bool:
-        """Fill `buf` (block_bytes) with the block; False if it is not (or no longer) in the store."""
-        path = self._path(block_hash)
+        """Whether an entry exists under the block's name (a read verifies it)."""
         try:
-            with open(path, "rb", buffering=0) as f:
-                n = f.readinto(buf)
-            os.utime(path)                   # LRU: a read makes the block recent
+            os.stat(block_hash.hex(), dir_fd=self._dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        return n == self.block_bytes
+        return True
+
+    def read_into(self, block_hash: BlockHash, buf: memoryview) -> bool:
+        """Fill `buf` (block_bytes) with the block; False if it is not in the store or failed verification."""
+        return self.read(block_hash, buf) is BlockRead.OK
+
+    def read(self, block_hash: BlockHash, buf: memoryview) -> BlockRead:
+        """Fill `buf` (block_bytes) with the verified block. A file that fails verification is removed
+        (the next store of the block writes it anew), counted in `damaged` by kind and logged once."""
+        name = block_hash.hex()
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return BlockRead.MISSING
+        except OSError as e:      # ELOOP: a symbolic link; EACCES: not ours
+            return self._reject(name, None, "link", f"cannot be opened without following links ({e.strerror})")
+        try:
+            st = os.fstat(fd)
+            problem = self._check_file(st)
+            if problem is None:
+                header = bytearray(HEADER_BYTES)
+                n = os.readv(fd, [header, buf])
+                problem = (("truncated", f"short read of {n} bytes") if n != self.file_bytes
+                           else self._verify(block_hash, header, buf))
+            if problem is not None:
+                return self._reject(name, st, *problem)
+            try:
+                os.utime(fd)            # LRU: a read makes the block recent (on the fd: never a link's target)
+            except OSError:
+                pass                    # a group member's file we may not touch: its age stays
+            return BlockRead.OK
+        finally:
+            os.close(fd)
+
+    def _check_file(self, st: os.stat_result) -> tuple[str, str] | None:
+        """(kind, detail) of why an open entry cannot be one of our block files, or None."""
+        if not stat.S_ISREG(st.st_mode):
+            return "link", "not a regular file"
+        problem = _describe_problem(st, self.modes.gid)
+        if problem is not None:
+            return "owner", problem
+        if st.st_size == self.block_bytes:
+            return "version", "a headerless file (format version 1)"
+        if st.st_size != self.file_bytes:
+            return "truncated", f"{st.st_size} bytes, not {self.file_bytes}"
+        return None
+
+    def _reject(self, name: str, st: os.stat_result | None, kind: str, detail: str) -> BlockRead:
+        self.damaged[kind] += 1
+        if name not in self._logged:
+            self._logged[name] = None
+            if len(self._logged) > _MAX_LOGGED:
+                self._logged.popitem(last=False)
+            logger.warning("shared KV store: block file %s rejected (%s); removed, the block is recomputed",
+                           os.path.join(self.dir, name), detail)
+        self._remove(name, st)
+        return BlockRead.DAMAGED
+
+    def _remove(self, name: str, st: os.stat_result | None) -> None:
+        """Unlink a rejected entry, unless a writer has replaced it since (then it is a new file)."""
+        with self._locked():
+            try:
+                now = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return
+            if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                return
+            try:
+                os.unlink(name, dir_fd=self._dir_fd)        # a link itself goes, never its target
+            except OSError:
+                logger.warning("shared KV store: cannot remove %s", os.path.join(self.dir, name), exc_info=True)
+                return
+            self._write_count(max(0, self._read_count() - 1))
 
     # ------------------------------------------------------------------ writes (locked)
     @contextmanager
@@ -74,19 +333,64 @@ class SharedKVStore:
 
     def _read_count(self) -> int:
         try:
-            with open(self._index_path, "rb") as f:
-                return _COUNT.unpack(f.read(_COUNT.size))[0]
-        except (FileNotFoundError, struct.error):
+            fd = os.open(".index", os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=self._dir_fd)
+        except OSError:
             return len(self._list())
+        try:
+            return _COUNT.unpack(os.read(fd, _COUNT.size))[0]
+        except struct.error:
+            return len(self._list())
+        finally:
+            os.close(fd)
 
     def _write_count(self, n: int) -> None:
-        tmp = self._index_path + self._tmp_suffix
-        with open(tmp, "wb") as f:
-            f.write(_COUNT.pack(n))
-        os.replace(tmp, self._index_path)
+        self._write_file(".index", [_COUNT.pack(n)])
+
+    def _write_file(self, name: str, parts: Sequence[bytes | memoryview]) -> None:
+        """Write `name` whole: a fresh O_EXCL temporary in the directory (a name planted there is never
+        written through), then a rename over `name` (which replaces a link, never its target)."""
+        while True:
+            tmp = f".tmp-{secrets.token_hex(8)}"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, self.modes.file,
+                             dir_fd=self._dir_fd)
+                break
+            except FileExistsError:
+                continue
+        try:
+            try:
+                if self.modes.gid is not None:
+                    os.fchmod(fd, self.modes.file)      # the umask may have taken the group's bits
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self._dir_fd)
+            except OSError:
+                pass
+            raise
+
+    def _is_stored(self, name: str) -> bool | None:
+        """True: a plausible block file is there (a read verifies it); False: nothing; None: something
+        that is not one (a link, a wrong size, a foreign file), which a store replaces."""
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        ok = (stat.S_ISREG(st.st_mode) and st.st_size == self.file_bytes
+              and _describe_problem(st, self.modes.gid) is None)
+        return True if ok else None
 
     def write_many(self, items: Sequence[tuple[BlockHash, memoryview]]) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Store blocks not already present; returns (hashes written, hashes evicted to make room)."""
+        """Store blocks not already present (replacing entries that cannot be blocks); returns (hashes
+        written, hashes evicted to make room)."""
         written: list[BlockHash] = []
         evicted: list[BlockHash] = []
         with self._locked():
@@ -94,14 +398,13 @@ class SharedKVStore:
             for h, data in items:
                 if len(data) != self.block_bytes:
                     raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
-                path = self._path(h)
-                if os.path.exists(path):
+                name = h.hex()
+                present = self._is_stored(name)
+                if present:
                     continue
-                tmp = path + self._tmp_suffix
-                with open(tmp, "wb", buffering=0) as f:
-                    f.write(data)
-                os.replace(tmp, path)
-                count += 1
+                self._write_file(name, [self._header(h, data), data])
+                if present is False:
+                    count += 1
                 written.append(h)
             if count > self.capacity_blocks:
                 evicted, count = self._evict()
@@ -109,26 +412,41 @@ class SharedKVStore:
         return written, evicted
 
     def _list(self) -> list[os.DirEntry]:
-        with os.scandir(self.dir) as it:
-            return [e for e in it if not e.name.startswith(".") and ".tmp" not in e.name]
+        with os.scandir(self._dir_fd) as it:
+            return [e for e in it if not e.name.startswith(".")]
 
     def _evict(self) -> tuple[list[BlockHash], int]:
-        """Under the lock: drop least recently used blocks down to `low_water`; (evicted, count left)."""
+        """Under the lock: drop least recently used blocks down to `low_water`; (evicted, count left).
+        Temporaries of writers that died long ago go too."""
+        self._remove_stale_temporaries()
         entries = self._list()
-        entries.sort(key=lambda e: e.stat().st_mtime_ns)
+        entries.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
         n_drop = max(0, len(entries) - self.low_water)
         evicted = []
         for e in entries[:n_drop]:
             try:
-                os.unlink(e.path)
+                os.unlink(e.name, dir_fd=self._dir_fd)
             except FileNotFoundError:
                 continue
-            evicted.append(bytes.fromhex(e.name))
-        return evicted, len(entries) - len(evicted)
+            h = _hash_of(e.name)
+            if h is not None:
+                evicted.append(h)
+        return evicted, len(entries) - n_drop
+
+    def _remove_stale_temporaries(self) -> None:
+        cutoff = time.time_ns() - int(_STALE_TMP_S * 1e9)
+        with os.scandir(self._dir_fd) as it:
+            for e in it:
+                if e.name.startswith(".tmp-") and e.stat(follow_symlinks=False).st_mtime_ns < cutoff:
+                    try:
+                        os.unlink(e.name, dir_fd=self._dir_fd)
+                    except FileNotFoundError:
+                        pass
 
     # ------------------------------------------------------------------ inspection
     def block_hashes(self) -> list[BlockHash]:
-        return [bytes.fromhex(e.name) for e in self._list()]
+        hashes = (_hash_of(e.name) for e in self._list() if e.is_file(follow_symlinks=False))
+        return [h for h in hashes if h is not None]
 
     def num_blocks(self) -> int:
         """The count the index file keeps (equal to the number of block files between writes)."""
@@ -138,10 +456,20 @@ class SharedKVStore:
     def clear(self) -> None:
         with self._locked():
             for e in self._list():
-                os.unlink(e.path)
+                os.unlink(e.name, dir_fd=self._dir_fd)
             self._write_count(0)
 
     def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        for attr in ("_lock_fd", "_dir_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, attr, -1)
+
+
+def _hash_of(name: str) -> BlockHash | None:
+    try:
+        return bytes.fromhex(name)
+    except ValueError:
+        return None
+

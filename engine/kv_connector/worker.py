@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
-from engine.kv_connector.shared_store import SharedKVStore
+from engine.kv_connector.shared_store import BlockRead, SharedKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class _Worker(ABC):
                 out.finished_loads.update(report.finished_loads)
                 out.finished_stores.extend(report.finished_stores)
                 out.tier_evicted.extend(report.tier_evicted)
+                out.load_failure_causes.update(report.load_failure_causes)
             else:
                 keep.append((event, report))
         self._in_flight = keep
@@ -220,7 +221,10 @@ class SharedStoreWorker(_Worker):
         raw, typed = self._host_blocks(len(t.block_ids))
         mem = raw.numpy()
         for i, h in enumerate(t.block_hashes):
-            if not self.store.read_into(h, memoryview(mem[i])):
-                return False           # evicted since the lookup: the request recomputes
+            result = self.store.read(h, memoryview(mem[i]))
+            if result is not BlockRead.OK:      # evicted since the lookup, or damaged: the request recomputes
+                assert t.req_id is not None
+                out.load_failure_causes[t.req_id] = result.value
+                return False
         self.copier.scatter(t.block_ids, typed.to(self.device, non_blocking=self.is_cuda))
         return True
