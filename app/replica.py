@@ -75,7 +75,9 @@ class LLMReplica:
         configure_json_logging(obs.get("log_level", "INFO"))
         drop_serve_duplicate_logs()
         drop_kv_feed_access_logs()
-        self.engine = AsyncLLMEngine.from_config(serving_engine_config(engine_config))
+        config = serving_engine_config(engine_config)
+        self.kv_tier = config.kv_connector.type          # "none", "offload" or "shared"
+        self.engine = AsyncLLMEngine.from_config(config)
         # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
         # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.
         tune_gc_for_serving()
@@ -213,15 +215,21 @@ class LLMReplica:
                                   f"{idle_for:.0f}s")
 
     # ------------------------------------------------------------------ introspection
+    def kv_tier_stats(self) -> dict[str, int] | None:
+        """The KV connector's cumulative counters (lookups, hits, loads, load failures by cause, stores,
+        evictions, bytes) for `ServingMetrics.record_kv_tier(replica_id, self.kv_tier, ...)`; None without
+        a connector."""
+        conn = self.engine.kv_connector_stats()
+        return dataclasses.asdict(conn) if conn is not None else None
+
     async def debug_state(self) -> dict[str, Any]:
         load = self.engine.load()
-        conn = self.engine.kv_connector_stats()
         return {"replica_id": self.replica_id, "num_free_blocks": load.num_free_blocks,
                 "num_blocks": load.num_blocks, "num_requests": load.num_requests,
                 "num_in_flight": self.engine.num_in_flight, "stats": self.record_routing_stats(),
                 "autoscaling": self.record_autoscaling_stats(), "signal_totals": dict(self.signals.totals),
                 # the KV connector's cumulative counters (lookups, hit/loaded/stored blocks, failures)
-                "kv_connector": dataclasses.asdict(conn) if conn is not None else None}
+                "kv_tier": self.kv_tier, "kv_connector": self.kv_tier_stats()}
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -1,14 +1,31 @@
 """Request and replica metrics (histograms, counters, gauges) recorded at the ingress."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from observability import names
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _DECISION_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05]
+
+# KV tier counters: (metric name, description, [(counter key in the replica's report, extra attributes)])
+_KV_TIER_COUNTERS: list[tuple[str, str, list[tuple[str, dict[str, str]]]]] = [
+    (names.M_KV_TIER_LOOKUPS, "KV tier lookups (admissions that asked the tier)", [("lookups", {})]),
+    (names.M_KV_TIER_HIT_BLOCKS, "KV blocks the tier held at lookup", [("hit_blocks", {})]),
+    (names.M_KV_TIER_HIT_TOKENS, "prompt tokens the tier held at lookup", [("hit_tokens", {})]),
+    (names.M_KV_TIER_LOADS, "loads from the tier that completed", [("loads_ok", {})]),
+    (names.M_KV_TIER_LOADED_BLOCKS, "KV blocks loaded from the tier", [("loaded_blocks", {})]),
+    (names.M_KV_TIER_LOAD_FAILURES, "loads that failed (the request recomputed), by cause",
+     [(f"load_failures_{c}", {"cause": c}) for c in ("missing", "damaged", "timed_out", "error")]),
+    (names.M_KV_TIER_STORED_BLOCKS, "KV blocks written to the tier", [("stored_blocks", {})]),
+    (names.M_KV_TIER_STORE_FAILURES, "KV blocks whose write to the tier failed", [("stores_failed", {})]),
+    (names.M_KV_TIER_EVICTED_BLOCKS, "KV blocks the tier evicted", [("evicted_blocks", {})]),
+    (names.M_KV_TIER_BYTES, "bytes moved between the pool and the tier, by direction",
+     [("loaded_bytes", {"direction": "loaded"}), ("stored_bytes", {"direction": "stored"})]),
+]
 
 
 class ServingMetrics:
@@ -42,6 +59,11 @@ class ServingMetrics:
         self.routing_actual_cached = meter.create_counter(
             names.M_ROUTING_ACTUAL_CACHED, description="cached prompt tokens the engine found, for the same "
             "decisions (index accuracy = actual / predicted)")
+        #: (replica id, tier) -> that replica's cumulative KV connector counters, as last reported
+        self._kv_tiers: dict[tuple[str, str], Mapping[str, int]] = {}
+        for name, description, series in _KV_TIER_COUNTERS:
+            meter.create_observable_counter(name, callbacks=[self._kv_tier_callback(series)],
+                                            description=description)
 
     def record_request(self, *, model: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
                        ttft_s: float | None, e2e_s: float, tpot_s: Sequence[float] = ()) -> None:
@@ -74,6 +96,20 @@ class ServingMetrics:
         if actual_cached_tokens is not None:
             self.routing_predicted_cached.add(predicted_cached_tokens, attrs)
             self.routing_actual_cached.add(actual_cached_tokens, attrs)
+
+    def record_kv_tier(self, replica_id: str, tier: str, counters: Mapping[str, int]) -> None:
+        """A replica's KV connector counters (engine KVConnectorStats as a dict; cumulative since the
+        replica started), exported as counters labelled by replica and tier ("offload", "shared")."""
+        self._kv_tiers[(replica_id, tier)] = dict(counters)
+
+    def _kv_tier_callback(self, series: list[tuple[str, dict[str, str]]]
+                          ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for (replica_id, tier), counters in list(self._kv_tiers.items()):
+                for key, extra in series:
+                    if key in counters:
+                        yield Observation(int(counters[key]), {"replica": replica_id, "tier": tier, **extra})
+        return observe
 
     def record_http(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})

@@ -23,3 +23,16 @@ M_ROUTING_DECISIONS = "affinity_routing_decisions"
 M_ROUTING_DECISION_TIME = "affinity_routing_decision_time"
 M_ROUTING_PREDICTED_CACHED = "affinity_routing_predicted_cached_tokens"
 M_ROUTING_ACTUAL_CACHED = "affinity_routing_actual_cached_tokens"
+
+# KV tiers below the paged pool (engine/kv_connector: the offload tier, the node-shared store), per replica
+# and tier; the Prometheus exporter adds "_total" to each counter
+M_KV_TIER_LOOKUPS = "affinity_kv_tier_lookups"
+M_KV_TIER_HIT_BLOCKS = "affinity_kv_tier_hit_blocks"
+M_KV_TIER_HIT_TOKENS = "affinity_kv_tier_hit_tokens"
+M_KV_TIER_LOADS = "affinity_kv_tier_loads"
+M_KV_TIER_LOADED_BLOCKS = "affinity_kv_tier_loaded_blocks"
+M_KV_TIER_LOAD_FAILURES = "affinity_kv_tier_load_failures"
+M_KV_TIER_STORED_BLOCKS = "affinity_kv_tier_stored_blocks"
+M_KV_TIER_STORE_FAILURES = "affinity_kv_tier_store_failures"
+M_KV_TIER_EVICTED_BLOCKS = "affinity_kv_tier_evicted_blocks"
+M_KV_TIER_BYTES = "affinity_kv_tier_bytes"
