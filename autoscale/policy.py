@@ -1,7 +1,7 @@
 """The engine-aware scaling rule: per-replica engine signals + the current replica count -> a target count
 and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the returned `PolicyState`.
 
-The rule (README "Autoscaling" writes it out):
+The rule (docs/autoscaling.md writes it out):
 1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, the refills
    of prefixes the router saw cached on another replica at `refill_weight`, plus the queued backlog that
    must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
@@ -152,7 +152,7 @@ class ScalingDecision:
 
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
     # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests), but it is
-    # work the new replicas do while a burst lasts: counted in full by default (README "Autoscaling").
+    # work the new replicas do while a burst lasts: counted in full by default (docs/autoscaling.md).
     refill_rate = sum(min(s.refill_tokens_per_s, s.prefill_tokens_per_s) for s in signals)
     prefill_rate = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
     backlog = sum(s.num_queued_prefill_tokens for s in signals)
@@ -213,8 +213,8 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
 
 def preempting(load: FleetLoad, cfg: PolicyConfig) -> bool:
     """Preemptions above `preemption_rate_threshold` per reporting replica. A preemption costs one recompute
-    of its sequence, but a rising rate is the earliest sign of a fleet running out of KV (README
-    "Autoscaling" has the measured trade-off of the threshold)."""
+    of its sequence, but a rising rate is the earliest sign of a fleet running out of KV
+    (docs/benchmarks/autoscaling.md has the measured trade-off of the threshold)."""
     return load.num_replicas > 0 and load.preemptions_per_s > cfg.preemption_rate_threshold * load.num_replicas
 
 
@@ -264,7 +264,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # lag a replica that comes up by the replicas' recent window: the reactive step scales the reporting
     # count, and waits slo_cooldown_s after a scale-up and after a replica comes up (the predicted rule
     # still sizes the fleet meanwhile). Scaling the count asked for instead kept doubling the fleet while
-    # the first replicas were starting after a cold start (README "Autoscaling benchmark").
+    # the first replicas were starting after a cold start (docs/benchmarks/autoscaling.md).
     reporting = len(signals)
     if 0 < state.num_reporting < reporting:
         state = replace(state, ready_time=now)

@@ -7,7 +7,7 @@ The replicas' `record_autoscaling_stats()` dicts (autoscale.signals.METRIC_KEYS)
 `look_back_period_s` in `ctx.aggregated_metrics[key][replica_id]`.
 
 Serve wraps every custom policy with its own scaling factors, up/down delays and min/max bounds; the
-builder sets Serve's delays to 0 so the hysteresis here is the only one (README "Autoscaling").
+builder sets Serve's delays to 0 so the hysteresis here is the only one (docs/autoscaling.md).
 """
 from __future__ import annotations
 

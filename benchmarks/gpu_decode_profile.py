@@ -6,7 +6,7 @@ sharing a 512-token prefix: the cascade graph's replay against the plain graph's
 cascade decode buys, without the host). With --sweep, one layer's decode attention alone (the Triton
 backend, Llama-3.2-1B's heads, bf16) at batch 32 and 128 on a shared 512- or 2048-token prefix: plain
 split-K decode against cascade decode at each count of prefix splits P, to choose P and the threshold.
-The README's "GPU throughput" breakdown came from this script.
+The step breakdown in docs/benchmarks/gpu-throughput.md comes from this script.
 
     python benchmarks/gpu_decode_profile.py [--kernels] [--sweep]
 """

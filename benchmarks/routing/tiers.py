@@ -10,7 +10,8 @@ computed block, shared-medium KV events). Only the store's bytes and the copies 
   fails the load: the request recomputes, as in the engine) and completes `load_per_token_s` x tokens after
   the replica's previous load (one host link per replica), reported with the first step ending after it; a
   replica with nothing else to run waits for it. Stores happen at once and cost no step time (the engine
-  overlaps them on a side stream; see "what it leaves out" in the README).
+  overlaps them on a side stream; see "what the simulation leaves out" in
+  docs/benchmarks/kv-connectors.md).
 The default load cost, 5 us per token, is the simulated 8B-class model's 128 KiB of KV per token over an
 effective 25 GB/s host link: 0.1 x the timing model's 50 us per prefilled token.
 

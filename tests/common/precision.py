@@ -1,5 +1,5 @@
 """How close a half-precision engine run is to transformers in float32: the one measure the CPU bf16 test
-and the CUDA bf16/fp16 tests share (README "Attention backends" states the tolerances).
+and the CUDA bf16/fp16 tests share (docs/engine.md, "Precision", states the tolerances).
 
 Teacher-forced: the float32 reference scores the engine's own continuation, so one early divergence does
 not turn every later token into a mismatch. For each generated token: whether it is the reference's top-1

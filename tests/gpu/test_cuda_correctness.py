@@ -47,5 +47,5 @@ def test_half_precision_within_tolerance_of_float32_transformers(checkpoints, hf
     path = checkpoints["llama"]
     llm = _llm(path, backend, dtype)
     got = agreement(llm, hf_reference.logits, path, scenario_prompts())
-    print(f"{backend} {dtype}: {got}")                 # the measured figures, for the README
+    print(f"{backend} {dtype}: {got}")                 # the measured figures, for docs/engine.md
     got.check()

@@ -4,7 +4,7 @@
 Routing is round_robin here, to force the repeat onto the replica that never computed the prompt (the
 prefix-affinity router would keep it on A while A is not busy). Which replica served what is read from
 the engines' own connector counters (`debug_state()["kv_connector"]`); the speed of a store hit against
-a recompute is measured in benchmarks (README, KV connectors), not asserted here.
+a recompute is measured in benchmarks (docs/benchmarks/kv-connectors.md), not asserted here.
 """
 from __future__ import annotations
 
