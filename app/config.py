@@ -81,7 +81,7 @@ _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 class RoutingSection(_Strict):
-    """Which replica serves a request (app/routing; README "Routing")."""
+    """Which replica serves a request (app/routing; docs/routing.md)."""
 
     policy: RoutingPolicyName = Field("prefix_affinity", description="prefix_affinity | power_of_two | round_robin")
     request_routing_stats_period_s: float = Field(1.0, gt=0, description="how often Serve polls each "
@@ -98,7 +98,7 @@ class RoutingSection(_Strict):
 
 
 class AutoscalingSection(_Strict):
-    """How many model replicas run (autoscale/; README "Autoscaling")."""
+    """How many model replicas run (autoscale/; docs/autoscaling.md)."""
 
     enabled: bool = Field(False, description="false: serve.num_replicas, fixed")
     policy: Literal["engine", "requests"] = Field(
