@@ -549,3 +549,21 @@ def test_load_of_counts_requests_as_make_stats_does():
     assert seen_preemption and seen_chunk
     assert s.load_of(["gone", "a"]) == (0, 0, 0)                    # finished or unknown ids count nothing
     assert_all_blocks_free(s)
+
+
+def test_queued_prefill_tokens_count_a_waiting_prompts_uncached_part():
+    """A router predicts a queued prompt's uncached tokens; the engine's stat counts the same (not the whole
+    prompt), so a snapshot and the router's in-flight accounting agree on a request the cache mostly holds."""
+    s = make_scheduler(num_blocks=64, max_num_seqs=1)
+    prompt = [100 + i for i in range(32)]                     # 8 blocks of 4
+    s.add_request(make_request("a", prompt, max_tokens=4))
+    run_to_completion(s)
+    s.add_request(make_request("busy", 12, max_tokens=50))   # holds the only seat: b keeps waiting
+    step(s)
+    s.add_request(make_request("b", prompt + [900 + i for i in range(10)], max_tokens=4))
+    st = s.make_stats()
+    assert st.num_waiting_reqs == 1
+    assert st.num_queued_prefill_tokens == 42 - 32          # b's 32 cached tokens are not work
+    assert s.load_of(["b"])[2] == 10
+    s.abort_requests(["b"])
+    assert s.make_stats().num_queued_prefill_tokens == 0

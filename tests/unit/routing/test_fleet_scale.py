@@ -1,0 +1,206 @@
+"""The router at fleet scale and under overload (issue 25's causes): an index sized from what the replicas
+report, decisions whose work does not grow with the prompt, a release that weighs the recompute it causes,
+snapshots applied as of when they were taken, and group demand from observed output lengths."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.routing import AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView
+from app.routing.api import Reason, RouteRequest
+from app.routing.prefix_index import SPEC_STRIDE
+from app.stats import ReplicaStats
+from engine.types import BlockStored
+
+from .helpers import BS, Clock, chain, stored
+
+RATE = 10_000.0
+
+
+def make(n: int = 3, **cfg):
+    cfg.setdefault("calibrate", False)
+    clock = Clock()
+    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=RATE, **cfg), BS, clock=clock,
+                                    rng=random.Random(0))
+    ids = [f"r{i}" for i in range(n)]
+    core.set_replicas([ReplicaInfo(r) for r in ids])
+    for r in ids:
+        assert core.on_kv_events(KVEventBatch(r, "e0", 0, []))
+    return core, clock, ids
+
+
+def stats(core, rid, **kw):
+    core.on_stats(rid, ReplicaLoadView(**kw))
+
+
+def score(d, rid):
+    return d.score_of(rid)
+
+
+# ---------------------------------------------------------------- 1. the index is sized from the fleet
+def test_the_index_holds_every_live_block_of_a_fleet_past_the_old_fixed_default():
+    """64 replicas x 8,000 held blocks = 512k hashes: past the old fixed 500k bound, which evicted live
+    entries; sized from the reported pools (64 x 8,192 x 1.25) nothing is evicted and every chain matches."""
+    core, _, ids = make(64)
+    for r in ids:
+        stats(core, r, num_blocks=8192)
+    assert core.index.bound == int(64 * 8192 * 1.25)
+    for r in ids:
+        core.on_kv_events(KVEventBatch(r, "e0", 0, [BlockStored(chain(r, 8000), None, [], BS)]))
+    assert core.index.num_entries == 64 * 8000 and core.index.num_evictions == 0
+    assert core.index.match(chain("r0", 8000), ids) == {"r0": 8000}
+    assert core.index.match(chain("r63", 8000), ids) == {"r63": 8000}
+
+
+def test_membership_and_reported_sizes_resize_the_index_up_to_the_cap():
+    core, _, ids = make(2, max_index_entries=100_000, index_blocks_per_unknown_replica=1000)
+    assert core.index.bound == int(2 * 1000 * 1.25)             # not reported yet: the per-replica default
+    stats(core, "r0", num_blocks=30_000)
+    assert core.index.bound == int((30_000 + 1000) * 1.25)
+    core.set_replicas([ReplicaInfo(r) for r in ids + ["r2", "r3", "r4"]])
+    stats(core, "r1", num_blocks=30_000)
+    for r in ("r2", "r3", "r4"):
+        stats(core, r, num_blocks=30_000)
+    assert core.index.bound == 100_000                          # max_index_entries caps it
+    core.set_replicas([ReplicaInfo("r0")])
+    assert core.index.bound == int(30_000 * 1.25)
+
+
+# ---------------------------------------------------------------- 2-3. bounded work per decision
+def test_decisions_on_32k_token_prompts_never_evict_and_write_a_bounded_number_of_entries():
+    """A tight index: routing 200 distinct 2,048-block prompts neither evicts a confirmed entry (eviction
+    runs on the event path, exactly the overage) nor writes more than ~n/16 speculative entries each."""
+    core, clock, ids = make(8)
+    for r in ids:
+        stats(core, r, num_blocks=600)                          # bound 8 x 600 x 1.25 = 6,000
+    held = chain("sys", 500)
+    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(held)]))
+    per_decision = []
+    for i in range(200):
+        clock.t += 0.01
+        before = core.index.num_spec_entries + core.index.num_spec_evictions * 0
+        d = core.route(RouteRequest(f"q{i}", chain(f"long{i}", 2048), 2048 * BS + 5, 64), ids)
+        per_decision.append(core.index.num_spec_entries - before)
+        core.on_first_token(d.request_id, 0)
+        core.on_finished(d.request_id, 64)
+    assert core.index.num_evictions == 0 and core.index.num_entries == 500
+    assert max(per_decision) <= 2048 // SPEC_STRIDE + 5
+    assert core.index.num_spec_entries <= core.index.bound // 4 + 2048 // SPEC_STRIDE + 5
+    assert core.index.match(held, ids) == {"r0": 500}
+
+
+# ---------------------------------------------------------------- 4. the release rule under overload
+def _release_case(idle_other: bool):
+    core, clock, ids = make(3)
+    prefix = chain("tenant", 15_000 // BS)                     # 15k of a 16k-token prompt held by r0
+    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
+    stats(core, "r0", num_queued_prefill_tokens=40_000, num_running=0)
+    stats(core, "r1", num_queued_prefill_tokens=10_000, num_running=0)
+    stats(core, "r2", num_queued_prefill_tokens=0 if idle_other else 12_000, num_running=0)
+    clock.t += 0.01
+    hashes = prefix + chain("question", 1000 // BS)
+    return core.route(RouteRequest("q", hashes, 16_000 + 3, 32), ids)
+
+
+def test_a_saturated_fleet_keeps_a_request_whose_holder_has_most_of_its_prompt():
+    """Every replica queued (>= 1 s of prefill): moving gives up 15k cached tokens, 1.5 s of the fleet's
+    prefill; TTFT(r0) = 4.1 s is under TTFT(r1) x 1.3 + 0.1 + 1.5 s, so it stays (the old rule released)."""
+    d = _release_case(idle_other=False)
+    assert d.chosen == "r0" and d.reason == Reason.AFFINITY
+    assert score(d, "r0").predicted_ttft_s > score(d, "r1").predicted_ttft_s * 1.3 + 0.1   # old bound: release
+
+
+def test_with_an_idle_replica_the_release_uses_spare_capacity():
+    d = _release_case(idle_other=True)
+    assert d.chosen == "r2" and d.reason == Reason.RELEASED
+
+
+def test_recompute_weight_zero_is_the_old_rule():
+    core, clock, ids = make(3, release_recompute_weight=0.0)
+    prefix = chain("tenant", 15_000 // BS)
+    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
+    for r, q in (("r0", 40_000), ("r1", 10_000), ("r2", 12_000)):
+        stats(core, r, num_queued_prefill_tokens=q)
+    d = core.route(RouteRequest("q", prefix + chain("question", 1000 // BS), 16_003, 32), ids)
+    assert d.reason == Reason.RELEASED and d.chosen == "r1"
+
+
+# ---------------------------------------------------------------- 5. snapshots as of when they were taken
+def test_a_request_routed_while_the_snapshot_was_on_its_way_stays_counted():
+    core, clock, ids = make(1)
+    d = core.route(RouteRequest("r1", chain("p", 10), 10 * BS + 4, 8), ids)
+    uncached = 10 * BS + 4
+    clock.t += 1.0
+    # taken 2 s ago, before r1 was routed: r1 is not in it and must stay on top
+    stats(core, "r0", num_queued_prefill_tokens=300, num_running=2, age_s=2.0)
+    d2 = core.route(RouteRequest("r2", chain("q", 10), 10 * BS + 4, 8), ids)
+    assert score(d2, "r0").queued_prefill_tokens == 300 + uncached
+    assert score(d2, "r0").decode_load == 2 + 1
+    # taken just now (after both were routed): it counts them itself
+    clock.t += 0.5
+    stats(core, "r0", num_queued_prefill_tokens=900, num_running=2)
+    d3 = core.route(RouteRequest("r3", chain("s", 10), 10 * BS + 4, 8), ids)
+    assert score(d3, "r0").queued_prefill_tokens == 900 and score(d3, "r0").decode_load == 2
+    assert d.chosen == "r0"
+
+
+def test_a_snapshot_taken_before_a_request_started_retires_it_once():
+    core, clock, ids = make(1)
+    core.route(RouteRequest("r1", chain("p", 10), 10 * BS + 4, 8), ids)
+    clock.t += 0.5
+    stats(core, "r0", num_queued_prefill_tokens=10 * BS + 4, num_running=0)   # r1 queued in it
+    clock.t += 0.5
+    core.on_first_token("r1", 0)                                  # started since: its tokens come off
+    d = core.route(RouteRequest("r2", chain("q", 10), 10 * BS + 4, 8), ids)
+    assert score(d, "r0").queued_prefill_tokens == 0
+    # the same snapshot delivered again (Serve rebroadcasts) changes nothing
+    stats(core, "r0", num_queued_prefill_tokens=10 * BS + 4, num_running=0, age_s=0.5)
+    d = core.route(RouteRequest("r3", chain("s", 10), 10 * BS + 4, 8), ids)
+    assert score(d, "r0").queued_prefill_tokens == 10 * BS + 4                # r2 only, pending
+
+
+def test_replica_stats_carry_their_wall_time_and_the_view_its_age():
+    view = ReplicaLoadView.from_stats({"num_running": 1, "taken_at": 1000.0}, now_wall=1000.75)
+    assert view.age_s == pytest.approx(0.75)
+    assert ReplicaLoadView.from_stats({"num_running": 1}).age_s == 0.0
+    assert "taken_at" in ReplicaStats().to_dict()
+
+
+# ---------------------------------------------------------------- 6. demand from observed output lengths
+def test_an_unset_max_tokens_does_not_make_a_group_hot_once_outputs_are_observed():
+    """Chat clients without max_tokens get max_model_len - prompt (here 30k): demand from that would spread
+    a 5 req/s group over every replica; its observed 20-token answers keep it on one."""
+    def drive(report_outputs: bool):
+        core, clock, ids = make(3, hot_target_utilization=0.5, hot_share_min_requests=1000)
+        prefix = chain("sys", 64)
+        core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
+        out = []
+        for i in range(40):
+            clock.t += 0.2
+            d = core.route(RouteRequest(f"h{i}", prefix + chain(f"u{i}", 2), 66 * BS + 3, 30_000), ids)
+            out.append(d)
+            core.on_first_token(d.request_id, 64 * BS)
+            core.on_finished(d.request_id, 20 if report_outputs else None)
+        return out
+    observed = drive(True)
+    assert all(d.num_hot_replicas == 1 for d in observed)
+    assert {d.chosen for d in observed} == {"r0"}
+    # the declared 30k would be 60k prefill-token equivalents per request: 300k/s against 5k/s of capacity
+    core, clock, ids = make(3, hot_target_utilization=0.5, hot_share_min_requests=1000, output_tokens_prior=30_000)
+    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(chain("sys", 64))]))
+    for i in range(10):
+        clock.t += 0.2
+        d = core.route(RouteRequest(f"h{i}", chain("sys", 64) + chain(f"u{i}", 2), 66 * BS + 3, 30_000), ids)
+    assert d.num_hot_replicas == 3
+
+
+def test_expected_output_prefers_the_group_then_the_fleet_then_the_prior():
+    from app.routing.policy import HotGroups
+    g = HotGroups(10.0, output_tokens_prior=256.0)
+    assert g.expected_output(b"k", 0) == 256.0 and g.expected_output(b"k", 100) == 100
+    g.record(b"k", 1.0, 0.0)
+    g.observe_output(b"k", 40)
+    assert g.expected_output(b"k", 0) == 40.0 and g.expected_output(b"other", 0) == 40.0
+    g.observe_output(None, 400)
+    assert g.expected_output(b"k", 0) == 40.0 and g.expected_output(b"other", 0) == pytest.approx(112.0)
