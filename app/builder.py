@@ -49,9 +49,23 @@ def replica_placement(config: AppConfig) -> dict[str, Any]:
 
 def serve_start_options(config: AppConfig) -> dict[str, Any]:
     """serve.start's kwargs: HTTP bound to serve.host:serve.port, proxies only where proxy_location says (the
-    default HeadOnly keeps worker nodes from opening the HTTP port too)."""
+    default HeadOnly keeps worker nodes from opening the HTTP port too). The CLI adds `http_limits(config)` to
+    http_options.middlewares."""
     s = config.serve
     return {"proxy_location": s.proxy_location, "http_options": {"host": s.host, "port": s.port}}
+
+
+def http_limits(config: AppConfig) -> Any:
+    """The HTTP layer's limits (header size, body read time and size, requests in flight, Serve's client-hint
+    headers removed), enforced in Serve's proxy: a Starlette Middleware for http_options.middlewares."""
+    from starlette.middleware import Middleware
+
+    from app.http import HTTPLimitsMiddleware
+    s = config.serve
+    return Middleware(HTTPLimitsMiddleware, max_header_bytes=s.max_header_bytes,
+                      max_body_bytes=s.max_request_body_bytes, body_read_timeout_s=s.body_read_timeout_s,
+                      max_connections=s.max_connections, max_connections_per_client=s.max_connections_per_client,
+                      retry_after_s=s.retry_after_s)
 
 
 def ingress_placement(config: AppConfig) -> dict[str, Any]:

@@ -84,9 +84,9 @@ def deploy_cmd(args) -> int:
     import ray
     from ray import serve
 
-    from app.builder import build_app, serve_start_options
     ray.init(address=args.address, logging_level="WARNING")
-    serve.start(**serve_start_options(cfg))
+    start_serve(cfg)
+    from app.builder import build_app
     serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)
     print(f"[affinity-serve] deployed {cfg.serve.app_name} at http://{cfg.serve.host}:{cfg.serve.port}", flush=True)
     return 0
@@ -128,7 +128,7 @@ def check_model(cfg: "AppConfig") -> None:
 
 def serve_cmd(args) -> int:
     cfg = _load_config(args)
-    from app.builder import build_app, resolve_model, serve_start_options
+    from app.builder import build_app, resolve_model
 
     if not cfg.engine.model:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
@@ -143,7 +143,7 @@ def serve_cmd(args) -> int:
           f"{cfg.engine.model} ...", flush=True)
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=True,
              logging_level="WARNING", num_cpus=max(2, os.cpu_count() or 2) * 2)
-    serve.start(**serve_start_options(cfg))
+    start_serve(cfg)
     done = threading.Event()
     ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
     ticker.start()
@@ -169,6 +169,16 @@ def serve_cmd(args) -> int:
     ray.shutdown()
     print("[affinity-serve] stopped.")
     return 0
+
+
+def start_serve(cfg: "AppConfig") -> None:
+    """serve.start with the configured HTTP bind, proxy placement and the HTTP layer's limits."""
+    from ray import serve
+
+    from app.builder import http_limits, serve_start_options
+    opts = serve_start_options(cfg)
+    opts["http_options"]["middlewares"] = [http_limits(cfg)]
+    serve.start(**opts)
 
 
 def _progress(done: threading.Event) -> None:

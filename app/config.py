@@ -66,6 +66,11 @@ class ServeSection(_Strict):
     # Limits on hostile or unlucky traffic (docs/limits.md)
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
     max_json_depth: int = Field(32, ge=2, description="request bodies nested deeper than this get 400")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request headers (all together) get 431")
+    body_read_timeout_s: float = Field(15.0, gt=0, description="a request body not received within this gets 408")
+    max_connections: int = Field(1024, ge=1, description="HTTP requests in flight at the proxy; beyond it 503")
+    max_connections_per_client: int = Field(256, ge=1, description="HTTP requests in flight per client address; "
+                                            "beyond it 429")
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod

@@ -1,6 +1,8 @@
-"""HTTP plumbing for the ingress routes: API-key check, reading a JSON body, SSE framing, error responses."""
+"""HTTP plumbing: for the ingress routes the API-key check, reading a JSON body, SSE framing and error
+responses; for Serve's HTTP proxy the middleware that enforces the HTTP layer's limits (docs/limits.md)."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -131,3 +133,124 @@ async def sse(first: dict, rest: AsyncIterator[dict],
     except Exception as e:
         yield f"data: {json.dumps(on_error(e).body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- the HTTP layer's own limits (Serve's proxy)
+#: Ray Serve headers that let a client change how the proxy treats its request: `?1` keeps a request running
+#: after its client went away (its KV blocks held for nobody), a timeout <= 0 disables the request timeout.
+#: They are for a trusted front proxy; a client must not set them, so they are removed (issue 33).
+CLIENT_HINT_HEADERS = frozenset({b"x-request-disconnect-disabled", b"x-request-timeout-seconds"})
+
+
+class HTTPLimitsMiddleware:
+    """ASGI middleware for Serve's HTTP proxy (serve.start's http_options.middlewares; builder.py).
+
+    Per request, before the proxy routes it anywhere: Ray Serve's client-hint headers are removed; headers
+    larger than `max_header_bytes` in all are a 431; at most `max_connections` requests are in flight (503
+    beyond) and `max_connections_per_client` per client address (429 beyond); the body is read here in full
+    within `body_read_timeout_s` (408 otherwise) and at most `max_body_bytes` (413), so a client that
+    stalls its body, or sends a huge one, holds a proxy coroutine for a bounded time and never a slot of the
+    ingress. Paths in `exempt_paths` (health probes, the proxy's own /-/ routes) skip the in-flight limits.
+    Rejections carry the OpenAI error body.
+    """
+
+    def __init__(self, app: Any, *, max_header_bytes: int = 16 * 1024, max_body_bytes: int = 4 * 2**20,
+                 body_read_timeout_s: float = 15.0, max_connections: int = 1024,
+                 max_connections_per_client: int = 256, retry_after_s: int = 1,
+                 exempt_paths: tuple[str, ...] = ("/health", "/metrics", "/-/")):
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.max_connections = max_connections
+        self.max_connections_per_client = max_connections_per_client
+        self.retry_after_s = retry_after_s
+        self.exempt_paths = exempt_paths
+        self.num_in_flight = 0
+        self.num_in_flight_by_client: dict[str, int] = {}
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in CLIENT_HINT_HEADERS]
+        scope = {**scope, "headers": headers}
+        if sum(len(k) + len(v) for k, v in headers) > self.max_header_bytes:
+            await _send_error(send, APIError(f"request headers are larger than {self.max_header_bytes} bytes", 431,
+                                             "invalid_request_error", None, "headers_too_large"))
+            return
+        path = scope.get("path", "")
+        if any(path == p or path.endswith(p) or (p.endswith("/") and path.startswith(p)) for p in self.exempt_paths):
+            await self.app(scope, receive, send)
+            return
+        client = str((scope.get("client") or ("unknown",))[0])
+        refusal = self._admit(client)
+        if refusal is not None:
+            await _send_error(send, refusal)
+            return
+        try:
+            await self._with_body(scope, receive, send)
+        finally:
+            self.num_in_flight -= 1
+            left = self.num_in_flight_by_client[client] - 1
+            if left:
+                self.num_in_flight_by_client[client] = left
+            else:
+                del self.num_in_flight_by_client[client]
+
+    def _admit(self, client: str) -> APIError | None:
+        if self.num_in_flight >= self.max_connections:
+            return APIError(f"the server has {self.max_connections} requests in flight (serve.max_connections); "
+                            "retry later", 503, "service_unavailable", None, "too_many_connections",
+                            retry_after_s=self.retry_after_s)
+        if self.num_in_flight_by_client.get(client, 0) >= self.max_connections_per_client:
+            return APIError(f"this client has {self.max_connections_per_client} requests in flight "
+                            "(serve.max_connections_per_client); retry later", 429, "rate_limit_error", None,
+                            "too_many_connections", retry_after_s=self.retry_after_s)
+        self.num_in_flight += 1
+        self.num_in_flight_by_client[client] = self.num_in_flight_by_client.get(client, 0) + 1
+        return None
+
+    async def _with_body(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Read the whole body under the bounds, then run the app on it (later receives: the client's own,
+        so a disconnect still reaches the proxy and cancels the request)."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.body_read_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return                                   # gone before its body: nothing to answer
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        await _send_error(send, _too_large(self.max_body_bytes))
+                        return
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _send_error(send, APIError(f"the request body was not received within {self.body_read_timeout_s:g}s "
+                                             "(serve.body_read_timeout_s)", 408, "invalid_request_error", None,
+                                             "body_read_timeout"))
+            return
+        body: list[bytes] | None = [b"".join(chunks)]
+        del chunks
+
+        async def replay() -> dict:
+            nonlocal body
+            if body is not None:
+                message = {"type": "http.request", "body": body[0], "more_body": False}
+                body = None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _send_error(send: Callable, err: APIError) -> None:
+    response = error_response(err)
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": [*response.raw_headers, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": response.body})

@@ -1,0 +1,186 @@
+"""Issue 33.3 and 33.5: the HTTP layer's limits, enforced in Serve's proxy by HTTPLimitsMiddleware: client
+hint headers removed, header size, body read timeout and size, requests in flight per client and in all.
+ASGI-level checks, then the middleware under a real uvicorn server (httptools, as Serve's proxy runs it) on
+127.0.0.1 with stalling raw-socket clients."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from app.http import HTTPLimitsMiddleware
+
+
+class Inner:
+    """The proxy's stand-in: reads the whole body, answers 200 with what it saw; counts its concurrency."""
+
+    def __init__(self, hold_s: float = 0.0):
+        self.hold_s = hold_s
+        self.scopes: list[dict] = []
+        self.active = self.max_active = 0
+
+    async def __call__(self, scope, receive, send):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            self.scopes.append(scope)
+            body = b""
+            while True:
+                m = await receive()
+                body += m.get("body", b"")
+                if not m.get("more_body"):
+                    break
+            await asyncio.sleep(self.hold_s)
+            out = json.dumps({"len": len(body)}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": out})
+        finally:
+            self.active -= 1
+
+
+async def call(mw, *, headers=(), messages=None, path="/v1/completions", client=("10.0.0.1", 5)):
+    scope = {"type": "http", "method": "POST", "path": path, "headers": list(headers), "client": client,
+             "query_string": b""}
+    queue = list(messages if messages is not None else [{"type": "http.request", "body": b"{}", "more_body": False}])
+    sent: list[dict] = []
+
+    async def receive():
+        if queue:
+            m = queue.pop(0)
+            if "delay" in m:
+                await asyncio.sleep(m["delay"])
+            return m
+        await asyncio.sleep(3600)
+
+    async def send(m):
+        sent.append(m)
+
+    await mw(scope, receive, send)
+    status = sent[0]["status"] if sent else None
+    body = json.loads(sent[1]["body"]) if len(sent) > 1 else None
+    return status, body, dict(sent[0]["headers"]) if sent else {}
+
+
+async def test_clients_cannot_switch_off_abort_on_disconnect_or_the_timeout():
+    inner = Inner()
+    mw = HTTPLimitsMiddleware(inner)
+    status, _, _ = await call(mw, headers=[(b"x-request-disconnect-disabled", b"?1"),
+                                           (b"X-Request-Timeout-Seconds", b"0"), (b"x-other", b"kept")])
+    assert status == 200
+    names = [k.lower() for k, _ in inner.scopes[0]["headers"]]
+    assert b"x-request-disconnect-disabled" not in names and b"x-request-timeout-seconds" not in names
+    assert b"x-other" in names
+
+
+async def test_large_headers_are_a_431_before_the_app():
+    inner = Inner()
+    mw = HTTPLimitsMiddleware(inner, max_header_bytes=2048)
+    status, body, _ = await call(mw, headers=[(b"authorization", b"x" * 4096)])
+    assert status == 431 and body["error"]["code"] == "headers_too_large" and not inner.scopes
+
+
+async def test_a_stalled_body_is_a_408_and_never_reaches_the_app():
+    inner = Inner()
+    mw = HTTPLimitsMiddleware(inner, body_read_timeout_s=0.2)
+    t = time.monotonic()
+    status, body, headers = await call(mw, messages=[{"type": "http.request", "body": b'{"a"', "more_body": True}])
+    assert status == 408 and body["error"]["code"] == "body_read_timeout" and headers[b"connection"] == b"close"
+    assert time.monotonic() - t < 1 and not inner.scopes
+
+
+async def test_a_body_over_the_limit_is_a_413_while_it_is_read():
+    inner = Inner()
+    mw = HTTPLimitsMiddleware(inner, max_body_bytes=1000)
+    chunks = [{"type": "http.request", "body": b"x" * 600, "more_body": True}] * 2
+    chunks += [{"type": "http.request", "body": b"x" * 10**6, "more_body": False, "delay": 3600}]   # never read
+    status, body, _ = await call(mw, messages=chunks)
+    assert status == 413 and body["error"]["code"] == "request_too_large" and not inner.scopes
+
+
+async def test_a_body_in_chunks_is_replayed_whole():
+    inner = Inner()
+    mw = HTTPLimitsMiddleware(inner)
+    chunks = [{"type": "http.request", "body": b"ab", "more_body": True},
+              {"type": "http.request", "body": b"cd", "more_body": True, "delay": 0.05},
+              {"type": "http.request", "body": b"e", "more_body": False}]
+    status, body, _ = await call(mw, messages=chunks)
+    assert status == 200 and body == {"len": 5}
+
+
+async def test_requests_in_flight_are_bounded_per_client_and_in_all_but_not_health():
+    inner = Inner(hold_s=0.3)
+    mw = HTTPLimitsMiddleware(inner, max_connections=3, max_connections_per_client=2, retry_after_s=4)
+    a = ("10.0.0.1", 1)
+    first = [asyncio.create_task(call(mw, client=a)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    status, body, headers = await call(mw, client=a)
+    assert status == 429 and body["error"]["code"] == "too_many_connections" and headers[b"retry-after"] == b"4"
+    other = asyncio.create_task(call(mw, client=("10.0.0.2", 1)))
+    await asyncio.sleep(0.05)
+    status, body, _ = await call(mw, client=("10.0.0.3", 1))
+    assert status == 503 and body["error"]["code"] == "too_many_connections"
+    assert (await call(mw, client=a, path="/health"))[0] == 200             # probes are never refused
+    assert [s for s, _, _ in await asyncio.gather(*first, other)] == [200, 200, 200]
+    assert mw.num_in_flight == 0 and mw.num_in_flight_by_client == {}
+    assert (await call(mw, client=a))[0] == 200
+
+
+# ---------------------------------------------------------------- under a real server
+@pytest.fixture
+def server():
+    """uvicorn (httptools, as Serve's proxy) on 127.0.0.1 serving the middleware over an app with 4 slots."""
+    import uvicorn
+
+    inner = Inner(hold_s=0.05)
+    slots = asyncio.Semaphore(4)
+
+    async def limited(scope, receive, send):       # like an ingress with max_ongoing_requests=4
+        async with slots:
+            await inner(scope, receive, send)
+
+    app = HTTPLimitsMiddleware(limited, body_read_timeout_s=1.0, max_connections_per_client=1000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off",
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield port, inner
+    srv.should_exit = True
+    thread.join(5)
+
+
+def _stalled(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 100\r\n\r\n{\"prompt\"")
+    return s
+
+
+def test_stalled_bodies_do_not_starve_normal_requests(server):
+    import httpx
+
+    port, inner = server
+    stalled = [_stalled(port) for _ in range(40)]        # 10x the app's slots
+    try:
+        time.sleep(0.2)
+        t = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b'{"prompt": "hi"}', timeout=5)
+        assert r.status_code == 200 and time.monotonic() - t < 0.8
+        assert inner.max_active <= 1                     # no stalled client ever held a slot
+        answers = []
+        for s in stalled:                                # each gets its 408 after the body timeout
+            s.settimeout(5)
+            answers.append(s.recv(4096).split(b"\r\n", 1)[0])
+        assert set(answers) == {b"HTTP/1.1 408 Request Timeout"}
+    finally:
+        for s in stalled:
+            s.close()
