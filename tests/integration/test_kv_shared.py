@@ -101,3 +101,57 @@ def test_a_prefix_computed_on_one_replica_is_loaded_from_the_shared_store_on_the
         assert now[b]["loaded_blocks"] * BLOCK == num_loadable
         assert served_by_b["usage"]["prompt_tokens_details"]["cached_tokens"] == num_loadable
         assert now[a]["loaded_blocks"] == 0                        # a hit its own pool, never the store
+
+
+def test_a_damaged_block_in_the_store_is_recomputed_counted_and_repaired(shared_url):
+    """Issue 26: a flipped byte in a stored block is a counted miss on the replica that reads it (same
+    greedy output as the replica that computed it), and the recompute writes the block again."""
+    from engine.hashing import hash_block_chain
+    from engine.kv_connector.shared_store import HEADER_BYTES, BlockRead, SharedKVStore
+
+    url, store = shared_url
+    rng = random.Random(26)
+    prompt = [rng.randrange(5, 600) for _ in range(41)]               # 10 full blocks + 1 token
+    hashes = hash_block_chain(prompt, BLOCK)[:10]
+    with httpx.Client(timeout=60) as c:
+        first, _ = _complete(c, url, prompt)
+        (ns,) = [d for d in os.listdir(store) if not d.startswith(".")]
+        path = os.path.join(store, ns, hashes[4].hex())
+        wait_until(lambda: os.path.exists(path), 20, "the prompt's blocks in the store")
+        raw = bytearray(open(path, "rb").read())
+        raw[HEADER_BYTES + 5] ^= 0x10
+        with open(path, "wb") as f:
+            f.write(raw)
+        before = _connector_stats()
+
+        def damaged_on_one():
+            again, _ = _complete(c, url, prompt)
+            assert again["choices"][0]["text"] == first["choices"][0]["text"]     # never a wrong token
+            now = _connector_stats()
+            hit = [rid for rid in now if now[rid]["load_failures_damaged"] > before[rid]["load_failures_damaged"]]
+            return (hit, now) if hit else None
+        (reader,), now = wait_until(damaged_on_one, 30, "a replica to read the damaged block")
+        assert now[reader]["loads_failed"] - before[reader]["loads_failed"] == 1
+
+        def repaired():
+            if not os.path.exists(path) or open(path, "rb").read() == bytes(raw):
+                return None
+            check = SharedKVStore(store, ns, os.path.getsize(path) - HEADER_BYTES, 2048)
+            try:
+                return check.read(hashes[4], memoryview(bytearray(check.block_bytes))) is BlockRead.OK
+            finally:
+                check.close()
+        assert wait_until(repaired, 20, "the recompute to store the block again")
+        assert all(st["kv_tier"] == "shared" for st in _debug_states().values())
+
+
+def _debug_states() -> dict[str, dict]:
+    from ray import serve
+    h = serve.get_deployment_handle("LLMReplica", app_name=APP)
+    out: dict[str, dict] = {}
+    for _ in range(40):
+        st = h.debug_state.remote().result(timeout_s=30)
+        out[st["replica_id"]] = st
+        if len(out) == 2:
+            return out
+    raise AssertionError(f"only {len(out)} replica(s) answered debug_state")
