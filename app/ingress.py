@@ -36,6 +36,7 @@ logger = logging.getLogger("affinity.ingress")
 fastapi_app = FastAPI(title="affinity-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 
 _REQUEST_TYPES = {RequestKind.COMPLETION: CompletionRequest, RequestKind.CHAT: ChatCompletionRequest}
+_HEALTH_FIRST_WAIT_S = 2.0     # how long a probe waits for the engine's limits before answering "starting"
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -63,6 +64,7 @@ class Ingress:
             cold_start_timeout_s=self.cfg.serve.cold_start_timeout_s,
             observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
             max_prompts_per_request=self.cfg.serve.max_prompts_per_request)
+        self._limits_task: asyncio.Future | None = None
 
     # ================================================================== HTTP routes
     @fastapi_app.post("/v1/completions")
@@ -83,14 +85,28 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def http_health(self) -> Response:
-        try:
-            await asyncio.wait_for(self.replica.debug_state.remote(), timeout=5)
-        except asyncio.TimeoutError:
-            return error_response(APIError("no model replica answered", 503, "service_unavailable", None,
-                                           "replica_unavailable", self.cfg.serve.retry_after_s))
-        except Exception as e:
-            return error_response(self._fail(e, "/health"))
-        return JSONResponse({"status": "ok", "model": self.model_name})
+        """Readiness from this ingress's state, never a model replica's request slot (a probe queued behind
+        work failed under load and got healthy servers killed). Ready (200) once a model replica has loaded
+        the model (it published the engine's limits; asked once, in the background) and this ingress's
+        router sees at least one model replica running, or none because autoscaling scaled to zero (a
+        request starts one). Otherwise 503: `starting` or `no_replica_running`."""
+        retry = self.cfg.serve.retry_after_s
+        if self.serving.known_limits is None:
+            if self._limits_task is None or self._limits_task.done():
+                self._limits_task = asyncio.ensure_future(self.serving.limits())
+                self._limits_task.add_done_callback(lambda t: t.cancelled() or t.exception())   # retried next probe
+            # an idle replica answers at once: the first probe after start-up need not say "starting"
+            await asyncio.wait({self._limits_task}, timeout=_HEALTH_FIRST_WAIT_S)
+        if self.serving.known_limits is None:
+            return error_response(APIError("the model is loading: no model replica has answered yet", 503,
+                                           "service_unavailable", None, "starting", retry))
+        num_replicas = self.serving.num_replicas()
+        a = self.cfg.autoscaling
+        if num_replicas == 0 and not (a.enabled and a.min_replicas == 0):
+            return error_response(APIError("no model replica is running", 503, "service_unavailable", None,
+                                           "no_replica_running", retry))
+        return JSONResponse({"status": "ok" if num_replicas != 0 else "scaled_to_zero", "model": self.model_name,
+                             "num_replicas": num_replicas})
 
     @fastapi_app.get("/metrics")
     async def http_metrics(self) -> Response:

@@ -43,6 +43,15 @@ class OpenAIServing:
         self._limits: EngineLimits | None = None
         self.wait = ReplicaWait(first_output_timeout_s, self.cold_start_timeout_s, self._num_replicas)
 
+    @property
+    def known_limits(self) -> EngineLimits | None:
+        """The engine's limits if a replica has published them already (no call made)."""
+        return self._limits
+
+    def num_replicas(self) -> int | None:
+        """Model replicas this process's router(s) can send to now (state only, no call made)."""
+        return self._num_replicas()
+
     def _num_replicas(self) -> int | None:
         """Model replicas this process's router(s) can send to now; None without a router (built lazily by
         Serve on the first call, absent for test doubles of the handle)."""

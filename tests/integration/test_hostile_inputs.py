@@ -51,3 +51,27 @@ def test_a_batch_of_token_prompts_is_answered_like_concurrent_requests(app_url, 
 def test_too_many_prompts_is_a_400(app_url):
     r = _post(f"{app_url}/v1/completions", {"model": MODEL, "prompt": [[1, 2]] * 65, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
+
+
+# ---------------------------------------------------------------- finding 6
+def test_health_stays_fast_and_ready_during_a_burst(app_url):
+    """Before: /health made a model replica call, queued behind the burst (503s, a 6.9 s probe)."""
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            assert (await c.get(f"{app_url}/health")).status_code in (200, 503)     # starts the state
+            burst = [asyncio.create_task(c.post(f"{app_url}/v1/completions", json={
+                "model": MODEL, "prompt": f"burst {i}", "max_tokens": 24, "extra": None})) for i in range(120)]
+            await asyncio.sleep(0.5)
+            probes = []
+            for _ in range(10):
+                t = time.monotonic()
+                r = await c.get(f"{app_url}/health")
+                probes.append((r.status_code, time.monotonic() - t))
+                await asyncio.sleep(0.2)
+            statuses = [r.status_code for r in await asyncio.gather(*burst)]
+            return probes, statuses
+
+    probes, statuses = asyncio.run(run())
+    assert all(code == 200 for code, _ in probes), probes
+    assert max(s for _, s in probes) < 1.0, probes
+    assert set(statuses) <= {200, 429}

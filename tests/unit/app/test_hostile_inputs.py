@@ -291,3 +291,49 @@ def test_a_cancelled_replica_task_is_a_cancellation_not_a_server_error():
     from app.errors import to_api_error
     err = to_api_error(TaskCancelledError())
     assert (err.status_code, err.code) == (499, "cancelled")
+
+
+# ---------------------------------------------------------------- finding 6: health from state
+async def test_health_answers_from_state_while_every_replica_slot_is_busy(checkpoints):
+    """Replicas whose request slots are all taken never answer a call; /health must not need one."""
+    release = asyncio.Event()
+
+    class Busy(FakeReplica):
+        async def debug_state(self):
+            await asyncio.sleep(3600)
+
+        async def limits(self):
+            await release.wait()
+            return LIMITS
+
+    ing, handle = ingress(checkpoints, Busy())
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    r = await ing.http_health()
+    assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "starting" and loop.time() - t < 2.5
+    release.set()                                  # the model loaded: its limits arrive (asked once)
+    await asyncio.sleep(0.05)
+    for _ in range(20):
+        t = loop.time()
+        r = await ing.http_health()
+        assert r.status_code == 200 and loop.time() - t < 0.1
+    assert json.loads(r.body)["status"] == "ok"
+    assert {name for name, _ in handle.calls} == {"limits"}       # asked until answered, then never again
+
+
+async def test_health_is_503_when_the_router_sees_no_replica_unless_scaled_to_zero(checkpoints, monkeypatch):
+    ing, _ = ingress(checkpoints)
+    await ing.serving.limits()
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: 0)
+    r = await ing.http_health()
+    assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "no_replica_running"
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: 2)
+    r = await ing.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["num_replicas"] == 2
+    ing0, _ = ingress(checkpoints)
+    ing0.cfg = AppConfig.model_validate({**ing0.cfg.model_dump(),
+                                         "autoscaling": {"enabled": True, "min_replicas": 0}})
+    await ing0.serving.limits()
+    monkeypatch.setattr(ing0.serving, "_num_replicas", lambda: 0)
+    r = await ing0.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero"
