@@ -313,8 +313,12 @@ class SharedKVStore:
                 now = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
             except FileNotFoundError:
                 return
-            if st is not None and (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
-                return
+            if st is None:      # it could not be opened (a link, a file we may not read)
+                replaced = stat.S_ISREG(now.st_mode) and _describe_problem(now, self.modes.gid) is None
+            else:
+                replaced = (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev)
+            if replaced:
+                return          # a writer's new file took its place: keep it (it is verified when read)
             try:
                 os.unlink(name, dir_fd=self._dir_fd)        # a link itself goes, never its target
             except OSError:
