@@ -4,8 +4,8 @@ Exact where the events are: each replica's view follows its event stream (per-re
 cache epoch); a gap or a changed epoch drops that replica's entries and waits for a snapshot. Between a
 routing decision and the chosen engine's BlockStored, the prompt's blocks count as held speculatively (TTL).
 
-Layout, chosen so a decision costs O(replicas + matched blocks + prompt blocks / SPEC_STRIDE) whatever the
-prompt length, and so the garbage collector never walks the index: only plain dicts of bytes -> int/float/None,
+Layout, chosen so a decision costs O(replicas + EXACT_BLOCKS + prompt blocks / SPEC_STRIDE + drop-outs x
+log(prompt blocks)), whatever the prompt length, and so the garbage collector never walks the index: only plain dicts of bytes -> int/float/None,
 which CPython untracks (an OrderedDict or a set of millions of hashes would cost a full collection tens of
 milliseconds):
   `_held`  block hash -> bit mask of the replica slots whose paged pool holds it (confirmed by events or a
@@ -18,9 +18,11 @@ shares a checkpoint hash at depth d with a routed one shares its first d blocks.
 whose first m are already held records only the depths in (m, n] that are powers of two below SPEC_STRIDE,
 multiples of SPEC_STRIDE, or n itself: O(log + n / SPEC_STRIDE) dict writes, not O(n). A lookup probes the
 same depths of its own prompt; a speculative match may thus round down by less than SPEC_STRIDE blocks.
-Matching ANDs the confirmed masks of the prompt's hashes in order (one dict lookup and one int AND per
-matched block; a replica's length is recorded when its bit drops out), then raises each replica's length to
-its deepest speculative checkpoint. Lookups never write: recency is the order of the engines' own stores.
+Matching ANDs the confirmed masks of the prompt's first EXACT_BLOCKS hashes in order (one dict lookup and
+one int AND per block; a replica's length is recorded when its bit drops out), bisects on the depth for the
+replicas still holding past them (pools are prefix-closed: see `_deepest`), then raises each replica's
+length to its deepest speculative checkpoint. Lookups never write: recency is the order of the engines' own
+stores.
 
 Bound, sized from the fleet: the engines' events keep `_held` to the hashes the pools hold, at most the
 sum of their pool sizes. `set_capacity` (the core calls it from the replicas' reported `num_blocks`, times a
@@ -448,9 +450,14 @@ class PrefixIndex:
         candidates = active
         get = self._held.get
         n = 0
-        for h in block_hashes:
-            mask = get(h)
+        limit = min(len(block_hashes), EXACT_BLOCKS)
+        while n < limit:
+            mask = get(block_hashes[n])
             if mask is None:
+                if n:
+                    for slot in _bits(active):
+                        out[slots[slot]] = n
+                active = 0
                 break
             both = active & mask
             if both != active:
@@ -461,9 +468,13 @@ class PrefixIndex:
                 if not active:
                     break
             n += 1
-        if n:
-            for slot in _bits(active):
-                out[slots[slot]] = n
+        if active:
+            if n < len(block_hashes):
+                for slot, depth in _deepest(block_hashes, n, active, get):
+                    out[slots[slot]] = depth
+            else:
+                for slot in _bits(active):
+                    out[slots[slot]] = n
         spec = self._spec
         if spec:
             spec_get = spec.get
@@ -507,6 +518,31 @@ class PrefixIndex:
 
 
 SPEC_STRIDE = 16
+#: a match walks the first EXACT_BLOCKS blocks one by one; past them it bisects on the depth (see _deepest)
+EXACT_BLOCKS = 64
+
+
+def _deepest(hashes: list[BlockHash], lo: int, bits: int, get) -> list[tuple[int, int]]:
+    """(slot, depth) for each slot in `bits`, all of which hold hashes[:lo]: its deepest held block, by
+    bisection (O(log n) lookups per distinct depth, not O(n)). Exact when every pool's chains are
+    prefix-closed, which the engines' LRU guarantees: a request that uses block i uses blocks 0..i-1 too,
+    and freeing puts a chain's tail ahead of its head in the eviction order, so a pool never holds a block
+    without its prefix; the events mirror that. (A block stored out of that order only shifts the
+    predicted depth of a routing choice, never a token.)"""
+    out = []
+    stack = [(lo, len(hashes), bits)]                  # every slot in bits has its depth in [lo, hi]
+    while stack:
+        lo, hi, bits = stack.pop()
+        if lo == hi:
+            out.extend((slot, lo) for slot in _bits(bits))
+            continue
+        mid = (lo + hi + 1) // 2                       # lo < mid <= hi
+        deeper = (get(hashes[mid - 1]) or 0) & bits
+        if deeper:
+            stack.append((mid, hi, deeper))
+        if bits ^ deeper:
+            stack.append((lo, mid - 1, bits ^ deeper))
+    return out
 
 
 def _checkpoints(start: int, n: int) -> list[int]:

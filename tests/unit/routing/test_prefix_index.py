@@ -315,3 +315,17 @@ def test_two_routers_fed_differently_converge_on_the_same_index():
     for prompt in (chain("p", 8), chain("q", 5), chain("r", 3)):
         assert one.match(prompt, ["a"]) == two.match(prompt, ["a"])
     assert one.num_held("a") == two.num_held("a") == len(truth)
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=8), st.integers(0, 300))
+def test_deep_matches_bisect_to_each_replicas_exact_depth(depths, diverge):
+    """Past EXACT_BLOCKS the match bisects on the depth: with prefix-closed pools (what an engine's LRU
+    keeps) every replica's length is exact, for prompts that leave the held chain at any block."""
+    ids = [f"r{i}" for i in range(len(depths))]
+    ix = index(*ids)
+    p = chain("deep", 300)
+    for rid, d in zip(ids, depths):
+        assert feed(ix, rid, 0, [stored(p[:d])])
+    query = p[:diverge] + chain("other", 20, start=diverge)
+    want = {rid: min(d, diverge) for rid, d in zip(ids, depths) if min(d, diverge)}
+    assert ix.match(query, ids) == want
