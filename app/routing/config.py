@@ -35,8 +35,8 @@ class AffinityConfig(BaseModel):
     kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty at full KV usage (linear above "
                                          "the threshold)")
     # -- affinity release
-    release_slack: float = Field(0.3, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
-    release_slack_abs_s: float = Field(0.1, ge=0, description="the absolute part of that bound, seconds")
+    release_slack: float = Field(0.6, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
+    release_slack_abs_s: float = Field(0.3, ge=0, description="the absolute part of that bound, seconds")
     release_recompute_weight: float = Field(1.0, ge=0, description="a release must also beat this x fleet "
                                             "saturation x the time to recompute the prefix it gives up")
     release_busy_horizon_s: float = Field(0.25, ge=0, description="the least queued replica's prefill "

@@ -83,3 +83,22 @@ def pinned_lru_hit_rate(requests: Sequence[TraceRequest], full_hashes: Sequence[
         while len(lru) > blocks_per_replica:
             lru.popitem(last=False)
     return hit / total if total else 0.0
+
+
+def ttft_floor_s(requests: Sequence[TraceRequest], full_hashes: Sequence[Sequence[BlockHash]], block_size: int,
+                 measured: Sequence[bool], step_base_s: float, prefill_per_token_s: float,
+                 max_batched_tokens: int) -> list[float]:
+    """Per measured request, the TTFT no router can beat: its prompt's uncached part under the shared
+    infinite cache, prefilled alone on an idle replica in chunks of `max_batched_tokens` (each step costs
+    `step_base_s` plus `prefill_per_token_s` per token). A percentile of these is the floor of that
+    percentile: a router whose TTFT p99 is near it has nothing left to win there."""
+    present: set[BlockHash] = set()
+    out = []
+    for r, hashes, m in zip(requests, full_hashes, measured):
+        if m:
+            uncached = max(1, len(r.prompt_token_ids) - _hit_blocks(r, hashes, present, block_size) * block_size)
+            steps = -(-uncached // max_batched_tokens)
+            out.append(steps * step_base_s + uncached * prefill_per_token_s)
+        present.update(hashes)
+    return out
+

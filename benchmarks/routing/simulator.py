@@ -14,6 +14,7 @@ other processes on a shared machine cannot inflate (wall time would count their 
     python benchmarks/routing/simulator.py --replicas 8 --pressure 0.75 --load 1.0
     python benchmarks/routing/simulator.py --hot --replicas 8 --json out.json --png out.png
     python benchmarks/routing/simulator.py --suite headline --out-dir bench-out
+    python benchmarks/routing/simulator.py --suite fleet --out-dir bench-out [--only 1,5]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ if __package__ in (None, ""):
 
 from benchmarks.routing import report  # noqa: E402
 from benchmarks.routing.bounds import (footprint_partition, pinned_lru_hit_rate,  # noqa: E402
-                                       shared_cache_hit_rate)
+                                       shared_cache_hit_rate, ttft_floor_s)
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
 from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,  # noqa: E402
                                         RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
@@ -70,6 +71,7 @@ class PreparedTrace:
     partition: dict[str, int]
     shared_bound: float
     pinned_bound: float
+    ttft_floor: list[float] = field(default_factory=list)   # per measured request (bounds.ttft_floor_s)
 
 
 def prepare(trace: Trace) -> PreparedTrace:
@@ -87,7 +89,10 @@ def prepare(trace: Trace) -> PreparedTrace:
     shared = shared_cache_hit_rate(trace.requests, full_hashes, bs, measured)
     pinned = pinned_lru_hit_rate(trace.requests, full_hashes, bs, measured, partition,
                                  trace.meta.replica.num_blocks - 1)
-    return PreparedTrace(trace, prompt_hashes, full_hashes, measured, partition, shared, pinned)
+    tm = TimingModel()
+    floor = ttft_floor_s(trace.requests, full_hashes, bs, measured, tm.step_base_s, tm.prefill_per_token_s,
+                         trace.meta.replica.max_num_batched_tokens)
+    return PreparedTrace(trace, prompt_hashes, full_hashes, measured, partition, shared, pinned, floor)
 
 
 @dataclass(slots=True)
@@ -346,6 +351,19 @@ HEADLINE = [  # (replicas, pressure, load, hot prefix, requests per replica)
 ]
 
 
+#: issue 25's harder suite: long-tail prompts (up to 32k tokens), 8,192 KV blocks per replica, the field's
+#: strongest routers. (replicas, pressure, load, hot prefix, requests per replica, KV-event period s)
+FLEET = [(8, rho, load, False, 600, 0.5) for rho in (0.3, 0.75, 1.5) for load in (0.5, 1.0, 1.5)] + [
+    (8, 0.75, 1.0, False, 600, 2.0), (8, 0.75, 1.5, False, 600, 2.0),
+    (8, 0.75, 1.0, True, 600, 0.5), (8, 0.75, 1.5, True, 600, 0.5),
+    (32, 0.3, 1.5, False, 300, 0.5), (32, 0.75, 1.0, False, 300, 0.5), (32, 0.75, 1.5, False, 300, 0.5),
+    (32, 1.5, 1.0, False, 300, 0.5), (32, 0.75, 1.5, True, 300, 0.5),
+    (128, 0.75, 1.0, False, 150, 0.5),
+]
+FLEET_ROUTERS = "power-of-two,ray-threshold,llmd,sglang,dynamo,ours,shared"
+FLEET_KV_BLOCKS = 8192
+
+
 def _run_one(args, spec, say, out_stem: Path | None) -> dict:
     t0 = time.perf_counter()
     trace = (read_trace(args.trace) if getattr(args, "trace", None)
@@ -387,6 +405,35 @@ def _run_suite(a: argparse.Namespace, say) -> None:
     print(report.headline_markdown(docs) + "\n\n" + report.targets_markdown(docs))
 
 
+def _fleet_stem(out: Path, n: int, rho: float, load: float, hot: bool, period: float) -> Path:
+    return out / (f"fleet_n{n}_hot_l{load}_e{period}" if hot else f"fleet_n{n}_p{rho}_l{load}_e{period}")
+
+
+def _run_fleet_suite(a: argparse.Namespace, say) -> None:
+    """Issue 25's configurations one at a time (each to its own JSON and PNG), then a summary of every one
+    whose JSON is in the output folder: ours against every baseline, the bounds and the TTFT floor."""
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    only = {int(k) for k in a.only.split(",")} if a.only else None
+    a.long_tail, a.kv_blocks = True, FLEET_KV_BLOCKS
+    a.routers = a.routers or FLEET_ROUTERS
+    for k, (n, rho, load, hot, rpr, period) in enumerate(FLEET, 1):
+        if only is not None and k not in only:
+            continue
+        say(f"[{k}/{len(FLEET)}] {n} replicas, pressure {rho}, load {load}, events every {period} s"
+            f"{', hot prefix' if hot else ''}")
+        a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
+        a.events_period = period
+        _run_one(a, spec_from_args(a), say, _fleet_stem(out, n, rho, load, hot, period))
+    docs = [json.loads(p.read_text()) for p in (Path(f"{_fleet_stem(out, *c[:4], c[5])}.json") for c in FLEET)
+            if p.exists()]
+    for d in docs:
+        d["targets"] = report.check_targets(d)
+    report.write_json({"runs": docs}, out / "fleet_summary.json")
+    (out / "fleet_summary.md").write_text(report.fleet_summary_markdown(docs))
+    print(report.fleet_markdown(docs) + "\n\n" + report.targets_markdown(docs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_args(p)
@@ -397,7 +444,9 @@ def main() -> None:
     p.add_argument("--stats-period", type=float, help="seconds between stats snapshots of each replica (default 1)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the TTFT CDF and hit-rate figure here")
-    p.add_argument("--suite", choices=["headline"], help="run the headline configurations one at a time")
+    p.add_argument("--suite", choices=["headline", "fleet"], help="run the headline configurations (short "
+                   "prompts, 1k KV blocks, Ray's router as the rival) or the fleet ones (long-tail prompts, 8k "
+                   "KV blocks, the field's strongest routers) one at a time")
     p.add_argument("--out-dir", default="benchmarks/routing/results", help="with --suite: JSON, PNG and a summary here")
     p.add_argument("--only", help="with --suite: run only these configurations (1-based, comma-separated)")
     a = p.parse_args()
@@ -409,6 +458,9 @@ def main() -> None:
         import benchmarks.routing.ours  # noqa: F401  (load the core now: every run uses this version)
     say(f"source: {report.source_version()}")
 
+    if a.suite == "fleet":
+        _run_fleet_suite(a, say)
+        return
     if a.suite:
         _run_suite(a, say)
         return

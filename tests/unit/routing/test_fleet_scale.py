@@ -92,7 +92,8 @@ def test_decisions_on_32k_token_prompts_never_evict_and_write_a_bounded_number_o
 
 # ---------------------------------------------------------------- 4. the release rule under overload
 def _release_case(idle_other: bool):
-    core, clock, ids = make(3)
+    # the relative and absolute slack of the old defaults: what keeps the request is the recompute term
+    core, clock, ids = make(3, release_slack=0.3, release_slack_abs_s=0.1)
     prefix = chain("tenant", 15_000 // BS)                     # 15k of a 16k-token prompt held by r0
     core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
     stats(core, "r0", num_queued_prefill_tokens=40_000, num_running=0)
@@ -117,7 +118,7 @@ def test_with_an_idle_replica_the_release_uses_spare_capacity():
 
 
 def test_recompute_weight_zero_is_the_old_rule():
-    core, clock, ids = make(3, release_recompute_weight=0.0)
+    core, clock, ids = make(3, release_recompute_weight=0.0, release_slack=0.3, release_slack_abs_s=0.1)
     prefix = chain("tenant", 15_000 // BS)
     core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
     for r, q in (("r0", 40_000), ("r1", 10_000), ("r2", 12_000)):
