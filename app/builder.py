@@ -1,6 +1,7 @@
 """build_app: the only place that turns an AppConfig into Ray Serve deployment options."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -8,6 +9,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.config import AppConfig
+from app.http import APIKeyDigest
 from app.ingress import IngressServer
 from app.replica import LLMReplica
 from app.routing.serve_router import AffinityRequestRouter
@@ -49,23 +51,21 @@ def replica_placement(config: AppConfig) -> dict[str, Any]:
 
 def serve_start_options(config: AppConfig) -> dict[str, Any]:
     """serve.start's kwargs: HTTP bound to serve.host:serve.port, proxies only where proxy_location says (the
-    default HeadOnly keeps worker nodes from opening the HTTP port too). The CLI adds `http_limits(config)` to
-    http_options.middlewares."""
+    default HeadOnly keeps worker nodes from opening the HTTP port too)."""
     s = config.serve
     return {"proxy_location": s.proxy_location, "http_options": {"host": s.host, "port": s.port}}
 
 
-def http_limits(config: AppConfig) -> Any:
-    """The HTTP layer's limits (header size, body read time and size, requests in flight, Serve's client-hint
-    headers removed), enforced in Serve's proxy: a Starlette Middleware for http_options.middlewares."""
-    from starlette.middleware import Middleware
-
-    from app.http import HTTPLimitsMiddleware
+def http_limits_env(config: AppConfig) -> dict[str, str]:
+    """The environment under which Serve's proxy enforces the HTTP layer's limits (header size, body read
+    time and size, requests in flight; Serve's client-hint headers removed): set where the proxy starts
+    (the CLI sets it before it starts its local Ray; on a cluster, the nodes' environment, docs/limits.md)."""
+    from app.http import HTTP_LIMITS_ENV, PROXY_CALLBACK, PROXY_CALLBACK_ENV
     s = config.serve
-    return Middleware(HTTPLimitsMiddleware, max_header_bytes=s.max_header_bytes,
-                      max_body_bytes=s.max_request_body_bytes, body_read_timeout_s=s.body_read_timeout_s,
-                      max_connections=s.max_connections, max_connections_per_client=s.max_connections_per_client,
-                      retry_after_s=s.retry_after_s)
+    limits = {"max_header_bytes": s.max_header_bytes, "max_body_bytes": s.max_request_body_bytes,
+              "body_read_timeout_s": s.body_read_timeout_s, "max_connections": s.max_connections,
+              "max_connections_per_client": s.max_connections_per_client, "retry_after_s": s.retry_after_s}
+    return {PROXY_CALLBACK_ENV: PROXY_CALLBACK, HTTP_LIMITS_ENV: json.dumps(limits)}
 
 
 def ingress_placement(config: AppConfig) -> dict[str, Any]:
@@ -143,7 +143,11 @@ def build_app(config: AppConfig | dict | None = None):
     engine_cfg = config.engine.to_engine_config().model_dump()
     replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
                                               config.observability.model_dump())
-    return ingress_deployment(config).bind(replica, config.model_dump())
+    # Serve keeps deployment arguments in its controller and Ray's GCS: the API key goes as a digest only
+    key = config.serve.api_key
+    without_key = config.model_copy(update={"serve": config.serve.model_copy(update={"api_key": None})})
+    digest = APIKeyDigest.of(key.get_secret_value()) if key is not None else None
+    return ingress_deployment(config).bind(replica, without_key.model_dump(), digest)
 
 
 def app_builder(args: dict[str, Any]):

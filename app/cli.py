@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from app.config import AppConfig
 
+#: the environment variable `serve` reads the API key from (a key never goes on the command line or stdout)
+API_KEY_ENV = "AFFINITY_SERVE_API_KEY"
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad configuration or checkpoint prints one message and returns 2."""
@@ -46,7 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--replicas", type=int, help="number of model replicas")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    s.add_argument("--api-key", help="require this Bearer key on inference routes")
+    s.add_argument("--api-key-file", help=f"require the Bearer key in this file on inference routes (or set "
+                   f"{API_KEY_ENV}; both keep the key out of the process list)")
+    s.add_argument("--api-key", help=f"require this Bearer key (visible to other users in `ps`: prefer {API_KEY_ENV} "
+                   "or --api-key-file)")
+    s.add_argument("--address", help="run on this Ray cluster (also RAY_ADDRESS); default: start a local Ray of its "
+                   "own, bound to 127.0.0.1")
     p = sub.add_parser("deploy", help="deploy onto a running Ray cluster (cluster.yaml's head runs it) and exit")
     p.add_argument("--config", required=True, help="AppConfig YAML file (engine.model: a path on the GPU nodes)")
     p.add_argument("--address", default="auto", help="Ray address (default: the cluster this node belongs to)")
@@ -97,7 +105,8 @@ def _load_config(args) -> "AppConfig":
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     data = cfg.model_dump()
     overrides = {("engine", "model"): args.model, ("serve", "num_replicas"): args.replicas,
-                 ("serve", "host"): args.host, ("serve", "port"): args.port, ("serve", "api_key"): args.api_key}
+                 ("serve", "host"): args.host, ("serve", "port"): args.port,
+                 ("serve", "api_key"): _api_key(args)}
     for (section, key), value in overrides.items():
         if value is not None:
             data[section][key] = value
@@ -108,6 +117,27 @@ def _load_config(args) -> "AppConfig":
         per = max(1, (os.cpu_count() or 1) // max(1, cfg.serve.num_replicas))
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": per})})
     return cfg
+
+
+def _api_key(args) -> str | None:
+    """The API key from --api-key-file, the environment, or --api-key (that one with a warning); None: the
+    config file's (if any). Never printed."""
+    from app.config import ConfigError
+    if getattr(args, "api_key_file", None):
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ConfigError("--api-key-file", [f"cannot read the file: {e.strerror or e}"]) from None
+        if not key:
+            raise ConfigError("--api-key-file", ["the file is empty"])
+        return key
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV].strip()
+    if getattr(args, "api_key", None):
+        print(f"[affinity-serve] warning: --api-key shows the key to every user of this machine (`ps`); "
+              f"use {API_KEY_ENV} or --api-key-file", file=sys.stderr)
+        return args.api_key
+    return None
 
 
 def check_model(cfg: "AppConfig") -> None:
@@ -134,15 +164,11 @@ def serve_cmd(args) -> int:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
     cfg = resolve_model(cfg)
     check_model(cfg)
-    import ray
+    init_ray(args.address or os.environ.get("RAY_ADDRESS"), cfg)
     from ray import serve
+    import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    host, port = cfg.serve.host, cfg.serve.port
-    print(f"[affinity-serve] starting Ray on 127.0.0.1 and deploying {cfg.serve.num_replicas} replica(s) of "
-          f"{cfg.engine.model} ...", flush=True)
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=True,
-             logging_level="WARNING", num_cpus=max(2, os.cpu_count() or 2) * 2)
+    print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...", flush=True)
     start_serve(cfg)
     done = threading.Event()
     ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
@@ -151,14 +177,7 @@ def serve_cmd(args) -> int:
         serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)
     finally:
         done.set()
-    url = f"http://{host}:{port}"
-    name = cfg.serve.model_name or Path(cfg.engine.model).name
-    auth = f" -H 'Authorization: Bearer {cfg.serve.api_key}'" if cfg.serve.api_key else ""
-    print(f"\n[affinity-serve] ready: {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics)")
-    print("[affinity-serve] try:\n"
-          f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-          f"    -d '{json.dumps({'model': name, 'prompt': 'Once upon a time', 'max_tokens': 16})}'\n"
-          "[affinity-serve] Ctrl-C to stop.", flush=True)
+    print(ready_message(cfg), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -171,14 +190,66 @@ def serve_cmd(args) -> int:
     return 0
 
 
+def ready_message(cfg: "AppConfig") -> str:
+    """Where the server is and a request to paste. The API key itself is never printed: the curl line reads
+    it from the environment variable the server can read it from too."""
+    url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+    name = cfg.serve.model_name or Path(cfg.engine.model or "model").name
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.serve.api_key else ""
+    return (f"\n[affinity-serve] ready: {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics)\n"
+            "[affinity-serve] try:\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{json.dumps({'model': name, 'prompt': 'Once upon a time', 'max_tokens': 16})}'\n"
+            "[affinity-serve] Ctrl-C to stop.")
+
+
+def init_ray(address: str | None, cfg: "AppConfig") -> None:
+    """A Ray cluster the user asked for (--address / RAY_ADDRESS), or a local Ray of this process's own:
+    address="local" (never a cluster some earlier `ray start` left recorded on the machine), every Ray
+    process bound to 127.0.0.1 (the node address and Ray's local-only mode; Ray's token authentication
+    stays on), its Serve proxy enforcing the HTTP layer's limits. Says which on stdout."""
+    if address:
+        print(f"[affinity-serve] connecting to the Ray cluster at {address} (--address / RAY_ADDRESS); the HTTP "
+              "limits apply where its nodes were started with them (docs/limits.md)", flush=True)
+        import ray
+        ray.init(address=address, configure_logging=True, logging_level="WARNING")
+        return
+    from app.builder import http_limits_env
+    os.environ.update(http_limits_env(cfg))         # the proxy, a worker of the Ray started below, reads it
+    # Before Ray is imported: Ray reads it once. Off, Ray binds its GCS, raylet, workers and agents to the
+    # loopback address instead of every interface (an open Ray port runs any code that reaches it).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray._private import ray_constants
+    ray_constants.ENABLE_RAY_CLUSTER = False        # Ray imported before this call (tests, embedding)
+    print("[affinity-serve] starting a local Ray of its own on 127.0.0.1 (to use a cluster: --address or "
+          "RAY_ADDRESS)", flush=True)
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=True,
+             logging_level="WARNING", num_cpus=max(2, os.cpu_count() or 2) * 2,
+             runtime_env={"worker_process_setup_hook": "app.cli.loopback_worker_setup"})
+
+
+def loopback_worker_setup() -> None:
+    """Ray's worker_process_setup_hook for the local Ray `serve` starts: Ray Serve 2.60 binds each replica's
+    inter-deployment gRPC server to every interface ("[::]:0", no option); on a loopback-only Ray it binds
+    to 127.0.0.1 instead (the only address its callers use there)."""
+    from ray.serve._private import replica
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "loopback", False):
+        return
+
+    def loopback(server, address):
+        return bind(server, "127.0.0.1:0" if address == "[::]:0" else address)
+    loopback.loopback = True
+    replica.add_port_to_grpc_server = loopback
+
+
 def start_serve(cfg: "AppConfig") -> None:
-    """serve.start with the configured HTTP bind, proxy placement and the HTTP layer's limits."""
+    """serve.start with the configured HTTP bind and proxy placement."""
     from ray import serve
 
-    from app.builder import http_limits, serve_start_options
-    opts = serve_start_options(cfg)
-    opts["http_options"]["middlewares"] = [http_limits(cfg)]
-    serve.start(**opts)
+    from app.builder import serve_start_options
+    serve.start(**serve_start_options(cfg))
 
 
 def _progress(done: threading.Event) -> None:

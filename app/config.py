@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, ValidationError, field_validator,
                       model_validator)
 
 from app.routing.config import AffinityConfig, RoutingPolicyName
@@ -61,7 +61,8 @@ class ServeSection(_Strict):
     first_token_timeout_s: float = Field(60.0, gt=0, description="503 when no replica produced anything by then")
     cold_start_timeout_s: float = Field(30.0, gt=0, description="a request arriving while no model replica runs "
                                         "(scaled to zero, or all starting) waits this long for one, then 503")
-    api_key: str | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes (masked when printed; "
+                                      "the CLI also reads AFFINITY_SERVE_API_KEY or --api-key-file)")
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     # Limits on hostile or unlucky traffic (docs/limits.md)
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
@@ -88,7 +89,9 @@ _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 class RoutingSection(_Strict):
     """Which replica serves a request (app/routing; docs/routing.md)."""
 
-    policy: RoutingPolicyName = Field("prefix_affinity", description="prefix_affinity | power_of_two | round_robin")
+    policy: RoutingPolicyName = Field("prefix_affinity", description="prefix_affinity | power_of_two | round_robin "
+                                      "| llm_d_precise (a re-implementation of llm-d's precise scorer, for "
+                                      "comparisons)")
     request_routing_stats_period_s: float = Field(1.0, gt=0, description="how often Serve polls each "
                                                   "replica's stats for the routers")
     request_routing_stats_timeout_s: float = Field(5.0, gt=0, description="a stats poll slower than this "

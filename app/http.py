@@ -3,8 +3,12 @@ responses; for Serve's HTTP proxy the middleware that enforces the HTTP layer's 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import os
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -29,9 +33,33 @@ def _utf8(value: Any) -> Any:
     return value
 
 
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """Raise a 401 unless the request carries `Authorization: Bearer <api_key>` (when one is configured)."""
-    if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+@dataclass(frozen=True, slots=True)
+class APIKeyDigest:
+    """What the ingress keeps of the API key: a salted SHA-256, never the key (Serve stores a deployment's
+    arguments in its controller and the GCS, which anyone reaching Ray could read). Use a long random key:
+    a short one could be guessed from the digest."""
+
+    salt: bytes
+    digest: bytes
+
+    @classmethod
+    def of(cls, key: str) -> "APIKeyDigest":
+        salt = os.urandom(16)
+        return cls(salt, hashlib.sha256(salt + key.encode()).digest())
+
+    def matches(self, presented: str) -> bool:
+        return hmac.compare_digest(self.digest, hashlib.sha256(self.salt + presented.encode()).digest())
+
+    def __repr__(self) -> str:
+        return "APIKeyDigest(...)"
+
+
+def check_api_key(request: Request, api_key: APIKeyDigest | None) -> None:
+    """Raise a 401 unless the request carries `Authorization: Bearer <key>` (when a key is configured)."""
+    if api_key is None:
+        return
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not api_key.matches(presented.strip()):
         raise APIError("missing or invalid API key (send 'Authorization: Bearer <key>')", 401,
                        "authentication_error", None, "invalid_api_key")
 
@@ -142,8 +170,22 @@ async def sse(first: dict, rest: AsyncIterator[dict],
 CLIENT_HINT_HEADERS = frozenset({b"x-request-disconnect-disabled", b"x-request-timeout-seconds"})
 
 
+#: What the CLI sets in the environment of the Ray it starts (builder.http_limits_env), so that Serve's proxy
+#: installs the middleware (Ray 2.60 takes proxy middlewares only from this callback, not from HTTPOptions).
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "app.http:proxy_middlewares"
+HTTP_LIMITS_ENV = "AFFINITY_SERVE_HTTP_LIMITS"
+
+
+def proxy_middlewares() -> list:
+    """Serve's proxy calls this at start-up (PROXY_CALLBACK_ENV): HTTPLimitsMiddleware with the limits the
+    JSON in HTTP_LIMITS_ENV gives (HTTPLimitsMiddleware's keyword arguments; the defaults where unset)."""
+    from starlette.middleware import Middleware
+    return [Middleware(HTTPLimitsMiddleware, **json.loads(os.environ.get(HTTP_LIMITS_ENV) or "{}"))]
+
+
 class HTTPLimitsMiddleware:
-    """ASGI middleware for Serve's HTTP proxy (serve.start's http_options.middlewares; builder.py).
+    """ASGI middleware for Serve's HTTP proxy (installed through `proxy_middlewares`; builder.http_limits_env).
 
     Per request, before the proxy routes it anywhere: Ray Serve's client-hint headers are removed; headers
     larger than `max_header_bytes` in all are a 431; at most `max_connections` requests are in flight (503

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.config import AppConfig
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
-from app.http import check_api_key, check_json_value, error_response, read_json_body, sse
+from app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
 from app.prompts import RequestKind
 from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.routing import debug as routing_debug
@@ -33,7 +34,10 @@ from observability.setup import prometheus_text, setup_telemetry
 from observability.tracing import extract_context, inject_carrier
 
 logger = logging.getLogger("affinity.ingress")
-fastapi_app = FastAPI(title="affinity-serve", description="OpenAI-compatible LLM serving on Ray Serve")
+# FastAPI's own /docs, /redoc and /openapi.json are off: the Ingress serves them itself, only without an API
+# key (a server that requires a key does not describe itself to whoever asks).
+fastapi_app = FastAPI(title="affinity-serve", description="OpenAI-compatible LLM serving on Ray Serve",
+                      docs_url=None, redoc_url=None, openapi_url=None)
 
 _REQUEST_TYPES = {RequestKind.COMPLETION: CompletionRequest, RequestKind.CHAT: ChatCompletionRequest}
 _HEALTH_FIRST_WAIT_S = 2.0     # how long a probe waits for the engine's limits before answering "starting"
@@ -46,8 +50,14 @@ async def _http_exc(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 class Ingress:
-    def __init__(self, replica: Any, config: dict[str, Any]):
+    def __init__(self, replica: Any, config: dict[str, Any], api_key: APIKeyDigest | None = None):
+        """`api_key`: the digest of the key inference routes require (builder.build_app); a key still in
+        `config` (a caller that built the Ingress directly) is digested here and dropped."""
         self.cfg = AppConfig.model_validate(config)
+        if self.cfg.serve.api_key is not None:
+            api_key = api_key or APIKeyDigest.of(self.cfg.serve.api_key.get_secret_value())
+            self.cfg = self.cfg.model_copy(update={"serve": self.cfg.serve.model_copy(update={"api_key": None})})
+        self.api_key = api_key
         obs = self.cfg.observability
         configure_json_logging(obs.log_level)
         drop_serve_duplicate_logs()
@@ -78,7 +88,7 @@ class Ingress:
     @fastapi_app.get("/v1/models")
     async def http_models(self, request: Request) -> Response:
         try:
-            check_api_key(request, self.cfg.serve.api_key)
+            check_api_key(request, self.api_key)
             return JSONResponse(await self.models())
         except Exception as e:
             return error_response(self._fail(e, request.url.path))
@@ -108,6 +118,34 @@ class Ingress:
         return JSONResponse({"status": "ok" if num_replicas != 0 else "scaled_to_zero", "model": self.model_name,
                              "num_replicas": num_replicas})
 
+    @fastapi_app.get("/openapi.json", include_in_schema=False)
+    async def http_openapi(self, request: Request) -> Response:
+        self._docs_allowed(request)
+        return JSONResponse(fastapi_app.openapi())
+
+    @fastapi_app.get("/docs", include_in_schema=False)
+    async def http_docs(self, request: Request) -> Response:
+        self._docs_allowed(request)
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=f"{fastapi_app.title} - docs",
+                                   oauth2_redirect_url=f"{root}/docs/oauth2-redirect")
+
+    @fastapi_app.get("/docs/oauth2-redirect", include_in_schema=False)
+    async def http_docs_redirect(self, request: Request) -> Response:
+        self._docs_allowed(request)
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @fastapi_app.get("/redoc", include_in_schema=False)
+    async def http_redoc(self, request: Request) -> Response:
+        self._docs_allowed(request)
+        return get_redoc_html(openapi_url=f"{request.scope.get('root_path', '')}/openapi.json",
+                              title=f"{fastapi_app.title} - ReDoc")
+
+    def _docs_allowed(self, request: Request) -> None:
+        """The API description is served only by a server without an API key: 404 otherwise."""
+        if self.api_key is not None:
+            raise StarletteHTTPException(404, "Not Found")
+
     @fastapi_app.get("/metrics")
     async def http_metrics(self) -> Response:
         return Response(prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -118,7 +156,7 @@ class Ingress:
         request_id = request.headers.get("x-request-id") or _new_request_id(kind)
         request_id_var.set(request_id)
         try:
-            check_api_key(request, self.cfg.serve.api_key)
+            check_api_key(request, self.api_key)
             req = _parse(kind, await read_json_body(request, self.cfg.serve.max_request_body_bytes,
                                                     self.cfg.serve.max_json_depth))
             carrier = inject_carrier(extract_context(request.headers))

@@ -184,3 +184,18 @@ def test_stalled_bodies_do_not_starve_normal_requests(server):
     finally:
         for s in stalled:
             s.close()
+
+
+def test_the_proxy_callback_builds_the_middleware_from_the_environment(monkeypatch):
+    """Ray 2.60's proxy takes middlewares only from RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH."""
+    from ray.serve._private.utils import call_function_from_import_path
+
+    from app.builder import http_limits_env
+    from app.config import AppConfig
+    env = http_limits_env(AppConfig.model_validate({"serve": {"body_read_timeout_s": 3, "max_connections": 7}}))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    (mw,) = call_function_from_import_path(env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"])
+    built = mw.cls(Inner(), *mw.args, **mw.kwargs)
+    assert isinstance(built, HTTPLimitsMiddleware)
+    assert (built.body_read_timeout_s, built.max_connections, built.max_header_bytes) == (3, 7, 16 * 1024)

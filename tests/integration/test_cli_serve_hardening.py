@@ -1,0 +1,162 @@
+"""Issue 33 through the real `affinity-serve serve` (a subprocess with its own Ray, loopback only): it
+ignores a Ray cluster recorded on the machine and says so, binds every Ray socket to loopback with Ray's
+authentication on, never prints the key it read from the environment, keeps the API description behind
+the key, and its Serve proxy enforces the HTTP layer's limits (431, 408, client hint headers)."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-test-cli-9f8e7d6c5b4a39281706"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    ray_tmp = tempfile.mkdtemp(prefix="r33", dir="/tmp")        # short: Ray's socket paths must fit
+    # What a forgotten `ray start --head` leaves: Ray's current-cluster record, pointing nowhere now.
+    Path(ray_tmp, "ray").mkdir()
+    Path(ray_tmp, "ray", "ray_current_cluster").write_text("127.0.0.1:1")
+    cfg = tmp / "c.yaml"
+    cfg.write_text(json.dumps({
+        "engine": {"num_threads": 1, "cache": {"num_blocks": 64, "block_size": 4}},
+        "serve": {"model_name": "tiny", "body_read_timeout_s": 2, "max_header_bytes": 8192,
+                  "replica_num_cpus": 0.5}}))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--model",
+                             checkpoints["llama"], "--port", str(port), "--replicas", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    out: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any("Ctrl-C to stop" in l for l in out):
+        try:
+            out.append(lines.get(timeout=1))
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+    try:
+        assert any("Ctrl-C to stop" in l for l in out), "".join(out)[-4000:]
+        yield f"http://127.0.0.1:{port}", proc, out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_it_started_its_own_ray_said_so_and_printed_no_key(served):
+    _, _, out = served
+    text = "".join(out)
+    assert "starting a local Ray of its own on 127.0.0.1" in text
+    assert KEY not in text and "Bearer $AFFINITY_SERVE_API_KEY" in text
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int, int]]:
+    """(local address, port, pid) of every TCP socket in LISTEN state that one of `pids` holds (from /proc)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes[link[8:-1]] = pid
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:          # 0A: LISTEN
+                continue
+            addr, port = cols[1].split(":")
+            raw = bytes.fromhex(addr)
+            # /proc writes each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            ip = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+            out.append((ip, int(port, 16), inodes[cols[9]]))
+    return out
+
+
+def test_every_listening_socket_of_its_ray_is_on_loopback(served):
+    _, proc, _ = served
+    listening = _listening(_descendants(proc.pid))
+    assert len(listening) >= 5                                    # the GCS, raylet, workers, proxy, ...
+    open_ = [(ip, port, pid, Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80])
+             for ip, port, pid in listening if ip not in {"127.0.0.1", "::ffff:127.0.0.1", "::1"}]
+    assert open_ == [], open_
+
+
+def test_the_key_guards_inference_and_the_api_description(served):
+    url, _, _ = served
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=auth, timeout=30).status_code == 200
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        for headers in ({}, auth):
+            assert httpx.get(f"{url}{path}", headers=headers, timeout=30).status_code == 404, path
+    deadline = time.monotonic() + 30
+    while (r := httpx.get(f"{url}/health", timeout=10)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_its_proxy_enforces_the_http_limits(served):
+    url, _, _ = served
+    r = httpx.get(f"{url}/v1/models", headers={"x-big": "a" * 20_000}, timeout=30)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\nauthorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"prompt\"")
+        s.settimeout(20)
+        t = time.monotonic()
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408") and 1.5 < time.monotonic() - t < 10
+    body = {"model": "tiny", "prompt": [[1, 2, 3]] * 6, "max_tokens": 3}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+                   headers={"authorization": f"Bearer {KEY}", "x-request-disconnect-disabled": "?1"})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6
