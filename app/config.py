@@ -61,8 +61,9 @@ class ServeSection(_Strict):
     first_token_timeout_s: float = Field(60.0, gt=0, description="503 when no replica produced anything by then")
     cold_start_timeout_s: float = Field(30.0, gt=0, description="a request arriving while no model replica runs "
                                         "(scaled to zero, or all starting) waits this long for one, then 503")
-    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on inference routes (masked when printed; "
-                                      "the CLI also reads AFFINITY_SERVE_API_KEY or --api-key-file)")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on inference "
+                                      "routes (masked when printed; the CLI also reads AFFINITY_SERVE_API_KEY "
+                                      "or --api-key-file)")
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     # Limits on hostile or unlucky traffic (docs/limits.md)
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")

@@ -36,7 +36,8 @@ class Inner:
                     break
             await asyncio.sleep(self.hold_s)
             out = json.dumps({"len": len(body)}).encode()
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": out})
         finally:
             self.active -= 1
