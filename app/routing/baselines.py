@@ -134,3 +134,124 @@ class PowerOfTwoCore(_LoadOnlyCore):
         pair = sorted(self.rng.sample(ids, 2), key=self._load_key)
         rest = sorted((r for r in ids if r not in pair), key=self._load_key)
         return pair + rest
+
+
+class LlmdPreciseCore(_LoadOnlyCore):
+    """llm-d's "precise prefix cache" scorer in its sticky-until-saturated shape, as a comparison policy
+    (`routing.policy: llm_d_precise`), re-implemented from its public description:
+
+    an index fed by the engines' KV events (the same feed and `PrefixIndex` as prefix_affinity) with
+    speculative entries for `speculative_ttl_s` (llm-d: 2 s); the affinity filter keeps the candidates
+    holding >= `affinity_threshold` of the prompt's blocks, unless the best of them has an estimated TTFT
+    more than `max_ttft_penalty_s` above the best other (TTFT = this router's in-flight uncached tokens /
+    the peak prefill rate, `AffinityConfig.prefill_tokens_per_s`); then the token-load scorer picks the
+    lowest in-flight uncached tokens + this prompt's uncached part (ties at random)."""
+
+    def __init__(self, config: AffinityConfig, block_size: int, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None, *, affinity_threshold: float = 0.8,
+                 max_ttft_penalty_s: float = 18.0, speculative_ttl_s: float = 2.0) -> None:
+        super().__init__(config, clock, rng)
+        from app.routing.prefix_index import PrefixIndex
+        self.block_size = block_size
+        self.peak_tokens_per_s = config.prefill_tokens_per_s
+        self.affinity_threshold = affinity_threshold
+        self.max_ttft_penalty_s = max_ttft_penalty_s
+        self.index = PrefixIndex(config.max_index_entries, speculative_ttl_s, config.max_tier_index_entries)
+        self._tokens: dict[str, int] = {}                     # replica -> in-flight uncached tokens
+        self._sent: dict[str, tuple[str, int]] = {}           # request -> (replica, uncached tokens)
+
+    def set_replicas(self, replicas: list[ReplicaInfo]) -> None:
+        new = {r.replica_id for r in replicas}
+        for rid in self._members - new:
+            self.index.remove_replica(rid)
+            self._tokens.pop(rid, None)
+        for r in replicas:
+            self.index.add_replica(r.replica_id, r.node_id)
+        super().set_replicas(replicas)
+
+    def on_kv_events(self, batch: KVEventBatch) -> bool:
+        return self.index.apply_events(batch)
+
+    def replicas_needing_snapshot(self) -> list[str]:
+        return self.index.replicas_needing_snapshot()
+
+    def on_snapshot(self, snapshot: KVSnapshot) -> None:
+        self.index.apply_snapshot(snapshot)
+
+    def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
+        start = time.perf_counter()
+        if not candidate_ids:
+            self._counters.num_errors += 1
+            return Decision(request.request_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
+                            time.perf_counter() - start)
+        now = self.clock()
+        self.index.expire(now)
+        self.loads.expire(now)
+        ids = list(candidate_ids)
+        for rid in ids:
+            if rid not in self._members:
+                self._members.add(rid)
+                self.loads.add_replica(rid)
+                self.index.add_replica(rid)
+        hashes, prompt, bs = request.block_hashes, request.num_prompt_tokens, self.block_size
+        matched = self.index.match(hashes, ids)
+        cap = max(0, prompt - 1) // bs
+        blocks = [min(matched.get(rid, 0), cap) for rid in ids]
+        uncached = [prompt - b * bs for b in blocks]
+        inflight = [self._tokens.get(rid, 0) for rid in ids]
+        everyone = range(len(ids))
+        pool, reason = list(everyone), Reason.LOAD
+        if hashes:
+            warm = [i for i in everyone if blocks[i] / len(hashes) >= self.affinity_threshold]
+            cold = [i for i in everyone if blocks[i] / len(hashes) < self.affinity_threshold]
+            if warm and (not cold or min(inflight[i] for i in warm) / self.peak_tokens_per_s
+                         <= min(inflight[i] for i in cold) / self.peak_tokens_per_s + self.max_ttft_penalty_s):
+                pool, reason = warm, Reason.AFFINITY
+        score = [inflight[i] + uncached[i] for i in everyone]
+        best = min(score[i] for i in pool)
+        chosen = self.rng.choice([i for i in pool if score[i] == best])
+        rid = ids[chosen]
+        self._tokens[rid] = self._tokens.get(rid, 0) + uncached[chosen]
+        self._sent[request.request_id] = (rid, uncached[chosen])
+        self.index.insert_speculative(rid, hashes, now, start=blocks[chosen])
+        self.loads.add(request.request_id, rid, uncached_tokens=uncached[chosen],
+                       predicted_cached_tokens=prompt - uncached[chosen], num_prompt_tokens=prompt,
+                       block_hashes=[], now=now)
+        order = sorted(everyone, key=score.__getitem__)
+        ranked = [rid] + [ids[i] for i in order if i != chosen]
+        loads = [self.loads.get(r) for r in ids]
+        scores = CandidateScores(ids, [p - u for p, u in zip([prompt] * len(ids), uncached)],
+                                 [s / self.peak_tokens_per_s for s in score], inflight,
+                                 [c.decode_load for c in loads], [c.kv_usage for c in loads])
+        decision = Decision(request.request_id, ranked, rid, reason, scores, time.perf_counter() - start)
+        self._counters.num_decisions += 1
+        self._counters.num_by_reason[reason] = self._counters.num_by_reason.get(reason, 0) + 1
+        if self._decisions.maxlen:
+            self._decisions.append(decision)
+        return decision
+
+    def _rank(self, ids: list[str]) -> list[str]:       # route() is overridden whole
+        return ids
+
+    def _retire(self, request_id: str) -> None:
+        sent = self._sent.pop(request_id, None)
+        if sent is not None:
+            rid, tokens = sent
+            if rid in self._tokens:
+                self._tokens[rid] = max(0, self._tokens[rid] - tokens)
+
+    def on_routed(self, request_id: str, replica_id: str) -> None:
+        sent = self._sent.get(request_id)
+        if sent is not None and sent[0] != replica_id:
+            self._retire(request_id)
+            self._tokens[replica_id] = self._tokens.get(replica_id, 0) + sent[1]
+            self._sent[request_id] = (replica_id, sent[1])
+        super().on_routed(request_id, replica_id)
+
+    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
+        self._retire(request_id)
+        super().on_first_token(request_id, num_cached_tokens)
+
+    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
+        self._retire(request_id)
+        super().on_finished(request_id, num_output_tokens)

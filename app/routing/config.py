@@ -5,7 +5,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-RoutingPolicyName = Literal["prefix_affinity", "power_of_two", "round_robin"]
+RoutingPolicyName = Literal["prefix_affinity", "power_of_two", "round_robin", "llm_d_precise"]
+#: the policies that need the replicas' KV events (the shell runs the event feed for them)
+KV_EVENT_POLICIES = ("prefix_affinity", "llm_d_precise")
 
 
 class AffinityConfig(BaseModel):

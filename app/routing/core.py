@@ -220,10 +220,13 @@ class PrefixAffinityRouterCore:
 
 def make_core(policy: RoutingPolicyName, config: AffinityConfig, block_size: int,
               clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> RouterCore:
-    """The core for `routing.policy`: prefix_affinity | power_of_two | round_robin."""
-    from app.routing.baselines import PowerOfTwoCore, RoundRobinCore
+    """The core for `routing.policy`: prefix_affinity | power_of_two | round_robin | llm_d_precise (a
+    re-implementation of llm-d's precise scorer, for comparisons)."""
+    from app.routing.baselines import LlmdPreciseCore, PowerOfTwoCore, RoundRobinCore
     if policy == "prefix_affinity":
         return PrefixAffinityRouterCore(config, block_size, clock, rng)
+    if policy == "llm_d_precise":
+        return LlmdPreciseCore(config, block_size, clock, rng)
     if policy == "power_of_two":
         return PowerOfTwoCore(config, clock, rng)
     if policy == "round_robin":

@@ -28,7 +28,7 @@ from app.protocol import GenerateRequest
 from app.routing import debug
 from app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, ReplicaLoadView,
                              RouteRequest)
-from app.routing.config import AffinityConfig
+from app.routing.config import KV_EVENT_POLICIES, AffinityConfig
 from app.routing.core import make_core
 from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX, KVEventFeed, ReplicaFeedClient
 from engine.types import KVCacheSnapshot, KVEventsReply
@@ -103,7 +103,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         self.num_shell_errors = 0
         self._inject_errors = 0
         self.feed = (KVEventFeed(self.core, self._feed_clients, kv_events_period_s, kv_events_timeout_s)
-                     if policy == "prefix_affinity" else None)
+                     if policy in KV_EVENT_POLICIES else None)
         self._feed_task: asyncio.Task | None = None
         debug.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
