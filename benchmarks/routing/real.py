@@ -13,7 +13,13 @@ request one of them plus a short question, `--max-tokens` lo..hi output tokens (
 (`--num-blocks` per replica) holds about half of all system prompts: a replica that sees every tenant
 thrashes, one that sees half of them keeps its tenants cached.
 
+`--emulate`: each replica's engine is paced to an emulated device (`engine.pace`: prefill 1 ms per token, a
+decode step 50 ms + 25 us per context token), so a prefix hit saves what it saves on a GPU relative to the
+step and TTFT differences between routers show above the CPU's noise; 4-6 replicas fit on 2 cores. Its
+default policies add the llm-d-style baseline (`llm_d_precise`: sticky to the holder until saturated).
+
     python benchmarks/routing/real.py --json real.json --png real.png
+    python benchmarks/routing/real.py --emulate --replicas 4 --json real_emulated.json
 """
 from __future__ import annotations
 
@@ -40,6 +46,10 @@ if __package__ in (None, ""):
 from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest  # noqa: E402
 
 POLICIES = ("prefix_affinity", "power_of_two", "round_robin")
+EMULATED_POLICIES = ("prefix_affinity", "llm_d_precise", "power_of_two")
+#: engine.pace of an --emulate run (benchmarks/autoscale_real.py's emulated device)
+EMULATED_PACE = {"enabled": True, "step_base_s": 0.05, "prefill_per_token_s": 1e-3,
+                 "decode_per_context_token_s": 25e-6}
 APP_NAME = "routing-bench"
 ROUTE = "/bench"
 NUM_WARMUP_REQUESTS = 6
@@ -64,6 +74,7 @@ class BenchSpec:
     request_timeout_s: float = 60.0
     policies: tuple[str, ...] = POLICIES
     affinity: tuple[tuple[str, Any], ...] = ()      # routing.affinity knobs to override (name, JSON value)
+    emulate: bool = False                # replicas paced to an emulated device (EMULATED_PACE)
 
 
 @dataclass(slots=True)
@@ -184,10 +195,16 @@ def app_config(spec: BenchSpec, policy: str, model: str) -> dict[str, Any]:
                                   "capacity_blocks": 4 * spec.num_blocks}
     elif tier:
         raise ValueError(f"unknown tier {tier!r} in policy {policy}+{tier}; use <policy>+shared")
+    affinity = dict(spec.affinity)
+    if spec.emulate:
+        engine["pace"] = dict(EMULATED_PACE)
+        # the router's TTFT prior: the emulated device's prefill rate (it calibrates online from there)
+        affinity.setdefault("prefill_tokens_per_s", 1.0 / EMULATED_PACE["prefill_per_token_s"])
     return {"engine": engine,
-            "serve": {"num_replicas": spec.replicas, "replica_num_cpus": 1.0, "model_name": "demo",
+            "serve": {"num_replicas": spec.replicas, "replica_num_cpus": 0.25 if spec.emulate else 1.0,
+                      "model_name": "demo",
                       "max_queued_requests": -1, "first_token_timeout_s": spec.request_timeout_s},
-            "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "affinity": dict(spec.affinity)},
+            "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "affinity": affinity},
             "observability": {"traces": "none", "log_level": "WARNING"}}
 
 
@@ -473,13 +490,16 @@ def main() -> None:
                    help="routing policies; <policy>+shared also gives the replicas a node-shared KV store")
     p.add_argument("--affinity", action="append", default=[], metavar="KNOB=VALUE",
                    help="override a routing.affinity knob (repeatable), e.g. release_slack_abs_s=0.02")
+    p.add_argument("--emulate", action="store_true", help="pace each replica to an emulated device (see above)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the figure (TTFT CDF, hit rate) here")
     a = p.parse_args()
+    policies = a.policies if a.policies != ",".join(d.policies) or not a.emulate else ",".join(EMULATED_POLICIES)
     spec = BenchSpec(replicas=a.replicas, num_threads=a.num_threads, num_blocks=a.num_blocks, tenants=a.tenants,
                      system_tokens=a.system_tokens, requests=a.requests, concurrency=a.concurrency, seed=a.seed,
-                     time_limit_s=a.time_limit_s, policies=tuple(a.policies.split(",")),
-                     affinity=tuple((k, json.loads(v)) for k, v in (kv.split("=", 1) for kv in a.affinity)))
+                     time_limit_s=a.time_limit_s, policies=tuple(policies.split(",")),
+                     affinity=tuple((k, json.loads(v)) for k, v in (kv.split("=", 1) for kv in a.affinity)),
+                     emulate=a.emulate)
     # the hard stop: a hung deploy or shutdown must not outlive the limit by more than a minute
     signal.signal(signal.SIGALRM, _hard_stop)
     signal.alarm(int(spec.time_limit_s) + 60)

@@ -424,7 +424,11 @@ def _run_fleet_suite(a: argparse.Namespace, say) -> None:
             f"{', hot prefix' if hot else ''}")
         a.replicas, a.pressure, a.load, a.hot, a.requests_per_replica = n, rho, load, hot, rpr
         a.events_period = period
-        _run_one(a, spec_from_args(a), say, _fleet_stem(out, n, rho, load, hot, period))
+        stem = _fleet_stem(out, n, rho, load, hot, period)
+        if a.resume and Path(f"{stem}.json").exists():
+            say(f"  {stem}.json exists: kept (--resume)")
+            continue
+        _run_one(a, spec_from_args(a), say, stem)
     docs = [json.loads(p.read_text()) for p in (Path(f"{_fleet_stem(out, *c[:4], c[5])}.json") for c in FLEET)
             if p.exists()]
     for d in docs:
@@ -449,6 +453,8 @@ def main() -> None:
                    "KV blocks, the field's strongest routers) one at a time")
     p.add_argument("--out-dir", default="benchmarks/routing/results", help="with --suite: JSON, PNG and a summary here")
     p.add_argument("--only", help="with --suite: run only these configurations (1-based, comma-separated)")
+    p.add_argument("--resume", action="store_true", help="with --suite fleet: keep configurations whose JSON "
+                   "is in the output folder")
     a = p.parse_args()
 
     def say(msg: str) -> None:
