@@ -1,0 +1,99 @@
+"""The fleet suite's parts: long-tail lengths, the TTFT floor no router beats, the field's baselines (llm-d's
+sticky precise scorer, SGLang's cache_aware, Dynamo's cost) behaving as their descriptions say, and the
+targets read against the best baseline."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from benchmarks.routing import report
+from benchmarks.routing.field import DynamoKV, LlmdPrecise, SglangCacheAware
+from benchmarks.routing.replica import ReplicaSpec
+from benchmarks.routing.routers import ClusterView, SimRequest, TokenText
+from benchmarks.routing.simulator import Simulation, make_router, prepare
+from benchmarks.routing.workload import LONG_TAIL, WorkloadSpec, generate, replica_from_args
+from engine.hashing import hash_block_chain
+
+
+@pytest.fixture(scope="module")
+def long_trace():
+    a = argparse.Namespace(kv_blocks=2048, long_tail=True)
+    return generate(WorkloadSpec(num_replicas=3, pressure=0.75, load=1.2, requests_per_replica=60, seed=3,
+                                 long_tail=True), replica_from_args(a))
+
+
+def test_long_tail_lengths_reach_past_10k_and_stay_under_the_cap(long_trace):
+    lens = [len(r.prompt_token_ids) for r in long_trace.requests]
+    assert max(lens) >= 10_000 and max(lens) + 1 <= long_trace.meta.replica.max_model_len
+    assert np.percentile(lens, 99) > 4 * np.median(lens)                 # a long tail, not a wider bell
+    assert all(len(r.prompt_token_ids) + len(r.output_token_ids) <= LONG_TAIL["MAX_CONTEXT"]
+               for r in long_trace.requests if r.component == "B")
+    assert long_trace.meta.replica.num_kv_tokens == 2048 * 16
+
+
+def test_no_router_beats_the_ttft_floor(long_trace):
+    prepared = prepare(long_trace)
+    floor = np.array(prepared.ttft_floor)
+    text = TokenText(long_trace.meta.spec.vocab_size)
+    for name in ("ours", "llmd", "sglang", "dynamo", "shared", "power-of-two"):
+        sim = Simulation(prepared, make_router(name, prepared, text))
+        res = sim.run()
+        m = np.array(prepared.measured)
+        ttft = (sim.rec.first - sim.rec.release)[m]
+        assert np.all(ttft >= floor - 1e-9), name
+        assert res.ttft_p99_s >= np.percentile(floor, 99) - 1e-9
+
+
+def _req(name: str, blocks: int, extra: int = 1) -> SimRequest:
+    """A prompt of `blocks` full blocks named `name` plus `extra` tokens (its request id tells them apart)."""
+    tokens = [(i * 7919 + len(name) * 31 + ord(name[0])) % 30000 + 3 for i in range(blocks * 16)]
+    tokens += list(range(3, 3 + extra))
+    return SimRequest(f"{name}+{extra}", tokens, hash_block_chain(tokens, 16), 16, "")
+
+
+def test_llmd_sticks_to_a_holder_of_80_percent_and_sglang_gates_on_imbalance():
+    spec = ReplicaSpec()
+    llmd = LlmdPrecise(spec, 20_000.0)
+    llmd.setup(ClusterView(4), 0)
+    first = _req("p", 40)
+    k = llmd.route(first, 0.0)
+    # speculative entries make k hold the prompt: the same prefix sticks there whatever its token load
+    for i in range(5):
+        sib = SimRequest(f"s{i}", first.prompt_token_ids[:-1] + [7 + i], hash_block_chain(
+            first.prompt_token_ids[:-1] + [7 + i], 16), 16, "")
+        assert llmd.route(sib, 0.01 * i) == k
+    sg = SglangCacheAware(spec)
+    cluster = ClusterView(3)
+    sg.setup(cluster, 0)
+    k = sg.route(first, 0.0)
+    assert sg.route(_req("p", 40, extra=3), 0.0) == k              # match rate > 0.3: the longest match
+    cluster.ongoing[k] = 200                                        # imbalanced (> 64 and > 1.5x): least loaded
+    assert sg.route(_req("p", 40, extra=5), 0.0) != k
+
+
+def test_dynamo_credits_overlap_against_active_blocks():
+    dyn = DynamoKV(ReplicaSpec())
+    dyn.setup(ClusterView(2), 0)
+    a = dyn.route(_req("p", 40), 0.0)
+    assert dyn.prefill_blocks[a] == 41 and dyn.decode_blocks[a] == 41
+    # the same prompt again: overlap 40 blocks on a, so a costs 41 + 41 - 40 + 41; b costs 41
+    assert dyn.route(_req("p", 40, extra=2), 0.0) == 1 - a
+    dyn.on_first_token("p+1", a, 0, 0.1)
+    assert dyn.prefill_blocks[a] == 0
+
+
+def test_fleet_targets_compare_with_the_best_baseline():
+    def run(name, hit, p99):
+        return {"router": name, "hit_rate": hit, "ttft_p99_s": p99, "max_over_mean_load": 1.1,
+                "e2e_mean_s": 1.0, "decision_p99_ms": 0.5}
+    doc = {"config": {"replicas": 8, "hot_prefix": False, "load_target": 1.5, "long_tail": True},
+           "bounds": {"separate_caches_hit_rate": 0.5},
+           "results": [run("llm-d precise", 0.49, 1.0), run("dynamo kv router", 0.3, 0.9),
+                       run("ours (prefix affinity)", 0.5, 0.7), run("oracle: shared cache", 0.7, 0.1)]}
+    targets = report.check_targets(doc)
+    ttft = next(t for t in targets if t["target"].startswith("TTFT"))
+    assert "dynamo" in ttft["target"] and ttft["bound"] == pytest.approx(0.72) and ttft["met"]
+    hit = next(t for t in targets if t["target"].startswith("hit"))
+    assert hit["bound"] == pytest.approx(0.485) and hit["met"]
