@@ -102,7 +102,9 @@ class PaceConfig(_Strict):
 class EngineConfig(_Strict):
     """Everything one engine (one replica) needs."""
 
-    model: str = Field(..., description="local Hugging Face checkpoint directory")
+    model: str = Field(..., description="a local Hugging Face checkpoint directory, or a hub id org/name[@revision] "
+                                        "fetched into the Hugging Face cache (HF_HOME, HF_TOKEN and "
+                                        "HF_HUB_OFFLINE honoured; see docs/models.md)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on GPU")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
@@ -139,6 +141,11 @@ class EngineConfig(_Strict):
     skip_tokenizer_init: bool = Field(
         False, description="token ids only: load no tokenizer (none is needed in the checkpoint), return no "
                            "text, reject text prompts and chat messages (vLLM's name)")
+    generation_config: Literal["auto", "ignore"] = Field(
+        "auto", description="auto: the checkpoint's generation_config.json supplies temperature, top_p, top_k, "
+                            "min_p and repetition_penalty where a request leaves them unset (vLLM's "
+                            "--generation-config auto); ignore: the neutral defaults (1.0, 1.0, none, 0.0, 1.0). "
+                            "Its EOS ids are honoured either way")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_connector: KVConnectorConfig = KVConnectorConfig()

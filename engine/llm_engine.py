@@ -21,6 +21,8 @@ from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import fused as fused_ops
 from engine.models.checkpoint import resolve_context_length, validate_checkpoint
 from engine.models.config import ModelArgs
+from engine.models.generation_config import GenerationConfig, all_eos_token_ids
+from engine.models.hub import resolve_model_path
 from engine.models.linear import HYBRID_PLAIN_ROWS, prepack_supported
 from engine.models.loader import load_model
 from engine.outputs import EngineStepOutput, StreamDelta
@@ -75,14 +77,20 @@ class LLMEngine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         # the same checks (and messages) as the CLI's pre-flight, before anything heavy loads
-        self.model_args = validate_checkpoint(config.model, need_tokenizer=not config.skip_tokenizer_init)
+        #: the checkpoint directory: config.model, or the hub snapshot of an `org/name[@revision]` id
+        self.model_path = resolve_model_path(config.model)
+        self.model_args = validate_checkpoint(self.model_path, need_tokenizer=not config.skip_tokenizer_init)
         self.max_model_len = _max_model_len(config, self.model_args)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
-        self.eos_token_id = _eos_token_id(self.tokenizer, self.model_args)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
+        self.generation_config = GenerationConfig.from_dir(self.model_path)
+        #: every EOS id, the primary (the Request's eos_token_id) first; the others stop as stop token ids
+        self.eos_token_ids = all_eos_token_ids(self.tokenizer.eos_token_id if self.tokenizer is not None else None,
+                                               self.model_args.eos_token_ids, self.generation_config)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         torch.manual_seed(config.seed)
         self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype,
                                                    plain_copy_bytes(self.model_args, self.dtype))
-        model, _ = load_model(config.model, self.dtype, self.device, self.max_model_len,
+        model, _ = load_model(self.model_path, self.dtype, self.device, self.max_model_len,
                               prepack=self.linear_backend in ("onednn", "hybrid"),
                               plain_rows=HYBRID_PLAIN_ROWS if self.linear_backend == "hybrid" else 0)
         block_size = config.cache.block_size
@@ -174,7 +182,7 @@ class LLMEngine:
         args = self.model_args
         layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
                           str(self.dtype).removeprefix("torch."), torch.empty((), dtype=self.dtype).element_size())
-        return build_kv_connector(cfg, layout, model_identity=model_identity(self.config.model, cfg.model_identity),
+        return build_kv_connector(cfg, layout, model_identity=model_identity(self.model_path, cfg.model_identity),
                                   device=self.device, dtype=self.dtype,
                                   enable_events=self.config.cache.enable_kv_cache_events)
 
@@ -204,6 +212,19 @@ class LLMEngine:
         raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of chat messages",
                                   param="prompt")
 
+    def resolve_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's parameters with the model's part filled in: generation_config.json's defaults where
+        it left a field unset (engine.generation_config auto), every EOS id for min_tokens to mask, and the
+        EOS ids after the primary one as stop token ids (unless ignore_eos), as vLLM does."""
+        if self.config.generation_config == "auto":
+            params = params.with_defaults(self.generation_config.sampling_defaults)
+        if not self.eos_token_ids or params.eos_token_ids == self.eos_token_ids:
+            return params
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids[1:] if t not in stop_ids]
+        return dataclasses.replace(params, eos_token_ids=self.eos_token_ids, stop_token_ids=stop_ids)
+
     def _check_stop_strings(self, params: SamplingParams) -> None:
         """Stop strings match text: without a tokenizer (skip_tokenizer_init) they cannot be honoured."""
         if self.tokenizer is None and params.stop:
@@ -229,7 +250,7 @@ class LLMEngine:
         ingress does, once, for routing); used instead of hashing the prompt again when they pass
         `check_block_hashes`, else recomputed (logged at debug).
         """
-        params = params or SamplingParams()
+        params = self.resolve_params(params or SamplingParams())
         if request_id in self._parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
         ids = self.tokenize_prompt(prompt)
@@ -355,14 +376,6 @@ class LLMEngine:
         """Release what lives outside this process's memory (the KV connector's shared-store handle)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
-
-
-def _eos_token_id(tokenizer, args: ModelArgs) -> int | None:
-    """The tokenizer's eos token, else the first of config.json's eos_token_id (token-ids-only mode)."""
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    if eos is None and args.eos_token_ids:
-        eos = args.eos_token_ids[0]
-    return eos
 
 
 def _pick_device(name: str) -> torch.device:

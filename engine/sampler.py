@@ -1,6 +1,8 @@
 """Sampler: logits -> token ids (+ log-probabilities) for a batch with per-request parameters.
 
-Order: logit_bias -> penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> draw).
+Order: logit_bias -> penalties -> min_tokens mask -> (greedy argmax | temperature -> top-k -> top-p -> min-p
+-> draw). The min_tokens mask sets every EOS id (unless ignore_eos) and stop token id to -inf while a
+request has fewer than min_tokens output tokens, so it cannot stop early (vLLM's MinTokensLogitsProcessor).
 Log-probabilities are those of the raw model distribution (log_softmax of the unprocessed logits).
 A seeded request draws from a generator seeded with (seed, output index), so its tokens do not
 depend on what else is in the batch, nor on preemption and resumption.
@@ -36,6 +38,17 @@ class SamplingInfo:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def min_tokens_blocked_ids(self, ahead: int = 0) -> list[int]:
+        """The ids masked this step: EOS (unless ignore_eos) and stop token ids while fewer than min_tokens
+        are out (`ahead`: outputs sampled but not in token_ids yet)."""
+        p = self.params
+        if p.min_tokens == 0 or self.num_output_tokens + ahead >= p.min_tokens:
+            return []
+        ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids.update(p.eos_token_ids)
+        return sorted(ids)
 
 
 class Sampler:
@@ -79,7 +92,9 @@ class Sampler:
     # ------------------------------------------------------------------ processing
     def _apply_bias_and_penalties(self, logits: torch.Tensor, infos: list[SamplingInfo],
                                   pending: torch.Tensor | None = None) -> torch.Tensor:
-        rows = [r for r, i in enumerate(infos) if i.params.logit_bias or i.params.needs_penalties]
+        ahead = 0 if pending is None else 1
+        blocked = [i.min_tokens_blocked_ids(ahead) if i.params.min_tokens else [] for i in infos]
+        rows = [r for r, i in enumerate(infos) if i.params.logit_bias or i.params.needs_penalties or blocked[r]]
         if not rows:
             return logits
         logits = logits.clone()
@@ -111,6 +126,9 @@ class Sampler:
                     counts.index_add_(0, last, torch.ones_like(last))
                 counts = counts.to(row.dtype)
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if blocked[r]:
+                ids = [t for t in blocked[r] if t < vocab]
+                row[self._tensor(ids, torch.long)] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:

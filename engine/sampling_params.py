@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import InvalidRequestError
 
@@ -18,30 +18,42 @@ class SamplingParams:
     `prompt_logprobs=k` also returns, for every prompt token after the first, its log-probability given
     the tokens before it plus the top-k alternatives (such a request does not read the prefix cache).
     `seed` makes sampling reproducible regardless of what else is in the batch.
+
+    temperature, top_p, top_k, min_p and repetition_penalty left unset (None) take the model's
+    generation_config.json defaults when the engine has them (`with_defaults`), else the neutral values
+    (1.0, 1.0, no top-k, 0.0, 1.0); `unset_fields` records which were left unset (top_k None counts as
+    unset: a model default applies to it). `min_tokens` masks every EOS id (unless ignore_eos) and every stop token id in the sampler
+    until that many tokens are out. `eos_token_ids` is filled in by the engine (every EOS id of the model).
     """
 
     n: int = 1
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float = 0.0
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    unset_fields: frozenset[str] = field(init=False, default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.unset_fields = frozenset(name for name in _NEUTRAL if getattr(self, name) is None)
+        for name in self.unset_fields:
+            setattr(self, name, _NEUTRAL[name])
+        self.eos_token_ids = tuple(self.eos_token_ids or ())
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -91,6 +103,12 @@ class SamplingParams:
                 if not _finite(v) or not -100 <= v <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {v!r}")
 
+    def with_defaults(self, defaults: dict[str, float | int]) -> "SamplingParams":
+        """A copy with the fields this request left unset taken from `defaults` (generation_config.json's);
+        self when none applies."""
+        update = {k: v for k, v in defaults.items() if k in self.unset_fields}
+        return replace(self, **update) if update else self
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -99,6 +117,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+#: the value of each field generation_config.json may default, when neither the request nor the model sets it
+_NEUTRAL: dict[str, float | int | None] = {"temperature": 1.0, "top_p": 1.0, "top_k": None, "min_p": 0.0,
+                                           "repetition_penalty": 1.0}
 
 
 def _finite(x: object) -> bool:

@@ -15,12 +15,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 def validate_checkpoint(path: str | Path, *, need_tokenizer: bool = True) -> ModelArgs:
     """Check a checkpoint directory without loading weights; raise ModelLoadError naming what is wrong.
+    `path` may be a hub id, `org/name[@revision]`: its snapshot is fetched first (engine/models/hub.py).
 
-    Checks, in order: the directory, config.json and its architecture, the safetensors weights (single
-    file, or an index whose shards all exist), and (when `need_tokenizer`) the tokenizer files.
+    Checks, in order: the directory, config.json and its architecture (and every field that changes the
+    math), the safetensors weights (single file, or an index whose shards all exist) and each tensor's shape
+    against the model's (headers only; this one check imports torch), and (when `need_tokenizer`) the
+    tokenizer files.
     """
+    from engine.models.hub import resolve_model_path
+    path = resolve_model_path(str(path))
     args = ModelArgs.from_dir(path)
     safetensors_files(Path(path))
+    from engine.models.loader import check_weight_shapes
+    check_weight_shapes(path, args)
     if need_tokenizer:
         check_tokenizer_files(path)
     return args

@@ -1,4 +1,9 @@
-"""ModelArgs: the Llama-family architecture read from a checkpoint's config.json (no torch needed)."""
+"""ModelArgs: the decoder architecture read from a checkpoint's config.json (no torch needed).
+
+Which `architectures` are supported, and what each adds to the plain decoder, is engine/models/registry.py.
+A config field that changes the math and that the model code does not implement is refused with one line
+naming it (never silently ignored): see `_refuse_unimplemented`.
+"""
 from __future__ import annotations
 
 import json
@@ -8,13 +13,10 @@ from typing import Any
 
 from engine.errors import ModelLoadError
 
-#: architectures name in config.json -> whether q/k/v projections carry a bias by default
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
-}
+from engine.models.registry import ArchSpec, architectures
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +24,18 @@ class RopeSpec:
     rope_type: str = "default"
     theta: float = 10000.0
     params: dict[str, Any] = field(default_factory=dict)   # factor, low_freq_factor, ...
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A sparse-MoE block: softmax router over `num_experts`, top `top_k` per token, SwiGLU experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int                    # each expert's
+    renormalize: bool                         # top-k weights divided by their sum (Mixtral always; Qwen3-MoE
+                                              # per norm_topk_prob)
+    layers: tuple[int, ...]                   # the layers whose MLP is this block (the others keep a dense MLP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +59,8 @@ class ModelArgs:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False
+    moe: MoESpec | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -67,16 +83,18 @@ class ModelArgs:
         try:
             return cls._from_dict(cfg)
         except KeyError as e:
-            raise ModelLoadError(f"config.json has no {e.args[0]!r}, which a Llama-family model needs") from e
+            raise ModelLoadError(f"config.json has no {e.args[0]!r}, which this architecture needs") from e
 
     @classmethod
     def _from_dict(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        specs = architectures()
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in specs), None)
         if arch is None:
             raise ModelLoadError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(specs)}")
+        spec = specs[arch]
+        _refuse_unimplemented(cfg, spec)
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -84,18 +102,17 @@ class ModelArgs:
                                  f"num_key_value_heads ({kv_heads})")
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if not spec.sliding_window_default and not cfg.get("use_sliding_window", False):
             sliding = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        qkv_bias = cfg.get("attention_bias", SUPPORTED_ARCHITECTURES[arch])
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias = True
+        attention_bias = bool(cfg.get("attention_bias", spec.qkv_bias))
+        extra = spec.parse(cfg) if spec.parse is not None else {}
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -103,15 +120,66 @@ class ModelArgs:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=bool(qkv_bias),
-            o_bias=bool(cfg.get("attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            qkv_bias=True if spec.qkv_bias_always else attention_bias,
+            o_bias=False if spec.qkv_bias_always else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope=_rope_spec(cfg),
             sliding_window=sliding,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=spec.qk_norm,
+            **extra,
         )
+
+
+#: fields that change the math and that no architecture here implements: field -> its harmless values
+_NEVER_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "query_pre_attn_scalar": (None,),
+    "embedding_multiplier": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "use_qk_norm": (None, False),
+    "qk_layernorm": (None, False),
+    "partial_rotary_factor": (None, 1, 1.0),
+    "n_shared_experts": (None, 0),
+    "shared_expert_intermediate_size": (None, 0),
+    "scoring_func": (None, "softmax"),
+    "layer_norm_type": (None, "rms_norm", "rmsnorm"),
+    "norm_type": (None, "rms_norm", "rmsnorm"),
+    "use_bidirectional_attention": (None, False),
+}
+
+
+def _refuse_unimplemented(cfg: dict[str, Any], spec: ArchSpec) -> None:
+    """One ModelLoadError naming the first config field whose value our model code would silently ignore."""
+    def refuse(name: str, value: Any, supported: Any) -> ModelLoadError:
+        return ModelLoadError(f"config.json: {name} = {value!r} is not implemented for {spec.name} "
+                              f"(supported: {supported}); refusing rather than computing something else")
+
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise refuse("hidden_act", act, "silu")
+    for name, harmless in _NEVER_IMPLEMENTED.items():
+        if name in spec.implemented_fields:
+            continue
+        value = cfg.get(name)
+        if value not in harmless:
+            raise refuse(name, value, " or ".join(repr(h) for h in harmless))
+    if "layer_norm_eps" in cfg and "rms_norm_eps" not in cfg:
+        raise refuse("layer_norm_eps", cfg["layer_norm_eps"], "RMSNorm (rms_norm_eps)")
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if rope.get("mrope_section") is not None:
+        raise refuse("rope_scaling.mrope_section", rope["mrope_section"], "none (1-D RoPE)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and "partial_rotary_factor" not in spec.implemented_fields:
+        raise refuse("rope_parameters.partial_rotary_factor", rope["partial_rotary_factor"], 1.0)
+    if not spec.moe:
+        for name in ("num_local_experts", "num_experts"):
+            if cfg.get(name):
+                raise refuse(name, cfg[name], "none (dense MLP)")
 
 
 def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
@@ -123,7 +191,8 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        raise ModelLoadError(f"config.json: rope_scaling.rope_type = {rope_type!r} is not implemented "
+                             f"(unsupported RoPE scaling type; supported: {SUPPORTED_ROPE_TYPES})")
     if rope_type == "yarn" and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
     if rope_type == "yarn":

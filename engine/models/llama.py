@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches and a paged KV cache.
+"""The decoder every registered architecture uses (engine/models/registry.py), over flat token batches and
+a paged KV cache.
 
 Reads top to bottom like the paper: embed -> N x (RMSNorm -> attention -> residual -> RMSNorm -> SwiGLU
--> residual) -> RMSNorm -> lm_head. q/k/v and gate/up projections are fused into one GEMM each.
+or sparse MoE -> residual) -> RMSNorm -> lm_head. q/k/v and gate/up projections are fused into one GEMM
+each; Qwen3's per-head q/k RMSNorm runs before RoPE.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.models import fused
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_linears
+from engine.models.moe import SparseMoE
 from engine.models.rope import apply_rope, cos_sin_table
 
 
@@ -41,6 +44,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.head_dim ** -0.5
         self.ops = fused                             # the fused-op implementation (use_fused_ops)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -49,6 +54,11 @@ class Attention(nn.Module):
         float32 tables themselves."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:                  # per-head RMSNorm of q and k, before RoPE, in place
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         if positions is not None:                    # fused ops: q and k rotated by one kernel, in place
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             self.ops.rope_(qk, positions, cos, sin)
@@ -79,12 +89,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        is_moe = args.moe is not None and layer_idx in args.moe.layers
+        self.mlp = SparseMoE(args.hidden_size, args.moe) if is_moe else MLP(args)
         self.ops = fused
 
     def forward(self, x, cos, sin, kv_cache, meta, backend):
@@ -108,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)

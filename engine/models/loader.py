@@ -1,7 +1,15 @@
-"""Load a Llama-family model from a local Hugging Face checkpoint directory (safetensors only)."""
+"""Load a decoder model from a local Hugging Face checkpoint directory (safetensors only), and check a
+checkpoint's tensor shapes against the model before anything loads (`check_weight_shapes`).
+
+Checkpoint names map onto ours in one place, `_locate`: the architecture's renames (engine/models/registry.py),
+then q/k/v into the fused qkv_proj, gate/up into gate_up_proj, and per-expert MoE weights
+(`mlp.experts.E.gate_proj` ...) into the stacked expert tensors. Checkpoints that store these fused already
+(Phi-3's qkv_proj and gate_up_proj, transformers 5's stacked experts) match our names directly.
+"""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -11,18 +19,17 @@ from engine.errors import ModelLoadError
 from engine.models.checkpoint import safetensors_files
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import architectures
 from engine.models.rope import cos_sin_table
 
 logger = logging.getLogger(__name__)
 
-# checkpoint name suffix -> (our parameter suffix, slice index within the fused tensor)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_QKV = re.compile(r"\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
+
+#: a parameter and where in it a checkpoint tensor goes (an expert index and/or a row slice)
+Target = tuple[str, tuple]
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
@@ -40,18 +47,22 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(args, max_positions)
     model = model.to_empty(device=device).to(dtype)     # uninitialised storage in the target dtype
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    sizes = {"q": args.num_heads * args.head_dim, "kv": args.num_kv_heads * args.head_dim}
+    covered: dict[str, int] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                _load_one(name, f, params, loaded, sizes, args, dtype)
-    if args.tie_word_embeddings or "lm_head.weight" not in loaded:
-        if "lm_head.weight" not in loaded and not args.tie_word_embeddings:
-            raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        model.tie_weights()
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+                target = _locate(name, params, args)
+                if target is None:
+                    continue
+                pname, index = target
+                dst = params[pname].data[index]
+                t = f.get_tensor(name)
+                _check_shape(name, tuple(t.shape), tuple(dst.shape))
+                with torch.no_grad():
+                    dst.copy_(t.to(dst.dtype))
+                covered[pname] = covered.get(pname, 0) + dst.numel()
+    _tie_or_require_lm_head(model, args, params, covered)
+    missing = sorted(n for n, p in params.items() if covered.get(n, 0) < p.numel())
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)   # were on meta; float32 always
@@ -60,41 +71,67 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     return model.eval(), args
 
 
-def _load_one(name: str, f, params: dict, loaded: set[str], sizes: dict, args: ModelArgs,
-              dtype: torch.dtype) -> None:
+def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
+    """Every checkpoint tensor's shape against the model's, from the safetensors headers only (no weights
+    read, the model built on the meta device): ModelLoadError naming the first tensor that differs."""
+    path = Path(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, 1)
+    params = dict(model.named_parameters())
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _locate(name, params, args)
+                if target is not None:
+                    pname, index = target
+                    _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(params[pname][index].shape))
+
+
+def _tie_or_require_lm_head(model: LlamaForCausalLM, args: ModelArgs, params: dict, covered: dict) -> None:
+    has_head = covered.get("lm_head.weight", 0) == params["lm_head.weight"].numel()
+    if args.tie_word_embeddings or not has_head:
+        if not has_head and not args.tie_word_embeddings:
+            raise ModelLoadError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        model.tie_weights()
+        covered["lm_head.weight"] = params["lm_head.weight"].numel()
+
+
+def _locate(name: str, params: dict, args: ModelArgs) -> Target | None:
+    """Where checkpoint tensor `name` goes, or None for a tensor we do not use (logged at debug)."""
     if "rotary_emb.inv_freq" in name:
-        return
+        return None
     ours = name.removeprefix("model.")
-    for ckpt, (fused, idx) in _FUSED.items():
-        marker = f".{ckpt}."
-        if marker in ours:
-            target_name = ours.replace(marker, f".{fused}.")
-            param = params.get(target_name)
-            if param is None:
-                raise ModelLoadError(f"unexpected checkpoint tensor {name!r}")
-            t = f.get_tensor(name)
-            if fused.endswith("qkv_proj"):
-                offs = [0, sizes["q"], sizes["q"] + sizes["kv"], sizes["q"] + 2 * sizes["kv"]]
-            else:
-                offs = [0, args.intermediate_size, 2 * args.intermediate_size]
-            rows = slice(offs[idx], offs[idx + 1])
-            _copy(param, rows, t, name)
-            loaded.add(f"{target_name}#{idx}")
-            parts = 3 if fused.endswith("qkv_proj") else 2
-            if all(f"{target_name}#{i}" in loaded for i in range(parts)):
-                loaded.add(target_name)
-            return
-    param = params.get(ours)
-    if param is None:
+    for old, new in architectures()[args.architecture].renames:
+        ours = ours.replace(old, new)
+    target: Target | None = None
+    if m := _EXPERT.search(ours):
+        expert, proj = int(m.group(1)), m.group(2)
+        base = ours[:m.start()] + ".mlp.experts."
+        inter = args.moe.intermediate_size if args.moe is not None else 0
+        if proj == "down_proj":
+            target = (base + "down_proj", (expert,))
+        else:
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            target = (base + "gate_up_proj", (expert, rows))
+    elif m := _QKV.search(ours):
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        start = {"q": 0, "k": q, "v": q + kv}[m.group(1)]
+        size = q if m.group(1) == "q" else kv
+        target = (ours[:m.start()] + f".self_attn.qkv_proj.{m.group(2)}", (slice(start, start + size),))
+    elif m := _GATE_UP.search(ours):
+        inter = args.intermediate_size
+        rows = slice(0, inter) if m.group(1) == "gate" else slice(inter, 2 * inter)
+        target = (ours[:m.start()] + f".mlp.gate_up_proj.{m.group(2)}", (rows,))
+    elif ours in params:
+        target = (ours, ())
+    if target is None:
         logger.debug("ignoring checkpoint tensor %s", name)
-        return
-    _copy(param, slice(None), f.get_tensor(name), name)
-    loaded.add(ours)
+    elif target[0] not in params:
+        raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for {args.architecture}")
+    return target
 
 
-def _copy(param: torch.nn.Parameter, rows: slice, t: torch.Tensor, name: str) -> None:
-    dst = param.data[rows]
-    if dst.shape != t.shape:
-        raise ModelLoadError(f"shape mismatch for {name}: checkpoint {tuple(t.shape)} vs model {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(t.to(dst.dtype))
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if got != want:
+        raise ModelLoadError(f"shape mismatch for {name}: checkpoint {got} vs model {want} "
+                             f"(config.json does not describe these weights)")

@@ -1,0 +1,8 @@
+"""Llama, Mistral (sliding window as a context cap) and Qwen2 (q/k/v biases): the plain decoder."""
+from engine.models.registry import ArchSpec
+
+SPECS = [
+    ArchSpec("LlamaForCausalLM"),
+    ArchSpec("MistralForCausalLM"),
+    ArchSpec("Qwen2ForCausalLM", qkv_bias=True, qkv_bias_always=True, sliding_window_default=False),
+]

@@ -1,0 +1,61 @@
+"""`org/name[@revision]` -> a local snapshot directory through huggingface_hub; local directories as they are.
+
+Only what the engine reads is fetched (config, generation config, tokenizer files, safetensors). HF_HOME /
+HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE are read when a model is resolved (huggingface_hub reads its own
+copies at import, before a test or a launcher may have set them). A file lock in the cache serialises
+replicas on one node, so the first downloads and the others find the files in place.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+
+#: the files a snapshot needs: everything validate_checkpoint and load_tokenizer read
+ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                  "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
+                  "chat_template.jinja", "chat_template.json"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` or `org/name@revision` that is not an existing local path."""
+    return bool(_REPO_ID.match(model)) and not Path(model).exists()
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps snapshots: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_path(model: str) -> str:
+    """A local checkpoint directory for `model`: the path itself, or the hub snapshot of `org/name[@rev]`
+    (downloaded unless HF_HUB_OFFLINE is set). ModelLoadError, in one line naming the id and the cache,
+    when it cannot be had."""
+    if not is_hub_id(model):
+        return model
+    repo_id, _, revision = model.partition("@")
+    cache = hub_cache_dir()
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+    from filelock import FileLock
+    from huggingface_hub import snapshot_download
+    lock_dir = cache / ".locks" / "affinity-serve"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_dir / f"{repo_id.replace('/', '--')}.lock")):
+        try:
+            return snapshot_download(repo_id, revision=revision or None, cache_dir=str(cache),
+                                     allow_patterns=ALLOW_PATTERNS, local_files_only=offline,
+                                     token=os.environ.get("HF_TOKEN") or None)
+        except Exception as e:     # huggingface_hub raises a dozen types: not found, gated, offline, HTTP...
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            mode = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"{type(e).__name__}: {why}"
+            raise ModelLoadError(f"model {model!r} is not a local directory and could not be loaded from the "
+                                 f"Hugging Face cache {str(cache)!r} ({mode}); download it there (huggingface-cli "
+                                 f"download {repo_id}), unset HF_HUB_OFFLINE, or pass a local path") from None

@@ -1,0 +1,47 @@
+"""The architecture registry: config.json `architectures` name -> ArchSpec, discovered from engine/models/arch/.
+
+Adding an architecture built from the shared decoder blocks (engine/models/llama.py: attention with optional
+per-head q/k RMSNorm, a SwiGLU MLP or a sparse-MoE block) is one file in engine/models/arch/ that defines
+`SPECS` (plus a parity test). Torch-free, so the CLI's pre-flight check can name the supported ones.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """How one architecture's config.json and checkpoint map onto the shared decoder."""
+
+    name: str                                   # the `architectures` entry, e.g. "Qwen3ForCausalLM"
+    qkv_bias: bool = False                      # q/k/v biases when config.json has no attention_bias
+    #: q/k/v biases regardless of attention_bias, and never an o_proj bias (Qwen2)
+    qkv_bias_always: bool = False
+    qk_norm: bool = False                       # per-head RMSNorm on q and k before RoPE (Qwen3)
+    moe: bool = False                           # a sparse-MoE block replaces the MLP (see moe_layers)
+    #: checkpoint name fragment -> ours, applied before the q/k/v and gate/up fusing (Mixtral's w1/w2/w3)
+    renames: tuple[tuple[str, str], ...] = ()
+    #: config.json fields this architecture implements beyond the common ones (never refused)
+    implemented_fields: frozenset[str] = frozenset()
+    #: the context cap from `sliding_window` applies (else the field is ignored unless use_sliding_window)
+    sliding_window_default: bool = True
+    #: extra ModelArgs values read from config.json (MoE sizes, ...)
+    parse: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
+
+
+@functools.cache
+def architectures() -> dict[str, ArchSpec]:
+    """Every spec in engine/models/arch/*.py, by architecture name."""
+    from engine.models import arch
+    found: dict[str, ArchSpec] = {}
+    for info in pkgutil.iter_modules(arch.__path__):
+        module = importlib.import_module(f"{arch.__name__}.{info.name}")
+        for spec in getattr(module, "SPECS", ()):
+            assert spec.name not in found, f"architecture {spec.name} registered twice"
+            found[spec.name] = spec
+    return found
