@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start a local Ray, deploy the app, serve HTTP until Ctrl-C")
     s.add_argument("--config", help="AppConfig YAML file")
-    s.add_argument("--model", help="local Hugging Face checkpoint directory (default: the demo model)")
+    s.add_argument("--model", help="a local Hugging Face checkpoint directory, or a hub id org/name[@revision] "
+                                     "(HF_HOME, HF_TOKEN, HF_HUB_OFFLINE honoured; default: the demo model)")
     s.add_argument("--replicas", type=int, help="number of model replicas")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
