@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -165,30 +166,95 @@ def serve_cmd(args) -> int:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
     cfg = resolve_model(cfg)
     check_model(cfg)
-    init_ray(args.address or os.environ.get("RAY_ADDRESS"), cfg)
-    from ray import serve
-    import ray
-
-    print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...", flush=True)
-    start_serve(cfg)
-    done = threading.Event()
-    ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
-    ticker.start()
+    previous = signal.signal(signal.SIGTERM, _interrupt)      # during start-up SIGTERM acts as Ctrl-C
     try:
-        serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)
+        init_ray(args.address or os.environ.get("RAY_ADDRESS"), cfg)
+        from ray import serve
+        print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...",
+              flush=True)
+        start_serve(cfg)
+        done = threading.Event()
+        ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
+        ticker.start()
+        try:
+            serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix,
+                      blocking=False)
+        finally:
+            done.set()
+    except KeyboardInterrupt:
+        print("\n[affinity-serve] interrupted during start-up; stopping ...", flush=True)
+        _stop_ray()
+        print("[affinity-serve] stopped.", flush=True)
+        return 130
     finally:
-        done.set()
+        signal.signal(signal.SIGTERM, previous)
     print(ready_message(cfg), flush=True)
+    signals: list[int] = []
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def on_signal(signum, _frame) -> None:
+        signals.append(signum)
+        stop.set()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     while not stop.wait(1.0):      # a timed wait keeps the main thread responsive to signals
         continue
-    print("\n[affinity-serve] shutting down (draining in-flight requests) ...", flush=True)
-    serve.shutdown()
-    ray.shutdown()
-    print("[affinity-serve] stopped.")
+    finished, ended = drain(cfg, hurry=lambda: len(signals) > 1)
+    _stop_ray()
+    print(f"[affinity-serve] stopped ({finished} request(s) finished while draining, {ended} stream(s) ended "
+          "early).", flush=True)
     return 0
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_ray() -> None:
+    import ray
+    if ray.is_initialized():
+        from ray import serve
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def drain(cfg: "AppConfig", hurry: Callable[[], bool] = lambda: False, poll_s: float = 0.25) -> tuple[int, int]:
+    """The shutdown drain: every ingress replica refuses new HTTP requests (503 `draining`) while those in
+    flight finish, for up to serve.drain_timeout_s (or until `hurry()`: a second Ctrl-C); streams still
+    running then end with an in-band error event and [DONE]. Returns (finished while draining, ended)."""
+    from ray import serve
+    handle = serve.get_deployment_handle("Ingress", app_name=cfg.serve.app_name)
+
+    def broadcast(end_streams: bool) -> dict[str, int]:
+        """Each ingress replica's requests in flight (a handle call reaches one replica: call until each
+        answered, or a few seconds passed)."""
+        seen: dict[str, int] = {}
+        deadline = time.monotonic() + 5
+        while len(seen) < cfg.serve.ingress_replicas and time.monotonic() < deadline:
+            st = handle.drain.remote(end_streams).result(timeout_s=5)
+            seen[st["ingress_replica_id"]] = st["num_in_flight"]
+        return seen
+
+    try:
+        first = sum(broadcast(False).values())
+        print(f"\n[affinity-serve] draining: new requests get 503; {first} in flight, waiting up to "
+              f"{cfg.serve.drain_timeout_s:g}s for them (Ctrl-C again: stop now) ...", flush=True)
+        deadline = time.monotonic() + cfg.serve.drain_timeout_s
+        left = first
+        while left and time.monotonic() < deadline and not hurry():
+            time.sleep(poll_s)
+            left = sum(broadcast(False).values())
+        if left:
+            broadcast(True)
+            end = time.monotonic() + 5
+            while sum(broadcast(True).values()) and time.monotonic() < end:
+                time.sleep(poll_s)
+        return first - left, left
+    except Exception as e:          # an ingress that is gone or stuck: stop anyway
+        print(f"[affinity-serve] drain incomplete ({type(e).__name__}); stopping", flush=True)
+        return 0, 0
 
 
 def ready_message(cfg: "AppConfig") -> str:

@@ -55,6 +55,9 @@ class ServeSection(_Strict):
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) of 429 and 503 responses")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="a stopping replica finishes its "
                                                "requests for up to this long")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGINT or SIGTERM, `serve` refuses new "
+                                   "requests (503) and waits this long for those in flight; streams still "
+                                   "running then end with an error event")
     health_check_period_s: float = Field(5.0, gt=0, description="how often Serve checks each replica")
     health_check_timeout_s: float = Field(10.0, gt=0, description="a health check slower than this fails")
     wedge_timeout_s: float = Field(30.0, gt=0, description="running requests but no step for this long = unhealthy")

@@ -150,17 +150,59 @@ def _too_large(max_bytes: int) -> APIError:
                     "request_too_large")
 
 
-async def sse(first: dict, rest: AsyncIterator[dict],
-              on_error: Callable[[BaseException], APIError]) -> AsyncIterator[str]:
+async def sse(first: dict, rest: AsyncIterator[dict], on_error: Callable[[BaseException], APIError],
+              stop: asyncio.Event | None = None) -> AsyncIterator[str]:
     """Server-sent events: each chunk as `data: <json>`, then `data: [DONE]`. A failure after the first
-    byte cannot change the status any more: it is sent in-band as an error object (from `on_error`)."""
+    byte cannot change the status any more: it is sent in-band as an error object (from `on_error`). Once
+    `stop` is set (the server ends its drain), the stream ends the same way: `rest` is closed (its replica
+    calls cancelled), an error event says the server is shutting down, then `data: [DONE]`."""
     yield f"data: {json.dumps(first)}\n\n"
+    it = rest.__aiter__()
     try:
-        async for chunk in rest:
+        while True:
+            try:
+                chunk = await _next_unless_stopped(it, stop)
+            except StopAsyncIteration:
+                break
             yield f"data: {json.dumps(chunk)}\n\n"
+    except _Stopped:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        yield f"data: {json.dumps(SHUTTING_DOWN.body())}\n\n"
     except Exception as e:
         yield f"data: {json.dumps(on_error(e).body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+#: what a stream still running when the server's drain time is up ends with (in-band: the status was sent)
+SHUTTING_DOWN = APIError("the server is shutting down and ended this stream; retry the request", 503,
+                         "service_unavailable", None, "server_shutdown", retry_after_s=1)
+
+
+class _Stopped(Exception):
+    pass
+
+
+async def _next_unless_stopped(it: Any, stop: asyncio.Event | None) -> Any:
+    if stop is None:
+        return await it.__anext__()
+    if stop.is_set():
+        raise _Stopped
+    nxt = asyncio.ensure_future(it.__anext__())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if nxt.done():
+        return nxt.result()
+    nxt.cancel()
+    try:
+        await nxt
+    except (asyncio.CancelledError, StopAsyncIteration):
+        pass
+    raise _Stopped
 
 
 # ---------------------------------------------------------------- the HTTP layer's own limits (Serve's proxy)

@@ -75,6 +75,9 @@ class Ingress:
             observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
             max_prompts_per_request=self.cfg.serve.max_prompts_per_request)
         self._limits_task: asyncio.Future | None = None
+        self.draining = False
+        self.num_in_flight = 0           # HTTP inference requests, streams until their last event
+        self._end_streams = asyncio.Event()
 
     # ================================================================== HTTP routes
     @fastapi_app.post("/v1/completions")
@@ -101,6 +104,9 @@ class Ingress:
         router sees at least one model replica running, or none because autoscaling scaled to zero (a
         request starts one). Otherwise 503: `starting` or `no_replica_running`."""
         retry = self.cfg.serve.retry_after_s
+        if self.draining:
+            return error_response(APIError("the server is shutting down", 503, "service_unavailable", None,
+                                           "draining", retry))
         if self.serving.known_limits is None:
             if self._limits_task is None or self._limits_task.done():
                 self._limits_task = asyncio.ensure_future(self.serving.limits())
@@ -155,6 +161,14 @@ class Ingress:
         # Serve's proxy sets x-request-id when the client did not, and echoes it in the response.
         request_id = request.headers.get("x-request-id") or _new_request_id(kind)
         request_id_var.set(request_id)
+        if self.draining:
+            response = error_response(self._fail(APIError(
+                "the server is shutting down; retry the request (on another server)", 503, "service_unavailable",
+                None, "draining"), route))
+            response.headers["Connection"] = "close"
+            return response
+        self.num_in_flight += 1
+        handed_off = False               # a stream leaves the count when its last event is sent
         try:
             check_api_key(request, self.api_key)
             req = _parse(kind, await read_json_body(request, self.cfg.serve.max_request_body_bytes,
@@ -164,13 +178,35 @@ class Ingress:
                 gen = self.serving.stream(kind, req, request_id, carrier)
                 first = await gen.__anext__()          # errors before the first byte -> a proper status
                 self.metrics.record_http(route, 200)
-                return StreamingResponse(sse(first, gen, lambda e: self._fail(e, route, count=False)),
-                                         media_type="text/event-stream")
+                events = sse(first, gen, lambda e: self._fail(e, route, count=False), self._end_streams)
+                handed_off = True
+                return StreamingResponse(self._counted(events), media_type="text/event-stream")
             result = await self.serving.complete(kind, req, request_id, carrier)
             self.metrics.record_http(route, 200)
             return JSONResponse(result)
         except Exception as e:
             return error_response(self._fail(e, route))
+        finally:
+            if not handed_off:
+                self.num_in_flight -= 1
+
+    async def _counted(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for e in events:
+                yield e
+        finally:
+            self.num_in_flight -= 1
+
+    async def drain(self, end_streams: bool = False) -> dict:
+        """Shutdown, called by the CLI on each ingress replica: new HTTP requests get 503 `draining` (and
+        /health 503) from now on; with `end_streams`, streams still running end at once with an in-band
+        error event and [DONE]. Returns this replica's id and its HTTP requests still in flight."""
+        from ray import serve
+        self.draining = True
+        if end_streams:
+            self._end_streams.set()
+        return {"ingress_replica_id": serve.get_replica_context().replica_id.unique_id,
+                "num_in_flight": self.num_in_flight}
 
     def _fail(self, exc: BaseException, where: str, count: bool = True) -> APIError:
         """The one exit for failures: classify, log once (traceback only if unexpected), count. A 429 or 503

@@ -30,46 +30,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class CLI:
+    """`affinity-serve serve` in a subprocess of its own session, its output collected line by line."""
+
+    def __init__(self, checkpoints, tmp: Path, serve: dict, engine: dict | None = None):
+        ray_tmp = tempfile.mkdtemp(prefix="r33", dir="/tmp")        # short: Ray's socket paths must fit
+        # What a forgotten `ray start --head` leaves: Ray's current-cluster record, pointing nowhere now.
+        Path(ray_tmp, "ray").mkdir()
+        Path(ray_tmp, "ray", "ray_current_cluster").write_text("127.0.0.1:1")
+        cfg = tmp / "c.yaml"
+        cfg.write_text(json.dumps({
+            "engine": {"num_threads": 1, "cache": {"num_blocks": 128, "block_size": 4}, **(engine or {})},
+            "serve": {"model_name": "tiny", "replica_num_cpus": 0.5, **serve}}))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+        env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--model",
+                                      checkpoints["llama"], "--port", str(self.port), "--replicas", "1"],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self._lines.put(l) for l in self.proc.stdout], daemon=True).start()
+        self.out: list[str] = []
+        assert self.wait_for("Ctrl-C to stop", 240), "".join(self.out)[-4000:]
+
+    def wait_for(self, text: str, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(text in l for l in self.out):
+            try:
+                self.out.append(self._lines.get(timeout=0.5))
+            except queue.Empty:
+                if self.proc.poll() is not None and self._lines.empty():
+                    break
+        return any(text in l for l in self.out)
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+            raise
+        self.wait_for("\0never", 2)                                   # the rest of the output
+        return rc
+
+
 @pytest.fixture(scope="module")
 def served(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cli")
-    ray_tmp = tempfile.mkdtemp(prefix="r33", dir="/tmp")        # short: Ray's socket paths must fit
-    # What a forgotten `ray start --head` leaves: Ray's current-cluster record, pointing nowhere now.
-    Path(ray_tmp, "ray").mkdir()
-    Path(ray_tmp, "ray", "ray_current_cluster").write_text("127.0.0.1:1")
-    cfg = tmp / "c.yaml"
-    cfg.write_text(json.dumps({
-        "engine": {"num_threads": 1, "cache": {"num_blocks": 64, "block_size": 4}},
-        "serve": {"model_name": "tiny", "body_read_timeout_s": 2, "max_header_bytes": 8192,
-                  "replica_num_cpus": 0.5}}))
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--model",
-                             checkpoints["llama"], "--port", str(port), "--replicas", "1"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    out: list[str] = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not any("Ctrl-C to stop" in l for l in out):
-        try:
-            out.append(lines.get(timeout=1))
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
+    cli = CLI(checkpoints, tmp_path_factory.mktemp("cli"), {"body_read_timeout_s": 2, "max_header_bytes": 8192})
     try:
-        assert any("Ctrl-C to stop" in l for l in out), "".join(out)[-4000:]
-        yield f"http://127.0.0.1:{port}", proc, out
+        yield cli.url, cli.proc, cli.out
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        cli.stop()
 
 
 def test_it_started_its_own_ray_said_so_and_printed_no_key(served):
@@ -160,3 +176,67 @@ def test_its_proxy_enforces_the_http_limits(served):
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60,
                    headers={"authorization": f"Bearer {KEY}", "x-request-disconnect-disabled": "?1"})
     assert r.status_code == 200 and len(r.json()["choices"]) == 6
+
+
+# ---------------------------------------------------------------- finding 14: drain on SIGINT and SIGTERM
+def _stream(url: str, max_tokens: int):
+    """Open a completion stream: (its line iterator, its client). One iterator per response: a dropped one
+    closes the connection."""
+    client = httpx.Client(timeout=120)
+    req = client.build_request("POST", f"{url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                               json={"model": "tiny", "prompt": "drain me", "max_tokens": max_tokens,
+                                     "ignore_eos": True, "stream": True})
+    r = client.send(req, stream=True)
+    assert r.status_code == 200
+    return r.iter_lines(), client
+
+
+def _events(lines) -> list[str]:
+    return [line[6:] for line in lines if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("sig,drain_s,expect", [(signal.SIGINT, 60, "finished"), (signal.SIGTERM, 1, "ended")])
+def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoints, tmp_path, sig, drain_s,
+                                                                       expect):
+    """Paced steps (40 ms) make each stream last ~4 s. After the signal: new requests get 503 `draining`;
+    with a long drain the streams finish, with a short one they end with an error event; every stream ends
+    with [DONE]; the process exits 0 with one closing line and no traceback."""
+    cli = CLI(checkpoints, tmp_path, {"drain_timeout_s": drain_s},
+              engine={"pace": {"enabled": True, "step_base_s": 0.04}})
+    try:
+        streams = [_stream(cli.url, 100) for _ in range(3)]
+        firsts = [next(lines) for lines, _ in streams]
+        assert all(f.startswith("data: ") for f in firsts)
+        t = time.monotonic()
+        cli.proc.send_signal(sig)
+        refused = None
+        while time.monotonic() - t < 5 and refused is None:
+            try:
+                r = httpx.get(f"{cli.url}/health", timeout=5)
+                if r.status_code == 503 and r.json()["error"]["code"] == "draining":
+                    refused = httpx.post(f"{cli.url}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                                         json={"model": "tiny", "prompt": "late", "max_tokens": 2}, timeout=10)
+            except httpx.TransportError:
+                break
+            time.sleep(0.1)
+        cli.wait_for("\\0never", 1)
+        assert refused is not None and refused.status_code == 503, "".join(cli.out)[-3000:]
+        assert refused.json()["error"]["code"] == "draining"
+        for lines, client in streams:
+            events = _events(lines)
+            client.close()
+            assert events[-1] == "[DONE]"
+            shut = [e for e in events if '"server_shutdown"' in e]
+            if expect == "finished":
+                assert not shut and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+            else:
+                assert len(shut) == 1
+        rc = cli.stop(sig, timeout_s=60)
+    finally:
+        if cli.proc.poll() is None:
+            cli.stop()
+    text = "".join(cli.out)
+    assert rc == 0 and "Traceback" not in text, text[-3000:]
+    closing = [l for l in cli.out if l.startswith("[affinity-serve] stopped")]
+    assert len(closing) == 1 and ("0 stream(s) ended" in closing[0]) == (expect == "finished"), closing
+    assert time.monotonic() - t < drain_s + 40

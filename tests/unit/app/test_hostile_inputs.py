@@ -337,3 +337,40 @@ async def test_health_is_503_when_the_router_sees_no_replica_unless_scaled_to_ze
     monkeypatch.setattr(ing0.serving, "_num_replicas", lambda: 0)
     r = await ing0.http_health()
     assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero"
+
+
+# ---------------------------------------------------------------- finding 14: the ingress's side of the drain
+async def test_drain_refuses_new_requests_counts_streams_and_ends_them_on_request(checkpoints, monkeypatch):
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="ing-1")))
+
+    class Slow(FakeReplica):
+        async def generate(self, req):
+            for t in range(1000):
+                await asyncio.sleep(0.01)
+                yield ReplicaChunk(0, "a", [10 + t % 5], None, replica_id="r1")
+
+    ing, _ = ingress(checkpoints, Slow(), first_token_timeout_s=5)
+    body = json.dumps({"prompt": [[1, 2]], "max_tokens": 60, "stream": True}).encode()
+    r = await ing._http(RequestKind.COMPLETION, http_request(body))
+    assert r.status_code == 200 and ing.num_in_flight == 1
+    events: list[str] = []
+
+    async def consume():
+        async for e in r.body_iterator:
+            events.append(e)
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    assert await ing.drain() == {"ingress_replica_id": "ing-1", "num_in_flight": 1}
+    late = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": "x"}'))
+    assert late.status_code == 503 and json.loads(late.body)["error"]["code"] == "draining"
+    assert late.headers["connection"] == "close"
+    assert json.loads((await ing.http_health()).body)["error"]["code"] == "draining"
+    assert (await ing.drain(end_streams=True))["num_in_flight"] == 1
+    await asyncio.wait_for(task, 2)
+    assert events[-1] == "data: [DONE]\n\n" and json.loads(events[-2][6:])["error"]["code"] == "server_shutdown"
+    assert ing.num_in_flight == 0 and (await ing.drain())["num_in_flight"] == 0
