@@ -125,14 +125,23 @@ class OpenAIServing:
         gate = _EchoGate(p, run)
         text_offsets: dict[int, int] = {}     # choice -> `text_offset` of its next token; absent: none sent
         with self.observer.span(carrier, _span_attributes(p)) as rs:
-            if kind is RequestKind.CHAT:
-                for i in range(len(run.seqs)):
-                    yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
-            async for idx, c in self._chunks(p, rs.carrier, run):
-                for i, ready in gate.release(idx, run.add(idx, c)):
-                    chunk = self._chunk(p, meta, run, i, ready, text_offsets)
-                    if chunk is not None:
-                        yield chunk
+            chunks = self._chunks(p, rs.carrier, run)
+            try:
+                # Route first, then start the stream: a refusal (429 overloaded, 503) before any replica
+                # output must still be an HTTP status, so chat's role chunks wait for the first output.
+                first = await anext(chunks, None)
+                if kind is RequestKind.CHAT:
+                    for i in range(len(run.seqs)):
+                        yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
+                while first is not None:
+                    idx, c = first
+                    for i, ready in gate.release(idx, run.add(idx, c)):
+                        chunk = self._chunk(p, meta, run, i, ready, text_offsets)
+                        if chunk is not None:
+                            yield chunk
+                    first = await anext(chunks, None)
+            finally:
+                await chunks.aclose()
             gate.check_drained()
             self._finish(rs, run)
         if p.stream_usage:

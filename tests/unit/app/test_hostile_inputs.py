@@ -374,3 +374,23 @@ async def test_drain_refuses_new_requests_counts_streams_and_ends_them_on_reques
     await asyncio.wait_for(task, 2)
     assert events[-1] == "data: [DONE]\n\n" and json.loads(events[-2][6:])["error"]["code"] == "server_shutdown"
     assert ing.num_in_flight == 0 and (await ing.drain())["num_in_flight"] == 0
+
+
+# ---------------------------------------------------------------- finding 8 (part): route before the stream starts
+@pytest.mark.parametrize("kind,body", [
+    (RequestKind.CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}),
+    (RequestKind.COMPLETION, {"prompt": "x", "max_tokens": 2, "stream": True}),
+])
+async def test_an_overloaded_stream_is_a_429_status_not_an_in_band_error(checkpoints, kind, body):
+    """Chat streams sent the role chunk before routing: a 200 was committed and the 429 became an event."""
+    from ray.serve.exceptions import BackPressureError
+
+    class Full(FakeReplica):
+        async def generate(self, req):
+            raise BackPressureError(num_queued_requests=3, max_queued_requests=2)
+            yield  # pragma: no cover
+
+    ing, _ = ingress(checkpoints, Full())
+    r = await ing._http(kind, http_request(json.dumps(body).encode()))
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert json.loads(r.body)["error"]["code"] == "overloaded"
