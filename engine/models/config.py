@@ -123,7 +123,7 @@ class ModelArgs:
             qkv_bias=True if spec.qkv_bias_always else attention_bias,
             o_bias=False if spec.qkv_bias_always else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            rope=_rope_spec(cfg),
+            rope=_rope_spec(cfg, spec),
             sliding_window=sliding,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -182,7 +182,7 @@ def _refuse_unimplemented(cfg: dict[str, Any], spec: ArchSpec) -> None:
                 raise refuse(name, cfg[name], "none (dense MLP)")
 
 
-def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
+def _rope_spec(cfg: dict[str, Any], spec: ArchSpec | None = None) -> RopeSpec:
     """Both spellings: transformers 5 `rope_parameters`, and older `rope_theta` + `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
@@ -190,11 +190,16 @@ def _rope_spec(cfg: dict[str, Any]) -> RopeSpec:
     theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if spec is not None:
+        rope_type = dict(spec.rope_aliases).get(rope_type, rope_type)
+    supported = SUPPORTED_ROPE_TYPES + (spec.rope_types if spec is not None else ())
+    if rope_type not in supported:
         raise ModelLoadError(f"config.json: rope_scaling.rope_type = {rope_type!r} is not implemented "
-                             f"(unsupported RoPE scaling type; supported: {SUPPORTED_ROPE_TYPES})")
-    if rope_type == "yarn" and "original_max_position_embeddings" not in params:
-        params["original_max_position_embeddings"] = cfg.get("max_position_embeddings", 2048)
-    if rope_type == "yarn":
+                             f"(unsupported RoPE scaling type; supported: {supported})")
+    if cfg.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if rope_type in ("yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
         params.setdefault("max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     return RopeSpec(rope_type, float(theta), params)

@@ -28,6 +28,9 @@ class ArchSpec:
     renames: tuple[tuple[str, str], ...] = ()
     #: config.json fields this architecture implements beyond the common ones (never refused)
     implemented_fields: frozenset[str] = frozenset()
+    #: RoPE types beyond the common ones (config.py's SUPPORTED_ROPE_TYPES), and names read as another type
+    rope_types: tuple[str, ...] = ()
+    rope_aliases: tuple[tuple[str, str], ...] = ()
     #: the context cap from `sliding_window` applies (else the field is ignored unless use_sliding_window)
     sliding_window_default: bool = True
     #: extra ModelArgs values read from config.json (MoE sizes, ...)

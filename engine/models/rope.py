@@ -8,8 +8,10 @@ import torch
 from engine.models.config import RopeSpec
 
 
-def inv_freq_and_scale(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
-    """[head_dim // 2] inverse frequencies and the attention scaling applied to cos/sin."""
+def inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_positions: int | None = None
+                       ) -> tuple[torch.Tensor, float]:
+    """[rotary_dim // 2] inverse frequencies and the attention scaling applied to cos/sin. `max_positions`:
+    the context served (longrope picks its factors by it)."""
     dim = int(head_dim * rope.params.get("partial_rotary_factor", 1.0))
     base = rope.theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -22,6 +24,8 @@ def inv_freq_and_scale(rope: RopeSpec, head_dim: int) -> tuple[torch.Tensor, flo
         return _llama3(inv_freq, p), 1.0
     if rope.rope_type == "yarn":
         return _yarn(base, dim, p)
+    if rope.rope_type == "longrope":
+        return _longrope(base, dim, p, max_positions)
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
 
 
@@ -66,9 +70,24 @@ def _yarn(base: float, dim: int, p: dict) -> tuple[torch.Tensor, float]:
     return inter * (1 - extra_factor) + extra * extra_factor, attn
 
 
+def _longrope(base: float, dim: int, p: dict, max_positions: int | None) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE. transformers picks short_factor while the sequence fits
+    original_max_position_embeddings and long_factor beyond; one table serves every sequence here, so the
+    choice follows the context served: short when it fits the original length (then exact), else long at
+    every position."""
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or p["max_position_embeddings"] / orig
+    attn = p.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    long = max_positions is not None and max_positions > orig
+    ext = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attn
+
+
 def cos_sin_table(rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [max_positions, rotary_dim] in float32, exactly as transformers computes them."""
-    inv_freq, scale = inv_freq_and_scale(rope, head_dim)
+    inv_freq, scale = inv_freq_and_scale(rope, head_dim, max_positions)
     pos = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

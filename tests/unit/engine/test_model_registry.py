@@ -1,0 +1,121 @@
+"""The architecture registry, token-exact against transformers greedy on tiny random checkpoints that
+transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Mixtral, Phi-3 (fused checkpoints, LongRoPE
+with a partial rotary factor); and the sparse-MoE block's grouped CPU path."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.errors import ModelLoadError
+from engine.models import moe
+from engine.models.config import ModelArgs
+from engine.models.registry import architectures
+from tests.unit.engine.tiny_hf import write_tiny_hf
+
+HALF_ROT = 4      # Phi-3 LongRoPE below: head_dim 16, partial_rotary_factor 0.5 -> 8 rotary dims, 4 factors
+SPECS = {
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", {}),
+    "phi3_longrope": ("Phi3Config", dict(
+        original_max_position_embeddings=128, partial_rotary_factor=0.5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0 + 0.1 * i for i in range(HALF_ROT)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(HALF_ROT)]})),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_hf")
+
+    class _Lazy(dict):
+        def __missing__(self, name):
+            cls, kw = SPECS[name]
+            self[name] = str(write_tiny_hf(root / name, cls, seed=len(self) + 11, **kw))
+            return self[name]
+    return _Lazy()
+
+
+def _prompts(n, lo, hi, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 700) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _check(path, hf_reference, prompts, n=8, **engine_kw):
+    engine_kw.setdefault("cache", {"num_blocks": 96, "block_size": 8})
+    llm = LLM(path, **engine_kw)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [hf_reference(path, p, n) for p in prompts]
+    assert len({t for ids in got for t in ids}) > 3, "degenerate output proves little"
+    return llm
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "mixtral", "phi3"])
+def test_matches_transformers_greedy(tiny, hf_reference, name):
+    # a small token budget: chunked prefill and mixed prefill/decode steps too
+    llm = _check(tiny[name], hf_reference, _prompts(3, 3, 40, seed=5), scheduler={"max_num_batched_tokens": 24})
+    assert llm.engine.model_args.architecture == architectures()[llm.engine.model_args.architecture].name
+
+
+@pytest.mark.parametrize("max_model_len,lo,hi", [(128, 3, 30), (512, 130, 150)], ids=["short", "long"])
+def test_phi3_longrope_matches_transformers(tiny, hf_reference, max_model_len, lo, hi):
+    """Short factors while the served context fits original_max_position_embeddings (exact for every
+    sequence), long ones beyond (exact for sequences past it, which is where transformers switches)."""
+    _check(tiny["phi3_longrope"], hf_reference, _prompts(2, lo, hi, seed=9), n=6, max_model_len=max_model_len)
+
+
+def test_moe_layers_follow_the_config(tiny):
+    args = ModelArgs.from_dir(tiny["qwen3_moe"])
+    assert args.qk_norm and args.moe.layers == (0,) and not args.moe.renormalize and args.moe.num_experts == 8
+    mix = ModelArgs.from_dir(tiny["mixtral"])
+    assert mix.moe.renormalize and mix.moe.layers == (0, 1) and not mix.qk_norm
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ModelLoadError) as e:
+        ModelArgs.from_dict({"architectures": ["Gemma3ForCausalLM"]})
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                 "Phi3ForCausalLM"):
+        assert name in str(e.value)
+
+
+def _naive_moe(x, w13, w2, ids, weights):
+    """One token at a time (the reference the grouped path must equal)."""
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t]
+            out[t] += (w2[e] @ (F.silu(h[:inter]) * h[inter:])) * weights[t, j]
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_experts_equal_a_token_loop_with_one_gemm_pair_per_active_expert(monkeypatch, renormalize):
+    g = torch.Generator().manual_seed(0)
+    t, h, inter, e, k = 9, 16, 24, 6, 2
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * inter, h, generator=g), torch.randn(e, h, inter, generator=g)
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 5] = -1e4                                     # expert 5 never chosen: no GEMM for it
+    weights, ids = moe.route(logits, k, renormalize)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(t))
+    else:
+        assert (weights.sum(-1) < 1).all()
+    calls = []
+    linear = F.linear
+    monkeypatch.setattr(moe.F, "linear", lambda a, w: calls.append(a.shape[0]) or linear(a, w))
+    got = moe.grouped_experts(x, w13, w2, ids, weights)
+    active = len(set(ids.flatten().tolist()))
+    assert len(calls) == 2 * active and sum(calls) == 2 * t * k
+    torch.testing.assert_close(got, _naive_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
