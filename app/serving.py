@@ -5,8 +5,11 @@ exceptions and leaves logging them to its caller.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app import openai_format as fmt
@@ -34,6 +37,7 @@ class OpenAIServing:
         completion's batch of prompts beyond it is a 400 (None: no bound)."""
         self.replica = replica
         self.max_prompts_per_request = max_prompts_per_request
+        self._prepare_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.first_output_timeout_s = first_output_timeout_s
@@ -74,8 +78,14 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     async def prepare(self, kind: RequestKind, req: OpenAIRequest, request_id: str) -> PreparedRequest:
-        return prepare_request(kind, req, request_id, model_name=self.model_name, limits=await self.limits(),
-                               tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request)
+        """The prepared request. Tokenizing (a prompt of megabytes takes seconds) and hashing run on one
+        worker thread, off the event loop, so other requests' streams go on meanwhile; one thread keeps the
+        tokenizer used by one caller at a time, as before."""
+        limits = await self.limits()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prepare_thread, functools.partial(
+                prepare_request, kind, req, request_id, model_name=self.model_name, limits=limits,
+                tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request))
 
     # ------------------------------------------------------------------ whole responses
     async def complete(self, kind: RequestKind, req: OpenAIRequest, request_id: str,

@@ -394,3 +394,33 @@ async def test_an_overloaded_stream_is_a_429_status_not_an_in_band_error(checkpo
     r = await ing._http(kind, http_request(json.dumps(body).encode()))
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert json.loads(r.body)["error"]["code"] == "overloaded"
+
+
+# ---------------------------------------------------------------- tokenizing off the event loop
+async def test_a_slow_tokenization_does_not_stall_the_event_loop(checkpoints):
+    """A prompt of megabytes takes the tokenizer seconds: other requests' streams must go on meanwhile."""
+    import time as _time
+
+    ing, _ = ingress(checkpoints)
+    real = ing.serving.tokenizer
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text, *a, **kw):
+            _time.sleep(0.5)                      # holds its thread, as a long encode does
+            return real.encode(text, *a, **kw)
+
+    ing.serving.tokenizer = Slow()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.02)
+            ticks += 1
+    t = asyncio.create_task(ticker())
+    r = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": "hello there", "max_tokens": 2}'))
+    t.cancel()
+    assert r.status_code == 200 and ticks >= 10, ticks
