@@ -37,6 +37,7 @@ class InFlight:
     started: bool = False
     tier_tokens: int = 0       # of predicted_cached_tokens, those to load from a KV tier
     started_at: float = 0.0
+    kv_blocks: int = 0         # KV blocks it will hold there (prompt + expected output)
 
 
 @dataclass(slots=True)
@@ -52,6 +53,8 @@ class ReplicaLoad:
     num_pending: int = 0       # requests sent since the snapshot, not finished
     retired_tokens: int = 0    # tokens counted in the snapshot's queue that have started since
     num_retired: int = 0       # requests counted running in the snapshot that have finished since
+    pending_blocks: int = 0    # KV blocks of requests sent since the snapshot, not finished
+    retired_blocks: int = 0    # KV blocks of requests counted running in the snapshot, finished since
     queued_prefill_tokens: int = 0
     decode_load: int = 0
     kv_usage: float = 0.0
@@ -64,7 +67,14 @@ class ReplicaLoad:
         s = self.stats
         self.queued_prefill_tokens = max(0, s.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
         self.decode_load = max(0, s.num_running - self.num_retired) + self.num_pending
-        self.kv_usage = s.kv_cache_usage
+        # KV usage as of now: the snapshot's, plus the blocks this router's requests sent since will hold,
+        # minus those of its requests that held blocks in it and finished since (a burst sent between two
+        # snapshots must not find every replica's pool looking as empty as it was)
+        if s.num_blocks and (self.pending_blocks or self.retired_blocks):
+            self.kv_usage = min(1.0, max(0.0, s.kv_cache_usage
+                                         + (self.pending_blocks - self.retired_blocks) / s.num_blocks))
+        else:
+            self.kv_usage = s.kv_cache_usage
 
 
 _MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot taken before them
@@ -101,10 +111,11 @@ class LoadTracker:
             return
         taken = now - max(0.0, stats.age_s)
         load.stats, load.taken_at = stats, taken
-        pending_tokens = num_pending = retired_tokens = num_retired = 0
+        pending_tokens = num_pending = retired_tokens = num_retired = pending_blocks = retired_blocks = 0
         for f in load.in_flight.values():
             if f.routed_at >= taken:
                 num_pending += 1
+                pending_blocks += f.kv_blocks
                 if not f.started:
                     pending_tokens += f.uncached_tokens
             elif f.started and f.started_at > taken:
@@ -112,15 +123,17 @@ class LoadTracker:
         finished = load.finished
         while finished and finished[0][0] <= taken:
             finished.popleft()                                # finished before the snapshot: not in it
-        for _, routed_at, started_at, uncached in finished:
+        for _, routed_at, started_at, uncached, kv_blocks in finished:
             if routed_at >= taken:
                 continue
             if started_at is not None and started_at <= taken:
                 num_retired += 1                              # counted running, gone since
+                retired_blocks += kv_blocks
             else:
                 retired_tokens += uncached                    # counted queued, gone since
         load.pending_tokens, load.num_pending = pending_tokens, num_pending
         load.retired_tokens, load.num_retired = retired_tokens, num_retired
+        load.pending_blocks, load.retired_blocks = pending_blocks, retired_blocks
         load.refresh()
 
     # ------------------------------------------------------------ reads
@@ -138,7 +151,8 @@ class LoadTracker:
 
     # ------------------------------------------------------------ request lifecycle
     def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
-            num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0) -> None:
+            num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0,
+            kv_blocks: int = 0) -> None:
         if req_id in self._in_flight:
             self._cancel(req_id)
         load = self._loads.get(replica_id)
@@ -146,11 +160,12 @@ class LoadTracker:
             return
         f = self._in_flight[req_id] = InFlight(
             replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
-            load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens)
+            load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens, kv_blocks=kv_blocks)
         load.in_flight[req_id] = f
         if now >= load.taken_at:
             load.pending_tokens += uncached_tokens
             load.num_pending += 1
+            load.pending_blocks += kv_blocks
             load.refresh()
         self._by_age.append((now, req_id))
 
@@ -163,7 +178,7 @@ class LoadTracker:
         self._cancel(req_id)
         self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
                  num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now,
-                 tier_tokens=tier_tokens)
+                 tier_tokens=tier_tokens, kv_blocks=f.kv_blocks)
         return self._in_flight.get(req_id)
 
     def start(self, req_id: str, now: float) -> InFlight | None:
@@ -190,6 +205,7 @@ class LoadTracker:
         load.in_flight.pop(req_id, None)
         if f.routed_at >= load.taken_at:
             load.num_pending -= 1
+            load.pending_blocks -= f.kv_blocks
             if not f.started:
                 load.pending_tokens -= f.uncached_tokens
             load.refresh()
@@ -203,14 +219,17 @@ class LoadTracker:
             load.in_flight.pop(req_id, None)
             if f.routed_at >= load.taken_at:
                 load.num_pending -= 1
+                load.pending_blocks -= f.kv_blocks
                 if not f.started:
                     load.pending_tokens -= f.uncached_tokens
             elif not f.started:
                 load.retired_tokens += f.uncached_tokens      # counted queued, never ran
             elif f.started_at <= load.taken_at:
                 load.num_retired += 1                         # counted running
+                load.retired_blocks += f.kv_blocks
             load.refresh()
-            load.finished.append((now, f.routed_at, f.started_at if f.started else None, f.uncached_tokens))
+            load.finished.append((now, f.routed_at, f.started_at if f.started else None, f.uncached_tokens,
+                                  f.kv_blocks))
             while len(load.finished) > _MAX_FINISHED and load.finished:
                 load.finished.popleft()
         return f

@@ -205,3 +205,24 @@ def test_expected_output_prefers_the_group_then_the_fleet_then_the_prior():
     assert g.expected_output(b"k", 0) == 40.0 and g.expected_output(b"other", 0) == 40.0
     g.observe_output(None, 400)
     assert g.expected_output(b"k", 0) == 40.0 and g.expected_output(b"other", 0) == pytest.approx(112.0)
+
+
+def test_kv_usage_counts_the_blocks_of_requests_sent_since_the_snapshot():
+    """A burst sent between two snapshots must not find the pool as empty as it was: each request sent
+    since adds the blocks it will hold (prompt + expected output), and a finished one that held blocks in
+    the snapshot gives them back."""
+    core, clock, ids = make(1)
+    stats(core, "r0", kv_cache_usage=0.5, num_blocks=100)
+    clock.t += 0.1
+    d = core.route(RouteRequest("a", chain("a", 20), 20 * BS + 4, 40), ids)     # 324 + 40 tokens: 23 blocks
+    d2 = core.route(RouteRequest("b", chain("b", 2), 2 * BS + 4, 8), ids)
+    assert score(d2, "r0").kv_usage == pytest.approx(0.5 + 23 / 100)
+    clock.t += 0.1
+    stats(core, "r0", kv_cache_usage=0.75, num_blocks=100)                       # taken after both
+    core.on_first_token("a", 0)
+    d3 = core.route(RouteRequest("c", chain("c", 2), 2 * BS + 4, 8), ids)
+    assert score(d3, "r0").kv_usage == pytest.approx(0.75)
+    core.on_finished("a", 40)                                                    # a held 23 blocks in it
+    d4 = core.route(RouteRequest("e", chain("e", 2), 2 * BS + 4, 8), ids)
+    assert score(d4, "r0").kv_usage == pytest.approx(0.75 + 3 / 100 - 23 / 100)
+    assert d.chosen == "r0"
