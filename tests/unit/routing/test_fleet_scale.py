@@ -79,7 +79,7 @@ def test_decisions_on_32k_token_prompts_never_evict_and_write_a_bounded_number_o
     per_decision = []
     for i in range(200):
         clock.t += 0.01
-        before = core.index.num_spec_entries + core.index.num_spec_evictions * 0
+        before = core.index.num_spec_entries
         d = core.route(RouteRequest(f"q{i}", chain(f"long{i}", 2048), 2048 * BS + 5, 64), ids)
         per_decision.append(core.index.num_spec_entries - before)
         core.on_first_token(d.request_id, 0)
