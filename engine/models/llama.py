@@ -7,6 +7,8 @@ each; Qwen3's per-head q/k RMSNorm runs before RoPE.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,8 @@ from engine.models.config import ModelArgs
 from engine.models.linear import prepack_linears
 from engine.models.moe import SparseMoE
 from engine.models.rope import apply_rope, cos_sin_table
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -140,6 +144,21 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.ops = layer.self_attn.ops = layer.mlp.ops = ops
             layer.mlp.fused = on
+        self._use_fused_moe(on and ops is fused)
+
+    def _use_fused_moe(self, on: bool) -> None:
+        """With the Triton ops, the MoE layers' experts run as the Triton grouped GEMM (engine/models/
+        fused_moe.py: no host sync, so decode graphs capture it) once it passes a self-test; else grouped."""
+        moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        if not moe_layers:
+            return
+        from engine.models import fused_moe
+        from engine.models.moe import grouped_experts
+        why = fused_moe.self_test(str(self.embed_tokens.weight.device)) if on else "off"
+        if on and why is not None:
+            logger.warning("the Triton fused-MoE kernel failed its self-test (%s); experts run grouped", why)
+        for mlp in moe_layers:
+            mlp.experts_fn = fused_moe.fused_experts if why is None else grouped_experts
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight

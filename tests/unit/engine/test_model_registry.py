@@ -12,35 +12,12 @@ from engine.errors import ModelLoadError
 from engine.models import moe
 from engine.models.config import ModelArgs
 from engine.models.registry import architectures
-from tests.unit.engine.tiny_hf import write_tiny_hf
-
-HALF_ROT = 4      # Phi-3 LongRoPE below: head_dim 16, partial_rotary_factor 0.5 -> 8 rotary dims, 4 factors
-SPECS = {
-    "qwen3": ("Qwen3Config", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=False, mlp_only_layers=[1])),
-    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "phi3": ("Phi3Config", {}),
-    "phi3_longrope": ("Phi3Config", dict(
-        original_max_position_embeddings=128, partial_rotary_factor=0.5,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "short_factor": [1.0 + 0.1 * i for i in range(HALF_ROT)],
-                         "long_factor": [2.0 + 0.5 * i for i in range(HALF_ROT)]})),
-}
+from tests.unit.engine.tiny_hf import tiny_checkpoints
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_hf")
-
-    class _Lazy(dict):
-        def __missing__(self, name):
-            cls, kw = SPECS[name]
-            self[name] = str(write_tiny_hf(root / name, cls, seed=len(self) + 11, **kw))
-            return self[name]
-    return _Lazy()
+    return tiny_checkpoints(tmp_path_factory.mktemp("tiny_hf"))
 
 
 def _prompts(n, lo, hi, seed):

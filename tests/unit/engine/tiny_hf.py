@@ -5,6 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+_HALF_ROT = 4     # Phi-3 LongRoPE: head_dim 16, partial_rotary_factor 0.5 -> 8 rotary dims, 4 factors
+#: name -> (transformers config class, its arguments beyond TINY_COMMON)
+TINY_ARCHS = {
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "phi3": ("Phi3Config", {}),
+    "phi3_longrope": ("Phi3Config", dict(
+        original_max_position_embeddings=128, partial_rotary_factor=0.5,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0 + 0.1 * i for i in range(_HALF_ROT)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(_HALF_ROT)]})),
+}
+
 TINY_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, max_position_embeddings=512, initializer_range=0.1,
                    rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -38,3 +55,15 @@ def write_tiny_hf(path: str | Path, config_class: str, *, seed: int = 0, generat
            **(generation_config or {})}
     (path / "generation_config.json").write_text(json.dumps(gen))
     return path
+
+
+def tiny_checkpoints(root: str | Path) -> dict[str, str]:
+    """name in TINY_ARCHS -> checkpoint directory under `root`, written on first use."""
+    root = Path(root)
+
+    class _Lazy(dict):
+        def __missing__(self, name):
+            cls, kw = TINY_ARCHS[name]
+            self[name] = str(write_tiny_hf(root / name, cls, seed=sorted(TINY_ARCHS).index(name) + 11, **kw))
+            return self[name]
+    return _Lazy()
