@@ -86,9 +86,15 @@ async def read_json_body(request: Request, max_bytes: int, max_depth: int = 32) 
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_bytes:
         raise _too_large(max_bytes)
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():          # a chunked body has no length: count while reading
+        received += len(chunk)
+        if received > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    del chunks
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -424,3 +424,21 @@ async def test_a_slow_tokenization_does_not_stall_the_event_loop(checkpoints):
     r = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": "hello there", "max_tokens": 2}'))
     t.cancel()
     assert r.status_code == 200 and ticks >= 10, ticks
+
+
+async def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(checkpoints):
+    """No Content-Length (chunked): the ingress stops reading at the limit instead of buffering it all."""
+    from starlette.requests import Request
+    ing, _ = ingress(checkpoints, max_request_body_bytes=4096)
+    sent = 0
+
+    async def receive():
+        nonlocal sent
+        sent += 1
+        return {"type": "http.request", "body": b"x" * 1024, "more_body": sent < 100_000}   # ~100 MB
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]}
+    r = await ing._http(RequestKind.COMPLETION, Request(scope, receive))
+    assert r.status_code == 413 and json.loads(r.body)["error"]["code"] == "request_too_large"
+    assert sent <= 5
