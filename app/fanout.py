@@ -194,6 +194,7 @@ class RequestRun:
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(p.prompts)
         self.replica_ids: set[str] = set()
         self.replica_stats: dict[str, ReplicaStats] = {}
+        self.kv_tiers: dict[str, tuple[str, dict[str, int]]] = {}   # replica -> (tier, counters), latest
         self.replica_trace_ids: set[str] = set()
         self.timings: dict[str, float] | None = None
         self.first_token_ns: int | None = None
@@ -225,6 +226,8 @@ class RequestRun:
             self.timings = c.timings
         if c.replica_stats is not None:
             self.replica_stats[c.replica_id] = c.replica_stats
+        if c.kv_tier is not None:
+            self.kv_tiers[c.replica_id] = c.kv_tier
         if c.trace_id:
             self.replica_trace_ids.add(c.trace_id)
         return c

@@ -171,3 +171,5 @@ class ReplicaChunk:
     #: set on a sequence's last chunk: the replica's stats at that moment, and its engine span's trace id
     replica_stats: ReplicaStats | None = None
     trace_id: str | None = None
+    #: set on a sequence's last chunk when the replica has a KV connector: (tier, its cumulative counters)
+    kv_tier: tuple[str, dict[str, int]] | None = None

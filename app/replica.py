@@ -126,6 +126,9 @@ class LLMReplica:
                     chunk.timings = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, ft - sched),
                                      "decode_s": max(0.0, now - ft)}
                     chunk.replica_stats = self.stats()
+                    tier = self.kv_tier_stats() if self.kv_tier != "none" else None
+                    if tier is not None:
+                        chunk.kv_tier = (self.kv_tier, tier)
                     self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0))
                     chunk.trace_id = trace_id_hex(span)
                     logger.info("sequence finished", extra={

@@ -227,6 +227,8 @@ class OpenAIServing:
             self.metrics.record_replica(replica_id, num_running=st.num_running, num_waiting=st.num_waiting,
                                         kv_cache_usage=st.kv_cache_usage, prefix_hit_rate=st.prefix_hit_rate,
                                         recent_prefix_hit_rate=st.recent_prefix_hit_rate)
+        for replica_id, (tier, counters) in run.kv_tiers.items():
+            self.metrics.record_kv_tier(replica_id, tier, counters)
 
 
 class _EchoGate:

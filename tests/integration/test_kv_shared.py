@@ -155,3 +155,22 @@ def _debug_states() -> dict[str, dict]:
         if len(out) == 2:
             return out
     raise AssertionError(f"only {len(out)} replica(s) answered debug_state")
+
+
+def test_the_tier_counters_reach_the_ingress_metrics(shared_url):
+    """Issue 26: the store's lookups, hits, loads and failures by cause are Prometheus counters on /metrics
+    (labelled by replica and tier), not only in debug_state."""
+    url, _ = shared_url
+    rng = random.Random(7)
+    prompt = [rng.randrange(5, 600) for _ in range(33)]
+    with httpx.Client(timeout=60) as c:
+        _complete(c, url, prompt)
+        _complete(c, url, prompt)
+
+        def exported():
+            text = c.get(f"{url}/metrics").text
+            lines = [ln for ln in text.splitlines() if ln.startswith("affinity_kv_tier_lookups")
+                     and 'tier="shared"' in ln]
+            return lines if lines and any(float(ln.rsplit(" ", 1)[1]) > 0 for ln in lines) else None
+        lines = wait_until(exported, 20, "affinity_kv_tier_lookups on /metrics")
+    assert all('replica="' in ln for ln in lines)
