@@ -156,6 +156,13 @@ def check_model(cfg: "AppConfig") -> None:
         if not torch.cuda.is_available():
             raise ConfigError("the configuration", ["engine.device: 'cuda' but this machine has no usable CUDA "
                                                     "GPU; use device: auto or cpu"])
+    conn = cfg.engine.kv_connector
+    if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
+        from engine.kv_connector import UnsafeSharedStoreError, check_shared_root, default_shared_root
+        try:
+            check_shared_root(conn.shared_dir or default_shared_root(), conn.shared_group)
+        except UnsafeSharedStoreError as e:
+            raise ConfigError("the configuration", [f"engine.kv_connector.shared_dir: {e}"]) from None
 
 
 def serve_cmd(args) -> int:

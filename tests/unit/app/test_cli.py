@@ -116,3 +116,14 @@ def test_cuda_without_a_gpu_is_caught_before_ray(checkpoints, tmp_path, capsys, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc, err = _serve(tmp_path, capsys, {"model": _copy(checkpoints, tmp_path), "device": "cuda"})
     assert rc == 2 and "engine.device: 'cuda' but this machine has no usable CUDA GPU" in err
+
+
+def test_an_unsafe_shared_store_root_is_caught_before_ray(checkpoints, tmp_path, capsys):
+    """Issue 26: a shared store root others may write is refused once, naming it, before Ray starts."""
+    import os
+    root = tmp_path / "store"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    rc, err = _serve(tmp_path, capsys, {"model": _copy(checkpoints, tmp_path),
+                                        "kv_connector": {"type": "shared", "shared_dir": str(root)}})
+    assert rc == 2 and "engine.kv_connector.shared_dir" in err and str(root) in err
