@@ -16,7 +16,6 @@ from engine.errors import ModelLoadError
 from engine.models.registry import ArchSpec, architectures
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +60,11 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False
     moe: MoESpec | None = None
+    hidden_act: str = "silu"
+    attn_scale: float | None = None                # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    local_rope: RopeSpec | None = None             # RoPE of the sliding-window layers, when it differs (Gemma 3)
+    sliding_layers: tuple[int, ...] = ()           # layers that attend within sliding_window (others: full)
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -107,8 +111,7 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(cfg.get("attention_bias", spec.qkv_bias))
-        extra = spec.parse(cfg) if spec.parse is not None else {}
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -129,8 +132,11 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=spec.qk_norm,
-            **extra,
+            hidden_act=cfg.get("hidden_act", cfg.get("hidden_activation", "silu")),
         )
+        if spec.parse is not None:
+            fields.update(spec.parse(cfg))
+        return cls(**fields)
 
 
 #: fields that change the math and that no architecture here implements: field -> its harmless values
@@ -161,8 +167,8 @@ def _refuse_unimplemented(cfg: dict[str, Any], spec: ArchSpec) -> None:
                               f"(supported: {supported}); refusing rather than computing something else")
 
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise refuse("hidden_act", act, "silu")
+    if act not in spec.activations:
+        raise refuse("hidden_act", act, " or ".join(spec.activations))
     for name, harmless in _NEVER_IMPLEMENTED.items():
         if name in spec.implemented_fields:
             continue

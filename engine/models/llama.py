@@ -39,17 +39,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm: type[nn.Module] = RMSNorm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
         self.ops = fused                             # the fused-op implementation (use_fused_ops)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
@@ -159,6 +159,11 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("the Triton fused-MoE kernel failed its self-test (%s); experts run grouped", why)
         for mlp in moe_layers:
             mlp.experts_fn = fused_moe.fused_experts if why is None else grouped_experts
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        """(Re)compute the float32 cos / sin tables on `device` (after loading: they were built on meta)."""
+        cos, sin = cos_sin_table(self.args.rope, self.args.head_dim, max_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight

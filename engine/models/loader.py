@@ -19,8 +19,7 @@ from engine.errors import ModelLoadError
 from engine.models.checkpoint import safetensors_files
 from engine.models.config import ModelArgs
 from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import architectures
-from engine.models.rope import cos_sin_table
+from engine.models.registry import architectures, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     args = ModelArgs.from_dir(path)
     files = safetensors_files(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, max_positions)
+        model = model_class(architectures()[args.architecture])(args, max_positions)
     model = model.to_empty(device=device).to(dtype)     # uninitialised storage in the target dtype
     params = dict(model.named_parameters())
     covered: dict[str, int] = {}
@@ -65,8 +64,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     missing = sorted(n for n, p in params.items() if covered.get(n, 0) < p.numel())
     if missing:
         raise ModelLoadError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    cos, sin = cos_sin_table(args.rope, args.head_dim, max_positions)   # were on meta; float32 always
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.init_rope(max_positions, device)          # the tables were on meta; float32 always
     model.prepare_for_inference(prepack, plain_rows)
     return model.eval(), args
 
@@ -76,7 +74,7 @@ def check_weight_shapes(path: str | Path, args: ModelArgs) -> None:
     read, the model built on the meta device): ModelLoadError naming the first tensor that differs."""
     path = Path(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, 1)
+        model = model_class(architectures()[args.architecture])(args, 1)
     params = dict(model.named_parameters())
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:

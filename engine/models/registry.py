@@ -33,8 +33,18 @@ class ArchSpec:
     rope_aliases: tuple[tuple[str, str], ...] = ()
     #: the context cap from `sliding_window` applies (else the field is ignored unless use_sliding_window)
     sliding_window_default: bool = True
-    #: extra ModelArgs values read from config.json (MoE sizes, ...)
+    #: hidden_act values the model code implements
+    activations: tuple[str, ...] = ("silu", "swish")
+    #: "module:Class" of the model (imported on use: this module stays torch-free)
+    model: str = "engine.models.llama:LlamaForCausalLM"
+    #: extra ModelArgs values read from config.json (MoE sizes, ...); may override the common ones
     parse: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
+
+
+def model_class(spec: ArchSpec) -> type:
+    """The nn.Module class that builds `spec`'s models."""
+    module, _, name = spec.model.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The architecture registry, token-exact against transformers greedy on tiny random checkpoints that
 transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Mixtral, Phi-3 (fused checkpoints, LongRoPE
-with a partial rotary factor); and the sparse-MoE block's grouped CPU path."""
+with a partial rotary factor), Gemma 3 (within its sliding window); and the sparse-MoE block's grouped CPU
+path."""
 import random
 
 import pytest
@@ -49,6 +50,33 @@ def test_phi3_longrope_matches_transformers(tiny, hf_reference, max_model_len, l
     _check(tiny["phi3_longrope"], hf_reference, _prompts(2, lo, hi, seed=9), n=6, max_model_len=max_model_len)
 
 
+def test_gemma3_matches_transformers_within_the_window(tiny, hf_reference):
+    """Context capped at sliding_window (64 here): prompt + output stay inside it, where every layer, sliding
+    or global, sees the same keys as transformers' (local and global RoPE, query_pre_attn_scalar, tied)."""
+    llm = _check(tiny["gemma3"], hf_reference, _prompts(3, 3, 50, seed=4), n=10,
+                 scheduler={"max_num_batched_tokens": 24})
+    assert llm.engine.max_model_len == 64
+    args = llm.engine.model_args
+    assert args.sliding_layers == (0, 2) and args.local_rope.theta == 10000.0 and args.rope.rope_type == "linear"
+    assert llm.engine.runner.model.fused is False                        # Gemma's norm: torch ops
+
+
+def test_gemma3_hub_config_shape_parses():
+    """The hub's Gemma 3 1B config.json (pre-transformers-5 spelling)."""
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 1152,
+           "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768,
+           "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+           "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+           "final_logit_softcapping": None, "attn_logit_softcapping": None, "eos_token_id": [1, 106]}
+    args = ModelArgs.from_dict(cfg)
+    assert [i for i in range(26) if i not in args.sliding_layers] == [5, 11, 17, 23]
+    assert (args.rope.theta, args.local_rope.theta, args.attn_scale) == (1e6, 1e4, 256 ** -0.5)
+    assert args.sliding_window == 512 and args.eos_token_ids == (1, 106)
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        ModelArgs.from_dict({**cfg, "attn_logit_softcapping": 50.0})
+
+
 def test_moe_layers_follow_the_config(tiny):
     args = ModelArgs.from_dir(tiny["qwen3_moe"])
     assert args.qk_norm and args.moe.layers == (0,) and not args.moe.renormalize and args.moe.num_experts == 8
@@ -58,9 +86,9 @@ def test_moe_layers_follow_the_config(tiny):
 
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ModelLoadError) as e:
-        ModelArgs.from_dict({"architectures": ["Gemma3ForCausalLM"]})
+        ModelArgs.from_dict({"architectures": ["Gemma2ForCausalLM"]})       # attention soft-capping: not yet
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                 "Phi3ForCausalLM"):
+                 "Phi3ForCausalLM", "Gemma3ForCausalLM"):
         assert name in str(e.value)
 
 

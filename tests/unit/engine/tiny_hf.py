@@ -20,6 +20,11 @@ TINY_ARCHS = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0 + 0.1 * i for i in range(_HALF_ROT)],
                          "long_factor": [2.0 + 0.5 * i for i in range(_HALF_ROT)]})),
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=64, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
 }
 
 TINY_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
