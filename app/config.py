@@ -70,6 +70,11 @@ class ServeSection(_Strict):
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     # Limits on hostile or unlucky traffic (docs/limits.md)
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
+    max_queue_wait_s: float | None = Field(30.0, gt=0, description="admission control: a request whose best "
+                                           "predicted time to first token over the replicas (the router's TTFT "
+                                           "model: queued prefill, running load, KV pressure) exceeds this gets "
+                                           "429 with Retry-After instead of queueing; null: never (prefix_affinity "
+                                           "policy only)")
     max_json_depth: int = Field(32, ge=2, description="request bodies nested deeper than this get 400")
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request headers (all together) get 431")
     body_read_timeout_s: float = Field(15.0, gt=0, description="a request body not received within this gets 408")

@@ -73,7 +73,8 @@ class Ingress:
             first_output_timeout_s=self.cfg.serve.first_token_timeout_s,
             cold_start_timeout_s=self.cfg.serve.cold_start_timeout_s,
             observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
-            max_prompts_per_request=self.cfg.serve.max_prompts_per_request)
+            max_prompts_per_request=self.cfg.serve.max_prompts_per_request,
+            max_queue_wait_s=self.cfg.serve.max_queue_wait_s)
         self._limits_task: asyncio.Future | None = None
         self.draining = False
         self.num_in_flight = 0           # HTTP inference requests, streams until their last event

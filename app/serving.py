@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,13 +31,14 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 class OpenAIServing:
     def __init__(self, replica: Any, *, model_name: str, tokenizer: Any | None, first_output_timeout_s: float,
                  observer: RequestObserver, metrics: ServingMetrics, cold_start_timeout_s: float | None = None,
-                 max_prompts_per_request: int | None = None):
+                 max_prompts_per_request: int | None = None, max_queue_wait_s: float | None = None):
         """`tokenizer` None: token-ids-only mode (no text in, empty text out, `token_id:<id>` token strings).
         `cold_start_timeout_s` (default: the first-output timeout): how long a request waits for a model
         replica to start while none is running (fanout.ReplicaWait). `max_prompts_per_request`: a
         completion's batch of prompts beyond it is a 400 (None: no bound)."""
         self.replica = replica
         self.max_prompts_per_request = max_prompts_per_request
+        self.max_queue_wait_s = max_queue_wait_s
         self._prepare_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -82,10 +84,35 @@ class OpenAIServing:
         worker thread, off the event loop, so other requests' streams go on meanwhile; one thread keeps the
         tokenizer used by one caller at a time, as before."""
         limits = await self.limits()
-        return await asyncio.get_running_loop().run_in_executor(
+        p = await asyncio.get_running_loop().run_in_executor(
             self._prepare_thread, functools.partial(
                 prepare_request, kind, req, request_id, model_name=self.model_name, limits=limits,
                 tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request))
+        await self._admit(p)
+        return p
+
+    async def _admit(self, p: PreparedRequest) -> None:
+        """Admission control (`serve.max_queue_wait_s`): a 429 with Retry-After, before anything is sent,
+        when this process's router predicts that no replica would start the request's (first) prompt within
+        the bound. Nothing to ask (no router yet, a load-only policy, a failed call) admits the request."""
+        bound = self.max_queue_wait_s
+        if bound is None:
+            return
+        try:
+            routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
+            if not routers:
+                return
+            router = routers[0]
+            wait = await router.run_on_loop(router.predicted_wait_s, p.request_id, p.prompts[0],
+                                            p.block_hashes[0] if p.block_hashes else None,
+                                            (p.params.max_tokens or 0) * max(1, p.params.n))
+        except Exception:
+            logger.debug("admission control: no prediction for %s", p.request_id, exc_info=True)
+            return
+        if wait is not None and wait > bound:
+            raise APIError(f"the server is overloaded: the shortest predicted wait for a first token is {wait:.1f}s, "
+                           f"over serve.max_queue_wait_s ({bound:g}s); retry later", 429, "rate_limit_error", None,
+                           "queue_full", retry_after_s=max(1, math.ceil(wait - bound)))
 
     # ------------------------------------------------------------------ whole responses
     async def complete(self, kind: RequestKind, req: OpenAIRequest, request_id: str,

@@ -118,6 +118,23 @@ class PrefixAffinityRouterCore:
         return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
+    def predict_wait(self, request: RouteRequest, candidate_ids: list[str]) -> float | None:
+        """The lowest TTFT the model predicts for `request` over the candidates, recording nothing (the
+        ingress's admission control: a request no replica can start within its bound is turned away before
+        it queues). None without candidates."""
+        ids = [rid for rid in candidate_ids if rid in self._nodes]
+        if not ids:
+            return None
+        matched = self.index.match(request.block_hashes, ids)
+        tier = self.index.match_tiers(request.block_hashes, ids, matched)
+        bs, prompt = self.block_size, request.num_prompt_tokens
+        cap = max(0, prompt - 1) // bs
+        cands = [self.loads.get(rid) for rid in ids]
+        pool = [min(matched.get(rid, 0), cap) * bs for rid in ids]
+        cached = [min(matched.get(rid, 0) + tier.get(rid, 0), cap) * bs for rid in ids]
+        loaded = [c - p for c, p in zip(cached, pool)]
+        return min(self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None))
+
     def _occupancy(self, load: ReplicaLoad) -> float:
         """Cache fill for new-group placement: the indexed share of the pool if its size is known."""
         num_blocks = load.stats.num_blocks

@@ -169,6 +169,17 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         """Replicas this router can send to now (Serve drops a stopping replica at once); any thread."""
         return len(self._replicas)
 
+    def predicted_wait_s(self, request_id: str, prompt_token_ids: list[int], block_hashes: list | None,
+                         max_tokens: int) -> float | None:
+        """The best predicted TTFT over this router's replicas for such a request, recording nothing (run it
+        on the router loop: `run_on_loop`); None when the policy predicts none (load-only policies)."""
+        predict = getattr(self.core, "predict_wait", None)
+        if predict is None:
+            return None
+        route = RouteRequest(request_id, list(block_hashes or []), len(prompt_token_ids), max_tokens,
+                             self._self_node_id)
+        return predict(route, list(self._clients))
+
     def _feed_clients(self) -> Mapping[str, ReplicaFeedClient]:
         return self._clients
 

@@ -1,0 +1,120 @@
+"""Admission control (issue 33.8): a request that no replica is predicted to start within
+serve.max_queue_wait_s gets 429 with Retry-After before anything is sent; the prediction is the routing
+core's TTFT model (queued prefill, running load, KV pressure), computed without recording anything."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+
+from app.errors import APIError
+from app.prompts import RequestKind
+from app.protocol import CompletionRequest, ReplicaChunk
+from app.routing import AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView, RouteRequest
+from app.routing import debug
+from app.serving import OpenAIServing
+from engine import EngineLimits
+from observability.metrics import ServingMetrics
+from observability.requests import RequestObserver
+from tests.unit.app.conftest import LocalHandle
+
+LIMITS = EngineLimits(max_model_len=256, vocab_size=1000, max_kv_tokens=1024, block_size=4)
+
+
+class Replica:
+    def __init__(self):
+        self.calls = 0
+
+    async def limits(self):
+        return LIMITS
+
+    async def generate(self, req):
+        self.calls += 1
+        yield ReplicaChunk(0, "", [7], "length", num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
+
+
+class FakeRouter:
+    """The shell's surface the ingress uses: predicted_wait_s on the router loop."""
+
+    def __init__(self, wait):
+        self.wait = wait
+        self.asked = []
+
+    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens):
+        self.asked.append((request_id, len(prompt_token_ids), max_tokens))
+        return self.wait
+
+    async def run_on_loop(self, fn, *args):
+        return fn(*args)
+
+    def num_replicas(self):
+        return 1
+
+    def call_soon(self, fn, *args):
+        fn(*args)
+
+    def on_first_token(self, request_id, num_cached_tokens):
+        pass
+
+
+class NamedHandle(LocalHandle):
+    """A handle with the app and deployment names the router registry is keyed by."""
+
+    def __init__(self, target, app_name):
+        super().__init__(target)
+        self.__dict__.update(app_name=app_name, deployment_name="LLMReplica")
+
+
+def _serving(replica, bound, app_name):
+    metrics = ServingMetrics(MeterProvider().get_meter("t"))
+    handle = NamedHandle(replica, app_name)
+    serving = OpenAIServing(handle, model_name="m", tokenizer=None, first_output_timeout_s=5,
+                            observer=RequestObserver(TracerProvider().get_tracer("t"), metrics), metrics=metrics,
+                            max_queue_wait_s=bound)
+    return serving, handle
+
+
+async def test_a_request_predicted_to_wait_past_the_bound_is_a_429_with_retry_after():
+    replica = Replica()
+    serving, handle = _serving(replica, bound=10.0, app_name="admission-1")
+    router = FakeRouter(wait=13.2)
+    debug.register(handle.app_name, handle.deployment_name, router)
+    with pytest.raises(APIError) as e:
+        await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=list(range(20)), max_tokens=3),
+                               "cmpl-1", {})
+    assert e.value.status_code == 429 and e.value.code == "queue_full" and e.value.retry_after_s == 4
+    assert "serve.max_queue_wait_s" in str(e.value)
+    assert replica.calls == 0 and router.asked == [("cmpl-1", 20, 3)]
+    router.wait = 2.0                                        # under the bound: admitted
+    out = await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=list(range(20)), max_tokens=3),
+                                 "cmpl-2", {})
+    assert out["choices"] and replica.calls == 1
+
+
+async def test_no_bound_or_no_prediction_admits():
+    replica = Replica()
+    serving, handle = _serving(replica, bound=None, app_name="admission-2")
+    router = FakeRouter(wait=1e9)
+    debug.register(handle.app_name, handle.deployment_name, router)
+    await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3], max_tokens=1), "a", {})
+    assert router.asked == [] and replica.calls == 1
+    serving.max_queue_wait_s, router.wait = 5.0, None        # a load-only policy predicts nothing
+    await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3], max_tokens=1), "b", {})
+    assert replica.calls == 2
+
+
+def test_the_core_predicts_the_best_ttft_and_records_nothing():
+    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=1000.0, calibrate=False), 4,
+                                    clock=lambda: 100.0, rng=random.Random(0))
+    core.set_replicas([ReplicaInfo("a"), ReplicaInfo("b")])
+    core.on_stats("a", ReplicaLoadView(num_queued_prefill_tokens=20_000))
+    core.on_stats("b", ReplicaLoadView(num_queued_prefill_tokens=12_000))
+    req = RouteRequest("q", [], 1000, 8)
+    wait = core.predict_wait(req, ["a", "b"])
+    assert wait == pytest.approx((12_000 + 1000) / 1000.0)
+    assert core.loads.num_in_flight == 0 and core.index.num_spec_entries == 0
+    assert core.counters().num_decisions == 0
+    assert core.predict_wait(req, []) is None
