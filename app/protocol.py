@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.errors import APIError
 
 from app.stats import ReplicaStats
 from engine.sampling_params import SamplingParams
@@ -19,13 +21,40 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data, "stream_options.")
+        return data
+
+
+def reject_unknown_fields(model: type[BaseModel], data: Any, where: str = "") -> None:
+    """A 400 naming every field of `data` that `model` does not implement: a field the server would drop
+    would change nothing the client asked for (e.g. `tools` answered with plain text), so it is refused."""
+    if not isinstance(data, dict):
+        return
+    unknown = sorted(str(k) for k in data if k not in model.model_fields)
+    if unknown:
+        names = ", ".join(f"'{where}{k}'" for k in unknown)
+        raise APIError(f"unsupported field(s) {names}: this server does not implement them (remove them, or see "
+                       "docs/api.md for the supported fields)", 400, "invalid_request_error",
+                       where + unknown[0], "unsupported_field")
 
 
 class _OpenAIRequest(BaseModel):
-    # Unknown fields are ignored (clients send e.g. `user`); known ones are type-checked -> 400. NaN and
-    # infinities are refused everywhere (the HTTP body reader already refuses JSON's NaN/Infinity literals).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are a 400 naming them (reject_unknown_fields), never dropped; known ones are
+    # type-checked -> 400. NaN and infinities are refused everywhere (the HTTP body reader already refuses
+    # JSON's NaN/Infinity literals).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data)
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -53,6 +82,8 @@ class _OpenAIRequest(BaseModel):
     request_id: str | None = None
     #: vLLM's extension: each choice's generated `token_ids`, and its prompt's `prompt_token_ids`
     return_token_ids: bool = False
+    #: OpenAI's end-user identifier: accepted (clients send it) and used for nothing, as in vLLM
+    user: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -92,17 +123,35 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts reach the prompt (others, e.g. images, are dropped)."""
+    """One part of a message's content: text only (an image or audio part is a 400, never dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
-    type: str = "text"
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"] = "text"
     text: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type", "text") != "text":
+            raise APIError(f"content parts of type {str(data.get('type'))[:40]!r} are not supported: this server "
+                           "serves text models (send text parts)", 400, "invalid_request_error",
+                           "messages.content.type", "unsupported_field")
+        reject_unknown_fields(cls, data, "messages.content.")
+        return data
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    #: the participant's name: passed to the chat template with the message (templates may render it)
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data, "messages.")
+        return data
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -119,7 +168,10 @@ class ChatCompletionRequest(_OpenAIRequest):
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content)
-            out.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
         return out
 
 

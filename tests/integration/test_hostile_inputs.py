@@ -60,7 +60,7 @@ def test_health_stays_fast_and_ready_during_a_burst(app_url):
         async with httpx.AsyncClient(timeout=60) as c:
             assert (await c.get(f"{app_url}/health")).status_code in (200, 503)     # starts the state
             burst = [asyncio.create_task(c.post(f"{app_url}/v1/completions", json={
-                "model": MODEL, "prompt": f"burst {i}", "max_tokens": 24, "extra": None})) for i in range(120)]
+                "model": MODEL, "prompt": f"burst {i}", "max_tokens": 24, "user": None})) for i in range(120)]
             await asyncio.sleep(0.5)
             probes = []
             for _ in range(10):
