@@ -35,6 +35,8 @@ class MoESpec:
     renormalize: bool                         # top-k weights divided by their sum (Mixtral always; Qwen3-MoE
                                               # per norm_topk_prob)
     layers: tuple[int, ...]                   # the layers whose MLP is this block (the others keep a dense MLP)
+    shared_intermediate_size: int = 0         # a shared SwiGLU expert every token goes through, scaled by
+                                              # sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _QKV = re.compile(r"\.self_attn\.(q|k|v)_proj\.(weight|bias)$")
-_GATE_UP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"\.mlp(\.shared_expert)?\.(gate|up)_proj\.(weight|bias)$")
 
 #: a parameter and where in it a checkpoint tensor goes (an expert index and/or a row slice)
 Target = tuple[str, tuple]
@@ -117,9 +117,10 @@ def _locate(name: str, params: dict, args: ModelArgs) -> Target | None:
         size = q if m.group(1) == "q" else kv
         target = (ours[:m.start()] + f".self_attn.qkv_proj.{m.group(2)}", (slice(start, start + size),))
     elif m := _GATE_UP.search(ours):
-        inter = args.intermediate_size
-        rows = slice(0, inter) if m.group(1) == "gate" else slice(inter, 2 * inter)
-        target = (ours[:m.start()] + f".mlp.gate_up_proj.{m.group(2)}", (rows,))
+        shared = m.group(1) or ""
+        inter = args.moe.shared_intermediate_size if shared else args.intermediate_size
+        rows = slice(0, inter) if m.group(2) == "gate" else slice(inter, 2 * inter)
+        target = (ours[:m.start()] + f".mlp{shared}.gate_up_proj.{m.group(3)}", (rows,))
     elif ours in params:
         target = (ours, ())
     if target is None:

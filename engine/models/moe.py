@@ -63,14 +63,33 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through (Qwen2-MoE's shared_expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.inter = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class SparseMoE(nn.Module):
-    """Router (`gate`, no bias) + experts; replaces the MLP in the layers MoESpec.layers names."""
+    """Router (`gate`, no bias) + experts, plus a gated shared expert where the config has one; replaces the
+    MLP in the layers MoESpec.layers names."""
 
     def __init__(self, hidden_size: int, spec: MoESpec):
         super().__init__()
         self.spec = spec
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)
         self.experts = Experts(spec.num_experts, hidden_size, spec.intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, spec.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.experts_fn: ExpertsFn = grouped_experts
         self.fused = False                       # the MLP's switches (use_fused_ops); unused here
         self.ops = None
@@ -78,4 +97,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
-        return self.experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        out = self.experts_fn(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -58,7 +58,7 @@ def test_moe_model_fused_matches_unfused_on_cuda(tiny):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "gemma3"])
 def test_float32_is_token_identical_to_transformers(tiny, hf_reference, name, backend):
     if backend == "triton":
         pytest.importorskip("triton", reason="needs the triton package")

@@ -1,5 +1,5 @@
 """The architecture registry, token-exact against transformers greedy on tiny random checkpoints that
-transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Mixtral, Phi-3 (fused checkpoints, LongRoPE
+transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral, Phi-3 (fused checkpoints, LongRoPE
 with a partial rotary factor), Gemma 3 (within its sliding window); and the sparse-MoE block's grouped CPU
 path."""
 import random
@@ -36,7 +36,7 @@ def _check(path, hf_reference, prompts, n=8, **engine_kw):
     return llm
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "mixtral", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "mixtral", "phi3"])
 def test_matches_transformers_greedy(tiny, hf_reference, name):
     # a small token budget: chunked prefill and mixed prefill/decode steps too
     llm = _check(tiny[name], hf_reference, _prompts(3, 3, 40, seed=5), scheduler={"max_num_batched_tokens": 24})
@@ -80,6 +80,8 @@ def test_gemma3_hub_config_shape_parses():
 def test_moe_layers_follow_the_config(tiny):
     args = ModelArgs.from_dir(tiny["qwen3_moe"])
     assert args.qk_norm and args.moe.layers == (0,) and not args.moe.renormalize and args.moe.num_experts == 8
+    q2 = ModelArgs.from_dir(tiny["qwen2_moe"])
+    assert q2.moe.shared_intermediate_size == 48 and q2.qkv_bias and not q2.o_bias and q2.moe.layers == (0, 1)
     mix = ModelArgs.from_dir(tiny["mixtral"])
     assert mix.moe.renormalize and mix.moe.layers == (0, 1) and not mix.qk_norm
 

@@ -13,6 +13,9 @@ TINY_ARCHS = {
                                          norm_topk_prob=False, mlp_only_layers=[1])),
     "qwen3_moe_norm": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                               norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                         decoder_sparse_step=1, mlp_only_layers=[])),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "phi3": ("Phi3Config", {}),
     "phi3_longrope": ("Phi3Config", dict(
