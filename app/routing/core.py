@@ -133,7 +133,10 @@ class PrefixAffinityRouterCore:
         pool = [min(matched.get(rid, 0), cap) * bs for rid in ids]
         cached = [min(matched.get(rid, 0) + tier.get(rid, 0), cap) * bs for rid in ids]
         loaded = [c - p for c, p in zip(cached, pool)]
-        return min(self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None))
+        out_tokens = int(self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens))
+        own_blocks = [-(-(prompt - c + out_tokens) // bs) for c in cached]
+        return min(self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None,
+                                           own_blocks))
 
     def _occupancy(self, load: ReplicaLoad) -> float:
         """Cache fill for new-group placement: the indexed share of the pool if its size is known."""

@@ -275,14 +275,24 @@ class TTFTModel:
         self._sy = [0.0] * 3                          # decayed sums of z_i * y
 
     def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int],
-                     tier_tokens: list[int] | None = None) -> list[float]:
+                     tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None) -> list[float]:
         """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]` and
-        `tier_tokens[i]` to load from a KV tier there."""
+        `tier_tokens[i]` to load from a KV tier there.
+
+        KV pressure is judged on the pool as it would be with the request in it: `own_blocks[i]` (the new
+        blocks it needs there, uncached prompt + expected output) over the replica's pool size joins its
+        usage. A request that does not fit waits for running ones to finish, so the penalty grows past
+        `kv_pressure_penalty_s` (to twice it) as the projected usage passes 1."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
+        if own_blocks is None:
+            usage = [c.kv_usage for c in loads]
+        else:
+            usage = [c.kv_usage + b / c.stats.num_blocks if c.stats.num_blocks else c.kv_usage
+                     for c, b in zip(loads, own_blocks)]
         out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
-               + (pen * min(1.0, (c.kv_usage - thr) / span) if c.kv_usage > thr else 0.0)
-               for c, u in zip(loads, own_tokens)]
+               + (pen * min(2.0, (k - thr) / span) if k > thr else 0.0)
+               for c, u, k in zip(loads, own_tokens, usage)]
         if tier_tokens:
             load_rate = self.tier_load_tokens_per_s
             out = [t + n / load_rate for t, n in zip(out, tier_tokens)]

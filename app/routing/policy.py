@@ -186,7 +186,10 @@ class AffinityPolicy:
             loaded = [k - p for k, p in zip(cached, pool_cached)]
         else:
             blocks, cached, loaded = pool, pool_cached, None
-        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded)
+        key = self.group_key(request)
+        out_tokens = int(self.groups.expected_output(key, request.max_tokens))
+        own_blocks = [-(-(prompt - k + out_tokens) // bs) for k in cached]
+        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
         everyone = range(len(cands))
         holders = [i for i in everyone if blocks[i] >= cfg.min_affinity_blocks]
         key = self.group_key(request)

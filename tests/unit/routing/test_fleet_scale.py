@@ -226,3 +226,18 @@ def test_kv_usage_counts_the_blocks_of_requests_sent_since_the_snapshot():
     d4 = core.route(RouteRequest("e", chain("e", 2), 2 * BS + 4, 8), ids)
     assert score(d4, "r0").kv_usage == pytest.approx(0.75 + 3 / 100 - 23 / 100)
     assert d.chosen == "r0"
+
+
+def test_kv_pressure_is_judged_with_the_request_in_the_pool():
+    """A long prompt that would not fit a replica's pool (usage 0.7 + its 2,000 new blocks of 5,000) waits
+    for running requests to finish there: it goes to the emptier pool even with more queued ahead."""
+    core, clock, ids = make(2, kv_pressure_threshold=0.9, kv_pressure_penalty_s=1.0)
+    stats(core, "r0", kv_cache_usage=0.7, num_blocks=5000, num_queued_prefill_tokens=0)
+    stats(core, "r1", kv_cache_usage=0.2, num_blocks=5000, num_queued_prefill_tokens=3000)
+    clock.t += 0.1
+    d = core.route(RouteRequest("long", chain("long", 2000), 2000 * BS + 5, 16), ids)
+    assert d.chosen == "r1"
+    assert score(d, "r0").predicted_ttft_s > score(d, "r1").predicted_ttft_s
+    # a short one fits either pool: the shorter queue wins
+    d2 = core.route(RouteRequest("short", chain("short", 4), 4 * BS + 5, 16), ids)
+    assert d2.chosen == "r0"
