@@ -104,6 +104,10 @@ def _locate(name: str, params: dict, args: ModelArgs) -> Target | None:
     target: Target | None = None
     if m := _EXPERT.search(ours):
         expert, proj = int(m.group(1)), m.group(2)
+        num_experts = args.moe.num_experts if args.moe is not None else 0
+        if expert >= num_experts:
+            raise ModelLoadError(f"unexpected checkpoint tensor {name!r}: expert {expert}, but config.json "
+                                 f"says {num_experts} experts")
         base = ours[:m.start()] + ".mlp.experts."
         inter = args.moe.intermediate_size if args.moe is not None else 0
         if proj == "down_proj":

@@ -126,3 +126,21 @@ def test_grouped_experts_equal_a_token_loop_with_one_gemm_pair_per_active_expert
     active = len(set(ids.flatten().tolist()))
     assert len(calls) == 2 * active and sum(calls) == 2 * t * k
     torch.testing.assert_close(got, _naive_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
+
+
+def test_moe_checkpoint_and_config_that_disagree_fail_the_preflight_in_one_line(tiny, tmp_path):
+    import json
+    import shutil
+
+    from engine.models.checkpoint import validate_checkpoint
+    for change, expect in [({"num_local_experts": 3}, "expert 3, but config.json says 3 experts"),
+                           ({"num_local_experts": 5}, "shape mismatch for model.layers.0.block_sparse_moe.gate.weight: "
+                                                      "checkpoint (4, 64) vs model (5, 64)"),
+                           ({"intermediate_size": 96}, "shape mismatch for model.layers.0.block_sparse_moe.experts.0.w")]:
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(tiny["mixtral"], d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ModelLoadError) as e:
+            validate_checkpoint(d)
+        assert expect in str(e.value) and "\n" not in str(e.value)
