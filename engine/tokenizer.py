@@ -9,12 +9,15 @@ from engine.models.checkpoint import check_tokenizer_files
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint directory's own tokenizer (and chat template), via transformers, offline.
+    """The checkpoint directory's own tokenizer (and chat template), via transformers, offline. `path` may
+    be a hub id, `org/name[@revision]` (engine/models/hub.py; its tokenizer files only are fetched).
 
     Raises ModelLoadError naming the files looked for when there are none (see check_tokenizer_files).
     """
     from transformers import AutoTokenizer
 
+    from engine.models.hub import resolve_model_path
+    path = resolve_model_path(str(path), weights=False)
     check_tokenizer_files(path)
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

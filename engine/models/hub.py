@@ -18,6 +18,7 @@ ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "mod
                   "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
                   "chat_template.jinja", "chat_template.json"]
+_NO_WEIGHTS = [p for p in ALLOW_PATTERNS if "safetensors" not in p]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 _TRUE = ("1", "true", "yes", "on")
 
@@ -35,10 +36,11 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, *, weights: bool = True) -> str:
     """A local checkpoint directory for `model`: the path itself, or the hub snapshot of `org/name[@rev]`
     (downloaded unless HF_HUB_OFFLINE is set). ModelLoadError, in one line naming the id and the cache,
-    when it cannot be had."""
+    when it cannot be had. `weights=False` fetches all but the safetensors (the ingress needs only the
+    tokenizer)."""
     if not is_hub_id(model):
         return model
     repo_id, _, revision = model.partition("@")
@@ -51,7 +53,8 @@ def resolve_model_path(model: str) -> str:
     with FileLock(str(lock_dir / f"{repo_id.replace('/', '--')}.lock")):
         try:
             return snapshot_download(repo_id, revision=revision or None, cache_dir=str(cache),
-                                     allow_patterns=ALLOW_PATTERNS, local_files_only=offline,
+                                     allow_patterns=ALLOW_PATTERNS if weights else _NO_WEIGHTS,
+                                     local_files_only=offline,
                                      token=os.environ.get("HF_TOKEN") or None)
         except Exception as e:     # huggingface_hub raises a dozen types: not found, gated, offline, HTTP...
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]

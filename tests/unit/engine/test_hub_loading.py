@@ -57,3 +57,12 @@ def test_missing_model_is_one_line_naming_the_id_and_the_cache(hub_cache, model,
     assert main(["serve", "--model", model]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and repr(model) in err
+
+
+def test_tokenizer_alone_resolves_a_hub_id_without_the_weights(hub_cache, checkpoints, monkeypatch):
+    """The ingress loads only the tokenizer: a snapshot with no safetensors is enough."""
+    from engine.tokenizer import load_tokenizer
+    for f in (hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT).glob("*.safetensors"):
+        f.unlink()
+    tok = load_tokenizer("tiny-org/tiny-llama")
+    assert tok.encode("hello") == load_tokenizer(checkpoints["llama"]).encode("hello")
