@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
 
 PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.hashing", "engine.limits", "engine.sampling_params",
-                  "engine.types")
+                  "engine.types", "engine.structured_output")
 
 _LAZY = {
     "LLM": "engine.llm",

@@ -30,6 +30,7 @@ from engine.pacing import modelled_step_time_s
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output.manager import GrammarState, StructuredOutputManager
 from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer, token_ids_only_error
 from engine.types import KVEvent, SchedulerStats
 
@@ -58,6 +59,7 @@ class _SeqState:
     parent_id: str
     index: int
     detok: IncrementalDetokenizer | None
+    grammar: GrammarState | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +151,9 @@ class LLMEngine:
                             "lengths); decode runs eager", backend.name)
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
+        #: grammars for structured output, compiled on its own thread (xgrammar, imported on first use)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_args.vocab_size,
+                                                         self.eos_token_ids)
         self.last_stats = SchedulerStats()
         cap = (self.num_blocks - 1) * block_size
         logger.info("engine ready: %s %s on %s, attention=%s, linear=%s, max_model_len=%d, KV cache %d blocks "
@@ -230,6 +235,15 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise token_ids_only_error("stop")
 
+    def _check_structured_output(self, params: SamplingParams) -> None:
+        """A grammar needs the tokenizer (its token strings) and must parse; raises InvalidRequestError."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        if self.tokenizer is None:
+            raise token_ids_only_error(spec.param)
+        spec.check()
+
     def _new_detokenizer(self, p: SamplingParams) -> IncrementalDetokenizer | None:
         if not p.detokenize or self.tokenizer is None:
             return None
@@ -256,6 +270,7 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         self._check_stop_strings(params)
+        self._check_structured_output(params)
         if block_hashes is not None:
             problem = check_block_hashes(block_hashes, ids, self.config.cache.block_size, cache_salt)
             if problem is not None:
@@ -274,12 +289,15 @@ class LLMEngine:
                                 priority=priority, cache_salt=cache_salt,
                                 block_size=self.config.cache.block_size, trace_context=trace_context,
                                 block_hashes=reqs[0].block_hashes if reqs else block_hashes))
+        for req in reqs:          # each sequence its own matcher over one (cached) compile
+            if params.structured_output is not None:
+                req.structured_output = self.structured_output.new_state(params.structured_output)
         for req in reqs:          # all sequences share prompt and limits: validate before adding any
             self.scheduler.validate_request(req)
         for i, req in enumerate(reqs):
             self.scheduler.add_request(req)
             detok = self._new_detokenizer(req.sampling_params)
-            self._seqs[req.req_id] = _SeqState(request_id, i, detok)
+            self._seqs[req.req_id] = _SeqState(request_id, i, detok, req.structured_output)
         self._parents[request_id] = _ParentState(ids, len(seq_ids))
         return ids
 
@@ -305,6 +323,10 @@ class LLMEngine:
     def step(self) -> EngineStepOutput:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        so.grammar_bitmask = self.structured_output.grammar_bitmask(so, self.scheduler.requests)
+        if so.is_empty and (compiling := self.scheduler.awaiting_grammar()):
+            # nothing else to run: wait (briefly, so adds and aborts are not held up) instead of spinning
+            self.structured_output.wait_for_compile([r.structured_output for r in compiling], 0.02)
         pace = self.config.pace
         modelled = (modelled_step_time_s(so, self.scheduler.requests, pace.step_base_s, pace.prefill_per_token_s,
                                          pace.decode_per_context_token_s)
@@ -336,6 +358,8 @@ class LLMEngine:
             if seq is None:
                 continue            # already reported finished (stop string) or dropped
             finished, reason, stop_reason = d.finished, d.finish_reason, d.stop_reason
+            if seq.grammar is not None and d.new_token_ids and not finished:
+                finished, reason = self._advance_grammar(d.req_id, seq.grammar, d.new_token_ids)
             text = ""
             if seq.detok is not None:
                 text = seq.detok.update(d.new_token_ids, finished)
@@ -355,6 +379,18 @@ class LLMEngine:
                     del self._parents[seq.parent_id]
                     finished_parents.add(seq.parent_id)
         return EngineStepOutput(deltas, finished_parents, stats)
+
+    def _advance_grammar(self, req_id: str, grammar: GrammarState, token_ids: list[int]) -> tuple[bool, str | None]:
+        """Feed a sequence's new tokens to its matcher; a grammar that has ended ends the sequence ("stop", as
+        when ignore_eos kept it going), a token outside it (a bug: the mask allows none) fails it."""
+        if not grammar.accept(token_ids):
+            logger.error("request %s: sampled token(s) %s outside its grammar", req_id, token_ids)
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            return True, "error"
+        if grammar.is_terminated:
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
+            return True, "stop"
+        return False, None
 
     def _drop_parent(self, request_id: str) -> None:
         for sid in self._seq_ids(request_id):
@@ -376,6 +412,7 @@ class LLMEngine:
         """Release what lives outside this process's memory (the KV connector's shared-store handle)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.structured_output.close()
 
 
 def _pick_device(name: str) -> torch.device:

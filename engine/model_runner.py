@@ -149,13 +149,16 @@ class ModelRunner:
             if start + n >= len(st.token_ids):          # reached the end of its known tokens: sample
                 sample_rows.append(offset - 1)
                 sampling.append(st)
+        # A step launched ahead samples before the previous ids reach the host, so before any grammar could see
+        # them: batches with constrained rows (structured output) launch none and use none.
+        constrained = so.grammar_bitmask is not None
         if graphed:                         # decode-only: static buffers, a captured graph where there is one
             ahead, self._ahead = self._ahead, None
-            if ahead is not None and ahead.is_step(so, order, computed, ids):
+            if ahead is not None and not constrained and ahead.is_step(so, order, computed, ids):
                 self.num_ahead_used += 1
                 return self._finish_overlapped(order, states, computed, None, ahead.tokens, ahead.logprobs, so)
             hidden = graphs.run(ids, computed, blocks)
-            if self.overlap_decode and not prompt_chunks and len(sampling) == len(states):
+            if self.overlap_decode and not constrained and not prompt_chunks and len(sampling) == len(states):
                 infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in states]
                 logits = self.model.compute_logits(hidden)
                 tokens = self.sampler.sample(logits, infos)
@@ -174,7 +177,9 @@ class ModelRunner:
         # every row samples (a decode step): the rows as they are, no gather
         logits = self.model.compute_logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])
         infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in sampling]
-        tokens, lps = self.sampler(logits, infos)
+        allowed = (so.grammar_bitmask.token_mask([st.req_id for st in sampling], logits.shape[-1], self.device)
+                   if constrained else None)
+        tokens, lps = self.sampler(logits, infos, allowed)
         by_req: dict[str, list[int]] = {}
         logprobs: dict[str, list[Logprobs]] | None = None
         for st, tok, lp in zip(sampling, tokens, lps):

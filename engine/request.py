@@ -4,15 +4,21 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarState
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     #: its prefix's KV is being loaded from a KV connector's tier: not running, no token budget
     WAITING_FOR_KV = "waiting_for_kv"
+    #: its grammar (structured output) is compiling on the engine's worker thread: not queued, no token budget
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -60,7 +66,7 @@ class Request:
                  "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
                  "num_preemptions", "_block_size", "trace_context", "num_tokens",
-                 "first_scheduled_time")
+                 "first_scheduled_time", "structured_output")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
@@ -86,6 +92,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        #: the grammar every output token must follow (set by the engine; this sequence's own matcher)
+        self.structured_output: GrammarState | None = None
         self._block_size = block_size
         # `block_hashes` lets sibling sequences (n > 1) share one hashing of the same prompt
         self.block_hashes: list[BlockHash] = (list(block_hashes) if block_hashes is not None

@@ -1,8 +1,9 @@
 """Sampler: logits -> token ids (+ log-probabilities) for a batch with per-request parameters.
 
-Order: logit_bias -> penalties -> min_tokens mask -> (greedy argmax | temperature -> top-k -> top-p -> min-p
--> draw). The min_tokens mask sets every EOS id (unless ignore_eos) and stop token id to -inf while a
-request has fewer than min_tokens output tokens, so it cannot stop early (vLLM's MinTokensLogitsProcessor).
+Order: grammar mask (structured output) -> logit_bias -> penalties -> min_tokens mask -> (greedy argmax |
+temperature -> top-k -> top-p -> min-p -> draw). The min_tokens mask sets every EOS id (unless ignore_eos) and
+stop token id to -inf while a request has fewer than min_tokens output tokens, so it cannot stop early (vLLM's
+MinTokensLogitsProcessor).
 Log-probabilities are those of the raw model distribution (log_softmax of the unprocessed logits).
 A seeded request draws from a generator seeded with (seed, output index), so its tokens do not
 depend on what else is in the batch, nor on preemption and resumption.
@@ -58,10 +59,10 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
 
-    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo]
+    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo], allowed: torch.Tensor | None = None
                  ) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [N, vocab] float32, one row per entry of `infos`."""
-        tokens = self.sample(logits, infos)
+        """logits: [N, vocab] float32, one row per entry of `infos`; allowed: see `sample`."""
+        tokens = self.sample(logits, infos, allowed=allowed)
         lp = device_logprobs(logits, tokens, infos)
         token_list = tokens.tolist()
         lps: list[Logprobs | None] = [None] * len(infos)
@@ -70,12 +71,15 @@ class Sampler:
                 lps[row] = x
         return token_list, lps
 
-    def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None = None,
+               allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The sampled ids, [N] on the logits' device, without waiting for the device: every per-row value
         reaches it through a pinned, non-blocking copy. `pending` ([N] on the device) samples for the step
         after the one that sampled these ids, before they reach the host: each row's output then ends with its
-        pending id (penalties count it) and a seeded row draws for the next output index."""
+        pending id (penalties count it) and a seeded row draws for the next output index. `allowed` ([N, vocab]
+        bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else."""
+        if allowed is not None:          # [N, vocab] bool: a grammar's tokens (structured output), before all else
+            logits = logits.masked_fill(~allowed, float("-inf"))
         logits = self._apply_bias_and_penalties(logits, infos, pending)
         if all(i.params.is_greedy for i in infos):
             return _argmax(logits)

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredOutputSpec
 
 _MAX_LOGPROBS = 20
 
@@ -24,6 +28,7 @@ class SamplingParams:
     (1.0, 1.0, no top-k, 0.0, 1.0); `unset_fields` records which were left unset (top_k None counts as
     unset: a model default applies to it). `min_tokens` masks every EOS id (unless ignore_eos) and every stop token id in the sampler
     until that many tokens are out. `eos_token_ids` is filled in by the engine (every EOS id of the model).
+    `structured_output` constrains every token to a grammar (JSON schema, regex, choice, EBNF).
     """
 
     n: int = 1
@@ -47,6 +52,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     eos_token_ids: tuple[int, ...] = ()
+    #: the output must match this grammar (engine/structured_output.py); None: unconstrained
+    structured_output: StructuredOutputSpec | None = None
     unset_fields: frozenset[str] = field(init=False, default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -55,6 +55,10 @@ class Scheduler:
     the front of the queue, where it is admitted as a prefix hit on them. A failed or timed-out load sends
     it back to recompute (it asks the connector no more). Blocks a transfer still uses (an aborted or
     timed-out load, a save the connector waits for) stay held until the runner reports that transfer.
+
+    A request whose grammar (structured output) is still compiling waits in WAITING_FOR_GRAMMAR, outside the
+    queue and the token budget, and joins the back of the queue once compiled (a failed compile finishes it).
+    Preemption needs no grammar rollback: the tokens a matcher accepted are kept and recomputed as context.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
@@ -92,6 +96,7 @@ class Scheduler:
         self._orphans: dict[str, list[KVCacheBlock]] = {}     # loads whose request left before the report
         self._saving: dict[str, list[KVCacheBlock]] = {}      # finished requests whose saves are in flight
         self._no_load: set[str] = set()                       # a load failed: these recompute
+        self._awaiting_grammar: dict[str, Request] = {}       # WAITING_FOR_GRAMMAR requests
         if kv_connector is not None:
             if not kv_cache_manager.enable_caching:
                 raise ValueError("a KV connector needs prefix caching: loaded blocks are reused as prefix hits")
@@ -106,9 +111,26 @@ class Scheduler:
                              f"cache's block size is {self.block_size}; build requests with the cache's")
         self.validate_request(request)
         self.requests[request.req_id] = request
+        grammar = request.structured_output
+        if grammar is not None and (not grammar.is_ready or grammar.error is not None):
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR      # queued once compiled (_admit_compiled)
+            self._awaiting_grammar[request.req_id] = request
+            return
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
         self._enter_waiting(request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue (at its back, as new arrivals); a failed
+        compile finishes its request with an error."""
+        for req in [r for r in self._awaiting_grammar.values() if r.structured_output.is_ready]:
+            if req.structured_output.error is not None:
+                self.finish_requests(req.req_id, RequestStatus.FINISHED_ERROR)
+                continue
+            del self._awaiting_grammar[req.req_id]
+            req.status = RequestStatus.WAITING
+            self.waiting.add(req)
+            self._enter_waiting(req)
 
     def _enter_waiting(self, req: Request) -> None:
         """Count a request joining the waiting queue: all its tokens, and apart the prefix-cache hit it
@@ -134,6 +156,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._loading:
             self._expire_loads()
+        if self._awaiting_grammar:
+            self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -577,6 +601,8 @@ class Scheduler:
             if req.status is RequestStatus.WAITING_FOR_KV:      # the load keeps its blocks until reported
                 load = self._loading.pop(req_id)
                 self._orphans[req_id] = self.kv.detach(load.request)
+            elif req.status is RequestStatus.WAITING_FOR_GRAMMAR:    # holds no blocks, not queued
+                del self._awaiting_grammar[req_id]
             elif not was_running:     # waiting or preempted
                 self.waiting.remove(req)
                 self._leave_waiting(req)
@@ -598,6 +624,10 @@ class Scheduler:
         """Requests, or (with a KV connector) transfers still to plan or to hear back from."""
         return bool(self.requests) or (self.connector is not None and self.has_pending_kv_transfers())
 
+    def awaiting_grammar(self) -> list[Request]:
+        """Requests waiting for their grammar to compile (WAITING_FOR_GRAMMAR)."""
+        return list(self._awaiting_grammar.values())
+
     def has_pending_output(self) -> bool:
         """Abort deltas or finished ids that the next update_from_output would report."""
         return bool(self._pending_deltas or self._finished_for_output)
@@ -617,7 +647,7 @@ class Scheduler:
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 waiting += 1
                 tokens += req.num_tokens - self._waiting_hits.get(rid, 0)
-            elif req.status is RequestStatus.WAITING_FOR_KV:
+            elif req.status in (RequestStatus.WAITING_FOR_KV, RequestStatus.WAITING_FOR_GRAMMAR):
                 waiting += 1
             elif req.status is RequestStatus.RUNNING:
                 running += 1
@@ -629,7 +659,7 @@ class Scheduler:
         pc = self.kv.stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + len(self._loading),
+            num_waiting_reqs=len(self.waiting) + len(self._loading) + len(self._awaiting_grammar),
             kv_cache_usage=self.kv.usage,
             num_queued_prefill_tokens=(self._waiting_prefill_tokens - self._waiting_hit_tokens
                                        + self._running_prefill_tokens),

@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
+    from engine.structured_output.manager import GrammarBitmask
 
 
 # ---------------------------------------------------------------- scheduler -> runner
@@ -54,6 +55,8 @@ class SchedulerOutput:
     #: requests wait that the next schedule() may admit (a running slot and a KV block are free): the next
     #: step will likely differ from this one (the runner launches no decode step ahead then)
     admits_waiting: bool = False
+    #: the allowed tokens of this step's constrained rows that sample (set by the engine after schedule())
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

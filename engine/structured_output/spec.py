@@ -1,0 +1,99 @@
+"""What a request's output must match (torch-free: the API layer builds and checks these)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputSpec:
+    """Exactly one of: a JSON schema (`json`, serialized), any JSON value of type object (`json_object`), a
+    regular expression, a choice among strings, or an EBNF grammar (xgrammar's dialect, GBNF-like).
+
+    `param` names where the spec came from in the request (e.g. "response_format"), for error messages.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError(f"{self.param}: give exactly one of json, json_object, regex, choice, "
+                                      f"grammar (got {kinds or 'none'})", param=self.param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError(f"{self.param}: choice must be a non-empty list of non-empty strings",
+                                      param=self.param)
+
+    @classmethod
+    def from_schema(cls, schema: Any, param: str = "structured_outputs") -> "StructuredOutputSpec":
+        """A JSON schema given as an object (or its text), serialized as given: the output's properties follow
+        the schema's order, and the same schema text shares one compiled grammar."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidRequestError(f"{param}: the JSON schema is not valid JSON: {e}", param=param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(f"{param}: a JSON schema must be an object", param=param)
+        return cls(json=json.dumps(schema, ensure_ascii=False), param=param)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The compiled-grammar cache key (`param` is not part of it)."""
+        if self.json is not None:
+            return ("json", self.json)
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("grammar", _choice_ebnf(self.choice))
+        return ("grammar", self.grammar or "")
+
+    def check(self) -> None:
+        """Raise InvalidRequestError (naming `param`) if xgrammar cannot turn this into a grammar; needs no
+        tokenizer and takes about a millisecond (the token-level compile is what runs off the step loop)."""
+        xgr = import_xgrammar(self.param)
+        kind, text = self.key
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(text)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(text)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(text)
+        except Exception as e:       # xgrammar raises RuntimeError/ValueError with the parser's message
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
+            raise InvalidRequestError(f"{self.param}: unsupported or invalid {what}: {_first_line(e)}",
+                                      param=self.param, code="invalid_grammar") from None
+
+
+def import_xgrammar(param: str = "structured_outputs"):
+    try:
+        import xgrammar
+    except ImportError:
+        raise InvalidRequestError(f"{param}: structured outputs need the xgrammar package on the server "
+                                  "(pip install xgrammar)", param=param, code="structured_outputs_unavailable"
+                                  ) from None
+    return xgrammar
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else type(e).__name__
+    # xgrammar prefixes "[hh:mm:ss] /path/file.cc:line: "; keep the message
+    return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
+
+
+def _choice_ebnf(choice: Sequence[str]) -> str:
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)

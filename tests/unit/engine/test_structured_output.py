@@ -1,0 +1,281 @@
+"""Issue 27.2: grammar-constrained decoding in the engine, on the tiny random model (unconstrained it emits
+gibberish, so every valid output is the grammar's doing): JSON schemas, regexes and choices, greedy and sampled,
+n > 1, under preemption and chunked prefill, a compile off the step loop, the compile cache, overlap_decode,
+and every KV block and matcher released."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.errors import InvalidRequestError  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import RequestStatus  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.structured_output import StructuredOutputSpec  # noqa: E402
+from engine.structured_output.manager import unpack_bitmask  # noqa: E402
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "number", "minimum": -5, "maximum": 5},
+                                                   "y": {"type": "boolean"}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["point", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 2, "maxItems": 4},
+]
+
+
+def _engine(checkpoints, **kw) -> LLMEngine:
+    cfg = {"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4}, **kw}
+    return LLMEngine(EngineConfig.model_validate(cfg))
+
+
+def _run(eng: LLMEngine, max_steps: int = 2000) -> dict[tuple[str, int], tuple[str, str]]:
+    """(request id, index) -> (text, finish_reason)."""
+    texts: dict[tuple[str, int], str] = {}
+    reasons: dict[tuple[str, int], str] = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            break
+        for d in eng.step().deltas:
+            texts[(d.request_id, d.index)] = texts.get((d.request_id, d.index), "") + d.text
+            if d.finished:
+                reasons[(d.request_id, d.index)] = d.finish_reason
+    assert not eng.has_unfinished_requests()
+    return {k: (texts[k], reasons[k]) for k in texts}
+
+
+def _assert_released(eng: LLMEngine) -> None:
+    pool = eng.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    assert not eng.scheduler.requests and not eng.scheduler.awaiting_grammar() and not eng._seqs
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_every_output_parses_and_validates_against_its_schema(checkpoints, sampled):
+    eng = _engine(checkpoints)
+    sampling = dict(temperature=1.0, seed=5) if sampled else dict(temperature=0.0)
+    for i, schema in enumerate(SCHEMAS):
+        eng.add_request(f"r{i}", f"Give me JSON number {i}", SamplingParams(
+            n=3 if sampled else 1, max_tokens=120, structured_output=StructuredOutputSpec.from_schema(schema),
+            **sampling))
+    out = _run(eng)
+    assert len(out) == (9 if sampled else 3)
+    for (rid, _), (text, reason) in out.items():
+        assert reason == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[int(rid[1:])])
+    _assert_released(eng)
+
+
+def test_regex_choice_json_object_and_ebnf(checkpoints):
+    eng = _engine(checkpoints)
+    specs = {"re": StructuredOutputSpec(regex=r"[a-z]{2,5}-\d{3}"),
+             "choice": StructuredOutputSpec(choice=("yes", "no", "maybe \"so\"")),
+             "obj": StructuredOutputSpec(json_object=True),
+             "ebnf": StructuredOutputSpec(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"')}
+    # a random model rarely closes a free-form string: a bias on '"' lets json_object's keys end
+    quote = eng.tokenizer.convert_tokens_to_ids('"')
+    for rid, spec in specs.items():
+        eng.add_request(rid, "hello there", SamplingParams(
+            max_tokens=60, temperature=1.0, seed=3, n=2, structured_output=spec,
+            logit_bias={quote: 6.0} if rid == "obj" else None))
+    out = _run(eng)
+    for i in range(2):
+        assert re.fullmatch(r"[a-z]{2,5}-\d{3}", out[("re", i)][0])
+        assert out[("choice", i)][0] in ("yes", "no", 'maybe "so"')
+        assert isinstance(json.loads(out[("obj", i)][0]), dict)
+        assert re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", out[("ebnf", i)][0])
+    _assert_released(eng)
+
+
+def test_max_tokens_cutting_the_json_short_is_length(checkpoints):
+    eng = _engine(checkpoints)
+    eng.add_request("a", "x", SamplingParams(max_tokens=3, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
+    (text, reason), = _run(eng).values()
+    assert reason == "length" and text.startswith("{")
+    _assert_released(eng)
+
+
+def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(checkpoints):
+    eng = _engine(checkpoints)
+    eng.add_request("a", "x", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True,
+                                             structured_output=StructuredOutputSpec(choice=("alpha", "beta"))))
+    (text, reason), = _run(eng).values()
+    assert reason == "stop" and text in ("alpha", "beta")
+    _assert_released(eng)
+
+
+def test_valid_under_preemption_and_chunked_prefill(checkpoints):
+    """A KV pool too small for all of them at once: requests are preempted (recomputed) mid-JSON, prompts are
+    prefilled in chunks of 4; each matcher keeps its place (the tokens it accepted are kept on preemption)."""
+    eng = _engine(checkpoints, cache={"num_blocks": 24, "block_size": 4},
+                  scheduler={"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16})
+    for i in range(6):
+        eng.add_request(f"r{i}", f"Tell me about item {i} please, in JSON", SamplingParams(
+            max_tokens=40, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])))
+    out = _run(eng)
+    assert eng.last_stats.num_preemptions_total > 0
+    for text, reason in out.values():
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMAS[2])
+    _assert_released(eng)
+
+
+def test_a_slow_compile_waits_outside_the_batch_and_never_delays_others(checkpoints, monkeypatch):
+    eng = _engine(checkpoints)
+    mgr = eng.structured_output
+    real = mgr._compile_now
+
+    def slow(key):
+        time.sleep(1.5)
+        return real(key)
+
+    monkeypatch.setattr(mgr, "_compile_now", slow)
+    eng.add_request("json", "x", SamplingParams(max_tokens=60, temperature=0.0,
+                                                structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
+    eng.add_request("free", "y", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert eng.scheduler.requests["json"].status is RequestStatus.WAITING_FOR_GRAMMAR
+    assert eng.scheduler.make_stats().num_waiting_reqs == 2
+    t0 = time.monotonic()
+    done_at, steps = {}, []
+    while eng.has_unfinished_requests():
+        s = time.monotonic()
+        out = eng.step()
+        steps.append(time.monotonic() - s)
+        for d in out.deltas:
+            assert d.request_id != "json" or time.monotonic() - t0 > 1.0, "scheduled before it compiled"
+            if d.finished:
+                done_at[d.request_id] = time.monotonic() - t0
+    assert done_at["free"] < 1.0 < done_at["json"]       # the other request ran to its end meanwhile
+    assert max(steps) < 0.5                              # no step waited for the compile
+    _assert_released(eng)
+
+
+def test_the_compile_cache_serves_a_second_request_with_the_same_schema(checkpoints):
+    eng = _engine(checkpoints)
+    mgr = eng.structured_output
+    spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
+    eng.add_request("a", "x", SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec))
+    _run(eng)
+    assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 0)
+    eng.add_request("b", "y", SamplingParams(max_tokens=80, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[1])))
+    assert eng.scheduler.requests["b"].status is RequestStatus.WAITING     # compiled: queued at once
+    _run(eng)
+    assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 1)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputSpec(json=json.dumps({"type": "frobnicate"})),
+    StructuredOutputSpec(regex="([a-z"),
+    StructuredOutputSpec(grammar="root ::= missing_rule"),
+])
+def test_an_invalid_grammar_is_refused_at_add_request_and_nothing_is_queued(checkpoints, spec):
+    eng = _engine(checkpoints)
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("a", "x", SamplingParams(max_tokens=5, structured_output=spec))
+    assert e.value.param == "structured_outputs" and e.value.code == "invalid_grammar"
+    assert not eng.has_unfinished_requests() and eng.structured_output.num_compiles == 0
+
+
+def test_spec_needs_exactly_one_kind():
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputSpec()
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputSpec(regex="a", json_object=True)
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputSpec(choice=())
+    with pytest.raises(InvalidRequestError):
+        StructuredOutputSpec.from_schema("{not json", param="response_format")
+
+
+def test_a_compile_that_fails_later_ends_only_its_request_with_an_error(checkpoints, monkeypatch):
+    eng = _engine(checkpoints)
+
+    def boom(key):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(eng.structured_output, "_compile_now", boom)
+    eng.add_request("bad", "x", SamplingParams(max_tokens=5, structured_output=StructuredOutputSpec(regex="a+")))
+    eng.add_request("ok", "y", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    out = _run(eng)
+    assert out[("bad", 0)][1] == "error" and out[("ok", 0)][1] == "length"
+    _assert_released(eng)
+
+
+def test_aborts_while_compiling_or_running_release_everything(checkpoints, monkeypatch):
+    eng = _engine(checkpoints)
+    spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
+    eng.add_request("running", "x", SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec))
+    for _ in range(6):
+        eng.step()
+    real = eng.structured_output._compile_now
+    monkeypatch.setattr(eng.structured_output, "_compile_now", lambda key: (time.sleep(0.5), real(key))[1])
+    eng.add_request("compiling", "y", SamplingParams(max_tokens=60, structured_output=StructuredOutputSpec(
+        regex="[0-9]+")))
+    assert eng.scheduler.requests["compiling"].status is RequestStatus.WAITING_FOR_GRAMMAR
+    eng.abort_request(["running", "compiling"])
+    eng.step()
+    _assert_released(eng)
+
+
+def test_bitmask_unpacks_to_the_allowed_tokens():
+    import torch
+    bits = torch.tensor([[0b101, -2**31], [0, 1]], dtype=torch.int32)        # [2, 2] words: 64 tokens
+    mask = unpack_bitmask(bits, 40)
+    assert mask.shape == (2, 40)
+    assert mask[0].nonzero().flatten().tolist() == [0, 2]     # token 63 (the sign bit) is past the vocabulary
+    assert mask[1].nonzero().flatten().tolist() == [32]
+    assert unpack_bitmask(bits, 64)[0].nonzero().flatten().tolist() == [0, 2, 63]
+
+
+def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoints):
+    """The simplest safe rule: a step launched ahead samples before the previous ids reach the host, so before
+    a grammar could see them; batches with a constrained row launch none (and use none). Unconstrained requests
+    around it keep the in-order tokens; once the constrained one finished, the look-ahead resumes."""
+    from engine import LLM
+    from tests.unit.engine.test_cuda_graphs import _overlapped
+
+    path = checkpoints["llama"]
+    llm = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+    _overlapped(llm, [1, 2, 4])
+    eng = llm.engine
+    runner = eng.runner
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    ref = LLM(path, cache={"num_blocks": 64, "block_size": 8})
+    free_prompts = [[11, 12, 13, 14, 15], [21, 22, 23]]
+    want = [o.outputs[0].token_ids for o in ref.generate(free_prompts, SamplingParams(max_tokens=40, **greedy),
+                                                          use_tqdm=False)]
+    eng.add_request("json", "Give JSON", SamplingParams(max_tokens=40, temperature=0.0,
+                                                        structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])))
+    for i, p in enumerate(free_prompts):
+        eng.add_request(f"free{i}", p, SamplingParams(max_tokens=40, **greedy))
+    got = {"json": [], "free0": [], "free1": []}
+    text = ""
+    launched_while_constrained = 0
+    while eng.has_unfinished_requests():
+        constrained = "json" in eng.scheduler.requests
+        before = runner.num_launched_ahead
+        for d in eng.step().deltas:
+            got[d.request_id] += d.token_ids
+            if d.request_id == "json":
+                text += d.text
+        if constrained:
+            launched_while_constrained += runner.num_launched_ahead - before
+    assert launched_while_constrained == 0
+    assert runner.num_ahead_used > 0                   # resumed after the constrained request finished
+    jsonschema.validate(json.loads(text), SCHEMAS[2])
+    assert [got["free0"], got["free1"]] == want
+    pool = eng.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
