@@ -50,6 +50,8 @@ class Choice:
     #: vLLM's `return_token_ids` extension: the generated ids, and (completions) the prompt's ids; None: omitted
     token_ids: Sequence[int] | None = None
     prompt_token_ids: Sequence[int] | None = None
+    #: chat with tools: the message's `tool_calls` (then its content is null); None: a plain message
+    tool_calls: Sequence[dict] | None = None
 
 
 def fingerprint(replica_ids: Iterable[str]) -> str:
@@ -156,7 +158,9 @@ def chat_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, f
 
 
 def _chat_choice(index: int, c: Choice, token_str: TokenStr) -> dict:
-    out = {"index": index, "message": {"role": "assistant", "content": c.text},
+    message = ({"role": "assistant", "content": c.text} if c.tool_calls is None
+               else {"role": "assistant", "content": None, "tool_calls": list(c.tool_calls)})
+    out = {"index": index, "message": message,
            "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
            "finish_reason": c.finish_reason}
     return _with_token_ids(out, c.token_ids, None)
@@ -176,8 +180,14 @@ def completion_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: s
 
 
 def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-               fingerprint_: str, with_usage: bool, *, token_ids: Sequence[int] | None = None) -> dict:
-    delta = {"content": text} if text or not finish_reason else {}
+               fingerprint_: str, with_usage: bool, *, token_ids: Sequence[int] | None = None,
+               tool_calls: Sequence[dict] | None = None) -> dict:
+    """`tool_calls`: this chunk's `delta.tool_calls` entries (index, id and name first, then argument
+    fragments), sent instead of content."""
+    if tool_calls is not None:
+        delta = {"tool_calls": list(tool_calls)} if tool_calls else {}
+    else:
+        delta = {"content": text} if text or not finish_reason else {}
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     chunk = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
              "system_fingerprint": fingerprint_, "choices": [_with_token_ids(choice, token_ids, None)]}

@@ -5,6 +5,7 @@ engine's own function, so nothing here predicts what the engine will accept.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -12,10 +13,12 @@ from typing import Any
 
 from app.errors import APIError
 from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.tool_calls import ToolCallMode, tool_call_grammar
 from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
 from engine.errors import InvalidRequestError
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputSpec
 
 
 class RequestKind(str, Enum):
@@ -45,6 +48,8 @@ class PreparedRequest:
     #: each prompt's full-block hashes, as the engine computes them (None: the replica's block size is unknown)
     block_hashes: list[list[BlockHash]] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    #: chat with tools and tool_choice "required" or a named function: how the output reads back as tool calls
+    tool_mode: ToolCallMode | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,13 +87,57 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     # ranking best_of sequences needs each sampled token's logprob, even when the client asked for none
     engine_logprobs = logprobs if logprobs is not None or num_seqs == req.n else 0
     params = req.sampling_params(engine_max_tokens, engine_logprobs, num_seqs, _engine_prompt_logprobs(req))
+    spec, tool_mode = structured_output_spec(req)
+    if spec is not None:
+        if tokenizer is None:
+            raise token_ids_only_error(spec.param)
+        spec.check()                   # an invalid schema is a 400 here, before any replica sees it
+        params = dataclasses.replace(params, structured_output=spec)
     if echo:
         texts = [_echo_text(ids, tokenizer) if t is None else t for ids, t in zip(prompts, texts)]
     return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,
                            getattr(req, "prompt_logprobs", None), echo, max_tokens == 0,
                            bool(req.stream_options and req.stream_options.include_usage), req.priority,
                            req.cache_salt, req.return_token_ids,
-                           prompt_block_hashes(prompts, limits.block_size, req.cache_salt))
+                           prompt_block_hashes(prompts, limits.block_size, req.cache_salt), tool_mode=tool_mode)
+
+
+def structured_output_spec(req: CompletionRequest | ChatCompletionRequest
+                           ) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
+    """The grammar the request asks for (response_format, vLLM's structured_outputs / guided_*, or a chat's
+    tools) and, for tools, how its output reads back; at most one of them may be given (else a 400)."""
+    tool_spec, tool_mode = tool_call_grammar(req) if isinstance(req, ChatCompletionRequest) else (None, None)
+    specs = {"tools": tool_spec} if tool_spec is not None else {}
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        specs["response_format"] = StructuredOutputSpec(json_object=True, param="response_format")
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError("response_format of type json_schema needs json_schema: {name, schema}", 400,
+                           "invalid_request_error", "response_format.json_schema", "invalid_value")
+        specs["response_format"] = StructuredOutputSpec.from_schema(rf.json_schema.json_schema,
+                                                                    "response_format.json_schema.schema")
+    so = req.structured_outputs
+    if so is not None:
+        specs["structured_outputs"] = StructuredOutputSpec(
+            json=None if so.json_ is None else StructuredOutputSpec.from_schema(so.json_).json,
+            json_object=bool(so.json_object), regex=so.regex, grammar=so.grammar,
+            choice=None if so.choice is None else tuple(so.choice), param="structured_outputs")
+    guided = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+              "guided_choice": req.guided_choice, "guided_grammar": req.guided_grammar}
+    for name, value in guided.items():
+        if value is None:
+            continue
+        if name == "guided_json":
+            specs[name] = StructuredOutputSpec.from_schema(value, name)
+        elif name == "guided_choice":
+            specs[name] = StructuredOutputSpec(choice=tuple(value), param=name)
+        else:
+            specs[name] = StructuredOutputSpec(**{name.removeprefix("guided_"): value}, param=name)
+    if len(specs) > 1:
+        raise APIError(f"give at most one of {', '.join(specs)}: each constrains the whole output", 400,
+                       "invalid_request_error", list(specs)[1], "invalid_value")
+    return next(iter(specs.values()), None), tool_mode
 
 
 def prompt_block_hashes(prompts: list[list[int]], block_size: int | None,
@@ -160,7 +209,16 @@ def _engine_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> i
 def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:
     if tokenizer is None:
         raise token_ids_only_error("messages")
-    return apply_chat_template(tokenizer, req.rendered_messages())
+    if not req.tools:
+        return apply_chat_template(tokenizer, req.rendered_messages())
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError("this model's tokenizer has no chat template; use the completions API",
+                                  param="messages")
+    # the tool definitions go through the model's own template (`tools=`), as transformers renders them
+    out = tokenizer.apply_chat_template(req.rendered_messages(), tools=[t.model_dump(exclude_none=True)
+                                                                        for t in req.tools],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,12 +36,79 @@ def reject_unknown_fields(model: type[BaseModel], data: Any, where: str = "") ->
     would change nothing the client asked for (e.g. `tools` answered with plain text), so it is refused."""
     if not isinstance(data, dict):
         return
-    unknown = sorted(str(k) for k in data if k not in model.model_fields)
+    known = {f.alias or name for name, f in model.model_fields.items()}
+    unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
         names = ", ".join(f"'{where}{k}'" for k in unknown)
         raise APIError(f"unsupported field(s) {names}: this server does not implement them (remove them, or see "
                        "docs/api.md for the supported fields)", 400, "invalid_request_error",
                        where + unknown[0], "unsupported_field")
+
+
+class _Strict(BaseModel):
+    """A nested request object: unknown keys are a 400 naming them (prefixed with `_where`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    _where: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data, cls._where)
+        return data
+
+
+class JSONSchemaFormat(_Strict):
+    """`response_format.json_schema`: the output is JSON valid against `schema`."""
+
+    _where: ClassVar[str] = "response_format.json_schema."
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field({}, alias="schema")
+    #: OpenAI's strict mode; the grammar always enforces the schema, so both values are honoured
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    _where: ClassVar[str] = "response_format."
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of these."""
+
+    _where: ClassVar[str] = "structured_outputs."
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Strict):
+    _where: ClassVar[str] = "tools.function."
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    _where: ClassVar[str] = "tools."
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    _where: ClassVar[str] = "tool_choice.function."
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    _where: ClassVar[str] = "tool_choice."
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class _OpenAIRequest(BaseModel):
@@ -84,6 +151,13 @@ class _OpenAIRequest(BaseModel):
     return_token_ids: bool = False
     #: OpenAI's end-user identifier: accepted (clients send it) and used for nothing, as in vLLM
     user: str | None = None
+    #: structured output (docs/structured-outputs.md): OpenAI's response_format, and vLLM's extensions
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -146,6 +220,9 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     #: the participant's name: passed to the chat template with the message (templates may render it)
     name: str | None = None
+    #: an assistant's earlier tool calls and a tool result's call id, passed to the chat template as given
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -161,16 +238,22 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    #: function tools; with tool_choice "required" or a named function the output is a grammar-constrained
+    #: call (app/tool_calls.py); "auto" needs a model-specific call format and is refused (a 400)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def rendered_messages(self) -> list[dict[str, str]]:
+    def rendered_messages(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(p.text or "" for p in content)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                msg["name"] = m.name
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
             out.append(msg)
         return out
 

@@ -6,6 +6,7 @@ exceptions and leaves logging them to its caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -18,6 +19,7 @@ from app.errors import APIError
 from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
+from app.tool_calls import ToolCallMode, ToolCallStream, tool_calls_message
 from app.routing import debug as routing_debug
 from engine import EngineLimits
 from observability.metrics import ServingMetrics
@@ -130,6 +132,8 @@ class OpenAIServing:
             choices = [fmt.Choice(s.text, s.finish_reason, s.logprobs if p.logprobs is not None else None,
                                   token_ids=s.token_ids if p.return_token_ids else None)
                        for s in run.choices()]
+            if p.tool_mode is not None:
+                choices = [_as_tool_calls(c, p.tool_mode) for c in choices]
             return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str, _prompt_ids(p, 0))
         choices = [self._completion_choice(p, run, i // p.num_choices, s) for i, s in enumerate(run.choices())]
         return fmt.completion_response(meta, choices, usage, fingerprint, self.token_str, p.logprobs or 0)
@@ -161,6 +165,7 @@ class OpenAIServing:
         run = RequestRun(p)
         gate = _EchoGate(p, run)
         text_offsets: dict[int, int] = {}     # choice -> `text_offset` of its next token; absent: none sent
+        tool_streams: dict[int, ToolCallStream] = {}     # chat with tools: choice -> its tool-call reader
         with self.observer.span(carrier, _span_attributes(p)) as rs:
             chunks = self._chunks(p, rs.carrier, run)
             try:
@@ -173,7 +178,7 @@ class OpenAIServing:
                 while first is not None:
                     idx, c = first
                     for i, ready in gate.release(idx, run.add(idx, c)):
-                        chunk = self._chunk(p, meta, run, i, ready, text_offsets)
+                        chunk = self._chunk(p, meta, run, i, ready, text_offsets, tool_streams)
                         if chunk is not None:
                             yield chunk
                     first = await anext(chunks, None)
@@ -187,7 +192,7 @@ class OpenAIServing:
                                                        run.num_cached_tokens))
 
     def _chunk(self, p: PreparedRequest, meta: fmt.ResponseMeta, run: RequestRun, idx: int, c: ReplicaChunk,
-               text_offsets: dict[int, int]) -> dict | None:
+               text_offsets: dict[int, int], tool_streams: dict[int, ToolCallStream] | None = None) -> dict | None:
         """Choice `idx`'s chunk for `c`; with echo its first chunk starts with the prompt (and its logprobs),
         with return_token_ids it carries the prompt's ids (chat: on the role chunks) and each chunk its own ids."""
         first = idx not in text_offsets
@@ -199,6 +204,12 @@ class OpenAIServing:
         fingerprint = fmt.fingerprint([c.replica_id])
         if p.kind is RequestKind.CHAT:
             lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
+            if p.tool_mode is not None and tool_streams is not None:
+                calls = tool_streams.setdefault(idx, ToolCallStream(p.tool_mode)).feed(c.text)
+                if not calls and not c.finish_reason and lps is None and not token_ids:
+                    return None          # a call's name is not complete yet
+                return fmt.chat_chunk(meta, idx, "", _tool_finish_reason(c.finish_reason), lps, fingerprint,
+                                      p.stream_usage, token_ids=token_ids, tool_calls=calls)
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
                                   token_ids=token_ids)
         offset = text_offsets.get(idx, 0)
@@ -283,6 +294,17 @@ class _EchoGate:
         """At the end of the streams: chunks still held mean a prompt's logprobs never came (a 500)."""
         for idx in self.held:
             self.run.prompt_logprobs_of(idx // self.n)
+
+
+def _tool_finish_reason(reason: str | None) -> str | None:
+    """A tool call's grammar ended: "tool_calls"; cut short by max_tokens it stays "length"."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode) -> fmt.Choice:
+    """A chat choice whose output is a grammar-constrained call: its text read back as `tool_calls`."""
+    return dataclasses.replace(c, text="", tool_calls=tool_calls_message(c.text, mode),
+                               finish_reason=_tool_finish_reason(c.finish_reason))
 
 
 def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:
