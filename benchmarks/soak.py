@@ -80,44 +80,68 @@ def slope_per_min(ts_s: list[float], ys: list[float]) -> float:
     return 60.0 * sum((t - mt) * (y - my) for t, y in zip(ts_s, ys)) / var
 
 
-def verdict(slope_first: float, slope_second: float, flat: float) -> str:
-    """plateau: the second half is flat; leak: it grows about as fast as the first half; settling: it grows,
-    but at less than half the first half's rate (a longer run decides)."""
+def verdict(slope_first: float, slope_second: float, flat: float, per_req_first: float | None = None,
+            per_req_second: float | None = None) -> str:
+    """plateau: the second half is flat (MB/min below `flat`); leak?: it still grows about as fast as in the
+    first half; settling: it grows, but at less than half the first half's rate (a longer run decides).
+
+    With the growth per request of each half (MB per 1k requests), the halves are compared on that: a
+    per-request leak costs the same per request whatever the request rate, and the rate can change during
+    a soak on a shared machine."""
     if slope_second < flat:
         return "plateau"
-    if slope_second >= 0.5 * slope_first:
+    first, second = slope_first, slope_second
+    if per_req_first is not None and per_req_second is not None:
+        first, second = per_req_first, per_req_second
+    if second >= 0.5 * first:
         return "leak?"
     return "settling"
 
 
-def analyze_series(ts_s: list[float], ys: list[float], t_start: float, flat: float) -> dict[str, float | str]:
+def analyze_series(ts_s: list[float], ys: list[float], t_start: float, flat: float,
+                   requests: list[float] | None = None) -> dict[str, float | str]:
     """One process's RSS (MB) over the measured window (samples at t >= t_start): the first value, the last,
-    the slope over all of it and over each half, and the verdict."""
-    pts = [(t, y) for t, y in zip(ts_s, ys) if t >= t_start]
+    the slope over all of it and over each half, per minute and (given the requests sent by each sample)
+    per 1k requests, and the verdict."""
+    reqs = requests if requests is not None else [0.0] * len(ts_s)
+    pts = [(t, y, r) for t, y, r in zip(ts_s, ys, reqs) if t >= t_start]
     if len(pts) < 2:
         raise ValueError(f"need >= 2 samples after t={t_start}, got {len(pts)}")
     t0, t1 = pts[0][0], pts[-1][0]
     mid = (t0 + t1) / 2
     first = [p for p in pts if p[0] <= mid]
     second = [p for p in pts if p[0] >= mid]
-    s_all = slope_per_min([p[0] for p in pts], [p[1] for p in pts])
-    s1 = slope_per_min([p[0] for p in first], [p[1] for p in first])
-    s2 = slope_per_min([p[0] for p in second], [p[1] for p in second])
+
+    def per_min(ps: list[tuple]) -> float:
+        return slope_per_min([p[0] for p in ps], [p[1] for p in ps])
+
+    def per_1k(ps: list[tuple]) -> float | None:     # MB per 1k requests (slope_per_min's x is "seconds")
+        if requests is None:
+            return None
+        return slope_per_min([p[2] for p in ps], [p[1] for p in ps]) / 60.0 * 1000.0
+    s1, s2, r1, r2 = per_min(first), per_min(second), per_1k(first), per_1k(second)
     return {"start_mb": pts[0][1], "end_mb": pts[-1][1], "growth_mb": pts[-1][1] - pts[0][1],
-            "max_mb": max(p[1] for p in pts), "minutes": (t1 - t0) / 60.0, "slope_mb_per_min": s_all,
-            "slope_first_half": s1, "slope_second_half": s2, "verdict": verdict(s1, s2, flat)}
+            "max_mb": max(p[1] for p in pts), "minutes": (t1 - t0) / 60.0, "slope_mb_per_min": per_min(pts),
+            "slope_first_half": s1, "slope_second_half": s2, "requests": pts[-1][2] - pts[0][2],
+            "per_1k_requests_first_half": r1, "per_1k_requests_second_half": r2,
+            "verdict": verdict(s1, s2, flat, r1, r2)}
 
 
 def rss_table(rows: dict[str, dict[str, Any]]) -> str:
     """Markdown: one row per process (analyze_series's dict, plus optional 'trimmed_mb')."""
-    head = ("| process | RSS after warm-up MB | RSS at end MB | growth MB | slope MB/min (all) | "
-            "1st half | 2nd half | after malloc_trim MB | verdict |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = ("| process | after warm-up MB | at end MB | growth MB | MB/min (all) | MB/min 1st half | "
+            "MB/min 2nd half | MB/1k req 1st half | MB/1k req 2nd half | after malloc_trim MB | verdict |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     out = [head]
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
     for name, r in rows.items():
-        trimmed = f"{r['trimmed_mb']:.0f}" if r.get("trimmed_mb") is not None else "-"
         out.append(f"| {name} | {r['start_mb']:.0f} | {r['end_mb']:.0f} | {r['growth_mb']:+.0f} | "
                    f"{r['slope_mb_per_min']:+.2f} | {r['slope_first_half']:+.2f} | {r['slope_second_half']:+.2f} | "
-                   f"{trimmed} | {r['verdict']} |")
+                   f"{num(r.get('per_1k_requests_first_half'), '+.1f')} | "
+                   f"{num(r.get('per_1k_requests_second_half'), '+.1f')} | {num(r.get('trimmed_mb'), '.0f')} | "
+                   f"{r['verdict']} |")
     return "\n".join(out)
 
 
@@ -530,13 +554,15 @@ def analyze(samples: list[dict[str, Any]], t_warm: float, flat: float) -> dict[s
     names = list(samples[0]["rss_mb"]) if samples else []
     out = {}
     for name in names:
-        pts = [(s["t"], s["rss_mb"][name]) for s in samples if s["rss_mb"].get(name) is not None]
-        out[name] = analyze_series([p[0] for p in pts], [p[1] for p in pts], t_warm, flat)
-    # the replicas' live heap too (what the allocator hands out to live objects, not what it keeps)
+        pts = [(s["t"], s["rss_mb"][name], s["requests"]) for s in samples if s["rss_mb"].get(name) is not None]
+        out[name] = analyze_series([p[0] for p in pts], [p[1] for p in pts], t_warm, flat, [p[2] for p in pts])
+    # the replicas' live native heap too (what malloc hands out to live allocations, not what it keeps)
     for name in names:
-        pts = [(s["t"], s["probe"][name]["heap_in_use_mb"]) for s in samples if name in s.get("probe", {})]
+        pts = [(s["t"], s["probe"][name]["heap_in_use_mb"], s["requests"]) for s in samples
+               if name in s.get("probe", {})]
         if len([p for p in pts if p[0] >= t_warm]) >= 2:
-            out[f"{name} heap in use"] = analyze_series([p[0] for p in pts], [p[1] for p in pts], t_warm, flat)
+            out[f"{name} heap in use"] = analyze_series([p[0] for p in pts], [p[1] for p in pts], t_warm, flat,
+                                                        [p[2] for p in pts])
     return out
 
 
@@ -544,21 +570,38 @@ def plot(samples: list[dict[str, Any]], t_warm: float, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, name in enumerate(samples[0]["rss_mb"]):
-        pts = [(s["t"] / 60, s["rss_mb"][name]) for s in samples if s["rss_mb"].get(name) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{name} RSS", color=f"C{i}")
-        hp = [(s["t"] / 60, s["probe"][name]["heap_in_use_mb"]) for s in samples if name in s.get("probe", {})]
-        if hp:
-            ax.plot([p[0] for p in hp], [p[1] for p in hp], label=f"{name} heap in use", color=f"C{i}",
-                    linestyle=":")
-    ax.axvline(t_warm / 60, color="gray", linestyle="--", linewidth=1, label="end of warm-up")
-    ax.set(xlabel="minutes", ylabel="MB", title="Memory under a mixed-traffic soak")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center right")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    warm_reqs = next((s["requests"] for s in samples if s["t"] >= t_warm), 0) / 1000
+    for ax, x, xlabel, xwarm in ((axes[0], lambda s: s["t"] / 60, "minutes", t_warm / 60),
+                                 (axes[1], lambda s: s["requests"] / 1000, "requests sent (thousands)", warm_reqs)):
+        for i, name in enumerate(samples[0]["rss_mb"]):
+            pts = [(x(s), s["rss_mb"][name]) for s in samples if s["rss_mb"].get(name) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{name} RSS", color=f"C{i}")
+            hp = [(x(s), s["probe"][name]["heap_in_use_mb"]) for s in samples if name in s.get("probe", {})]
+            if hp:
+                ax.plot([p[0] for p in hp], [p[1] for p in hp], label=f"{name} malloc in use", color=f"C{i}",
+                        linestyle=":")
+        ax.axvline(xwarm, color="gray", linestyle="--", linewidth=1, label="end of warm-up")
+        ax.set(xlabel=xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set(ylabel="MB", title="Memory over time")
+    axes[1].set(title="Memory over requests")
+    axes[1].legend(fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def report_from_json(path: str, flat: float, png: str | None) -> None:
+    """The table (and figure) of an earlier run, from its --json (no Ray)."""
+    doc = json.loads(Path(path).read_text())
+    rows = analyze(doc["samples"], doc["spec"]["warmup_s"], flat)
+    for name, r in doc.get("rows", {}).items():
+        if name in rows and r.get("trimmed_mb") is not None:
+            rows[name]["trimmed_mb"] = r["trimmed_mb"]
+    print(rss_table(rows))
+    if png:
+        plot(doc["samples"], doc["spec"]["warmup_s"], png)
 
 
 def run(spec: SoakSpec) -> dict[str, Any]:
@@ -631,7 +674,11 @@ def main() -> None:
                         "e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY=64")
     p.add_argument("--json", help="write the results (every sample included) here")
     p.add_argument("--png", help="write RSS over time here")
+    p.add_argument("--from-json", metavar="PATH", help="no run: analyze the samples of an earlier run's --json")
     a = p.parse_args()
+    if a.from_json:
+        report_from_json(a.from_json, a.flat_mb_per_min, a.png)
+        return
     if not 1 <= a.clients <= 64:
         p.error("--clients must be 1..64")
     if any("=" not in kv for kv in a.env):
