@@ -91,6 +91,9 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     if spec is not None:
         if tokenizer is None:
             raise token_ids_only_error(spec.param)
+        if params.min_tokens:
+            raise APIError(f"min_tokens cannot be combined with {spec.param}: a finished grammar allows only the "
+                           "end of the sequence", 400, "invalid_request_error", "min_tokens", "invalid_value")
         spec.check()                   # an invalid schema is a 400 here, before any replica sees it
         params = dataclasses.replace(params, structured_output=spec)
     if echo:

@@ -242,6 +242,10 @@ class LLMEngine:
             return
         if self.tokenizer is None:
             raise token_ids_only_error(spec.param)
+        if params.min_tokens:
+            # a grammar that is done allows only a stop token, which min_tokens would mask: no token left
+            raise InvalidRequestError(f"min_tokens cannot be combined with {spec.param}: a finished grammar "
+                                      "allows only the end of the sequence", param="min_tokens")
         spec.check()
 
     def _new_detokenizer(self, p: SamplingParams) -> IncrementalDetokenizer | None:

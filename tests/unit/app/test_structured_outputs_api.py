@@ -158,6 +158,7 @@ async def test_a_multi_turn_exchange_with_tool_results(app):
     (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs"),
     (dict(extra_body={"guided_grammar": "root ::= undefined_rule"}), "guided_grammar"),
     (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "guided_regex"),
+    (dict(response_format={"type": "json_object"}, extra_body={"min_tokens": 3}), "min_tokens"),
 ])
 async def test_bad_requests_are_400s_naming_the_field(app, kw, param):
     client, model = app

@@ -189,6 +189,15 @@ def test_an_invalid_grammar_is_refused_at_add_request_and_nothing_is_queued(chec
     assert not eng.has_unfinished_requests() and eng.structured_output.num_compiles == 0
 
 
+def test_min_tokens_with_a_grammar_is_refused(checkpoints):
+    """A finished grammar allows only a stop token, which min_tokens masks: the row would have no token left."""
+    eng = _engine(checkpoints)
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("a", "x", SamplingParams(max_tokens=5, min_tokens=2,
+                                                 structured_output=StructuredOutputSpec(choice=("a",))))
+    assert e.value.param == "min_tokens" and not eng.has_unfinished_requests()
+
+
 def test_spec_needs_exactly_one_kind():
     with pytest.raises(InvalidRequestError):
         StructuredOutputSpec()
