@@ -158,7 +158,7 @@ def check_model(cfg: "AppConfig") -> None:
                                                     "GPU; use device: auto or cpu"])
     conn = cfg.engine.kv_connector
     if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
-        from engine.kv_connector import UnsafeSharedStoreError, check_shared_root, default_shared_root
+        from engine import UnsafeSharedStoreError, check_shared_root, default_shared_root
         try:
             check_shared_root(conn.shared_dir or default_shared_root(), conn.shared_group)
         except UnsafeSharedStoreError as e:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engine.limits import EngineLimits, check_request, check_request_fits_context
     from engine.models.checkpoint import resolve_context_length, validate_checkpoint
     from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
+    from engine.kv_connector.shared_store import UnsafeSharedStoreError, check_shared_root, default_shared_root
 
 PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.hashing", "engine.limits", "engine.sampling_params",
                   "engine.types", "engine.structured_output")
@@ -48,6 +49,9 @@ _LAZY = {
     "validate_checkpoint": "engine.models.checkpoint",
     "resolve_context_length": "engine.models.checkpoint",
     "tune_gc_for_serving": "engine.gc_policy",
+    "check_shared_root": "engine.kv_connector.shared_store",
+    "default_shared_root": "engine.kv_connector.shared_store",
+    "UnsafeSharedStoreError": "engine.kv_connector.shared_store",
 }
 
 
@@ -62,4 +66,5 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "check_request", "check_request_fits_context",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving"]
+           "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving", "check_shared_root",
+           "default_shared_root", "UnsafeSharedStoreError"]
