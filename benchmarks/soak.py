@@ -3,12 +3,12 @@
 Starts a local Ray + Serve on 127.0.0.1 the way `affinity-serve serve --replicas N` does (`app.cli.init_ray`:
 loopback only, the HTTP limits; the default observability: in-memory traces, INFO logs), deploys
 `app.builder.build_app` with the demo model, and drives mixed traffic from a bounded number of client tasks
-over loopback: streamed chat and completions, streams the client drops after the first chunk, n > 1,
+over loopback: streamed chat and completions, streams the client drops after 1-3 chunks, n > 1,
 logprobs (chat, completions, echo, prompt_logprobs), batched prompts, and bad inputs that must get a 4xx.
 First `--warmup-s` of traffic (not measured), then `--minutes` of it (measured).
 
-Every `--sample-s` it reads each process's RSS from /proc/<pid>/status (the pids from Ray's state API: the
-Serve replica actors of the app, the proxy) and asks each model replica for a probe (`soak_probe`: a method
+Every `--sample-s` it reads each process's RSS from /proc/<pid>/status (the pids from the GCS actor table:
+the Serve replica actors of the app, the proxy) and asks each model replica for a probe (`soak_probe`: a method
 this benchmark adds to a subclass of `LLMReplica`, nothing else changes): its glibc heap (`mallinfo2`: bytes
 in use by live allocations vs. free but kept), the number of objects the collector tracks, and the length of
 every container reachable from the engine (requests, streams, KV event log, signal windows, ...). At the
@@ -17,9 +17,12 @@ requests held), object types whose counts grew since the warm-up, and RSS before
 (memory the allocator kept after it was freed comes back then; live objects do not).
 
 The verdict per process compares the measured window's halves: a leak grows at a steady rate (second half's
-slope about the first's), a plateau's second-half slope is near 0 (below `--flat-mb-per-min`).
+growth per 1k requests about the first's: the request rate can change), a plateau's second-half slope is
+near 0 (below `--flat-mb-per-min`). `--env` and `--linear-backend` change the replicas for an A/B run;
+docs/benchmarks/soak.md has the latest figures and what they showed.
 
     python benchmarks/soak.py --minutes 8 --json soak.json --png soak.png
+    python benchmarks/soak.py --from-json soak.json          # the table again, no run
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ class SoakSpec:
     probe: bool = True                   # deploy the probing LLMReplica subclass
     tracemalloc: bool = False            # trace the replicas' Python allocations from the warm-up's end (slow)
     env: tuple[tuple[str, str], ...] = ()  # environment for the local Ray's processes (replicas included)
+    linear_backend: str = "auto"         # engine.linear_backend of the replicas
 
 
 # ================================================================== analysis (pure)
@@ -272,7 +276,7 @@ def start(spec: SoakSpec) -> tuple[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = AppConfig.model_validate({
-        "engine": {"num_threads": spec.num_threads},
+        "engine": {"num_threads": spec.num_threads, "linear_backend": spec.linear_backend},
         "serve": {"app_name": APP_NAME, "host": "127.0.0.1", "port": port, "num_replicas": spec.replicas,
                   "model_name": MODEL_NAME}})
     import app.builder as builder
@@ -669,6 +673,8 @@ def main() -> None:
     p.add_argument("--tracemalloc", action="store_true",
                    help="diagnosis: trace the replicas' Python allocations after the warm-up and print the "
                         "biggest still alive at the end (slows the replicas down)")
+    p.add_argument("--linear-backend", default=d.linear_backend, choices=("auto", "torch", "onednn", "hybrid"),
+                   help="the replicas' engine.linear_backend")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in the environment of the local Ray's processes, replicas included (repeatable), "
                         "e.g. ONEDNN_PRIMITIVE_CACHE_CAPACITY=64")
@@ -686,7 +692,7 @@ def main() -> None:
     spec = SoakSpec(minutes=a.minutes, warmup_s=a.warmup_s, sample_s=a.sample_s, replicas=a.replicas,
                     clients=a.clients, num_threads=a.num_threads, seed=a.seed, flat_mb_per_min=a.flat_mb_per_min,
                     probe=not a.no_probe, tracemalloc=a.tracemalloc,
-                    env=tuple(tuple(kv.split("=", 1)) for kv in a.env))
+                    env=tuple(tuple(kv.split("=", 1)) for kv in a.env), linear_backend=a.linear_backend)
     res = run(spec)
     c = res["counts"]
     print(f"requests: {c['sent']} sent, {c['ok']} ok, {c['expected_4xx']} bad inputs refused with a 4xx, "
