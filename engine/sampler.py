@@ -79,7 +79,7 @@ class Sampler:
         pending id (penalties count it) and a seeded row draws for the next output index. `allowed` ([N, vocab]
         bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else."""
         if allowed is not None:          # [N, vocab] bool: a grammar's tokens (structured output), before all else
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits = torch.where(allowed, logits, float("-inf"))
         logits = self._apply_bias_and_penalties(logits, infos, pending)
         if all(i.params.is_greedy for i in infos):
             return _argmax(logits)
