@@ -14,6 +14,13 @@ beats oneDNN's packed kernel there. Measured on a 2-core AVX2 box, a 56M-paramet
 one row: packed 5.5 ms, F.linear (x W^T) 4.0 ms, x @ W^T with W^T stored contiguous ([in, out]) 3.4 ms;
 at two rows 5.9, 4.4 and 5.1 ms; from 4 rows on packed wins. `plain_rows` keeps that [in, out] copy too and
 sends inputs of that many rows or fewer to it, which doubles the Linear weights' memory.
+
+oneDNN builds (and caches: its own cache and PyTorch's ideep cache, 1,024 entries each) one primitive per
+distinct row count, and a primitive for more rows holds more memory: with every step's token count a new
+shape, a replica's heap grew by ~40 MB per 1,000 requests of mixed traffic for as long as a soak ran
+(benchmarks/soak.py). So rows are padded up to a bucket (`row_bucket`: exact up to 8, then multiples of 8
+up to 64, then of 64): at most ~45 shapes per weight whatever the traffic, at most 63 zero rows of extra
+work on a GEMM of over 64 rows.
 """
 from __future__ import annotations
 
@@ -39,6 +46,16 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 HYBRID_PLAIN_ROWS = 2
 
 
+def row_bucket(n: int) -> int:
+    """The row count a packed GEMM of `n` rows runs at (see the module doc): n up to 8, then the next
+    multiple of 8 up to 64, then the next multiple of 64."""
+    if n <= 8:
+        return n
+    if n <= 64:
+        return -(-n // 8) * 8
+    return -(-n // 64) * 64
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout (and, with `plain_rows`, as stored too, for
     inputs of at most that many rows). Accepts any leading shape."""
@@ -59,6 +76,13 @@ class PackedLinear(nn.Module):
         if x2.shape[0] <= self.plain_rows:
             y = torch.mm(x2, self.plain_t) if self.bias is None else torch.addmm(self.bias, x2, self.plain_t)
             return y.view(*lead, self.out_features)
+        n = x2.shape[0]
+        rows = row_bucket(n)
+        if rows != n:                     # a bounded set of shapes for oneDNN's primitive caches
+            padded = x2.new_zeros(rows, self.in_features)
+            padded[:n] = x2
+            y = torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:n]
+            return y.reshape(*lead, self.out_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

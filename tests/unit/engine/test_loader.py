@@ -139,3 +139,24 @@ def test_validate_checkpoint_checks_what_the_loader_needs(checkpoints, tmp_path)
                                              r"tokenizer_config.json.*skip_tokenizer_init: true"):
         validate_checkpoint(d)
     assert validate_checkpoint(d, need_tokenizer=False).vocab_size > 0
+
+
+def test_packed_linears_run_a_bounded_set_of_row_counts_and_match_f_linear():
+    """oneDNN caches one primitive per row count: padding rows to buckets keeps that set small (a soak's
+    heap grew without it) and the rows that matter equal F.linear's."""
+    import torch
+
+    from engine.models.linear import PackedLinear, prepack_supported, row_bucket
+    assert [row_bucket(n) for n in (1, 8, 9, 16, 17, 64, 65, 128, 129, 2048)] == [1, 8, 16, 16, 24, 64, 128, 128,
+                                                                                 192, 2048]
+    assert len({row_bucket(n) for n in range(1, 2049)}) <= 8 + 7 + 31
+    if not prepack_supported(torch.device("cpu"), torch.float32):
+        return
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 40), torch.randn(48)
+    lin = PackedLinear(w, b)
+    for n in (3, 9, 37, 65, 130):
+        x = torch.randn(n, 40)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        x3 = torch.randn(2, n, 40)
+        assert lin(x3).shape == (2, n, 48)
