@@ -2,6 +2,7 @@
 per sequence, and the token bitmask each step applies to its constrained rows."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 #: compiled grammars kept (least recently used dropped first)
 _CACHE_SIZE = 512
+#: from this many constrained rows a step fills the bitmask with xgrammar's batch matcher (threads)
+_BATCH_FILL_MIN_ROWS = 8
 
 
 class GrammarState:
@@ -136,6 +139,7 @@ class StructuredOutputManager:
         self._no_control_bytes: torch.Tensor | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._batch_matcher = None
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -200,12 +204,19 @@ class StructuredOutputManager:
             return None
         import xgrammar as xgr
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, (_, st) in enumerate(rows):
-            st.matcher.fill_next_token_bitmask(bitmask, i)
-            if st.spec.key[0] in ("json", "json_object"):
-                # xgrammar (0.2.8) lets raw control characters into length-bounded strings, which JSON
-                # forbids (json.loads refuses them); compact JSON needs none anywhere, so none are allowed
-                bitmask[i] &= self._no_control_bytes
+        matchers = [st.matcher for _, st in rows]
+        if len(rows) >= _BATCH_FILL_MIN_ROWS:          # xgrammar's threads fill the rows in parallel
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        else:
+            for i, m in enumerate(matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+        json_rows = [i for i, (_, st) in enumerate(rows) if st.spec.key[0] in ("json", "json_object")]
+        if json_rows:
+            # xgrammar (0.2.8) lets raw control characters into length-bounded strings, which JSON forbids
+            # (json.loads refuses them); compact JSON needs none anywhere, so none are allowed
+            bitmask[json_rows] &= self._no_control_bytes
         return GrammarBitmask([r for r, _ in rows], bitmask)
 
     def close(self) -> None:
