@@ -50,7 +50,7 @@ class Choice:
     #: vLLM's `return_token_ids` extension: the generated ids, and (completions) the prompt's ids; None: omitted
     token_ids: Sequence[int] | None = None
     prompt_token_ids: Sequence[int] | None = None
-    #: chat with tools: the message's `tool_calls` (then its content is null); None: a plain message
+    #: chat with tools: the message's `tool_calls` (its content: `text`, null when empty); None: a plain message
     tool_calls: Sequence[dict] | None = None
 
 
@@ -159,7 +159,7 @@ def chat_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, f
 
 def _chat_choice(index: int, c: Choice, token_str: TokenStr) -> dict:
     message = ({"role": "assistant", "content": c.text} if c.tool_calls is None
-               else {"role": "assistant", "content": None, "tool_calls": list(c.tool_calls)})
+               else {"role": "assistant", "content": c.text or None, "tool_calls": list(c.tool_calls)})
     out = {"index": index, "message": message,
            "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
            "finish_reason": c.finish_reason}
@@ -186,6 +186,8 @@ def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | N
     fragments), sent instead of content."""
     if tool_calls is not None:
         delta = {"tool_calls": list(tool_calls)} if tool_calls else {}
+        if text:
+            delta = {"content": text, **delta}
     else:
         delta = {"content": text} if text or not finish_reason else {}
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -87,7 +87,7 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     # ranking best_of sequences needs each sampled token's logprob, even when the client asked for none
     engine_logprobs = logprobs if logprobs is not None or num_seqs == req.n else 0
     params = req.sampling_params(engine_max_tokens, engine_logprobs, num_seqs, _engine_prompt_logprobs(req))
-    spec, tool_mode = structured_output_spec(req)
+    spec, tool_mode = structured_output_spec(req, tokenizer)
     if spec is not None:
         if tokenizer is None:
             raise token_ids_only_error(spec.param)
@@ -105,11 +105,12 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
                            prompt_block_hashes(prompts, limits.block_size, req.cache_salt), tool_mode=tool_mode)
 
 
-def structured_output_spec(req: CompletionRequest | ChatCompletionRequest
+def structured_output_spec(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any | None = None
                            ) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
     """The grammar the request asks for (response_format, vLLM's structured_outputs / guided_*, or a chat's
     tools) and, for tools, how its output reads back; at most one of them may be given (else a 400)."""
-    tool_spec, tool_mode = tool_call_grammar(req) if isinstance(req, ChatCompletionRequest) else (None, None)
+    tool_spec, tool_mode = (tool_call_grammar(req, tokenizer) if isinstance(req, ChatCompletionRequest)
+                            else (None, None))
     specs = {"tools": tool_spec} if tool_spec is not None else {}
     rf = req.response_format
     if rf is not None and rf.type == "json_object":

@@ -19,7 +19,7 @@ from app.errors import APIError
 from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import PreparedRequest, RequestKind, prepare_request
 from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
-from app.tool_calls import ToolCallMode, ToolCallStream, tool_calls_message
+from app.tool_calls import ToolCallMode, ToolCallStream, hermes_content, tool_calls_message
 from app.routing import debug as routing_debug
 from engine import EngineLimits
 from observability.metrics import ServingMetrics
@@ -205,11 +205,15 @@ class OpenAIServing:
         if p.kind is RequestKind.CHAT:
             lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
             if p.tool_mode is not None and tool_streams is not None:
-                calls = tool_streams.setdefault(idx, ToolCallStream(p.tool_mode)).feed(c.text)
-                if not calls and not c.finish_reason and lps is None and not token_ids:
-                    return None          # a call's name is not complete yet
-                return fmt.chat_chunk(meta, idx, "", _tool_finish_reason(c.finish_reason), lps, fingerprint,
-                                      p.stream_usage, token_ids=token_ids, tool_calls=calls)
+                reader = tool_streams.setdefault(idx, ToolCallStream(p.tool_mode))
+                calls = reader.feed(c.text)
+                text = reader.take_content() + (reader.flush_content() if c.finish_reason else "")
+                if not calls and not text and not c.finish_reason and lps is None and not token_ids:
+                    return None          # a call's name (or a <tool_call> block) is not complete yet
+                reason = (_tool_finish_reason(c.finish_reason) if reader.sent or not p.tool_mode.hermes
+                          else c.finish_reason)
+                return fmt.chat_chunk(meta, idx, text, reason, lps, fingerprint, p.stream_usage,
+                                      token_ids=token_ids, tool_calls=calls)
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
                                   token_ids=token_ids)
         offset = text_offsets.get(idx, 0)
@@ -302,8 +306,12 @@ def _tool_finish_reason(reason: str | None) -> str | None:
 
 
 def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode) -> fmt.Choice:
-    """A chat choice whose output is a grammar-constrained call: its text read back as `tool_calls`."""
-    return dataclasses.replace(c, text="", tool_calls=tool_calls_message(c.text, mode),
+    """A chat choice whose output is a grammar-constrained call (or, tool_choice "auto", text that may hold
+    `<tool_call>` blocks): its text read back as `tool_calls`."""
+    calls = tool_calls_message(c.text, mode)
+    if mode.hermes and not calls:
+        return c                         # "auto": the model answered in text
+    return dataclasses.replace(c, text=(hermes_content(c.text) or "") if mode.hermes else "", tool_calls=calls,
                                finish_reason=_tool_finish_reason(c.finish_reason))
 
 

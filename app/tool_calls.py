@@ -6,8 +6,10 @@ streams without a model-specific parser:
 - a named function: the output is the function's arguments, one JSON object;
 - "required": `[{"name": "<one of the tools>", "arguments": {...}}, ...]` (one item unless parallel_tool_calls),
   each item's arguments valid against its function's parameters.
-"auto" would need the model's own tool-call format (Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`)
-and is refused with a 400 that names what is supported.
+"auto" lets the model choose between text and calls, so it needs the model's own call format: the Hermes/Qwen
+one (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, detected from a chat template that writes
+`<tool_call>`) is read back from the text; for other templates (Llama 3 JSON, Mistral `[TOOL_CALLS]`) "auto" is
+a 400 that names what is supported.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.errors import APIError
 from app.protocol import ChatCompletionRequest
@@ -25,17 +28,23 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 _ITEM_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
 @dataclass(frozen=True, slots=True)
 class ToolCallMode:
-    """How a chat response's output is read back: the named function's arguments (`function` set), or a list
-    of calls ("required")."""
+    """How a chat response's output is read back: the named function's arguments (`function` set), a list of
+    calls ("required"), or (`hermes`, tool_choice "auto") text with `<tool_call>` blocks in it."""
 
     function: str | None
+    hermes: bool = False
 
 
-def tool_call_grammar(req: ChatCompletionRequest) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
+def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
+                      ) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
     """The grammar and read-back mode that `tools`/`tool_choice` ask for; (None, None) for a plain answer.
-    Raises APIError (400) for what is not supported or inconsistent."""
+    `tokenizer`'s chat template decides whether "auto" can be read back. Raises APIError (400) for what is not
+    supported or inconsistent."""
     choice = req.tool_choice
     if not req.tools:
         if choice is not None and choice != "none":
@@ -48,9 +57,11 @@ def tool_call_grammar(req: ChatCompletionRequest) -> tuple[StructuredOutputSpec 
                        "invalid_value")
     if choice == "none":
         return None, None
+    if (choice is None or choice == "auto") and _HERMES_OPEN in str(getattr(tokenizer, "chat_template", "") or ""):
+        return None, ToolCallMode(None, hermes=True)
     if choice is None or choice == "auto":
-        raise APIError("tool_choice 'auto' (the default when tools are given) is not supported: this server has no "
-                       "model-specific tool-call parser; send tool_choice 'required', a named function "
+        raise APIError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
+                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>); send tool_choice 'required', a named function "
                        "({'type': 'function', 'function': {'name': ...}}) or 'none'", 400, "invalid_request_error",
                        "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
@@ -75,6 +86,8 @@ def new_call_id() -> str:
 def read_calls(text: str, mode: ToolCallMode) -> list[tuple[str, str, bool]]:
     """The calls in `text` so far: (function name, arguments text, arguments complete). A call appears once its
     name is complete; its arguments text grows as `text` does (a prefix of the final one)."""
+    if mode.hermes:
+        return [(name, args, True) for name, args, _ in _hermes_calls(text)[0]]
     if mode.function is not None:
         return [(mode.function, text, _value_end(text, 0) is not None)]
     calls = []
@@ -117,6 +130,44 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
+def _hermes_calls(text: str) -> tuple[list[tuple[str, str, int]], str]:
+    """Complete `<tool_call>` blocks whose JSON names a function, as (name, arguments JSON, end), and the text
+    outside them. A block that is not such JSON stays text."""
+    calls, content, pos = [], [], 0
+    while (start := text.find(_HERMES_OPEN, pos)) != -1:
+        end = text.find(_HERMES_CLOSE, start)
+        if end == -1:
+            break
+        stop = end + len(_HERMES_CLOSE)
+        call = _parse_call(text[start + len(_HERMES_OPEN):end])
+        if call is None:
+            content.append(text[pos:stop])
+        else:
+            content.append(text[pos:start])
+            calls.append((*call, stop))
+        pos = stop
+    content.append(text[pos:])
+    return calls, "".join(content)
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a `<tool_call>` block's body, or None if it is not such JSON."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", {})
+    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def hermes_content(text: str) -> str | None:
+    """The text of a Hermes-format answer outside its calls (None when only whitespace)."""
+    content = _hermes_calls(text)[1].strip()
+    return content or None
+
+
 def tool_calls_message(text: str, mode: ToolCallMode) -> list[dict]:
     """`message.tool_calls` for a whole output."""
     return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
@@ -131,9 +182,12 @@ class ToolCallStream:
     mode: ToolCallMode
     text: str = ""
     sent: list[int] = field(default_factory=list)      # per call: arguments characters sent so far
+    content_sent: int = 0                               # hermes: characters of text passed on as content
 
     def feed(self, text: str) -> list[dict]:
         self.text += text
+        if self.mode.hermes:
+            return self._feed_hermes()
         out = []
         for i, (name, args, _) in enumerate(read_calls(self.text, self.mode)):
             if i == len(self.sent):
@@ -143,4 +197,50 @@ class ToolCallStream:
             if len(args) > self.sent[i]:
                 out.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
                 self.sent[i] = len(args)
+        return out
+
+    def take_content(self) -> str:
+        """hermes: the text to send as content now (call the after `feed`). Text before a `<tool_call>` block
+        goes out; a block is held until it closes (then it is a call, sent by `feed`, or, if its JSON is not a
+        call, text); a suffix that may be the start of the tag is held back."""
+        if not self.mode.hermes:
+            return ""
+        out, pos, text = [], self.content_sent, self.text
+        while True:
+            start = text.find(_HERMES_OPEN, pos)
+            if start == -1:
+                hold = len(text)
+                for k in range(min(len(_HERMES_OPEN) - 1, len(text) - pos), 0, -1):
+                    if _HERMES_OPEN.startswith(text[-k:]):
+                        hold = len(text) - k
+                        break
+                out.append(text[pos:hold])
+                pos = hold
+                break
+            out.append(text[pos:start])
+            end = text.find(_HERMES_CLOSE, start)
+            if end == -1:
+                pos = start
+                break
+            stop = end + len(_HERMES_CLOSE)
+            if _parse_call(text[start + len(_HERMES_OPEN):end]) is None:
+                out.append(text[start:stop])          # not a call: it was text after all
+            pos = stop
+        self.content_sent = pos
+        return "".join(out)
+
+    def _feed_hermes(self) -> list[dict]:
+        out = []
+        for i, (name, args, _) in enumerate(_hermes_calls(self.text)[0]):
+            if i == len(self.sent):
+                self.sent.append(len(args))
+                out.append({"index": i, "id": new_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": args}})
+        return out
+
+    def flush_content(self) -> str:
+        """hermes, at the end: the text still held back (an unclosed block or a partial tag is text)."""
+        if not self.mode.hermes:
+            return ""
+        out, self.content_sent = self.text[self.content_sent:], len(self.text)
         return out
