@@ -214,6 +214,10 @@ class ContentPart(BaseModel):
         return data
 
 
+#: response-message fields a client may send back in the history, accepted while empty
+_EMPTY_ASSISTANT_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -227,6 +231,10 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_fields_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in _EMPTY_ASSISTANT_FIELDS):
+            # an assistant message echoed back from a response (the openai client sends OpenAI's own fields
+            # with their empty values): empty, they say nothing; with a value they are refused below
+            data = {k: v for k, v in data.items() if not (k in _EMPTY_ASSISTANT_FIELDS and v in (None, [], {}, ""))}
         reject_unknown_fields(cls, data, "messages.")
         return data
 

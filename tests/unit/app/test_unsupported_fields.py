@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessage
 
 from app.errors import APIError
 from app.prompts import RequestKind
@@ -35,6 +36,9 @@ async def _post(checkpoints, kind, body):
      ["'messages.audio'"], "messages.audio"),
     (RequestKind.CHAT, {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, ["'image_url'"], "messages.content.type"),
+    (RequestKind.CHAT, {**CHAT, "messages": [{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": "y", "refusal": "no"}]},
+     ["'messages.refusal'"], "messages.refusal"),
 ])
 async def test_unimplemented_fields_are_a_400_naming_them(checkpoints, kind, body, names, param):
     r, body_out, handle = await _post(checkpoints, kind, body)
@@ -74,6 +78,10 @@ def _captured(call) -> dict:
     (RequestKind.CHAT, lambda c: c.chat.completions.create(
         model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         max_completion_tokens=2, stream=True, stream_options={"include_usage": True})),
+    (RequestKind.CHAT, lambda c: c.chat.completions.create(        # an assistant message from a response
+        model="m", max_tokens=2, messages=[{"role": "user", "content": "q"}, ChatCompletionMessage.model_validate(
+            {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None,
+             "function_call": None})])),
     (RequestKind.COMPLETION, lambda c: c.completions.create(
         model="m", prompt="hi", max_tokens=2, echo=False, logprobs=1, best_of=1, user="u",
         extra_body={"top_k": 5, "min_tokens": 1, "ignore_eos": True})),
