@@ -288,3 +288,21 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
     assert [got["free0"], got["free1"]] == want
     pool = eng.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_with_prefix_caching_and_the_offload_tier(checkpoints):
+    """A constrained request whose prefix comes back from the offload tier (after leaving the small pool)
+    is admitted as a prefix hit once compiled, and its output still validates."""
+    from engine import LLM
+    llm = LLM(checkpoints["llama"], cache={"num_blocks": 14, "block_size": 8},
+              kv_connector={"type": "offload", "capacity_blocks": 64})
+    prefix = list(range(100, 156))                                            # 7 blocks
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=1,
+                            structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2]))
+    first = llm.generate([prefix + [7, 8]], params, use_tqdm=False)
+    llm.generate([list(range(200 + 60 * i, 260 + 60 * i)) for i in range(2)],     # evicts the prefix
+                 SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    second = llm.generate([prefix + [9]], params, use_tqdm=False)
+    assert second[0].num_cached_tokens == 56 and llm.engine.kv_connector.stats.loads_ok >= 1
+    for o in first + second:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS[2])
