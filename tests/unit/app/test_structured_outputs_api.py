@@ -169,3 +169,36 @@ async def test_bad_requests_are_400s_naming_the_field(app, kw, param):
     # the server keeps serving
     ok = await client.chat.completions.create(model=model, messages=MSGS, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_streamed_tool_calls_keep_choices_apart_with_n(app):
+    client, model = app
+    chunks = [ch async for ch in await client.chat.completions.create(
+        model=model, messages=MSGS, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80, temperature=1.0, seed=9, n=2, stream=True)]
+    args = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            for tc in c.delta.tool_calls or []:
+                assert tc.index == 0
+                args[c.index] += tc.function.arguments or ""
+    for text in args.values():
+        jsonschema.validate(json.loads(text), WEATHER)
+
+
+async def test_the_python_handle_api_takes_the_same_fields(checkpoints):
+    from app.ingress import Ingress
+    from app.replica import LLMReplica
+    path = checkpoints["llama"]
+    rep = LLMReplica({"model": path, "cache": {"num_blocks": 128, "block_size": 4}})
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())
+    out = await ing.chat({"messages": MSGS, "max_tokens": 60, "temperature": 0.0, "tools": TOOLS,
+                          "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    call = out["choices"][0]["message"]["tool_calls"][0]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TIME)
+    out = await ing.completions({"prompt": "x", "max_tokens": 60, "temperature": 0.0,
+                                 "response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                                                                                             "schema": PERSON}}})
+    jsonschema.validate(json.loads(out["choices"][0]["text"]), PERSON)
+    assert not rep.engine.engine.has_unfinished_requests()
+    await rep.engine.shutdown()
