@@ -61,9 +61,9 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
         return None, ToolCallMode(None, hermes=True)
     if choice is None or choice == "auto":
         raise APIError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
-                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>); send tool_choice 'required', a named function "
-                       "({'type': 'function', 'function': {'name': ...}}) or 'none'", 400, "invalid_request_error",
-                       "tool_choice", "unsupported_value")
+                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>); "
+                       "send tool_choice 'required', a named function ({'type': 'function', 'function': "
+                       "{'name': ...}}) or 'none'", 400, "invalid_request_error", "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},

@@ -1,11 +1,11 @@
 """Structured outputs (issue 27): the per-step cost of grammar-constrained decoding, and grammar compile times.
 
 Decode steps at batch 1, 32 and 128 on a demo Llama (default size, vocabulary padded to 32,000 so the bitmask
-is as wide as a real model's), every row constrained (a regex, `[a-z ]+`, with the EOS ids biased away in both runs so every
-row runs to max_tokens; no detokenizing in either: the padded vocabulary's ids have no text, and unconstrained
-rows would pay for decoding them) against the
-same batch unconstrained, in the same engine, alternating over `--repeats` rounds; the median step time of
-each. Then compile times of a set of JSON schemas, cold and from the cache.
+is as wide as a real model's): every row constrained (the regex `[a-z ]+`) against the same batch
+unconstrained, in the same engine, alternating over `--repeats` rounds; the best median step time of each.
+Both runs bias the EOS ids away (every row runs to max_tokens) and skip detokenizing (the padded vocabulary's
+ids have no text, and unconstrained rows would pay for decoding them). Then compile times of a set of JSON
+schemas, cold and from the cache.
 
     python benchmarks/structured.py [--steps 20] [--repeats 3] [--json out.json]
 """
