@@ -90,8 +90,30 @@ class OpenAIServing:
             self._prepare_thread, functools.partial(
                 prepare_request, kind, req, request_id, model_name=self.model_name, limits=limits,
                 tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request))
+        self._quiet_cancelled_futures()
         await self._admit(p)
         return p
+
+    def _quiet_cancelled_futures(self) -> None:
+        """Once per event loop: a dropped stream cancels its replica calls, and Ray then sets
+        TaskCancelledError on futures nobody awaits any more; asyncio would log each as "Future exception
+        was never retrieved" with a traceback (hundreds in a soak). A disconnect is not a server error:
+        those are dropped; every other unhandled-exception report goes to the previous handler."""
+        loop = asyncio.get_running_loop()
+        if getattr(loop, "_affinity_quiet_cancel", False):
+            return
+        previous = loop.get_exception_handler()
+
+        def handler(lp: asyncio.AbstractEventLoop, context: dict) -> None:
+            exc = context.get("exception")
+            if exc is not None and _is_cancellation(exc) and "never retrieved" in str(context.get("message", "")):
+                return
+            if previous is not None:
+                previous(lp, context)
+            else:
+                lp.default_exception_handler(context)
+        loop.set_exception_handler(handler)
+        loop._affinity_quiet_cancel = True      # type: ignore[attr-defined]
 
     async def _admit(self, p: PreparedRequest) -> None:
         """Admission control (`serve.max_queue_wait_s`): a 429 with Retry-After, before anything is sent,
@@ -323,3 +345,10 @@ def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:
 def _span_attributes(p: PreparedRequest) -> dict[str, Any]:
     return {"model": p.model, "request_id": p.request_id, "kind": p.kind.value,
             "prompt_tokens": p.num_prompt_tokens}
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """Ray's or Serve's "this call was cancelled" (the client left), by class name: Ray may be absent."""
+    return type(exc).__name__ in ("TaskCancelledError", "RequestCancelledError") or isinstance(
+        exc, asyncio.CancelledError)
+

@@ -118,3 +118,29 @@ def test_the_core_predicts_the_best_ttft_and_records_nothing():
     assert core.loads.num_in_flight == 0 and core.index.num_spec_entries == 0
     assert core.counters().num_decisions == 0
     assert core.predict_wait(req, []) is None
+
+
+async def test_cancelled_futures_nobody_awaits_are_not_logged_as_errors(caplog):
+    """A dropped stream's cancelled replica calls leave futures whose exception nobody retrieves; those
+    are not server errors (issue 33.4), any other unretrieved exception is still reported."""
+    import gc
+    import logging
+
+    class TaskCancelledError(Exception):
+        pass
+
+    replica = Replica()
+    serving, handle = _serving(replica, bound=None, app_name="admission-3")
+    await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2], max_tokens=1), "x", {})
+    loop = asyncio.get_running_loop()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        f = loop.create_future()
+        f.set_exception(TaskCancelledError("cancelled"))
+        del f
+        g = loop.create_future()
+        g.set_exception(ValueError("a real bug"))
+        del g
+        gc.collect()
+        await asyncio.sleep(0)
+    text = caplog.text
+    assert "a real bug" in text and "TaskCancelledError" not in text
