@@ -225,8 +225,8 @@ def main() -> None:
             floor = floor_bytes(runner.model, cfg, ctx, dt.itemsize) / bw
             best_hf, best_ours, step = best[v]
             rows.append({"case": v, "hf_tok_s": round(n / best_hf, 1), "ours_tok_s": round(n / best_ours, 1),
-                         "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 3),
-                         "floor_ms": round(floor * 1e3, 3), "step_over_floor": round(step / floor, 2),
+                         "ratio": round(best_hf / best_ours, 2), "decode_step_ms": round(step * 1e3, 5),
+                         "floor_ms": round(floor * 1e3, 5), "step_over_floor": round(step / floor, 2),
                          "overlap_decode": ov, "cascade": casc})
     hdr = (f"{'case':<44} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
            f"{'floor ms':>9} {'step/floor':>10}")
