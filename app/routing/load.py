@@ -196,6 +196,14 @@ class LoadTracker:
             load.refresh()
         return f
 
+    @staticmethod
+    def _unpend(load: ReplicaLoad, f: InFlight) -> None:
+        """Take a request sent after the snapshot off the load added on top of it."""
+        load.num_pending -= 1
+        load.pending_blocks -= f.kv_blocks
+        if not f.started:
+            load.pending_tokens -= f.uncached_tokens
+
     def _cancel(self, req_id: str) -> None:
         """Forget a request that never reached its recorded replica (moved, or re-added)."""
         f = self._in_flight.pop(req_id)
@@ -204,10 +212,7 @@ class LoadTracker:
             return
         load.in_flight.pop(req_id, None)
         if f.routed_at >= load.taken_at:
-            load.num_pending -= 1
-            load.pending_blocks -= f.kv_blocks
-            if not f.started:
-                load.pending_tokens -= f.uncached_tokens
+            self._unpend(load, f)
             load.refresh()
 
     def finish(self, req_id: str, now: float) -> InFlight | None:
@@ -218,10 +223,7 @@ class LoadTracker:
         if load is not None:
             load.in_flight.pop(req_id, None)
             if f.routed_at >= load.taken_at:
-                load.num_pending -= 1
-                load.pending_blocks -= f.kv_blocks
-                if not f.started:
-                    load.pending_tokens -= f.uncached_tokens
+                self._unpend(load, f)
             elif not f.started:
                 load.retired_tokens += f.uncached_tokens      # counted queued, never ran
             elif f.started_at <= load.taken_at:

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from app.routing import KVEventBatch, KVSnapshot
 from app.routing.prefix_index import PrefixIndex
 from benchmarks.routing.replica import ReplicaSpec, SimReplica
-from benchmarks.routing.routers import ClusterView, SimRequest, _Base
+from benchmarks.routing.routers import ClusterView, SimRequest, _Base, pull_kv_events
 
 
 class _EventFed(_Base):
@@ -56,22 +55,8 @@ class _EventFed(_Base):
         return [min(m.get(rid, 0), cap) for rid in self.ids]
 
     def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
-        rid = self.ids[replica]
-        if self.next_seq[replica] is None or rid in self.index.replicas_needing_snapshot():
-            self._resync(replica, feed)
-            return
-        reply = feed.kv_events_since(self.next_seq[replica], self.epoch[replica])
-        if reply.snapshot_required:
-            self._resync(replica, feed)
-            return
-        self.next_seq[replica] = reply.next_seq
-        if not self.index.apply_events(KVEventBatch(rid, reply.epoch, reply.first_seq, reply.events)):
-            self._resync(replica, feed)
-
-    def _resync(self, replica: int, feed: SimReplica) -> None:
-        snap = feed.kv_snapshot()
-        self.index.apply_snapshot(KVSnapshot(self.ids[replica], snap.epoch, snap.next_seq, snap.block_hashes))
-        self.next_seq[replica], self.epoch[replica] = snap.next_seq, snap.epoch
+        pull_kv_events(replica, feed, self.ids, self.next_seq, self.epoch, self.index.replicas_needing_snapshot,
+                       self.index.apply_events, self.index.apply_snapshot)
 
     def pick_lowest(self, cost: list[float], pool: list[int]) -> int:
         best = min(cost[i] for i in pool)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import random
 
-from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView, RouteRequest,
-                         make_core)
+from app.routing import AffinityConfig, ReplicaInfo, ReplicaLoadView, RouteRequest, make_core
 from benchmarks.routing.replica import ReplicaSpec, SimReplica
-from benchmarks.routing.routers import ClusterView, SimRequest, _Base
+from benchmarks.routing.routers import ClusterView, SimRequest, _Base, pull_kv_events
 
 
 class OursRouter(_Base):
@@ -63,22 +62,8 @@ class OursRouter(_Base):
 
     def on_kv_events(self, replica: int, feed: SimReplica, now: float) -> None:
         self.now = now
-        rid = self.ids[replica]
-        if self.next_seq[replica] is None or rid in self.core.replicas_needing_snapshot():
-            self._resync(replica, feed)
-            return
-        reply = feed.kv_events_since(self.next_seq[replica], self.epoch[replica])
-        if reply.snapshot_required:
-            self._resync(replica, feed)
-            return
-        self.next_seq[replica] = reply.next_seq
-        if not self.core.on_kv_events(KVEventBatch(rid, reply.epoch, reply.first_seq, reply.events)):
-            self._resync(replica, feed)
-
-    def _resync(self, replica: int, feed: SimReplica) -> None:
-        snap = feed.kv_snapshot()
-        self.core.on_snapshot(KVSnapshot(self.ids[replica], snap.epoch, snap.next_seq, snap.block_hashes))
-        self.next_seq[replica], self.epoch[replica] = snap.next_seq, snap.epoch
+        pull_kv_events(replica, feed, self.ids, self.next_seq, self.epoch, self.core.replicas_needing_snapshot,
+                       self.core.on_kv_events, self.core.on_snapshot)
 
     def summary(self) -> dict:
         """The core's own counters: decisions by reason, index accuracy, the calibrated TTFT model."""

@@ -248,3 +248,31 @@ class _FakeReplica:
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
         return self._cluster.ongoing[self.index]
+
+
+def pull_kv_events(replica: int, feed: SimReplica, ids: list[str], next_seq: list[int | None],
+                   epoch: list[str | None], needs_snapshot, apply_events, apply_snapshot) -> None:
+    """One periodic pull of a replica's KV events, as the real shell's feed does it (app/routing/feed.py): a
+    snapshot when the index asks for one (new, gapped, restarted replica) or the log lost the range, else
+    the events since the last pull. `next_seq`/`epoch` (per replica) are updated in place; the index is
+    reached through `needs_snapshot()` -> replica ids, `apply_events(KVEventBatch)` -> bool (False: gap)
+    and `apply_snapshot(KVSnapshot)`."""
+    from app.routing import KVEventBatch, KVSnapshot
+    rid = ids[replica]
+
+    def resync() -> None:
+        snap = feed.kv_snapshot()
+        apply_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, snap.block_hashes))
+        next_seq[replica], epoch[replica] = snap.next_seq, snap.epoch
+
+    if next_seq[replica] is None or rid in needs_snapshot():
+        resync()
+        return
+    reply = feed.kv_events_since(next_seq[replica], epoch[replica])
+    if reply.snapshot_required:
+        resync()
+        return
+    next_seq[replica] = reply.next_seq
+    if not apply_events(KVEventBatch(rid, reply.epoch, reply.first_seq, reply.events)):
+        resync()
+
