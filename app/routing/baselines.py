@@ -53,33 +53,29 @@ class _LoadOnlyCore(ABC):
             return Decision(request.request_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
                             time.perf_counter() - start)
         now = self.clock()
-        self.loads.expire(now)
-        for rid in candidate_ids:
+        self._expire(now)
+        ids = list(candidate_ids)
+        for rid in ids:
             if rid not in self._members:
-                self._members.add(rid)
-                self.loads.add_replica(rid)
-        ranked = self._rank(list(candidate_ids))
-        self.loads.add(request.request_id, ranked[0], uncached_tokens=request.num_prompt_tokens,
-                       predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
-                       block_hashes=[], now=now)
-        loads = [self.loads.get(rid) for rid in candidate_ids]
-        scores = CandidateScores(list(candidate_ids), [0] * len(loads), [0.0] * len(loads),
-                                 [c.queued_prefill_tokens for c in loads], [c.decode_load for c in loads],
-                                 [c.kv_usage for c in loads])
-        decision = Decision(request.request_id, ranked, ranked[0], Reason.LOAD, scores, time.perf_counter() - start)
+                self._add_member(rid)
+        decision = self._decide(request, ids, now, start)
         self._counters.num_decisions += 1
         self._counters.num_by_reason[decision.reason] = self._counters.num_by_reason.get(decision.reason, 0) + 1
         if self._decisions.maxlen:
             self._decisions.append(decision)
         return decision
 
-    @abstractmethod
-    def _rank(self, ids: list[str]) -> list[str]:
-        """The candidates, best first (each baseline's whole policy)."""
+    def _expire(self, now: float) -> None:
+        self.loads.expire(now)
 
-    def _load_key(self, replica_id: str) -> tuple[int, int]:
-        load = self.loads.get(replica_id)
-        return load.queued_prefill_tokens, load.decode_load
+    def _add_member(self, replica_id: str) -> None:
+        """A candidate Serve knows before set_replicas told this core."""
+        self._members.add(replica_id)
+        self.loads.add_replica(replica_id)
+
+    @abstractmethod
+    def _decide(self, request: RouteRequest, ids: list[str], now: float, start: float) -> Decision:
+        """The policy's decision over `ids` (non-empty), its request recorded as in flight."""
 
     def on_routed(self, request_id: str, replica_id: str) -> None:
         f = self.loads.in_flight(request_id)
@@ -110,7 +106,30 @@ class _LoadOnlyCore(ABC):
                               c.actual_cached_tokens, c.num_accuracy_samples)
 
 
-class RoundRobinCore(_LoadOnlyCore):
+class _RankingCore(_LoadOnlyCore):
+    """A policy that is a ranking of the candidates by load alone (no prefix index)."""
+
+    def _decide(self, request: RouteRequest, ids: list[str], now: float, start: float) -> Decision:
+        ranked = self._rank(ids)
+        self.loads.add(request.request_id, ranked[0], uncached_tokens=request.num_prompt_tokens,
+                       predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
+                       block_hashes=[], now=now)
+        loads = [self.loads.get(rid) for rid in ids]
+        scores = CandidateScores(ids, [0] * len(loads), [0.0] * len(loads),
+                                 [c.queued_prefill_tokens for c in loads], [c.decode_load for c in loads],
+                                 [c.kv_usage for c in loads])
+        return Decision(request.request_id, ranked, ranked[0], Reason.LOAD, scores, time.perf_counter() - start)
+
+    @abstractmethod
+    def _rank(self, ids: list[str]) -> list[str]:
+        """The candidates, best first (each baseline's whole policy)."""
+
+    def _load_key(self, replica_id: str) -> tuple[int, int]:
+        load = self.loads.get(replica_id)
+        return load.queued_prefill_tokens, load.decode_load
+
+
+class RoundRobinCore(_RankingCore):
     """Candidates in turn: the n-th decision starts at candidate n mod len (the rest follow in order)."""
 
     def __init__(self, config: AffinityConfig, clock: Callable[[], float] = time.monotonic,
@@ -124,7 +143,7 @@ class RoundRobinCore(_LoadOnlyCore):
         return ids[i:] + ids[:i]
 
 
-class PowerOfTwoCore(_LoadOnlyCore):
+class PowerOfTwoCore(_RankingCore):
     """Two random candidates, the less loaded first (queued prefill tokens, then running); Serve's default
     shape with the router's own in-flight sends counted. The rest follow by load."""
 
@@ -178,21 +197,15 @@ class LlmdPreciseCore(_LoadOnlyCore):
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
         self.index.apply_snapshot(snapshot)
 
-    def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
-        start = time.perf_counter()
-        if not candidate_ids:
-            self._counters.num_errors += 1
-            return Decision(request.request_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
-                            time.perf_counter() - start)
-        now = self.clock()
+    def _expire(self, now: float) -> None:
         self.index.expire(now)
         self.loads.expire(now)
-        ids = list(candidate_ids)
-        for rid in ids:
-            if rid not in self._members:
-                self._members.add(rid)
-                self.loads.add_replica(rid)
-                self.index.add_replica(rid)
+
+    def _add_member(self, replica_id: str) -> None:
+        super()._add_member(replica_id)
+        self.index.add_replica(replica_id)
+
+    def _decide(self, request: RouteRequest, ids: list[str], now: float, start: float) -> Decision:
         hashes, prompt, bs = request.block_hashes, request.num_prompt_tokens, self.block_size
         matched = self.index.match(hashes, ids)
         cap = max(0, prompt - 1) // bs
@@ -223,15 +236,7 @@ class LlmdPreciseCore(_LoadOnlyCore):
         scores = CandidateScores(ids, [p - u for p, u in zip([prompt] * len(ids), uncached)],
                                  [s / self.peak_tokens_per_s for s in score], inflight,
                                  [c.decode_load for c in loads], [c.kv_usage for c in loads])
-        decision = Decision(request.request_id, ranked, rid, reason, scores, time.perf_counter() - start)
-        self._counters.num_decisions += 1
-        self._counters.num_by_reason[reason] = self._counters.num_by_reason.get(reason, 0) + 1
-        if self._decisions.maxlen:
-            self._decisions.append(decision)
-        return decision
-
-    def _rank(self, ids: list[str]) -> list[str]:       # route() is overridden whole
-        return ids
+        return Decision(request.request_id, ranked, rid, reason, scores, time.perf_counter() - start)
 
     def _retire(self, request_id: str) -> None:
         sent = self._sent.pop(request_id, None)

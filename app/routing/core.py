@@ -107,12 +107,11 @@ class PrefixAffinityRouterCore:
         result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now, tier)
         chosen = cands[result.chosen_index].replica_id
         cached = result.scores.predicted_cached_tokens[result.chosen_index]
-        expected = self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens)
         self.loads.add(request.request_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=request.block_hashes, now=now,
                        tier_tokens=result.scores.tier_cached(result.chosen_index),
-                       kv_blocks=-(-(request.num_prompt_tokens + int(expected)) // self.block_size))
+                       kv_blocks=-(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size))
         self.index.insert_speculative(chosen, request.block_hashes, now, start=matched.get(chosen, 0))
         self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
         return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,

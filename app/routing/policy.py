@@ -43,6 +43,7 @@ class PolicyResult:
     scores: CandidateScores
     affinity_replica_id: str | None
     num_hot_replicas: int
+    expected_output_tokens: int = 0      # what the request is expected to generate (HotGroups.expected_output)
 
 
 class HotGroups:
@@ -192,7 +193,6 @@ class AffinityPolicy:
         ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
         everyone = range(len(cands))
         holders = [i for i in everyone if blocks[i] >= cfg.min_affinity_blocks]
-        key = self.group_key(request)
         k = self._hot_k(key, len(cands), now)
         affinity: int | None = None
         group_len = min(cfg.group_blocks, len(request.block_hashes))
@@ -224,10 +224,11 @@ class AffinityPolicy:
             affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
             chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY, cached)
         if key is not None:
-            expected = self.groups.expected_output(key, request.max_tokens)
-            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * expected, now,
+            self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * out_tokens, now,
                                request.block_hashes)
-        return self._result(cands, cached, ttft, chosen, reason, affinity, k, loaded)
+        result = self._result(cands, cached, ttft, chosen, reason, affinity, k, loaded)
+        result.expected_output_tokens = out_tokens
+        return result
 
     def _hot_k(self, key: BlockHash | None, num_cands: int, now: float) -> int:
         if key is None:
