@@ -155,6 +155,9 @@ class AutoscalingSection(_Strict):
     trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")
     refill_weight: float = Field(1.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
                                  "cached on another replica counts as load (a one-off cost of moving them)")
+    online_capacity: bool = Field(True, description="learn each replica's prefill rate and decode capacity from "
+                                  "its own step costs and sequence lengths where it reports them (the two priors "
+                                  "above stand in until then); false: the priors only")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":

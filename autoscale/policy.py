@@ -67,6 +67,9 @@ class PolicyConfig:
     trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
     trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
     refill_weight: float = 1.0             # how much prefill of prefixes another replica held counts as load
+    #: R and C from each replica's own step costs and sequence lengths (`replica_capacity`) where it reports
+    #: them; the two priors above stand in for a replica that does not (yet)
+    online_capacity: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -150,6 +153,50 @@ class ScalingDecision:
                 f"{self.down_target})")
 
 
+#: fewer running sequences than this say too little about the KV a sequence holds (a shared prefix is most
+#: of it): the replica's C then comes from its step costs and the prior only
+MIN_SEQS_FOR_KV = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """One replica's capacity: R uncached prompt tokens per second, C sequences decoding within the TPOT
+    SLO and held in KV at the KV target, and how much the running sequences' KV will grow (>= 1: the
+    sequences are younger than those the replica saw finish)."""
+
+    prefill_tokens_per_s: float
+    decode_seqs: float
+    kv_growth: float = 1.0
+
+
+def replica_capacity(s: ReplicaSignals, cfg: PolicyConfig) -> Capacity:
+    """R and C of the replica reporting `s`, from its own step costs and sequence lengths where it reports
+    them (`online_capacity`), else the priors.
+
+    - R = 1 / prefill_s_per_token.
+    - C = min(C_tpot, C_kv). C_tpot: the batch whose decode step, base + decode cost x context per sequence
+      x batch, fits the TPOT SLO, at most the engine's batch cap (the prior `decode_seqs_per_replica` until
+      the replica reports step costs). C_kv: the sequences the KV target holds at
+      the KV each running sequence holds now (KV usage / running, sharing included), grown to what a
+      sequence holds on average over its life (prompt + output / 2 of the sequences that finished) from what
+      the running ones hold now (their mean context): after a shift to longer outputs the young sequences
+      read small, and C_kv says so before the pool fills.
+    """
+    if not cfg.online_capacity:
+        return Capacity(cfg.prefill_tokens_per_s, cfg.decode_seqs_per_replica)
+    r = 1.0 / s.prefill_s_per_token if s.prefill_s_per_token > 0 else cfg.prefill_tokens_per_s
+    caps = [cfg.decode_seqs_per_replica]        # the TPOT bound until the replica's step costs say otherwise
+    if s.decode_s_per_context_token > 0 and s.mean_context_tokens > 0:
+        c_tpot = (cfg.tpot_slo_s - s.step_base_s) / (s.decode_s_per_context_token * s.mean_context_tokens)
+        caps[0] = max(1.0, min(c_tpot, s.max_num_seqs) if s.max_num_seqs > 0 else c_tpot)
+    growth = 1.0
+    if s.mean_context_tokens > 0 and s.mean_prompt_tokens > 0:
+        growth = max(1.0, (s.mean_prompt_tokens + s.mean_output_tokens / 2) / s.mean_context_tokens)
+    if s.num_running >= MIN_SEQS_FOR_KV and s.kv_cache_usage > 0:
+        caps.append(max(1.0, cfg.kv_usage_target * s.num_running / (s.kv_cache_usage * growth)))
+    return Capacity(r, min(caps), growth)
+
+
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
     # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests), but it is
     # work the new replicas do while a burst lasts: counted in full by default (docs/autoscaling.md).
@@ -157,15 +204,21 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     prefill_rate = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
     backlog = sum(s.num_queued_prefill_tokens for s in signals)
     recent = sum(s.num_recent_requests for s in signals)
+    # The fleet's work over the mean replica's capacity: replicas of different speeds (heterogeneous devices,
+    # or one sharing its host) each count what they measured, and a replica the fleet adds is taken to be
+    # an average one.
+    caps = [replica_capacity(s, cfg) for s in signals]
+    r = sum(c.prefill_tokens_per_s for c in caps) / len(caps) if caps else cfg.prefill_tokens_per_s
+    c_decode = sum(c.decode_seqs for c in caps) / len(caps) if caps else cfg.decode_seqs_per_replica
 
     def weighted(attr: str) -> float:
         return sum(getattr(s, attr) * s.num_recent_requests for s in signals) / recent if recent else 0.0
 
     return FleetLoad(
-        prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / cfg.prefill_tokens_per_s,
-        refill_units=refill_rate / cfg.prefill_tokens_per_s,
-        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / cfg.decode_seqs_per_replica,
-        kv_units=sum(s.kv_cache_usage for s in signals) / cfg.kv_usage_target,
+        prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r,
+        refill_units=refill_rate / r,
+        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
+        kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,

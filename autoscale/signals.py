@@ -13,7 +13,9 @@ import numpy as np
 #: record_autoscaling_stats() keys (Serve carries them as ctx.aggregated_metrics[key][replica_id])
 METRIC_KEYS = ("num_running", "num_waiting", "num_in_flight", "kv_cache_usage", "num_queued_prefill_tokens",
                "preemptions_per_s", "prefill_tokens_per_s", "refill_tokens_per_s", "ttft_p90_s", "tpot_p90_s",
-               "num_recent_requests", "requests_per_s")
+               "num_recent_requests", "requests_per_s", "step_base_s", "prefill_s_per_token",
+               "decode_s_per_context_token", "mean_context_tokens", "mean_prompt_tokens", "mean_output_tokens",
+               "max_num_seqs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,16 @@ class ReplicaSignals:
     tpot_p90_s: float = 0.0
     num_recent_requests: float = 0.0       # first tokens in the recent window
     requests_per_s: float = 0.0            # first tokens per second over the recent window
+    # The replica's own capacity model (0: not known; the policy then uses its priors). A step costs
+    # step_base_s + prefill_s_per_token x prefill tokens + decode_s_per_context_token x the context tokens of
+    # the sequences decoding in it: least squares over the replica's recent steps (`StepCostModel`).
+    step_base_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_context_token: float = 0.0
+    mean_context_tokens: float = 0.0       # context per decoding sequence, recent steps
+    mean_prompt_tokens: float = 0.0        # prompt and output lengths of the sequences finished in the window
+    mean_output_tokens: float = 0.0
+    max_num_seqs: float = 0.0              # the engine's batch cap
 
     @classmethod
     def from_metrics(cls, m: Mapping[str, float]) -> ReplicaSignals:
@@ -45,6 +57,47 @@ class ReplicaSignals:
 
     def to_metrics(self) -> dict[str, float]:
         return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+class StepCostModel:
+    """A replica's step cost learned from its own steps: step_s = base + prefill_s_per_token x prefill tokens
+    + decode_s_per_context_token x decoding context tokens, by least squares over the last `max_steps` steps.
+
+    The steps are kept by count, not by time: the device's cost per token changes with the device, not with
+    the traffic, and a quiet spell must not forget it. A coefficient whose regressor did not vary over the
+    kept steps (no prefill in them, say) keeps its last fitted value: it is not observable from them."""
+
+    MIN_STEPS = 8
+
+    def __init__(self, max_steps: int = 2048):
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=max_steps)   # (prefill, context, step_s)
+        self._ctx: deque[tuple[float, float]] = deque(maxlen=max_steps)            # (t, context per decode seq)
+        self.coef: tuple[float, float, float] = (0.0, 0.0, 0.0)                    # (base, prefill, decode)
+
+    def add(self, now: float, step_s: float, num_prefill_tokens: int, num_decode_seqs: int,
+            num_context_tokens: int) -> None:
+        self._steps.append((float(num_prefill_tokens), float(num_context_tokens), float(step_s)))
+        if num_decode_seqs > 0:
+            self._ctx.append((now, num_context_tokens / num_decode_seqs))
+
+    def fit(self) -> tuple[float, float, float]:
+        if len(self._steps) < self.MIN_STEPS:
+            return self.coef
+        a = np.asarray(self._steps)
+        cols = [np.ones(len(a))]
+        which = [j for j in (0, 1) if np.ptp(a[:, j]) > 0]
+        cols += [a[:, j] for j in which]
+        sol, *_ = np.linalg.lstsq(np.stack(cols, axis=1), a[:, 2], rcond=None)
+        coef = list(self.coef)
+        coef[0] = max(0.0, float(sol[0]))
+        for j, v in zip(which, sol[1:]):
+            coef[1 + j] = max(0.0, float(v))
+        self.coef = (coef[0], coef[1], coef[2])
+        return self.coef
+
+    def mean_context_tokens(self, since: float) -> float:
+        recent = [c for t, c in self._ctx if t >= since]
+        return float(np.mean(recent)) if recent else 0.0
 
 
 class SignalRecorder:
@@ -62,6 +115,9 @@ class SignalRecorder:
         #: (t, ttft, uncached tokens, of them refilled: cached on another replica)
         self._first: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
+        #: (t, prompt tokens, output tokens) of finished sequences whose prompt length was given
+        self._lengths: deque[tuple[float, int, int]] = deque(maxlen=max_samples)
+        self.steps = StepCostModel()
         self._preempt: deque[tuple[float, int]] = deque(maxlen=max_samples)         # (t, preemptions total)
         #: lifetime sums of what on_first_token saw (for inspection: debug_state, tests), never windowed
         self.totals = {"num_first_tokens": 0, "uncached_prompt_tokens": 0, "refilled_tokens": 0}
@@ -76,16 +132,25 @@ class SignalRecorder:
         self.totals["uncached_prompt_tokens"] += num_uncached_prompt_tokens
         self.totals["refilled_tokens"] += refilled
 
-    def on_finished(self, now: float, decode_s: float, num_output_tokens: int) -> None:
-        """A sequence ended: `decode_s` from its first to its last token over `num_output_tokens` tokens."""
+    def on_finished(self, now: float, decode_s: float, num_output_tokens: int, num_prompt_tokens: int = 0) -> None:
+        """A sequence ended: `decode_s` from its first to its last token over `num_output_tokens` tokens
+        (`num_prompt_tokens`, when given, feeds the observed sequence lengths)."""
         if num_output_tokens > 1:
             self._tpot.append((now, decode_s / (num_output_tokens - 1)))
+        if num_prompt_tokens > 0:
+            self._lengths.append((now, num_prompt_tokens, num_output_tokens))
+
+    def on_step(self, now: float, step_s: float, num_prefill_tokens: int, num_decode_seqs: int,
+                num_context_tokens: int) -> None:
+        """One engine step took `step_s`: `num_prefill_tokens` prompt tokens computed, `num_decode_seqs`
+        sequences decoding one token each over `num_context_tokens` context tokens in all."""
+        self.steps.add(now, step_s, num_prefill_tokens, num_decode_seqs, num_context_tokens)
 
     def snapshot(self, now: float, *, num_running: int, num_waiting: int, num_in_flight: int,
                  kv_cache_usage: float, num_queued_prefill_tokens: int,
-                 num_preemptions_total: int) -> ReplicaSignals:
+                 num_preemptions_total: int, max_num_seqs: int = 0) -> ReplicaSignals:
         cut = now - self.window_s
-        for q in (self._first, self._tpot, self._preempt):
+        for q in (self._first, self._tpot, self._preempt, self._lengths):
             while q and q[0][0] < cut:
                 q.popleft()
         self._preempt.append((now, num_preemptions_total))
@@ -112,7 +177,16 @@ class SignalRecorder:
             refill_tokens_per_s=sum(x[3] for x in self._first) / span,
             ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else 0.0,
             tpot_p90_s=float(np.percentile(tpots, 90)) if tpots else 0.0,
-            num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span)
+            num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span,
+            **self._capacity(cut), max_num_seqs=max_num_seqs)
+
+    def _capacity(self, since: float) -> dict[str, float]:
+        base, prefill, decode = self.steps.fit()
+        lengths = np.asarray([(p, o) for _, p, o in self._lengths], dtype=float).reshape(-1, 2)
+        mean_prompt, mean_output = lengths.mean(axis=0).tolist() if len(lengths) else (0.0, 0.0)
+        return dict(step_base_s=base, prefill_s_per_token=prefill, decode_s_per_context_token=decode,
+                    mean_context_tokens=self.steps.mean_context_tokens(since), mean_prompt_tokens=mean_prompt,
+                    mean_output_tokens=mean_output)
 
 
 def refilled_tokens(num_prompt_tokens: int, num_cached_tokens: int,
