@@ -112,14 +112,16 @@ def autoscaling_config(config: AppConfig) -> dict[str, Any]:
     at 0 (Serve wraps every custom policy with its delays; ours already hold each direction for its delay,
     so two sets would add up); policy `requests`: Serve's default rule with our delays."""
     a, s = config.autoscaling, config.serve
+    initial = a.initial_replicas if a.initial_replicas is not None else s.num_replicas
     out: dict[str, Any] = {
         "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-        "initial_replicas": max(a.min_replicas, min(s.num_replicas, a.max_replicas)),
+        "initial_replicas": max(a.min_replicas, min(initial, a.max_replicas)),
         "metrics_interval_s": a.metrics_interval_s, "look_back_period_s": a.look_back_period_s}
     if a.policy == "requests":
-        return out | {"target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
-                      "downscale_delay_s": a.downscale_delay_s,
-                      "downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
+        factors = {k: v for k in ("upscaling_factor", "downscaling_factor") if (v := getattr(a, k)) is not None}
+        return out | factors | {"target_ongoing_requests": a.target_ongoing_requests,
+                                "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+                                "downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
     return out | {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
                   "policy": {"policy_function": "autoscale.serve_policy:EngineAwarePolicy",
                              "policy_kwargs": engine_policy_kwargs(config)}}

@@ -39,15 +39,30 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as e:
         print(f"affinity-serve: error: engine.model: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl-C before Ray started (loading the config, the checkpoint checks)
+        print("\n[affinity-serve] interrupted; nothing was started.", file=sys.stderr, flush=True)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="affinity-serve", description="Elastic LLM serving on Ray Serve")
+    ap.add_argument("--version", action="version", version=f"affinity-serve {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="start a local Ray, deploy the app, serve HTTP until Ctrl-C")
+    s = sub.add_parser("serve", help="start a local Ray, deploy the app, serve HTTP until Ctrl-C",
+                       description="Options spelled as vLLM's `vllm serve` override the --config file's values.")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it "
+                   "(same as --model)")
     s.add_argument("--config", help="AppConfig YAML file")
     s.add_argument("--model", help="a local Hugging Face checkpoint directory, or a hub id org/name[@revision] "
                                      "(HF_HOME, HF_TOKEN, HF_HUB_OFFLINE honoured; default: the demo model)")
+    s.add_argument("--served-model-name", help="the name clients send as `model` (serve.model_name; default: "
+                   "the checkpoint directory's name)")
+    s.add_argument("--max-model-len", type=int, help="context length (engine.max_model_len; default: the model's)")
+    s.add_argument("--dtype", help="engine.dtype: auto, float32, bfloat16 or float16")
+    s.add_argument("--seed", type=int, help="engine.seed")
+    s.add_argument("--block-size", type=int, help="tokens per KV block (engine.cache.block_size)")
+    s.add_argument("--max-num-seqs", type=int, help="engine.scheduler.max_num_seqs")
+    s.add_argument("--max-num-batched-tokens", type=int, help="engine.scheduler.max_num_batched_tokens")
     s.add_argument("--replicas", type=int, help="number of model replicas")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
@@ -81,6 +96,7 @@ def config_cmd(args) -> int:
     import yaml
     from app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    check_extras(cfg)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return 0
 
@@ -91,6 +107,7 @@ def deploy_cmd(args) -> int:
     checked by the replicas: it lives on their nodes."""
     from app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config)
+    check_extras(cfg)
     import ray
     from ray import serve
 
@@ -102,16 +119,39 @@ def deploy_cmd(args) -> int:
     return 0
 
 
+def _overrides(args) -> dict[str, object]:
+    """The configuration keys the command line sets (None: not given)."""
+    return {"engine.model": args.model or args.model_tag, "engine.max_model_len": args.max_model_len,
+            "engine.dtype": args.dtype, "engine.seed": args.seed, "engine.cache.block_size": args.block_size,
+            "engine.scheduler.max_num_seqs": args.max_num_seqs,
+            "engine.scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
+            "serve.model_name": args.served_model_name, "serve.num_replicas": args.replicas,
+            "serve.host": args.host, "serve.port": args.port, "serve.api_key": _api_key(args)}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("affinity-serve")
+    except PackageNotFoundError:        # run from a checkout that was never installed
+        return "(not installed)"
+
+
 def _load_config(args) -> "AppConfig":
-    from app.config import AppConfig
+    from app.config import AppConfig, ConfigError
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     data = cfg.model_dump()
-    overrides = {("engine", "model"): args.model, ("serve", "num_replicas"): args.replicas,
-                 ("serve", "host"): args.host, ("serve", "port"): args.port,
-                 ("serve", "api_key"): _api_key(args)}
-    for (section, key), value in overrides.items():
-        if value is not None:
-            data[section][key] = value
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise ConfigError("the command line", [f"MODEL {args.model_tag!r} and --model {args.model!r} differ: "
+                                               "give one"])
+    for path, value in _overrides(args).items():
+        if value is None:
+            continue
+        *parents, key = path.split(".")
+        section = data
+        for part in parents:
+            section = section[part]
+        section[key] = value
     source = f"{args.config or 'the defaults'} with the command-line options"
     cfg = AppConfig.from_dict(data, source=source)
     if cfg.engine.num_threads is None and cfg.engine.device != "cuda":
@@ -142,6 +182,31 @@ def _api_key(args) -> str | None:
     return None
 
 
+#: optional features and the module each needs: (config key, when it is on, module, the extra that installs it)
+_EXTRAS = (("observability.traces", lambda c: c.observability.traces == "otlp",
+            "opentelemetry.exporter.otlp.proto.http", "otlp"),
+           ("observability.otlp_endpoint", lambda c: bool(c.observability.otlp_endpoint),
+            "opentelemetry.exporter.otlp.proto.http", "otlp"))
+
+
+def check_extras(cfg: "AppConfig") -> None:
+    """Before Ray starts: a configured feature whose optional dependency is not installed is one line (a
+    replica or ingress would otherwise fail to start, over and over, with a traceback each time)."""
+    import importlib.util
+    from app.config import ConfigError
+    for key, wanted, module, extra in _EXTRAS:
+        if not wanted(cfg):
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:          # a parent package is missing
+            found = False
+        if not found:
+            value = cfg.observability.traces if key.endswith("traces") else cfg.observability.otlp_endpoint
+            raise ConfigError(None, [f"{key}: {value!r} needs the {extra!r} extra, which is not installed: "
+                                     f"pip install 'affinity-serve[{extra}]'"])
+
+
 def check_model(cfg: "AppConfig") -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
     from engine import resolve_context_length, validate_checkpoint
@@ -150,11 +215,11 @@ def check_model(cfg: "AppConfig") -> None:
     try:
         resolve_context_length(args, cfg.engine.max_model_len)
     except ValueError as e:
-        raise ConfigError("the configuration", [f"engine.max_model_len: {e}"]) from None
+        raise ConfigError(None, [f"engine.max_model_len: {e}"]) from None
     if cfg.engine.device == "cuda":
         import torch
         if not torch.cuda.is_available():
-            raise ConfigError("the configuration", ["engine.device: 'cuda' but this machine has no usable CUDA "
+            raise ConfigError(None, ["engine.device: 'cuda' but this machine has no usable CUDA "
                                                     "GPU; use device: auto or cpu"])
     conn = cfg.engine.kv_connector
     if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
@@ -162,7 +227,7 @@ def check_model(cfg: "AppConfig") -> None:
         try:
             check_shared_root(conn.shared_dir or default_shared_root(), conn.shared_group)
         except UnsafeSharedStoreError as e:
-            raise ConfigError("the configuration", [f"engine.kv_connector.shared_dir: {e}"]) from None
+            raise ConfigError(None, [f"engine.kv_connector.shared_dir: {e}"]) from None
 
 
 def serve_cmd(args) -> int:
@@ -171,6 +236,7 @@ def serve_cmd(args) -> int:
 
     if not cfg.engine.model:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
+    check_extras(cfg)
     cfg = resolve_model(cfg)
     check_model(cfg)
     previous = signal.signal(signal.SIGTERM, _interrupt)      # during start-up SIGTERM acts as Ctrl-C
@@ -189,9 +255,9 @@ def serve_cmd(args) -> int:
         finally:
             done.set()
     except KeyboardInterrupt:
-        print("\n[affinity-serve] interrupted during start-up; stopping ...", flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)        # a second Ctrl-C must not cut the clean-up short
         _stop_ray()
-        print("[affinity-serve] stopped.", flush=True)
+        print("\n[affinity-serve] interrupted during start-up; stopped.", flush=True)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -319,11 +385,24 @@ def loopback_worker_setup() -> None:
 
 
 def start_serve(cfg: "AppConfig") -> None:
-    """serve.start with the configured HTTP bind and proxy placement."""
+    """serve.start with the configured HTTP bind and proxy placement. serve.run, next, connects to the Serve
+    it started and would log "Connecting to existing Serve app ... will not be applied" about it: dropped."""
+    import logging
+
     from ray import serve
 
     from app.builder import serve_start_options
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _NoReconnectNotice) for f in serve_logger.filters):
+        serve_logger.addFilter(_NoReconnectNotice())
     serve.start(**serve_start_options(cfg))
+
+
+class _NoReconnectNotice:
+    """A logging filter: Serve's notice that serve.run found the Serve that start_serve just started."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Connecting to existing Serve app")
 
 
 def _progress(done: threading.Event) -> None:

@@ -123,6 +123,13 @@ class AutoscalingSection(_Strict):
         "(replicas = ongoing requests / target_ongoing_requests)")
     min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
     max_replicas: int = Field(2, ge=1, description="the most model replicas the autoscaler starts")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at start, as Serve's initial_replicas "
+                                         "(null: serve.num_replicas, kept within min_replicas..max_replicas)")
+    upscaling_factor: float | None = Field(None, gt=0, description="requests policy: Serve's upscaling_factor, "
+                                           "scaling each upscaling decision (the engine policy bounds a step "
+                                           "with max_upscale_factor)")
+    downscaling_factor: float | None = Field(None, gt=0, description="requests policy: Serve's "
+                                             "downscaling_factor, scaling each downscaling decision")
     upscale_delay_s: float = Field(2.0, ge=0, description="an up condition must hold this long")
     downscale_delay_s: float = Field(30.0, ge=0, description="a down condition must hold this long")
     downscale_to_zero_delay_s: float = Field(60.0, ge=0, description="idle this long before 1 -> 0")
@@ -163,6 +170,14 @@ class AutoscalingSection(_Strict):
     def _bounds(self) -> "AutoscalingSection":
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({self.initial_replicas}) must be within min_replicas "
+                             f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
+        if self.policy == "engine":
+            for name in ("upscaling_factor", "downscaling_factor"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to policy: requests (Serve's own rule); the engine policy "
+                                     "bounds a scale-up step with max_upscale_factor")
         if self.downscale_utilization >= self.target_utilization:
             raise ValueError(f"downscale_utilization ({self.downscale_utilization}) must be below "
                              f"target_utilization ({self.target_utilization})")
@@ -211,10 +226,17 @@ class AppConfig(_Strict):
 
 
 class ConfigError(ValueError):
-    """An invalid configuration; `problems` holds one line per problem, each naming its dotted key."""
+    """An invalid configuration; `problems` holds one line per problem, each naming its dotted key. `source`:
+    the file or option it came from; None for a check of the whole effective configuration (then a single
+    problem is one line)."""
 
-    def __init__(self, source: str, problems: list[str]):
-        super().__init__(f"invalid configuration in {source}:\n" + "\n".join(f"  {p}" for p in problems))
+    def __init__(self, source: str | None, problems: list[str]):
+        head = f"invalid configuration in {source}:" if source else "invalid configuration:"
+        if source is None and len(problems) == 1:
+            message = f"{head} {problems[0]}"
+        else:
+            message = head + "".join(f"\n  {p}" for p in problems)
+        super().__init__(message)
         self.source = source
         self.problems = problems
 
@@ -230,7 +252,24 @@ def _describe(err: Any) -> str:
     return f"{'.'.join(loc) or '(top level)'}: {msg}"
 
 
+#: Ray Serve autoscaling_config names the autoscaling section does not take, and what to write instead
+_SERVE_AUTOSCALING_NAMES = {
+    "target_num_ongoing_requests_per_replica": "target_ongoing_requests (Serve's newer name)",
+    "target_ongoing_requests_per_replica": "target_ongoing_requests",
+    "smoothing_factor": "upscaling_factor and downscaling_factor (policy: requests; Serve deprecated "
+                        "smoothing_factor)",
+    "upscale_smoothing_factor": "upscaling_factor (policy: requests)",
+    "downscale_smoothing_factor": "downscaling_factor (policy: requests)",
+    "aggregation_function": "nothing: the requests policy uses Serve's default (mean); the engine policy reads the "
+                            "engines' own signals",
+    "max_ongoing_requests": "serve.max_ongoing_requests (a deployment option, not an autoscaling one)",
+    "num_replicas": "serve.num_replicas, or initial_replicas here",
+}
+
+
 def _suggest(loc: tuple[str, ...]) -> str:
+    if len(loc) == 2 and loc[0] == "autoscaling" and loc[1] in _SERVE_AUTOSCALING_NAMES:
+        return f" (a Ray Serve autoscaling_config name; here use {_SERVE_AUTOSCALING_NAMES[loc[1]]})"
     model: type[BaseModel] = AppConfig
     for part in loc[:-1]:
         field = model.model_fields.get(part)

@@ -23,7 +23,7 @@ from app.config import AppConfig
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
 from app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
 from app.prompts import RequestKind
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.routing import debug as routing_debug
 from app.serving import OpenAIRequest, OpenAIServing
 from engine import load_tokenizer
@@ -96,6 +96,40 @@ class Ingress:
             return JSONResponse(await self.models())
         except Exception as e:
             return error_response(self._fail(e, request.url.path))
+
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def http_model(self, model_id: str, request: Request) -> Response:
+        """One model's card, as OpenAI's retrieve-model route (404 `model_not_found` for any other id)."""
+        try:
+            check_api_key(request, self.api_key)
+            return JSONResponse(await self.model(model_id))
+        except Exception as e:
+            return error_response(self._fail(e, "/v1/models/{model_id}"))
+
+    @fastapi_app.post("/tokenize")
+    async def http_tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": ...} or {"messages": ...} -> {count, max_model_len, tokens}."""
+        return await self._http_tokens(request, TokenizeRequest, self.serving.tokenize)
+
+    @fastapi_app.post("/detokenize")
+    async def http_detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
+        return await self._http_tokens(request, DetokenizeRequest, self.serving.detokenize)
+
+    async def _http_tokens(self, request: Request, model: type, work: Any) -> Response:
+        route = request.url.path
+        try:
+            check_api_key(request, self.api_key)
+            body = await read_json_body(request, self.cfg.serve.max_request_body_bytes, self.cfg.serve.max_json_depth)
+            try:
+                req = model.model_validate(body)
+            except ValidationError as e:
+                raise pydantic_error(e) from None
+            result = await work(req)
+            self.metrics.record_http(route, 200)
+            return JSONResponse(result)
+        except Exception as e:
+            return error_response(self._fail(e, route))
 
     @fastapi_app.get("/health")
     async def http_health(self) -> Response:
@@ -243,6 +277,34 @@ class Ingress:
         limits = await self.serving.limits()
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "affinity-serve", "max_model_len": limits.max_model_len}]}
+
+    async def model(self, model_id: str) -> dict:
+        """The model card of `model_id`; APIError 404 `model_not_found` unless it is the served model."""
+        if model_id != self.model_name:
+            raise APIError(f"the model '{model_id}' does not exist; this server serves '{self.model_name}'", 404,
+                           "invalid_request_error", "model", "model_not_found")
+        return (await self.models())["data"][0]
+
+    async def tokenize(self, request: TokenizeRequest | dict) -> dict:
+        """vLLM's /tokenize over the handle API; raises APIError as the completions do."""
+        try:
+            return await self.serving.tokenize(self._coerce_plain(TokenizeRequest, request))
+        except Exception as e:
+            raise self._fail(e, "handle:tokenize", count=False) from e
+
+    async def detokenize(self, request: DetokenizeRequest | dict) -> dict:
+        try:
+            return await self.serving.detokenize(self._coerce_plain(DetokenizeRequest, request))
+        except Exception as e:
+            raise self._fail(e, "handle:detokenize", count=False) from e
+
+    def _coerce_plain(self, model: type, request: Any) -> Any:
+        body = request if isinstance(request, dict) else request.model_dump()
+        check_json_value(body, self.cfg.serve.max_json_depth)
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise pydantic_error(e) from None
 
     async def _complete(self, kind: RequestKind, request: Any, request_id: str | None) -> dict:
         request_id = request_id or _new_request_id(kind)

@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any
 
 from app.errors import APIError
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.tool_calls import ToolCallMode, tool_call_grammar
 from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
 from engine.errors import InvalidRequestError
@@ -210,18 +210,19 @@ def _engine_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> i
     return max(ks) if ks else None
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None) -> list[int]:
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None, add_generation_prompt: bool = True
+                    ) -> list[int]:
     if tokenizer is None:
         raise token_ids_only_error("messages")
     if not req.tools:
-        return apply_chat_template(tokenizer, req.rendered_messages())
+        return apply_chat_template(tokenizer, req.rendered_messages(), add_generation_prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; use the completions API",
                                   param="messages")
     # the tool definitions go through the model's own template (`tools=`), as transformers renders them
     out = tokenizer.apply_chat_template(req.rendered_messages(), tools=[t.model_dump(exclude_none=True)
                                                                         for t in req.tools],
-                                        add_generation_prompt=True, tokenize=True)
+                                        add_generation_prompt=add_generation_prompt, tokenize=True)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
 
 
@@ -254,3 +255,26 @@ def _check_limits(kind: RequestKind, limits: EngineLimits, prompts: list[list[in
         if kind is RequestKind.CHAT and e.param == "prompt":       # the chat API has no `prompt`
             raise APIError(e.message, 400, "invalid_request_error", "messages", e.code) from None
         raise
+
+
+def tokenize_request(req: TokenizeRequest, tokenizer: Any | None) -> list[int]:
+    """/tokenize: the token ids the completions API (a `prompt`) or the chat API (`messages`, `tools`) would
+    run; `add_special_tokens` (prompt) and `add_generation_prompt` (messages) as vLLM's endpoint takes them."""
+    if tokenizer is None:
+        raise token_ids_only_error("prompt" if req.prompt is not None else "messages")
+    if req.prompt is not None:
+        return list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+    return chat_prompt_ids(req.chat_request(), tokenizer, req.add_generation_prompt)
+
+
+def detokenize_request(req: DetokenizeRequest, tokenizer: Any | None) -> str:
+    """/detokenize: the text of the token ids, special tokens kept (as an echoed prompt reads); an id outside
+    the vocabulary is a 400."""
+    if tokenizer is None:
+        raise token_ids_only_error("tokens")
+    vocab_size = len(tokenizer)
+    bad = next((t for t in req.tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(f"token id {bad} is outside this model's vocabulary (0..{vocab_size - 1})", 400,
+                       "invalid_request_error", "tokens", "invalid_value")
+    return _echo_text(req.tokens, tokenizer)

@@ -266,6 +266,55 @@ class ChatCompletionRequest(_OpenAIRequest):
         return out
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a `prompt` as the completions API tokenizes it, or `messages` (and `tools`)
+    rendered by the chat template as the chat API does."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data)
+        return data
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of 'prompt' and 'messages'", 400, "invalid_request_error",
+                           "prompt" if self.prompt is None else "messages", "invalid_value")
+        if self.tools and self.messages is None:
+            raise APIError("'tools' go with 'messages'", 400, "invalid_request_error", "tools", "invalid_value")
+        return self
+
+    def chat_request(self) -> "ChatCompletionRequest":
+        """The chat request whose prompt this is (for rendering with the chat API's own code)."""
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        reject_unknown_fields(cls, data)
+        return data
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(..., max_length=1_000_000)
+
+
 # ---------------------------------------------------------------- ingress <-> replica
 @dataclass(slots=True)
 class GenerateRequest:

@@ -17,8 +17,8 @@ from typing import Any
 from app import openai_format as fmt
 from app.errors import APIError
 from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
-from app.prompts import PreparedRequest, RequestKind, prepare_request
-from app.protocol import ChatCompletionRequest, CompletionRequest, ReplicaChunk
+from app.prompts import PreparedRequest, RequestKind, detokenize_request, prepare_request, tokenize_request
+from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ReplicaChunk, TokenizeRequest
 from app.tool_calls import ToolCallMode, ToolCallStream, hermes_content, tool_calls_message
 from app.routing import debug as routing_debug
 from engine import EngineLimits
@@ -93,6 +93,28 @@ class OpenAIServing:
         self._quiet_cancelled_futures()
         await self._admit(p)
         return p
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize response: the ids the completions or chat API would run, their count, the
+        context length (and each token's text with `return_token_strs`). On the prepare thread."""
+        self._check_model(req.model)
+        limits = await self.limits()
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_thread, tokenize_request, req, self.tokenizer)
+        strs = [self.token_str(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize response: {"prompt": text}."""
+        self._check_model(req.model)
+        text = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_thread, detokenize_request, req, self.tokenizer)
+        return {"prompt": text}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           404, "invalid_request_error", "model", "model_not_found")
 
     def _quiet_cancelled_futures(self) -> None:
         """Once per event loop: a dropped stream cancels its replica calls, and Ray then sets
