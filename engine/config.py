@@ -46,9 +46,11 @@ class KVConnectorConfig(_Strict):
     """A tier below the paged KV pool (engine/kv_connector): none, a per-replica offload tier, or the
     node-shared store."""
 
-    type: Literal["none", "offload", "shared"] = Field(
+    type: Literal["none", "offload", "shared", "pd"] = Field(
         "none", description="none | offload (host-memory tier per replica) | shared (one store per node, "
-                            "every replica on the node reads and writes it)")
+                            "every replica on the node reads and writes it) | pd (prefill/decode "
+                            "disaggregation: hold a prefill's KV for a decode engine, read one's; "
+                            "docs/disaggregation.md)")
     capacity_blocks: int | None = Field(None, ge=1, description="tier capacity in KV blocks, or ...")
     capacity_bytes: int | None = Field(None, ge=1, description="... in bytes; both unset: 1 GiB")
     store_on: Literal["evict", "finish"] = Field(
@@ -71,6 +73,11 @@ class KVConnectorConfig(_Strict):
         None, description="names the weights in tier keys (default: a digest of the checkpoint's path, "
                           "config.json and weight files)")
     load_timeout_s: float = Field(30.0, gt=0, description="a load not done by then is abandoned: recompute")
+    transfer_timeout_s: float = Field(
+        30.0, gt=0, description="pd: a prefilled request's KV blocks are held for a decode engine until it has "
+                                "read them or this many seconds have passed since the prefill finished")
+    engine_id: str | None = Field(
+        None, description="pd: this engine's name in its transfers (default: a random one per engine)")
 
     @model_validator(mode="after")
     def _check(self) -> "KVConnectorConfig":

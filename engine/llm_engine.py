@@ -15,7 +15,8 @@ from engine.cuda_graphs import DecodeGraphs, graph_sizes
 from engine.errors import EngineError, InvalidRequestError
 from engine.hashing import BlockHash, check_block_hashes
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVLayout, build_kv_connector, model_identity
+from engine.kv_connector import (KVLayout, KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
+                                 build_kv_connector, default_local_transport, model_identity, set_pd_transport)
 from engine.limits import EngineLimits, check_request
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models import fused as fused_ops
@@ -128,6 +129,9 @@ class LLMEngine:
             recent_requests=config.cache.prefix_cache_recent_requests)
         connector = self._build_kv_connector(block_size)
         self.kv_connector = connector[0] if connector is not None else None
+        self._kv_connector_worker = connector[1] if connector is not None else None
+        #: P/D disaggregation's scheduler side (kv_connector.type pd), else None
+        self.pd = self.kv_connector if isinstance(self.kv_connector, PDConnectorScheduler) else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
                                    kv_connector=self.kv_connector)
         self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
@@ -261,8 +265,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                     trace_context: dict[str, str] | None = None,
-                    block_hashes: list[BlockHash] | None = None) -> list[int]:
+                    block_hashes: list[BlockHash] | None = None,
+                    kv_transfer: RemoteDecode | list[RemotePrefill] | None = None) -> list[int]:
         """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError, changing nothing.
+
+        `kv_transfer` (P/D disaggregation, kv_connector.type pd): `RemoteDecode()` makes this a prefill for a
+        decode engine (max_tokens must be 1; each sequence's finishing delta carries its RemotePrefill), and
+        a list of RemotePrefill, one per sequence, continues those prefills here after their first tokens.
 
         `block_hashes`: the prompt's full-block hashes, computed by the caller with `hash_block_chain` (the
         ingress does, once, for routing); used instead of hashing the prompt again when they pass
@@ -281,6 +290,7 @@ class LLMEngine:
                 logger.debug("request %s: rehashing its prompt, the block hashes it brought are wrong: %s",
                              request_id, problem)
                 block_hashes = None
+        self._check_kv_transfer(kv_transfer, ids, params)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = []
@@ -293,6 +303,12 @@ class LLMEngine:
                                 priority=priority, cache_salt=cache_salt,
                                 block_size=self.config.cache.block_size, trace_context=trace_context,
                                 block_hashes=reqs[0].block_hashes if reqs else block_hashes))
+        for i, req in enumerate(reqs):
+            if isinstance(kv_transfer, list):        # continues after the prefill's first token
+                req.kv_transfer = kv_transfer[i]
+                req.append_output_token(kv_transfer[i].first_token_id)
+            else:
+                req.kv_transfer = kv_transfer
         for req in reqs:          # each sequence its own matcher over one (cached) compile
             if params.structured_output is not None:
                 req.structured_output = self.structured_output.new_state(params.structured_output)
@@ -301,9 +317,54 @@ class LLMEngine:
         for i, req in enumerate(reqs):
             self.scheduler.add_request(req)
             detok = self._new_detokenizer(req.sampling_params)
+            if detok is not None and req.num_output_tokens:
+                detok.skip(req.output_token_ids)     # the prefill engine sent the first token's text
             self._seqs[req.req_id] = _SeqState(request_id, i, detok, req.structured_output)
         self._parents[request_id] = _ParentState(ids, len(seq_ids))
         return ids
+
+    def _check_kv_transfer(self, kv_transfer, ids: list[int], params: SamplingParams) -> None:
+        if kv_transfer is None:
+            return
+        if self.pd is None:
+            raise InvalidRequestError("kv_transfer needs kv_connector.type pd on this engine", param="kv_transfer_params")
+        if isinstance(kv_transfer, RemoteDecode):
+            if params.max_tokens != 1:
+                raise InvalidRequestError(f"a prefill for a decode engine samples exactly one token; got "
+                                          f"max_tokens {params.max_tokens}", param="max_tokens")
+            return
+        if not isinstance(kv_transfer, list) or not all(isinstance(r, RemotePrefill) for r in kv_transfer):
+            raise InvalidRequestError("kv_transfer must be RemoteDecode() or a list of RemotePrefill",
+                                      param="kv_transfer_params")
+        if len(kv_transfer) != params.n:
+            raise InvalidRequestError(f"{len(kv_transfer)} prefilled sequences for n={params.n}",
+                                      param="kv_transfer_params")
+        if any(r.num_tokens != len(ids) for r in kv_transfer):
+            raise InvalidRequestError("the prefill was of a prompt of another length than this one",
+                                      param="kv_transfer_params")
+        if params.max_tokens < 2:
+            raise InvalidRequestError("the prefill produced the only token max_tokens allows: nothing to decode",
+                                      param="max_tokens")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs come from the prefill engine; drop them from the decode "
+                                      "request", param="prompt_logprobs")
+        if params.structured_output is not None:
+            # TODO(issue 28): advance the grammar over the first token once it has compiled
+            raise InvalidRequestError("structured outputs are not continued from a remote prefill yet; serve "
+                                      "them unified", param="kv_transfer_params")
+
+    def set_kv_transport(self, transport: KVTransport) -> None:
+        """P/D: read other engines' KV through `transport` (the default reaches engines in this process)."""
+        if self.pd is None:
+            raise ValueError("set_kv_transport needs kv_connector.type pd")
+        set_pd_transport(self.pd, self._kv_connector_worker, transport)
+
+    @property
+    def kv_source(self):
+        """P/D: what a transport calls to read this engine's held KV (`read_held_blocks`, `release_held`)."""
+        if self.pd is None:
+            raise ValueError("kv_source needs kv_connector.type pd")
+        return self._kv_connector_worker
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
@@ -331,6 +392,8 @@ class LLMEngine:
         if so.is_empty and (compiling := self.scheduler.awaiting_grammar()):
             # nothing else to run: wait (briefly, so adds and aborts are not held up) instead of spinning
             self.structured_output.wait_for_compile([r.structured_output for r in compiling], 0.02)
+        elif so.is_empty and self.pd is not None and self._kv_connector_worker.has_reads_in_flight():
+            time.sleep(0.001)                 # only KV reads to wait for (P/D): poll them, do not spin
         pace = self.config.pace
         modelled = (modelled_step_time_s(so, self.scheduler.requests, pace.step_base_s, pace.prefill_per_token_s,
                                          pace.decode_per_context_token_s)
@@ -375,6 +438,8 @@ class LLMEngine:
             deltas.append(StreamDelta(seq.parent_id, seq.index, text, d.new_token_ids, finished, reason,
                                       stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens,
                                       d.first_scheduled_time, d.prompt_logprobs))
+            if finished and self.pd is not None:
+                deltas[-1].kv_transfer = self.pd.take_transfer_params(d.req_id)
             if finished:
                 del self._seqs[d.req_id]
                 parent = self._parents[seq.parent_id]
@@ -416,6 +481,8 @@ class LLMEngine:
         """Release what lives outside this process's memory (the KV connector's shared-store handle)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.pd is not None:
+            default_local_transport().unregister(self.pd.engine_id)
         self.structured_output.close()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.types import Logprobs, SchedulerStats
 
@@ -27,6 +28,8 @@ class StreamDelta:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
+    #: P/D: a prefill sequence's RemotePrefill (engine.kv_connector.pd), on its finishing delta
+    kv_transfer: Any = None
 
 
 @dataclass(slots=True)

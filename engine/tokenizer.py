@@ -76,6 +76,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
+    def skip(self, token_ids: list[int]) -> None:
+        """Take `token_ids` as context whose text was sent elsewhere (P/D: the prefill engine's first token)."""
+        self.update(token_ids, False)
+        self._emitted = len(self.text)
+
     def update(self, new_token_ids: list[int], finished: bool) -> str:
         """Add tokens; return the text delta to emit now. Sets `stop_hit` when a stop string matched."""
         if self.stop_hit is not None:

@@ -14,6 +14,8 @@ from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KV
                                       KVConnectorStats, KVConnectorUpdate, KVConnectorWorker, KVLayout,
                                       KVTransfer, PoolChanges)
 from engine.kv_connector.offload import OffloadConnectorScheduler
+from engine.kv_connector.pd import (HeldTransfers, KVTransferError, KVTransport, LocalTransport,
+                                    PDConnectorScheduler, RemoteDecode, RemotePrefill, default_local_transport)
 from engine.kv_connector.shared import SharedConnectorScheduler
 from engine.kv_connector.shared_store import (SharedKVStore, UnsafeSharedStoreError, check_shared_root,
                                               default_shared_root)
@@ -24,7 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorStats",
            "KVConnectorUpdate", "KVConnectorWorker", "KVLayout", "KVTransfer", "PoolChanges",
            "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "build_kv_connector",
-           "model_identity", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError"]
+           "model_identity", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError",
+           "HeldTransfers", "KVTransferError", "KVTransport", "LocalTransport", "PDConnectorScheduler",
+           "RemoteDecode", "RemotePrefill", "default_local_transport", "set_pd_transport"]
 
 _DEFAULT_CAPACITY_BYTES = 1 << 30
 
@@ -64,6 +68,8 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
     """Both sides of the configured connector (None for type 'none'). `device`/`dtype`: torch's."""
     if config.type == "none":
         return None
+    if config.type == "pd":
+        return _build_pd(config, layout, model_identity, device, dtype)
     from engine.kv_connector.worker import OffloadWorker, SharedStoreWorker
     n = capacity_blocks(config, layout)
     if config.type == "offload":
@@ -77,3 +83,27 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
                                          enable_events=enable_events, share_salted=config.share_salted_requests)
         return sched, SharedStoreWorker(layout, store, device, dtype)
     raise ValueError(f"unknown kv_connector.type {config.type!r}; use none, offload or shared")
+
+
+def _build_pd(config: "KVConnectorConfig", layout: KVLayout, identity: str, device: Any, dtype: Any
+              ) -> tuple[PDConnectorScheduler, KVConnectorWorker]:
+    """Both sides of P/D disaggregation, joined to the process's LocalTransport until an app sets its own
+    (`set_pd_transport`)."""
+    import uuid
+
+    from engine.kv_connector.pd_worker import PDWorker
+    engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+    held = HeldTransfers(config.transfer_timeout_s)
+    transport = default_local_transport()
+    sched = PDConnectorScheduler(layout, layout.namespace(identity), engine_id, held,
+                                 load_timeout_s=config.load_timeout_s, transport=transport)
+    worker = PDWorker(layout, held, transport, device, dtype, read_timeout_s=config.load_timeout_s)
+    transport.register(engine_id, worker)
+    return sched, worker
+
+
+def set_pd_transport(sched: PDConnectorScheduler, worker: Any, transport: KVTransport) -> None:
+    """Move a P/D engine's reads to `transport` (the app's Ray transport); it leaves the LocalTransport."""
+    default_local_transport().unregister(sched.engine_id)
+    sched.transport = transport
+    worker.transport = transport

@@ -1,0 +1,314 @@
+"""P/D disaggregation at the engine level (engine/kv_connector/pd.py): a prefill engine and a decode engine in
+one process over the LocalTransport. Greedy output token-exact against unified serving and transformers;
+prefix hits on either side; n > 1; failures (the prefill engine gone, a read never made, a slow read, abort
+storms) end with every KV block back in both pools."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.kv_connector import LocalTransport, RemoteDecode, RemotePrefill
+
+BS = 8
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(10, 700) for _ in range(n)]
+
+
+def _engine(path, num_blocks=64, transfer_timeout_s=30.0, load_timeout_s=30.0, **kw):
+    llm = LLM(path, cache={"num_blocks": num_blocks, "block_size": BS},
+              kv_connector={"type": "pd", "transfer_timeout_s": transfer_timeout_s,
+                            "load_timeout_s": load_timeout_s}, **kw)
+    return llm.engine
+
+
+def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0):
+    """Add one request and step until it finishes: (token ids per sequence, finishing deltas by index)."""
+    engine.add_request(rid, prompt, params, kv_transfer=kv_transfer)
+    toks: dict[int, list[int]] = {}
+    final = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for d in engine.step().deltas:
+            if d.request_id != rid:
+                continue
+            toks.setdefault(d.index, []).extend(d.token_ids)
+            if d.finished:
+                final[d.index] = d
+        if len(final) == params.n:
+            return [toks.get(i, []) for i in range(params.n)], [final[i] for i in range(params.n)]
+    raise AssertionError(f"{rid} did not finish")
+
+
+def _prefill(p, rid, prompt, params):
+    one = SamplingParams(**{**_fields(params), "max_tokens": 1})
+    toks, finals = _run(p, rid, prompt, one, RemoteDecode())
+    return toks, [f.kv_transfer for f in finals]
+
+
+def _fields(params):
+    return {k: getattr(params, k) for k in ("n", "temperature", "ignore_eos", "max_tokens", "seed", "logprobs")}
+
+
+def _pd(p, d, rid, prompt, params):
+    """The P/D path: prefill + first token on p, the rest on d; tokens per sequence as one stream."""
+    first, remotes = _prefill(p, rid, prompt, params)
+    assert all(r is not None for r in remotes)
+    rest, _ = _run(d, rid, prompt, params, remotes)
+    return [f + r for f, r in zip(first, rest)]
+
+
+def _settle(*engines, steps=20):
+    for _ in range(steps):
+        for e in engines:
+            e.step()
+
+
+def _assert_empty(*engines):
+    for e in engines:
+        pool = e.kv_cache_manager.pool
+        assert pool.num_free_blocks == e.num_blocks - 1, "KV blocks leaked"
+        assert not e.scheduler.held_blocks()
+        assert len(e.pd.held) == 0
+        assert not e.scheduler.requests
+
+
+@pytest.fixture
+def pair(checkpoints):
+    path = checkpoints["llama"]
+    p, d = _engine(path), _engine(path)
+    yield path, p, d
+    p.close()
+    d.close()
+
+
+@pytest.mark.parametrize("n_prompt", [1, 7, 8, 9, 15, 16, 17, 31, 40, 63, 64, 65, 130])
+def test_greedy_pd_equals_unified_and_transformers(pair, hf_reference, n_prompt):
+    path, p, d = pair
+    prompt = _ids(n_prompt, n_prompt)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    ref = hf_reference(path, prompt, 8)
+    unified = LLM(path, cache={"num_blocks": 64, "block_size": BS}).generate(prompt, params, use_tqdm=False)
+    assert unified[0].outputs[0].token_ids == ref
+    assert _pd(p, d, "r", prompt, params) == [ref]
+    _settle(p, d)
+    st = d.pd.stats
+    if n_prompt >= BS:
+        assert st.loads_ok == 1 and st.loaded_blocks == n_prompt // BS and st.loads_failed == 0
+        assert p.pd.pd_stats.holds == p.pd.pd_stats.holds_read == 1
+    else:
+        assert st.loads_ok == 0 and p.pd.pd_stats.holds == 0     # nothing full to move
+    _assert_empty(p, d)
+
+
+def test_chunked_prefill_on_the_prefill_side(checkpoints, hf_reference):
+    path = checkpoints["qwen2"]
+    p = _engine(path, scheduler={"max_num_batched_tokens": 16, "long_prefill_token_threshold": 12})
+    d = _engine(path)
+    prompts = [_ids(n, 100 + n) for n in (45, 77, 96)]
+    for i, prompt in enumerate(prompts):
+        assert _pd(p, d, f"c{i}", prompt, SamplingParams(max_tokens=10, **GREEDY)) == [hf_reference(path, prompt, 10)]
+    _settle(p, d)
+    assert d.pd.stats.loads_ok == 3
+    _assert_empty(p, d)
+
+
+def test_prefix_hits_on_either_side_are_not_transferred_again(pair, hf_reference):
+    path, p, d = pair
+    shared = _ids(48, 7)                         # 6 full blocks
+    a, b = shared + _ids(13, 8), shared + _ids(21, 9)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    assert _pd(p, d, "a", a, params) == [hf_reference(path, a, 6)]
+    loaded_a = d.pd.stats.loaded_blocks
+    assert loaded_a == len(a) // BS
+    assert _pd(p, d, "b", b, params) == [hf_reference(path, b, 6)]
+    # P hit its 6 shared blocks; D had them too and read only b's own full blocks
+    assert d.pd.stats.loaded_blocks - loaded_a == len(b) // BS - 6
+    assert d.pd.pd_stats.remote_local_blocks == 6
+    # the same prompt again: D holds every full block, reads none, and frees P's hold at once
+    assert _pd(p, d, "b2", b, params) == [hf_reference(path, b, 6)]
+    assert d.pd.stats.loads_ok == 2 and d.pd.pd_stats.remote_released == 1
+    _settle(p, d)
+    assert p.pd.pd_stats.holds_released == 1
+    _assert_empty(p, d)
+
+
+def test_n_greater_than_one_reads_once(pair, hf_reference):
+    path, p, d = pair
+    prompt = _ids(50, 3)
+    params = SamplingParams(n=3, max_tokens=7, **GREEDY)
+    out = _pd(p, d, "n3", prompt, params)
+    assert out == [hf_reference(path, prompt, 7)] * 3
+    _settle(p, d)
+    # one sibling read the 6 full blocks; the others hit them locally and released their holds
+    assert d.pd.stats.loads_ok == 1 and d.pd.pd_stats.remote_released == 2
+    assert p.pd.pd_stats.holds == 3 and p.pd.pd_stats.holds_read == 1 and p.pd.pd_stats.holds_released == 2
+    _assert_empty(p, d)
+
+
+def test_sampled_first_token_is_continued_not_resampled(pair):
+    path, p, d = pair
+    prompt = _ids(40, 11)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True, logprobs=2)
+    first, remotes = _prefill(p, "s", prompt, params)
+    assert remotes[0].first_token_id == first[0][0]
+    rest, finals = _run(d, "s", prompt, params, remotes)
+    assert len(rest[0]) == 5 and finals[0].finish_reason == "length"
+    _settle(p, d)
+    _assert_empty(p, d)
+
+
+def test_stop_on_the_first_token_holds_nothing(pair):
+    path, p, d = pair
+    prompt = _ids(40, 12)
+    tok = _run(p, "probe", prompt, SamplingParams(max_tokens=1, **GREEDY))[0][0][0]
+    toks, finals = _run(p, "x", prompt, SamplingParams(max_tokens=1, temperature=0.0, stop_token_ids=[tok]),
+                        RemoteDecode())
+    assert finals[0].finish_reason == "stop" and finals[0].kv_transfer is None
+    assert p.pd.pd_stats.holds == 0
+    _assert_empty(p)
+
+
+# ------------------------------------------------------------------ failures
+def test_prefill_engine_gone_before_the_read_recomputes(checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    transport = LocalTransport()
+    p, d = _engine(path), _engine(path)
+    for e in (p, d):
+        e.set_kv_transport(transport)
+    transport.register(p.pd.engine_id, p.kv_source)
+    prompt = _ids(60, 21)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    first, remotes = _prefill(p, "dead", prompt, params)
+    transport.unregister(p.pd.engine_id)           # the prefill replica died
+    rest, finals = _run(d, "dead", prompt, params, remotes)
+    assert [first[0] + rest[0]] == [hf_reference(path, prompt, 8)]
+    assert finals[0].finish_reason == "length"
+    st = d.pd.stats
+    assert st.loads_failed == 1 and st.load_failures_missing == 1 and st.loads_ok == 0
+    _settle(d)
+    _assert_empty(d)
+
+
+def test_unread_transfer_is_freed_at_the_timeout(checkpoints):
+    path = checkpoints["llama"]
+    p = _engine(path, transfer_timeout_s=0.3)
+    prompt = _ids(60, 22)
+    _prefill(p, "orphan", prompt, SamplingParams(max_tokens=8, **GREEDY))
+    assert len(p.pd.held) == 1 and p.scheduler.held_blocks()
+    p.step()
+    assert len(p.pd.held) == 1, "freed before the timeout"
+    time.sleep(0.35)
+    assert p.has_unfinished_requests(), "an expired hold must get a step to free it"
+    p.step()
+    assert p.pd.pd_stats.holds_expired == 1
+    _assert_empty(p)
+    # a late reader finds nothing and would recompute
+    with pytest.raises(Exception, match="not held"):
+        p.kv_source.read_held_blocks("orphan", 0, 1)
+
+
+def test_read_slower_than_the_timeout_recomputes(checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    transport = LocalTransport(delay_s=0.6)
+    p, d = _engine(path), _engine(path, load_timeout_s=0.2)
+    for e in (p, d):
+        e.set_kv_transport(transport)
+    transport.register(p.pd.engine_id, p.kv_source)
+    prompt = _ids(60, 23)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    first, remotes = _prefill(p, "slow", prompt, params)
+    rest, _ = _run(d, "slow", prompt, params, remotes)
+    assert [first[0] + rest[0]] == [hf_reference(path, prompt, 8)]
+    assert d.pd.stats.loads_failed == 1 and d.pd.stats.load_failures_timed_out == 1
+    time.sleep(0.6)                      # the slow read reaches P at last and frees its hold
+    _settle(p, d)
+    _assert_empty(p, d)
+
+
+def test_abort_storm_leaks_nothing_on_either_side(checkpoints):
+    path = checkpoints["llama"]
+    transport = LocalTransport(delay_s=0.01)
+    p, d = _engine(path, num_blocks=48, transfer_timeout_s=0.5), _engine(path, num_blocks=48)
+    for e in (p, d):
+        e.set_kv_transport(transport)
+    transport.register(p.pd.engine_id, p.kv_source)
+    rng = random.Random(0)
+    prompts = [_ids(rng.randrange(5, 90), 300 + i) for i in range(24)]
+    remotes = {}
+    for i, prompt in enumerate(prompts):
+        p.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, **GREEDY), kv_transfer=RemoteDecode())
+    live_p = {f"p{i}" for i in range(len(prompts))}
+    live_d: set[str] = set()
+    for step in range(400):
+        for d_ in p.step().deltas:
+            if d_.finished:
+                live_p.discard(d_.request_id)
+                if d_.kv_transfer is not None:
+                    remotes[d_.request_id] = d_.kv_transfer
+        if step % 3 == 0 and live_p:                         # abort prefills mid-flight
+            victim = rng.choice(sorted(live_p))
+            p.abort_request(victim)
+            live_p.discard(victim)
+        for rid in list(remotes):
+            i = int(rid[1:])
+            r = remotes.pop(rid)
+            if rng.random() < 0.2:
+                continue                                     # this decode never comes: P's timeout frees it
+            d.add_request(f"d{i}", prompts[i], SamplingParams(max_tokens=12, **GREEDY), kv_transfer=[r])
+            live_d.add(f"d{i}")
+        for d_ in d.step().deltas:
+            if d_.finished:
+                live_d.discard(d_.request_id)
+        if step % 2 == 0 and live_d:                         # abort decodes waiting for KV or running
+            victim = rng.choice(sorted(live_d))
+            d.abort_request(victim)
+            live_d.discard(victim)
+        if not live_p and not remotes and not live_d and step > 50:
+            break
+    time.sleep(0.6)
+    _settle(p, d, steps=30)
+    ps = p.pd.pd_stats
+    assert ps.holds > 5 and ps.holds_read > 0 and ps.holds_expired > 0, ps   # the storm took every path
+    assert ps.holds == ps.holds_read + ps.holds_released + ps.holds_expired
+    _assert_empty(p, d)
+
+
+def test_bad_kv_transfer_requests_are_rejected(pair):
+    path, p, d = pair
+    prompt = _ids(20, 1)
+    with pytest.raises(InvalidRequestError, match="exactly one token"):
+        p.add_request("a", prompt, SamplingParams(max_tokens=4), kv_transfer=RemoteDecode())
+    remote = RemotePrefill("x", "y", d.pd.layout_key, 20, 2, 5)
+    with pytest.raises(InvalidRequestError, match="n=2"):
+        d.add_request("b", prompt, SamplingParams(max_tokens=4, n=2), kv_transfer=[remote])
+    with pytest.raises(InvalidRequestError, match="another length"):
+        d.add_request("c", prompt[:-1], SamplingParams(max_tokens=4), kv_transfer=[remote])
+    with pytest.raises(InvalidRequestError, match="only token"):
+        d.add_request("d", prompt, SamplingParams(max_tokens=1), kv_transfer=[remote])
+    plain = LLM(path, cache={"num_blocks": 16, "block_size": BS}).engine
+    with pytest.raises(InvalidRequestError, match="kv_connector.type pd"):
+        plain.add_request("e", prompt, SamplingParams(max_tokens=1), kv_transfer=RemoteDecode())
+    assert not p.scheduler.requests and not d.scheduler.requests
+
+
+def test_incompatible_layout_recomputes(pair, hf_reference):
+    path, p, d = pair
+    prompt = _ids(40, 31)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    first, remotes = _prefill(p, "i", prompt, params)
+    import dataclasses
+    bad = [dataclasses.replace(remotes[0], layout_key="other-model")]
+    rest, _ = _run(d, "i", prompt, params, bad)
+    assert [first[0] + rest[0]] == [hf_reference(path, prompt, 5)]
+    assert d.pd.pd_stats.incompatible == 1 and d.pd.stats.loads_failed == 1
+    _settle(p, d)
+    assert p.pd.pd_stats.holds_released == 1     # D told P it would read nothing
+    _assert_empty(p, d)
