@@ -7,6 +7,12 @@ from engine.hashing import BlockHash
 from engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
+def cache_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:
+    """The key a block is cached under: its hash in group 0 (full attention, or the only group), (group, hash)
+    in the others, so a hybrid model's groups never hit each other's blocks (one pool holds them all)."""
+    return block_hash if not group else (group, block_hash)
+
+
 class KVCacheBlock:
     """One block of `block_size` token slots. Doubly linked into the free queue while ref_cnt == 0."""
 
@@ -97,7 +103,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.null_block = self.free_queue.popleft()
         self.null_block.is_null = True
-        self.cached: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.cached: dict[BlockHash | tuple[int, BlockHash], KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._events: list[KVEvent] = []
         #: (block id, hash) logs a KV connector reads (None = not recorded; see track_changes)
         self._newly_cached: list[tuple[int, BlockHash]] | None = None
@@ -114,8 +120,9 @@ class BlockPool:
         total = self.num_blocks - 1
         return 1.0 - self.free_queue.num_free_blocks / total
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        entry = self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """A block registered under `block_hash` in KV-cache group `group` (see `cache_key`)."""
+        entry = self.cached.get(cache_key(block_hash, group))
         if entry is None or type(entry) is KVCacheBlock:
             return entry
         return next(iter(entry.values()))
@@ -148,6 +155,8 @@ class BlockPool:
         block.block_hash = None
         if entry is block:
             del self.cached[h]
+            if type(h) is not bytes:            # another group's key: no events, no connector logs
+                return
             if self.enable_kv_cache_events:     # the last block under `h`: the hash leaves the cache
                 self._events.append(BlockRemoved([h]))
             if self._evicted is not None:       # its KV is still intact until this step's forward pass
@@ -175,18 +184,26 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          token_ids: Sequence[int], num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Register blocks [num_cached_blocks, num_full_blocks) of a request under their hashes."""
+                          token_ids: Sequence[int], num_cached_blocks: int, num_full_blocks: int,
+                          group: int = 0) -> None:
+        """Register blocks [num_cached_blocks, num_full_blocks) of a request under their hashes, in KV-cache
+        group `group` (null blocks, a sliding-window table's dropped entries, are skipped). Only group 0's
+        hashes emit KV events and reach the connector logs."""
         if num_cached_blocks >= num_full_blocks:
             return
-        events = self.enable_kv_cache_events
-        newly_cached = self._newly_cached
+        events = self.enable_kv_cache_events and not group
+        newly_cached = self._newly_cached if not group else None
         run_start: int | None = None          # first block of the current run of hashes new to the cache
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             is_new = False
+            if block.is_null:
+                if run_start is not None:     # a chain of stored hashes never spans a dropped block
+                    self._emit_stored(block_hashes, token_ids, run_start, i)
+                    run_start = None
+                continue
             if block.block_hash is None:      # else a prefix hit: already registered
-                h = block_hashes[i]
+                h = cache_key(block_hashes[i], group)
                 block.block_hash = h
                 entry = self.cached.get(h)
                 if entry is None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.kv_groups import KVCacheGroupSpec, blocks_needed, tokens_capacity, window_start_block
 from engine.request import Request
 from engine.types import KVEvent
 
@@ -63,7 +65,20 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, *,
                  enable_caching: bool = True, enable_kv_cache_events: bool = False,
-                 recent_requests: int = 1000):
+                 recent_requests: int = 1000, groups: Sequence[KVCacheGroupSpec] | None = None,
+                 max_chunk_tokens: int | None = None):
+        """groups: the model's KV-cache groups (`kv_cache_groups`; None: one full-attention group). With a
+        sliding-window group (`windowed`), each group has its own table, all of one length (`req_to_blocks`
+        is group 0's); blocks a group's window has passed are dropped (null in the table) and freed as the
+        request advances. max_chunk_tokens: the most tokens a request computes in one step (bounds what a
+        sliding group holds, for `can_ever_fit`); None: a whole request."""
+        self.groups = list(groups) if groups else [KVCacheGroupSpec((), None)]
+        self.windowed = any(g.window is not None for g in self.groups)
+        self.max_chunk_tokens = max_chunk_tokens
+        #: per request, every group's table (windowed only; index 0 is req_to_blocks' list)
+        self.req_to_group_blocks: dict[str, list[list[KVCacheBlock]]] = {}
+        #: per request and sliding group, how many leading entries are already dropped
+        self._num_dropped: dict[str, list[int]] = {}
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -86,11 +101,19 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` tokens holds at once, over every group."""
+        if not self.windowed:
+            return cdiv(num_tokens, self.block_size)
+        return blocks_needed(self.groups, num_tokens, self.block_size, self.max_chunk_tokens)
+
     def max_tokens_capacity(self) -> int:
-        return self.num_usable_blocks * self.block_size
+        if not self.windowed:
+            return self.num_usable_blocks * self.block_size
+        return tokens_capacity(self.groups, self.num_usable_blocks, self.block_size, self.max_chunk_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.num_usable_blocks
+        return self.blocks_needed(num_tokens) <= self.num_usable_blocks
 
     # ------------------------------------------------------------------ lookup
     def reads_cache(self, request: Request) -> bool:
@@ -108,6 +131,8 @@ class KVCacheManager:
         """
         if not self.reads_cache(request):
             return [], 0
+        if self.windowed:
+            return self._windowed_hits(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
         pool = self.pool
@@ -140,6 +165,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = cdiv(min(num_computed + num_new_tokens, self.max_model_len), self.block_size)
         num_new_blocks = num_needed - num_have - len(hits)
+        if self.windowed:
+            return self._allocate_windowed(request, num_computed, num_needed, hits)
         if num_new_blocks <= 0 and not hits:     # decode fast path: the last block has room
             return []
         # Free-but-cached hit blocks leave the free queue when touched, so they consume capacity too.
@@ -158,15 +185,23 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's full blocks whose KV is now computed."""
+        """Register the request's full blocks whose KV is now computed (in every group's table); then, with
+        sliding windows, free the blocks no later query reads (each step, not only when a block is allocated)."""
+        tables = self.req_to_group_blocks.get(request.req_id)
+        self._cache_blocks(request, num_computed_tokens, tables)
+        if tables is not None:
+            self._drop_outside_windows(tables, self._num_dropped[request.req_id], num_computed_tokens)
+
+    def _cache_blocks(self, request: Request, num_computed_tokens: int,
+                      tables: list[list[KVCacheBlock]] | None) -> None:
         if not self.enable_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached_block.get(request.req_id)
         if num_cached is None or num_full <= num_cached:
             return
-        self.pool.cache_full_blocks(self.req_to_blocks[request.req_id], request.block_hashes,
-                                    request.all_token_ids, num_cached, num_full)
+        for g, table in enumerate(tables or [self.req_to_blocks[request.req_id]]):
+            self.pool.cache_full_blocks(table, request.block_hashes, request.all_token_ids, num_cached, num_full, g)
         self.num_cached_block[request.req_id] = num_full
 
     def detach(self, request: Request) -> list[KVCacheBlock]:
@@ -188,12 +223,118 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its shared head is evicted last."""
         blocks = self.req_to_blocks.pop(request.req_id, None)
         self.num_cached_block.pop(request.req_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
+        tables = self.req_to_group_blocks.pop(request.req_id, None)
+        self._num_dropped.pop(request.req_id, None)
+        for table in tables or ([blocks] if blocks else ()):
+            self.pool.free_blocks(reversed(table))
 
     # ------------------------------------------------------------------ misc
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    def group_block_ids(self, req_id: str) -> list[list[int]]:
+        """Every group's whole table (dropped entries are the null block 0), group order."""
+        return [[b.block_id for b in t] for t in self.req_to_group_blocks.get(req_id, ())]
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks the request holds now, over every group (dropped entries not counted)."""
+        tables = self.req_to_group_blocks.get(req_id) or [self.req_to_blocks.get(req_id, [])]
+        return sum(1 for t in tables for b in t if not b.is_null)
+
+    # ------------------------------------------------------------------ sliding windows
+    def _window_start(self, group: KVCacheGroupSpec, first_position: int) -> int:
+        return 0 if group.window is None else window_start_block(first_position, group.window, self.block_size)
+
+    def _windowed_hits(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest hit every group can serve: full groups need every block before it, sliding groups only
+        the blocks their window reads from its first uncached token (vLLM's hybrid rule). Group 0's view:
+        dropped entries are the null block."""
+        bs, pool = self.block_size, self.pool
+        hashes = request.block_hashes
+        n = min((request.num_tokens - 1) // bs, len(hashes))
+        for g, spec in enumerate(self.groups):
+            if spec.window is None:
+                for i in range(n):
+                    if pool.get_cached_block(hashes[i], g) is None:
+                        n = i
+                        break
+        sliding = [g for g, spec in enumerate(self.groups) if spec.window is not None]
+        while n > 0:                                 # lower n past the first missing window block, re-check
+            start = self._window_start(self.groups[sliding[0]], n * bs) if sliding else n
+            missing = next((i for i in range(n - 1, start - 1, -1)
+                            if any(pool.get_cached_block(hashes[i], g) is None for g in sliding)), None)
+            if missing is None:
+                break
+            n = missing
+        if n == 0:
+            return [], 0
+        start = self._window_start(self.groups[0], n * bs)
+        return ([pool.null_block] * start + [pool.get_cached_block(hashes[i]) for i in range(start, n)],
+                n * bs)
+
+    def _drop_outside_windows(self, tables: list[list[KVCacheBlock]], dropped: list[int],
+                              first_position: int) -> None:
+        """Free each sliding group's blocks before its window at `first_position` (null in the table)."""
+        null = self.pool.null_block
+        for g, spec in enumerate(self.groups):
+            if spec.window is None:
+                continue
+            table = tables[g]
+            end = min(self._window_start(spec, first_position), len(table))
+            if dropped[g] >= end:
+                continue
+            out = [b for b in table[dropped[g]:end] if not b.is_null]
+            table[dropped[g]:end] = [null] * (end - dropped[g])
+            dropped[g] = end
+            self.pool.free_blocks(out)
+
+    def _allocate_windowed(self, request: Request, num_computed: int, num_needed: int,
+                           hits: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """allocate_slots for a model with sliding-window groups: drop what every window has passed, then
+        give each group its blocks from its window's start to `num_needed`. Returns group 0's new blocks."""
+        req_id, bs, pool = request.req_id, self.block_size, self.pool
+        tables = self.req_to_group_blocks.get(req_id)
+        if tables is not None:
+            self._drop_outside_windows(tables, self._num_dropped[req_id], num_computed)
+        num_have = len(tables[0]) if tables is not None else 0
+        group_hits: list[list[KVCacheBlock]] = []
+        if hits:                                     # admission: each group's own blocks for the same hashes
+            n = len(hits)
+            for g, spec in enumerate(self.groups):
+                start = self._window_start(spec, n * bs)
+                found = hits if g == 0 else [pool.null_block] * start + [
+                    pool.get_cached_block(request.block_hashes[i], g) for i in range(start, n)]
+                if any(b is None for b in found):
+                    return None
+                group_hits.append(found)
+        num_new = []
+        for spec in self.groups:
+            first = max(num_have + len(hits), self._window_start(spec, num_computed))
+            num_new.append(max(num_needed - first, 0))
+        evictable = sum(1 for found in group_hits for b in found if b.ref_cnt == 0 and not b.is_null)
+        if sum(num_new) + evictable > pool.num_free_blocks:
+            return None
+        if tables is None:
+            tables = self.req_to_group_blocks[req_id] = [[] for _ in self.groups]
+            self.req_to_blocks[req_id] = tables[0]
+            self.num_cached_block[req_id] = 0
+            self._num_dropped[req_id] = [0] * len(self.groups)
+        dropped = self._num_dropped[req_id]
+        new0: list[KVCacheBlock] = []
+        for g, spec in enumerate(self.groups):
+            table = tables[g]
+            if group_hits:
+                found = group_hits[g]
+                pool.touch(b for b in found if not b.is_null)
+                table.extend(found)
+                dropped[g] = self._window_start(spec, len(found) * bs)
+            new = pool.get_new_blocks(num_new[g]) if num_new[g] > 0 else []
+            table.extend(new)
+            if g == 0:
+                new0 = new
+        if group_hits:
+            self.num_cached_block[req_id] = len(hits)
+        return new0
 
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()

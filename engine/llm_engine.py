@@ -15,6 +15,7 @@ from engine.cuda_graphs import DecodeGraphs, graph_sizes
 from engine.errors import EngineError, InvalidRequestError
 from engine.hashing import BlockHash, check_block_hashes
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_groups import kv_cache_groups, tokens_capacity
 from engine.kv_connector import (KVLayout, KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
                                  build_kv_connector, default_local_transport, model_identity, set_pd_transport)
 from engine.limits import EngineLimits, check_request
@@ -98,14 +99,18 @@ class LLMEngine:
                               plain_rows=HYBRID_PLAIN_ROWS if self.linear_backend == "hybrid" else 0)
         block_size = config.cache.block_size
         self.num_blocks = self._num_blocks(block_size)
-        capacity = (self.num_blocks - 1) * block_size
+        kv_groups = kv_cache_groups(self.model_args.layer_windows)
+        max_chunk = config.scheduler.max_num_batched_tokens          # the most tokens one request computes a step
+        capacity = tokens_capacity(kv_groups, self.num_blocks - 1, block_size, max_chunk)
         if capacity < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len %d: capping max_model_len so every "
                            "admitted request can finish (raise cache.num_blocks / memory_budget_bytes to avoid)",
                            capacity, self.max_model_len)
             self.max_model_len = capacity
         backend = select_backend(config.attention_backend, self.device.type, block_size,
-                                 cpu_kernels=config.cpu_kernels, cascade_min_tokens=config.cascade_min_tokens)
+                                 cpu_kernels=config.cpu_kernels, cascade_min_tokens=config.cascade_min_tokens,
+                                 sliding_window=any(g.window is not None for g in kv_groups),
+                                 softcap=self.model_args.attn_logit_softcapping is not None)
         if backend.name == "triton":   # the per-token ops as Triton kernels too, once they pass a self-test
             why = fused_ops.self_test(str(self.device))
             if why is None:
@@ -126,7 +131,8 @@ class LLMEngine:
             self.num_blocks, block_size, self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             enable_kv_cache_events=config.cache.enable_kv_cache_events,
-            recent_requests=config.cache.prefix_cache_recent_requests)
+            recent_requests=config.cache.prefix_cache_recent_requests, groups=kv_groups,
+            max_chunk_tokens=max_chunk)
         connector = self._build_kv_connector(block_size)
         self.kv_connector = connector[0] if connector is not None else None
         self._kv_connector_worker = connector[1] if connector is not None else None

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionBackend, build_attention_metadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_connector.base import KVConnectorWorker
+from engine.kv_groups import kv_cache_groups, kv_tensor_of_layer, num_kv_tensors
 from engine.models.config import ModelArgs
 from engine.sampler import DeviceLogprobs, Sampler, SamplingInfo, device_logprobs, gather_logprobs
 from engine.sampling_params import SamplingParams
@@ -56,8 +57,11 @@ class _Ahead:
 
 
 def kv_bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """One block id's bytes: a page in each KV tensor (every layer's, or one per layer of a KV-cache group
+    when sliding-window groups share the tensors)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+    num_tensors = num_kv_tensors(kv_cache_groups(args.layer_windows))
+    return 2 * num_tensors * block_size * args.num_kv_heads * args.head_dim * elem
 
 
 class ModelRunner:
@@ -70,7 +74,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = backend.kv_cache_shape(num_blocks, block_size, args.num_kv_heads, args.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)]
+        #: KV-cache groups (engine/kv_groups.py): one of every layer, or full and sliding-window ones whose
+        #: j-th layers share tensor j; a sliding group's tables come whole each step (kv_group_block_ids)
+        self.kv_groups = kv_cache_groups(args.layer_windows)
+        self.windowed = any(g.window is not None for g in self.kv_groups)
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_kv_tensors(self.kv_groups))]
+        self._layer_group = [g for g, _ in kv_tensor_of_layer(self.kv_groups, args.num_layers)]
+        self.kv_caches = [tensors[j] for _, j in kv_tensor_of_layer(self.kv_groups, args.num_layers)]
         self.requests: dict[str, RunnerRequestState] = {}
         self.sampler = Sampler(seed, device)
         self.kv_connector = kv_connector
@@ -166,7 +176,8 @@ class ModelRunner:
                                                device_logprobs(logits, tokens, infos), so)
         else:
             self._ahead = None
-            meta = build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device)
+            meta = (self._group_metadata(so, order, computed, num_sched) if self.windowed else
+                    build_attention_metadata(computed, num_sched, blocks, self.block_size, self.device))
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         for st, start, n in zip(states, computed, num_sched):
@@ -190,6 +201,20 @@ class ModelRunner:
                     logprobs = {}
                 logprobs[st.req_id] = [lp]
         return ModelRunnerOutput(order, [by_req.get(r, []) for r in order], logprobs, prompt_logprobs)
+
+    def _group_metadata(self, so: SchedulerOutput, order: list[str], computed: list[int],
+                        num_sched: list[int]):
+        """One metadata per KV-cache group (its whole tables from the scheduler, its window); layer i reads its
+        group's (`layer_metas`). Returned: group 0's."""
+        tables = so.kv_group_block_ids
+        assert tables is not None, "a model with sliding-window groups needs kv_group_block_ids every step"
+        metas = [build_attention_metadata(computed, num_sched, [tables[r][g] for r in order], self.block_size,
+                                          self.device, spec.window)
+                 for g, spec in enumerate(self.kv_groups)]
+        for m in metas[1:]:                  # every group's positions are the same: share one tensor
+            m.positions = metas[0].positions
+        metas[0].layer_metas = [metas[g] for g in self._layer_group]
+        return metas[0]
 
     def _finish_overlapped(self, order: list[str], states: list[RunnerRequestState], computed: list[int],
                            infos: list[SamplingInfo] | None, tokens: torch.Tensor, lps: DeviceLogprobs | None,

@@ -100,6 +100,9 @@ class Scheduler:
         if kv_connector is not None:
             if not kv_cache_manager.enable_caching:
                 raise ValueError("a KV connector needs prefix caching: loaded blocks are reused as prefix hits")
+            if kv_cache_manager.windowed:
+                raise ValueError("KV connectors store one block table per request; this model has sliding-window "
+                                 "layers (several tables): set kv_connector.type: none")
             kv_cache_manager.pool.track_changes(cached=kv_connector.wants_cached, evicted=kv_connector.wants_evicted)
 
     # ================================================================== requests in
@@ -172,6 +175,8 @@ class Scheduler:
         self._last_num_scheduled = total
         finished, self._finished_for_runner = self._finished_for_runner, set()
         so = SchedulerOutput(new_reqs, cached, num_scheduled, total, finished, preempted)
+        if self.kv.windowed:          # sliding-window groups drop blocks mid-table: the runner gets whole tables
+            so.kv_group_block_ids = {r: self.kv.group_block_ids(r) for r in num_scheduled}
         so.admits_waiting = (bool(len(self.waiting)) and len(self.running) < self.config.max_num_seqs
                              and self.kv.pool.num_free_blocks > 0)
         if self.connector is not None:

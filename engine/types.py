@@ -57,6 +57,9 @@ class SchedulerOutput:
     admits_waiting: bool = False
     #: the allowed tokens of this step's constrained rows that sample (set by the engine after schedule())
     grammar_bitmask: GrammarBitmask | None = None
+    #: models with sliding-window KV-cache groups: each scheduled request's every group table, whole (dropped
+    #: entries are the null block 0); the runner reads these instead of block_ids / new_block_ids
+    kv_group_block_ids: dict[str, list[list[int]]] | None = None
 
     @property
     def is_empty(self) -> bool:

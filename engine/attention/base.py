@@ -37,6 +37,16 @@ class AttentionMetadata:
     cascade_prefix_len: torch.Tensor | None = None
     #: per-step memo for a backend: what it derives from this metadata once and reuses in every layer
     backend_cache: dict = field(default_factory=dict)
+    #: this KV-cache group's sliding window (a query at position p reads keys p - window + 1 .. p); None: full.
+    #: The block tables hold the null block where the window has passed (those pages belong to others now)
+    sliding_window: int | None = None
+    #: models with several KV-cache groups: layer i's metadata (its group's tables and window); None: this one
+    layer_metas: list["AttentionMetadata"] | None = None
+
+
+def per_layer(meta: AttentionMetadata, num_layers: int) -> list[AttentionMetadata]:
+    """Each layer's metadata: its KV-cache group's (see layer_metas), or `meta` for every layer."""
+    return meta.layer_metas if meta.layer_metas is not None else [meta] * num_layers
 
 
 def common_prefix_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
@@ -54,11 +64,13 @@ def common_prefix_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: i
 
 
 def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], block_tables: list[list[int]],
-                             block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+                             block_size: int, device: torch.device | str = "cpu",
+                             sliding_window: int | None = None) -> AttentionMetadata:
     """Flat attention inputs for requests already ordered decodes-first.
 
     num_computed[i]: tokens of request i whose KV is already cached; num_scheduled[i]: tokens it
     computes this step; block_tables[i]: its block ids (long enough for computed + scheduled).
+    sliding_window: the group's window (tables then hold null blocks where it has passed; no cascade).
     """
     n = len(num_scheduled)
     q_lens = np.asarray(num_scheduled, dtype=np.int64)
@@ -79,7 +91,7 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
     num_decodes = 0
     while num_decodes < n and num_scheduled[num_decodes] == 1:
         num_decodes += 1
-    common = common_prefix_blocks(table, seq_lens[:num_decodes], block_size)
+    common = common_prefix_blocks(table, seq_lens[:num_decodes], block_size) if sliding_window is None else 0
     dev = torch.device(device)
     return AttentionMetadata(
         num_tokens=total,
@@ -96,6 +108,7 @@ def build_attention_metadata(num_computed: list[int], num_scheduled: list[int], 
         max_seq_len=int(seq_lens.max()) if n else 0,
         block_size=block_size,
         num_common_prefix_blocks=max(common, 0),
+        sliding_window=sliding_window,
     )
 
 
@@ -108,9 +121,14 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+    supports_sliding_window: bool
+    supports_softcap: bool
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2). A backend
+        without soft-capping or sliding windows says so (`supports_softcap`, `supports_sliding_window`), and
+        the engine never picks it for a model that needs them."""

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from engine.kv_groups import window_start_block
 
 #: shared-prefix length from which decode attention reads the prefix once for the whole batch
 CASCADE_MIN_TOKENS = 64
@@ -26,6 +27,8 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, cpu_kernels: bool = True, cascade_min_tokens: int | None = CASCADE_MIN_TOKENS):
         """cpu_kernels: use the compiled C paged-decode kernel for float32 decode on CPU when it builds
@@ -44,46 +47,65 @@ class TorchPagedAttention:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         _write_kv(k, v, kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_tokens:
-            return self._decode(q, kv_cache, meta, nd, scale)
+            return self._decode(q, kv_cache, meta, nd, scale, softcap)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, nd, scale)
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, nd, scale, softcap)
         qls, sls = meta.query_lens_list, meta.seq_lens_list
+        window, bs = meta.sliding_window, meta.block_size
         start = nd
         for i in range(nd, len(qls)):
             ql, sl = qls[i], sls[i]
             end = start + ql
             qi = q[start:end].transpose(0, 1).unsqueeze(0)                  # [1, H, ql, D]
-            if ql == sl:
+            banded = window is not None and window < sl
+            if ql == sl:                                                    # no cached context: its own K/V
                 ki = k[start:end].transpose(0, 1).unsqueeze(0)              # [1, KVH, ql, D]
                 vi = v[start:end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+                if not banded and softcap is None:
+                    out[start:end] = F.scaled_dot_product_attention(
+                        qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+                    start = end
+                    continue
+                first = 0
+            else:                          # pages from the window's first block on (all of them without one)
+                first = 0 if window is None else window_start_block(sl - ql, window, bs)
+                idx = _page_index(kv_cache, meta.block_tables[i:i + 1, first:], sl - first * bs, bs)
+                ki, vi = _gather(kv_cache, idx, 1, sl - first * bs)         # [KVH, 1, L, D]
+                ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)
+            mask = _causal_mask(ql, sl, first * bs, window, q.device)
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             else:
-                idx = _page_index(kv_cache, meta.block_tables[i:i + 1], sl, meta.block_size)
-                ki, vi = _gather(kv_cache, idx, 1, sl)                     # [KVH, 1, sl, D]
-                mask = torch.ones(ql, sl, dtype=torch.bool, device=q.device).tril(sl - ql)
-                o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1), vi.transpose(0, 1), attn_mask=mask,
-                                                   scale=scale, enable_gqa=True)
+                o = _attend_expanded(qi, ki, vi, scale, mask, softcap)
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int,
-                scale: float) -> torch.Tensor:
+                scale: float, softcap: float | None = None) -> torch.Tensor:
         kvh, hd = kv_cache.shape[1], kv_cache.shape[-1]
         heads = q.shape[1]
         common = meta.num_common_prefix_blocks
         least = self.cascade_min_tokens
-        cascade = least is not None and nd > 1 and common * meta.block_size >= max(least, 1)
-        if (not cascade and self.decode_kernel is not None and kv_cache.dtype == torch.float32
+        cascade = least is not None and nd > 1 and common * meta.block_size >= max(least, 1) and softcap is None
+        plain = meta.sliding_window is None and softcap is None
+        if (plain and not cascade and self.decode_kernel is not None and kv_cache.dtype == torch.float32
                 and kv_cache.device.type == "cpu"):
             return self.decode_kernel(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
-        if cascade:
+        if meta.sliding_window is not None:
+            memo = meta.backend_cache
+            if "window" not in memo:
+                memo["window"] = _window_pages(kv_cache, meta, nd)
+            idx, max_len, mask = memo["window"]
+            k, v = _gather(kv_cache, idx, nd, max_len)                          # [KVH, nd, L, D]
+            o = _attend(qg, k, v, scale, mask, softcap)
+        elif cascade:
             self.num_cascade_forwards += 1
             o = _cascade_decode(qg, kv_cache, meta, nd, common, scale)
         else:
@@ -95,22 +117,62 @@ class TorchPagedAttention:
                                   _length_mask(meta.seq_lens[:nd], max_len, lens))
             idx, max_len, mask = memo["decode"]
             k, v = _gather(kv_cache, idx, nd, max_len)                          # [KVH, nd, L, D]
-            o = _attend(qg, k, v, scale, mask)
+            o = _attend(qg, k, v, scale, mask, softcap)
         return o.transpose(0, 1).reshape(nd, heads, hd)
 
 
+def _causal_mask(ql: int, sl: int, key_offset: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[ql, sl - key_offset] True where a query (the last ql of sl positions) reads a key (positions from
+    key_offset): causal, bottom-right aligned, and inside the sliding window when there is one."""
+    q_pos = torch.arange(sl - ql, sl, device=device)[:, None]
+    k_pos = torch.arange(key_offset, sl, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _window_pages(kv_cache: torch.Tensor, meta: AttentionMetadata, nd: int):
+    """Decode under a sliding window: (page index, padded length, mask) that read each request's pages from
+    its window's first block only ([nd, 1, L] mask: inside the request and the window)."""
+    bs, window = meta.block_size, meta.sliding_window
+    lens = meta.seq_lens[:nd].to(torch.int64)
+    first = (lens - window).clamp(min=0) // bs                                 # [nd] first block read
+    nblk = int(((lens + bs - 1) // bs - first).max())
+    cols = (first[:, None] + torch.arange(nblk, device=lens.device)[None, :]).clamp(
+        max=meta.block_tables.shape[1] - 1)
+    tables = meta.block_tables[:nd].to(torch.int64).gather(1, cols)             # [nd, nblk]
+    pos = first[:, None] * bs + torch.arange(nblk * bs, device=lens.device)[None, :]
+    mask = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+    return _page_index(kv_cache, tables, nblk * bs, bs), nblk * bs, mask[:, None, :]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v over [..., rows, D] x [..., L, D], with `mask` True where keys count.
 
     Two batched GEMMs and a softmax: for decode's few query rows per (KV head, request) this is faster
     on CPU than SDPA's blocked flash kernel, whose tiles are sized for long queries.
     """
     s = torch.matmul(q * scale, k.transpose(-1, -2))
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1, dtype=torch.float32)
     return torch.matmul(p.to(v.dtype), v)
+
+
+def _attend_expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+                     softcap: float | None) -> torch.Tensor:
+    """A prefill chunk's attention without SDPA (which has no soft-capping): q [1, H, ql, D], k / v
+    [1, KVH, L, D], mask [ql, L] -> [1, H, ql, D]. The KV heads are shared by their query-head groups."""
+    kvh, heads = k.shape[1], q.shape[1]
+    qg = q.reshape(kvh, heads // kvh * q.shape[2], q.shape[3])                 # [KVH, G*ql, D]
+    ql = q.shape[2]
+    full = mask.repeat(heads // kvh, 1)                                         # [G*ql, L]
+    o = _attend(qg, k[0], v[0], scale, full, softcap)                           # [KVH, G*ql, D]
+    return o.view(1, heads, ql, q.shape[3])
 
 
 def _length_mask(seq_lens: torch.Tensor, max_len: int, lens: list[int]) -> torch.Tensor | None:

@@ -118,6 +118,8 @@ class TritonPagedAttention:
     """Decode and prefill kernels over the paged cache (see the module docstring)."""
 
     name = "triton"
+    supports_sliding_window = False
+    supports_softcap = False
     #: reads `AttentionMetadata.cascade_prefix_len` on the device (the CUDA-graph path captures cascade graphs)
     device_cascade_len = True
 

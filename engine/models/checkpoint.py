@@ -34,18 +34,15 @@ def validate_checkpoint(path: str | Path, *, need_tokenizer: bool = True) -> Mod
 
 
 def resolve_context_length(args: ModelArgs, max_model_len: int | None) -> int:
-    """The context length an engine serves: the model's positions (inside its sliding window, which we do
-    not implement), or `max_model_len` when set; ValueError if that asks for more than the model has.
-    An engine may cap the result further at the KV pool's capacity once the pool is sized."""
+    """The context length an engine serves: the model's positions (sliding-window layers included: the KV
+    manager keeps their windows), or `max_model_len` when set; ValueError if that asks for more than the
+    model has. An engine may cap the result further at the KV pool's capacity once the pool is sized."""
     limit = args.max_position_embeddings
-    if args.sliding_window is not None:
-        limit = min(limit, args.sliding_window)
     if max_model_len is None:
         return limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds this model's limit of {limit} tokens "
-                         f"(max_position_embeddings{' / sliding_window' if args.sliding_window else ''}); "
-                         f"lower it or leave it unset")
+                         f"(max_position_embeddings); lower it or leave it unset")
     return max_model_len
 
 

@@ -67,6 +67,12 @@ class ModelArgs:
     local_rope: RopeSpec | None = None             # RoPE of the sliding-window layers, when it differs (Gemma 3)
     sliding_layers: tuple[int, ...] = ()           # layers that attend within sliding_window (others: full)
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None    # Gemma 2: attention scores soft-capped before the softmax
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention); the KV-cache groups follow from it."""
+        return tuple(self.sliding_window if i in self.sliding_layers else None for i in range(self.num_layers))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelArgs":
@@ -138,7 +144,20 @@ class ModelArgs:
         )
         if spec.parse is not None:
             fields.update(spec.parse(cfg))
+        if fields["sliding_window"] is not None and "sliding_layers" not in fields:
+            fields["sliding_layers"] = _sliding_layers(cfg, fields["num_layers"])
         return cls(**fields)
+
+
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers `sliding_window` applies to: config.json's layer_types when it has them; Qwen2's layers
+    from max_window_layers on (use_sliding_window); else every layer (Mistral)."""
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if cfg.get("use_sliding_window") and cfg.get("max_window_layers") is not None:
+        return tuple(range(cfg["max_window_layers"], num_layers))
+    return tuple(range(num_layers))
 
 
 #: fields that change the math and that no architecture here implements: field -> its harmless values

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
 from engine.models import fused
 from engine.models.config import ModelArgs
 from engine.models.llama import Attention, LlamaForCausalLM
@@ -95,8 +95,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         pos = meta.positions
         tables = {False: (self.rope_cos[pos].to(x.dtype), self.rope_sin[pos].to(x.dtype)),
                   True: (self.local_cos[pos].to(x.dtype), self.local_sin[pos].to(x.dtype))}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, *tables[layer.is_sliding], kv_cache, meta, backend)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
+            x = layer(x, *tables[layer.is_sliding], kv_cache, m, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

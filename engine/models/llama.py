@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
 from engine.models import fused
 from engine.models.config import ModelArgs
 from engine.models.linear import prepack_linears
@@ -47,6 +47,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim ** -0.5
+        self.softcap = args.attn_logit_softcapping
         self.ops = fused                             # the fused-op implementation (use_fused_ops)
         self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -72,7 +73,10 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if positions is None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)                # in place
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, H, D]
+        if self.softcap is None:
+            o = backend.forward(q, k, v, kv_cache, meta, self.scale)              # [T, H, D]
+        else:
+            o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -186,15 +190,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.fused:
             delta = None
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for layer, kv_cache, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
                 x, delta = layer.forward_fused(x, delta, meta.positions, self.rope_cos, self.rope_sin, kv_cache,
-                                               meta, backend)
+                                               m, backend)
             return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
         dtype = x.dtype
         cos = self.rope_cos[meta.positions].to(dtype)
         sin = self.rope_sin[meta.positions].to(dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, per_layer(meta, len(self.layers))):
+            x = layer(x, cos, sin, kv_cache, m, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

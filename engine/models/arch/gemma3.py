@@ -1,7 +1,7 @@
 """Gemma 3 (text, Gemma3ForCausalLM): (1 + w) RMSNorm before and after attention and MLP, per-head q/k norm,
 embeddings scaled by sqrt(hidden), GELU-tanh, query_pre_attn_scalar, and interleaved sliding-window and
-global layers with their own RoPE (local base; global base and scaling). The KV manager keeps every layer's
-full context, so the context is capped at the sliding window (exact up to it; see docs/models.md)."""
+global layers with their own RoPE (local base; global base and scaling). The sliding layers form their own
+KV-cache groups, which keep only their window's blocks (engine/kv_cache_manager.py)."""
 from typing import Any
 
 from engine.models.config import _rope_spec

@@ -1,4 +1,4 @@
-"""Llama, Mistral (sliding window as a context cap) and Qwen2 (q/k/v biases): the plain decoder."""
+"""Llama, Mistral (every layer in its sliding window, kept by the KV manager) and Qwen2 (q/k/v biases): the plain decoder."""
 from engine.models.registry import ArchSpec
 
 SPECS = [
