@@ -1,4 +1,4 @@
-"""Gemma 3's decoder (text): the shared attention (engine/models/llama.py) with Gemma's pieces around it.
+"""Gemma 2 and Gemma 3 decoders (text): the shared attention (engine/models/llama.py) with Gemma's pieces around it.
 
 embed * sqrt(hidden) -> N x (norm -> attention -> norm -> residual -> norm -> GELU-tanh MLP -> norm ->
 residual) -> norm -> lm_head (-> soft-cap when the config has one). Every norm is Gemma's RMSNorm, scaling by

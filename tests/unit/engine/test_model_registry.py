@@ -88,9 +88,9 @@ def test_moe_layers_follow_the_config(tiny):
 
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ModelLoadError) as e:
-        ModelArgs.from_dict({"architectures": ["Gemma2ForCausalLM"]})       # attention soft-capping: not yet
+        ModelArgs.from_dict({"architectures": ["FalconForCausalLM"]})
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                 "Phi3ForCausalLM", "Gemma3ForCausalLM"):
+                 "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         assert name in str(e.value)
 
 
