@@ -195,6 +195,12 @@ class ObservabilitySection(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level of the app's "
                                                                     "JSON log lines")
     max_spans_kept: int = Field(2000, ge=0, description="in-memory spans kept for /debug inspection")
+    metrics_push_interval_s: float = Field(
+        1.0, gt=0, le=60, description="how often every ingress and model replica sends its metrics to the app's "
+        "metrics hub, which /metrics reads: the most a replica gauge on /metrics lags")
+    vllm_metric_names: bool = Field(
+        True, description="/metrics also writes each metric vLLM has under vLLM's name (vllm:..., labels "
+        "model_name and finished_reason), so dashboards made for vLLM work unchanged")
 
 
 class AppConfig(_Strict):

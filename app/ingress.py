@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.config import AppConfig
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
 from app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
+from app.metrics_hub import MetricsExporter, serve_app_and_replica
 from app.prompts import RequestKind
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.routing import debug as routing_debug
@@ -30,7 +31,7 @@ from engine import load_tokenizer
 from observability.logs import configure_json_logging, request_id_var
 from observability.metrics import ServingMetrics
 from observability.requests import RequestObserver
-from observability.setup import prometheus_text, setup_telemetry
+from observability.setup import setup_telemetry
 from observability.tracing import extract_context, inject_carrier
 
 logger = logging.getLogger("affinity.ingress")
@@ -63,6 +64,11 @@ class Ingress:
         drop_serve_duplicate_logs()
         self.telemetry = setup_telemetry(obs.service_name, obs.traces, obs.otlp_endpoint, obs.max_spans_kept)
         self.metrics = ServingMetrics(self.telemetry.meter)
+        serve_ctx = serve_app_and_replica()
+        # /metrics on any ingress replica shows the whole app: every process pushes to the app's hub
+        self.metrics_exporter = MetricsExporter(self.telemetry.snapshot_reader, serve_ctx and serve_ctx[0],
+                                                f"ingress:{serve_ctx[1] if serve_ctx else 'local'}",
+                                                obs.metrics_push_interval_s)
         model_dir = self.cfg.engine.model
         assert model_dir, "builder resolves the model directory"
         self.replica = replica
@@ -189,7 +195,10 @@ class Ingress:
 
     @fastapi_app.get("/metrics")
     async def http_metrics(self) -> Response:
-        return Response(prometheus_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        """Prometheus text of the whole app (every ingress and model replica, merged by its metrics hub),
+        with vLLM's names beside ours (docs/observability.md)."""
+        text = await self.metrics_exporter.render(self.model_name, self.cfg.observability.vllm_metric_names)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _http(self, kind: RequestKind, request: Request) -> Response:
         route = request.url.path

@@ -16,14 +16,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
+from app.metrics_hub import MetricsExporter, serve_app_and_replica
 from app.protocol import GenerateRequest, ReplicaChunk
 from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
-from app.stats import ReplicaStats
+from app.stats import ReplicaStats, load_sample
 from autoscale.signals import SignalRecorder, refilled_tokens
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.types import KVCacheSnapshot, KVEventsReply
 from observability import names
+from observability.metrics import ReplicaLoadSample, ReplicaMetrics
 
 logger = logging.getLogger("affinity.replica")
 
@@ -81,10 +83,17 @@ class LLMReplica:
         # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
         # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.
         tune_gc_for_serving()
-        self.tracer = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
-                                      obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000),
-                                      prometheus=False).tracer
+        telemetry = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
+                                    obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000))
+        self.tracer = telemetry.tracer
         self.replica_id = _replica_id()
+        # Gauges read the engine's load at every collection: the exporter's timer pushes them to the app's
+        # metrics hub while requests run (app/metrics_hub.py)
+        self.metrics = ReplicaMetrics(telemetry.meter, self.replica_id, self._load_sample, self.kv_tier,
+                                      self.kv_tier_stats)
+        serve_ctx = serve_app_and_replica()
+        self.metrics_exporter = MetricsExporter(telemetry.snapshot_reader, serve_ctx and serve_ctx[0],
+                                                f"replica:{self.replica_id}", obs.get("metrics_push_interval_s", 1.0))
         self.wedge_timeout_s = wedge_timeout_s
         self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
         limits = self.engine.limits
@@ -99,6 +108,8 @@ class LLMReplica:
         arrival = time.monotonic()
         first_token: float | None = None
         num_output_tokens: dict[int, int] = {}   # per sequence index, for the autoscaler's TPOT
+        num_finished = 0
+        ended_as: str | None = "abort"           # how unfinished sequences count if the stream stops early
         # The ingress's W3C trace context arrives in the request; the engine span continues that trace.
         span = self.tracer.start_span(names.SPAN_ENGINE, context=context_from_carrier(req.trace_context),
                                       attributes={"replica": self.replica_id, **ids})
@@ -126,9 +137,8 @@ class LLMReplica:
                     chunk.timings = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, ft - sched),
                                      "decode_s": max(0.0, now - ft)}
                     chunk.replica_stats = self.stats()
-                    tier = self.kv_tier_stats() if self.kv_tier != "none" else None
-                    if tier is not None:
-                        chunk.kv_tier = (self.kv_tier, tier)
+                    num_finished += 1
+                    self.metrics.record_sequence(finish_reason=d.finish_reason or "stop", **chunk.timings)
                     self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0))
                     chunk.trace_id = trace_id_hex(span)
                     logger.info("sequence finished", extra={
@@ -138,12 +148,16 @@ class LLMReplica:
                 yield chunk
         except Exception as e:
             api = to_api_error(e)
+            ended_as = "error" if api.status_code >= 500 else None     # a rejected request never ran
             log_failure(logger, e, api, "sequence failed", **ids)
             if isinstance(e, APIError):
                 raise
             raise api from e
         finally:
             span.end()
+            if ended_as is not None:             # cancelled (the client left) or failed: count what did not end
+                for _ in range(max(0, req.params.n - num_finished)):
+                    self.metrics.record_sequence(finish_reason=ended_as)
 
     async def warm(self, prompts: list[list[int]]) -> dict[str, Any]:
         """Prefill these prompts (one generated token each, discarded) so their full blocks are cached:
@@ -169,6 +183,10 @@ class LLMReplica:
 
     def stats(self) -> ReplicaStats:
         return ReplicaStats.from_load(self.engine.load())
+
+    def _load_sample(self) -> ReplicaLoadSample:
+        """What the replica's gauges read (observability.metrics.ReplicaMetrics), at each collection."""
+        return load_sample(self.engine.load())
 
     # ------------------------------------------------------------------ KV event feed (pulled by routers)
     async def kv_events_since(self, next_seq: int, epoch: str | None = None) -> KVEventsReply:
@@ -220,7 +238,7 @@ class LLMReplica:
     # ------------------------------------------------------------------ introspection
     def kv_tier_stats(self) -> dict[str, int] | None:
         """The KV connector's cumulative counters (lookups, hits, loads, load failures by cause, stores,
-        evictions, bytes) for `ServingMetrics.record_kv_tier(replica_id, self.kv_tier, ...)`; None without
+        evictions, bytes), exported by `ReplicaMetrics` labelled with `self.kv_tier`; None without
         a connector."""
         conn = self.engine.kv_connector_stats()
         return dataclasses.asdict(conn) if conn is not None else None

@@ -308,13 +308,8 @@ class OpenAIServing:
             run.routing.append(routing_debug.routing_record(decision, c.replica_id, c.num_cached_tokens))
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
+        # the replicas export their own gauges and KV tier counters, on a timer (app/metrics_hub.py)
         self.observer.finish(rs, run.record())
-        for replica_id, st in run.replica_stats.items():
-            self.metrics.record_replica(replica_id, num_running=st.num_running, num_waiting=st.num_waiting,
-                                        kv_cache_usage=st.kv_cache_usage, prefix_hit_rate=st.prefix_hit_rate,
-                                        recent_prefix_hit_rate=st.recent_prefix_hit_rate)
-        for replica_id, (tier, counters) in run.kv_tiers.items():
-            self.metrics.record_kv_tier(replica_id, tier, counters)
 
 
 class _EchoGate:

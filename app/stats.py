@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from observability.metrics import ReplicaLoadSample
+
 if TYPE_CHECKING:
     from engine import EngineLoad
 
@@ -64,3 +66,14 @@ class ReplicaStats:
         """Hit rate over the recent window (0-1): what routers and operators should look at."""
         q = self.recent_prefix_cache_queries
         return self.recent_prefix_cache_hits / q if q else 0.0
+
+
+def load_sample(load: EngineLoad) -> ReplicaLoadSample:
+    """A replica's gauges and load counters (observability.metrics.ReplicaMetrics) from the engine's load."""
+    st = ReplicaStats.from_load(load)
+    return ReplicaLoadSample(num_running=load.num_running_reqs, num_waiting=load.num_waiting_reqs,
+                             kv_cache_usage=load.kv_cache_usage, prefix_hit_rate=st.prefix_hit_rate,
+                             recent_prefix_hit_rate=st.recent_prefix_hit_rate,
+                             prefix_cache_queries_total=load.prefix_cache_queries_total,
+                             prefix_cache_hits_total=load.prefix_cache_hits_total,
+                             num_preemptions_total=load.num_preemptions_total)

@@ -1,4 +1,10 @@
-"""Metric and span names in one place."""
+"""Metric and span names in one place: every metric's spec (kind, unit, description, vLLM alias), from which
+the instruments are made (observability/metrics.py), the Prometheus text is written
+(observability/aggregate.py), and the Grafana dashboard's queries are checked (tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
 
 SPAN_REQUEST = "llm.request"
 SPAN_ROUTING = "llm.routing"
@@ -7,25 +13,37 @@ SPAN_PREFILL = "llm.prefill"
 SPAN_DECODE = "llm.decode"
 SPAN_ENGINE = "llm.engine"
 
+# ------------------------------------------------------------------ recorded at the ingress (per request)
 M_TTFT = "affinity_time_to_first_token"
 M_TPOT = "affinity_time_per_output_token"
 M_E2E = "affinity_e2e_request_latency"
 M_PROMPT_TOKENS = "affinity_prompt_tokens"
 M_GEN_TOKENS = "affinity_generation_tokens"
 M_CACHED_TOKENS = "affinity_cached_prompt_tokens"
+M_REQUEST_PROMPT_TOKENS = "affinity_request_prompt_tokens"
+M_REQUEST_GEN_TOKENS = "affinity_request_generation_tokens"
 M_HTTP = "affinity_http_requests"
-M_RUNNING = "affinity_replica_running_requests"
-M_WAITING = "affinity_replica_waiting_requests"
-M_KV_USAGE = "affinity_replica_kv_cache_usage"
-M_PREFIX_HIT = "affinity_replica_prefix_cache_hit_rate"
-M_PREFIX_HIT_RECENT = "affinity_replica_recent_prefix_cache_hit_rate"
 M_ROUTING_DECISIONS = "affinity_routing_decisions"
 M_ROUTING_DECISION_TIME = "affinity_routing_decision_time"
 M_ROUTING_PREDICTED_CACHED = "affinity_routing_predicted_cached_tokens"
 M_ROUTING_ACTUAL_CACHED = "affinity_routing_actual_cached_tokens"
 
+# ------------------------------------------------------------------ exported by each model replica (on a timer)
+M_RUNNING = "affinity_replica_running_requests"
+M_WAITING = "affinity_replica_waiting_requests"
+M_KV_USAGE = "affinity_replica_kv_cache_usage"
+M_PREFIX_HIT = "affinity_replica_prefix_cache_hit_rate"
+M_PREFIX_HIT_RECENT = "affinity_replica_recent_prefix_cache_hit_rate"
+M_PREFIX_QUERIES = "affinity_replica_prefix_cache_queries"
+M_PREFIX_HITS = "affinity_replica_prefix_cache_hits"
+M_PREEMPTIONS = "affinity_replica_preemptions"
+M_QUEUE_TIME = "affinity_request_queue_time"
+M_PREFILL_TIME = "affinity_request_prefill_time"
+M_DECODE_TIME = "affinity_request_decode_time"
+M_FINISHED = "affinity_requests_finished"
+
 # KV tiers below the paged pool (engine/kv_connector: the offload tier, the node-shared store), per replica
-# and tier; the Prometheus exporter adds "_total" to each counter
+# and tier
 M_KV_TIER_LOOKUPS = "affinity_kv_tier_lookups"
 M_KV_TIER_HIT_BLOCKS = "affinity_kv_tier_hit_blocks"
 M_KV_TIER_HIT_TOKENS = "affinity_kv_tier_hit_tokens"
@@ -36,3 +54,105 @@ M_KV_TIER_STORED_BLOCKS = "affinity_kv_tier_stored_blocks"
 M_KV_TIER_STORE_FAILURES = "affinity_kv_tier_store_failures"
 M_KV_TIER_EVICTED_BLOCKS = "affinity_kv_tier_evicted_blocks"
 M_KV_TIER_BYTES = "affinity_kv_tier_bytes"
+
+#: labels renamed on the vLLM aliases (vLLM's dashboards filter on `model_name`)
+VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
+
+
+class Kind(str, Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric. `name` is the OpenTelemetry instrument's; Prometheus sees `family` (plus `_total` on a
+    counter, `_bucket`/`_sum`/`_count` on a histogram). `vllm`: vLLM's families for the same quantity,
+    exported as aliases with the labels in VLLM_LABELS renamed."""
+
+    name: str
+    kind: Kind
+    description: str
+    unit: str = ""
+    vllm: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> str:
+        return self.name + ("_seconds" if self.unit == "s" else "")
+
+    def series(self, family: str | None = None) -> list[str]:
+        """The sample names Prometheus stores for this metric (or for one of its aliases)."""
+        f = family or self.family
+        if self.kind is Kind.COUNTER:
+            return [f"{f}_total"]
+        if self.kind is Kind.HISTOGRAM:
+            return [f"{f}_bucket", f"{f}_sum", f"{f}_count"]
+        return [f]
+
+
+def _c(name: str, description: str, *vllm: str) -> MetricSpec:
+    return MetricSpec(name, Kind.COUNTER, description, vllm=vllm)
+
+
+def _g(name: str, description: str, *vllm: str) -> MetricSpec:
+    return MetricSpec(name, Kind.GAUGE, description, vllm=vllm)
+
+
+def _h(name: str, description: str, unit: str, *vllm: str) -> MetricSpec:
+    return MetricSpec(name, Kind.HISTOGRAM, description, unit, vllm)
+
+
+METRICS: dict[str, MetricSpec] = {m.name: m for m in [
+    _h(M_TTFT, "time to first token, at the ingress", "s", "vllm:time_to_first_token_seconds"),
+    _h(M_TPOT, "time per output token, one sample per sequence: (last token - first) / (tokens - 1)", "s",
+       "vllm:request_time_per_output_token_seconds"),
+    _h(M_E2E, "end-to-end request latency, at the ingress", "s", "vllm:e2e_request_latency_seconds"),
+    _c(M_PROMPT_TOKENS, "prompt tokens", "vllm:prompt_tokens"),
+    _c(M_GEN_TOKENS, "generated tokens", "vllm:generation_tokens"),
+    _c(M_CACHED_TOKENS, "prompt tokens found in a replica's prefix cache"),
+    _h(M_REQUEST_PROMPT_TOKENS, "prompt tokens per request", "", "vllm:request_prompt_tokens"),
+    _h(M_REQUEST_GEN_TOKENS, "generated tokens per request", "", "vllm:request_generation_tokens"),
+    _c(M_HTTP, "HTTP responses by route and status"),
+    _c(M_ROUTING_DECISIONS, "routing decisions by reason (affinity, released, ...)"),
+    _h(M_ROUTING_DECISION_TIME, "router decision time (wall)", "s"),
+    _c(M_ROUTING_PREDICTED_CACHED, "cached prompt tokens the router predicted, on the replica the request ran "
+       "on (decisions whose engine reported its cached tokens)"),
+    _c(M_ROUTING_ACTUAL_CACHED, "cached prompt tokens the engine found, for the same decisions (index accuracy "
+       "= actual / predicted)"),
+    _g(M_RUNNING, "running requests per replica", "vllm:num_requests_running"),
+    _g(M_WAITING, "waiting requests per replica", "vllm:num_requests_waiting"),
+    _g(M_KV_USAGE, "KV cache usage (0-1) per replica", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    _g(M_PREFIX_HIT, "prefix-cache hit rate per replica since it started"),
+    _g(M_PREFIX_HIT_RECENT, "prefix-cache hit rate per replica over its recent requests"),
+    _c(M_PREFIX_QUERIES, "prompt tokens looked up in the prefix cache", "vllm:prefix_cache_queries"),
+    _c(M_PREFIX_HITS, "prompt tokens found in the prefix cache", "vllm:prefix_cache_hits"),
+    _c(M_PREEMPTIONS, "preemptions (a running request's KV blocks taken back)", "vllm:num_preemptions"),
+    _h(M_QUEUE_TIME, "time a sequence waited before its first step, in the replica", "s",
+       "vllm:request_queue_time_seconds"),
+    _h(M_PREFILL_TIME, "first step to first token, in the replica", "s", "vllm:request_prefill_time_seconds"),
+    _h(M_DECODE_TIME, "first token to last, in the replica", "s", "vllm:request_decode_time_seconds"),
+    _c(M_FINISHED, "sequences finished, by finish reason (stop, length, abort, error, ...)",
+       "vllm:request_success"),
+    _c(M_KV_TIER_LOOKUPS, "KV tier lookups (admissions that asked the tier)"),
+    _c(M_KV_TIER_HIT_BLOCKS, "KV blocks the tier held at lookup"),
+    _c(M_KV_TIER_HIT_TOKENS, "prompt tokens the tier held at lookup"),
+    _c(M_KV_TIER_LOADS, "loads from the tier that completed"),
+    _c(M_KV_TIER_LOADED_BLOCKS, "KV blocks loaded from the tier"),
+    _c(M_KV_TIER_LOAD_FAILURES, "loads that failed (the request recomputed), by cause"),
+    _c(M_KV_TIER_STORED_BLOCKS, "KV blocks written to the tier"),
+    _c(M_KV_TIER_STORE_FAILURES, "KV blocks whose write to the tier failed"),
+    _c(M_KV_TIER_EVICTED_BLOCKS, "KV blocks the tier evicted"),
+    _c(M_KV_TIER_BYTES, "bytes moved between the pool and the tier, by direction"),
+]}
+
+
+def exported_series(vllm_aliases: bool = True) -> set[str]:
+    """Every sample name `/metrics` can show (a Grafana query may name only these)."""
+    out: set[str] = set()
+    for m in METRICS.values():
+        out.update(m.series())
+        if vllm_aliases:
+            for alias in m.vllm:
+                out.update(m.series(alias))
+    return out

@@ -8,7 +8,7 @@ from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -48,7 +48,8 @@ class Telemetry:
     tracer_provider: TracerProvider
     meter_provider: MeterProvider
     span_exporter: BoundedMemorySpanExporter | None
-    prometheus_enabled: bool
+    #: collected on demand: the process's snapshot for the app's merged /metrics (app/metrics_hub.py)
+    snapshot_reader: InMemoryMetricReader
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -60,9 +61,10 @@ class Telemetry:
 
 
 def setup_telemetry(service_name: str = "affinity-serve", traces: str = "memory", otlp_endpoint: str | None = None,
-                    max_spans_kept: int = 2000, extra_readers: list[MetricReader] | None = None,
-                    prometheus: bool = True) -> Telemetry:
-    """Create (once per process) the providers; later calls return the same Telemetry."""
+                    max_spans_kept: int = 2000, extra_readers: list[MetricReader] | None = None) -> Telemetry:
+    """Create (once per process) the providers; later calls return the same Telemetry. Metrics are read by
+    `snapshot_reader` (the app's /metrics merges every process's: app/metrics_hub.py) and, with
+    `otlp_endpoint`, exported over OTLP."""
     global _telemetry
     with _lock:
         if _telemetry is not None:
@@ -79,15 +81,13 @@ def setup_telemetry(service_name: str = "affinity-serve", traces: str = "memory"
         elif traces == "otlp":
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
             tp.add_span_processor(BatchSpanProcessor(_otlp_span_exporter(otlp_endpoint)))
-        readers: list[MetricReader] = list(extra_readers or [])
-        if prometheus:
-            from opentelemetry.exporter.prometheus import PrometheusMetricReader
-            readers.append(PrometheusMetricReader())
+        snapshots = InMemoryMetricReader()
+        readers: list[MetricReader] = [snapshots, *(extra_readers or [])]
         if otlp_endpoint:
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
             readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(otlp_endpoint)))
         mp = MeterProvider(resource=resource, metric_readers=readers)
-        _telemetry = Telemetry(tp, mp, mem, prometheus)
+        _telemetry = Telemetry(tp, mp, mem, snapshots)
         return _telemetry
 
 
@@ -111,8 +111,3 @@ def _otlp_metric_exporter(endpoint: str):
     except ImportError as e:
         raise RuntimeError("OTLP export needs `pip install 'affinity-serve[otlp]'`") from e
     return OTLPMetricExporter(endpoint=f"{endpoint.rstrip('/')}/v1/metrics")
-
-
-def prometheus_text() -> bytes:
-    from prometheus_client import REGISTRY, generate_latest
-    return generate_latest(REGISTRY)

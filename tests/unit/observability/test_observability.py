@@ -5,7 +5,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from observability.metrics import ServingMetrics
+from observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
 from observability.tracing import context_from_carrier, extract_context, inject_carrier
 
 
@@ -20,17 +20,22 @@ def _points(reader):
 
 def test_request_and_replica_metrics():
     reader = InMemoryMetricReader()
-    m = ServingMetrics(MeterProvider(metric_readers=[reader]).get_meter("t"))
+    meter = MeterProvider(metric_readers=[reader]).get_meter("t")
+    m = ServingMetrics(meter)
     m.record_request(model="x", prompt_tokens=10, output_tokens=5, cached_tokens=4, ttft_s=0.2, e2e_s=1.0,
                      tpot_s=[0.2])
-    m.record_replica("r1", num_running=3, num_waiting=1, kv_cache_usage=0.5, prefix_hit_rate=0.4,
-                     recent_prefix_hit_rate=0.75)
+    ReplicaMetrics(meter, "r1", lambda: ReplicaLoadSample(num_running=3, num_waiting=1, kv_cache_usage=0.5,
+                                                          prefix_hit_rate=0.4, recent_prefix_hit_rate=0.75,
+                                                          prefix_cache_queries_total=20, prefix_cache_hits_total=8,
+                                                          num_preemptions_total=1))
     m.record_http("/v1/completions", 429)
     pts = _points(reader)
     assert pts["affinity_prompt_tokens"][0].value == 10
     assert pts["affinity_cached_prompt_tokens"][0].value == 4
+    assert pts["affinity_request_prompt_tokens"][0].sum == 10
     assert pts["affinity_time_to_first_token"][0].sum == 0.2
     assert pts["affinity_time_per_output_token"][0].sum == 0.2
+    assert pts["affinity_replica_prefix_cache_hits"][0].value == 8
     assert pts["affinity_replica_prefix_cache_hit_rate"][0].value == 0.4
     assert pts["affinity_replica_recent_prefix_cache_hit_rate"][0].value == 0.75
     assert dict(pts["affinity_replica_running_requests"][0].attributes) == {"replica": "r1"}

@@ -1,0 +1,140 @@
+"""One metrics view per app, whichever ingress replica answers `/metrics`.
+
+Each process of the app (every ingress replica and every model replica) runs a `MetricsExporter`: a daemon
+thread that collects the process's meter every `PUSH_INTERVAL_S` (so a replica's gauges are read while its
+requests run, not only when one finishes) and pushes the snapshot to the app's `MetricsHub`, a detached
+Ray actor named after the app. An ingress answering `/metrics` pushes its own fresh snapshot and gets back
+the Prometheus text of the merge (observability/aggregate.py): counters summed over processes, so they
+only grow across scrapes however the proxy spreads them over ingress replicas.
+
+Outside Serve (unit tests, a bare `Ingress`), nothing is pushed and `/metrics` shows this process only.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from observability.aggregate import MetricsAggregate, Snapshot, render, snapshot_of
+
+logger = logging.getLogger("affinity.metrics")
+
+HUB_NAMESPACE = "affinity-serve"
+PUSH_INTERVAL_S = 1.0
+#: a process's gauges vanish this long after its last push (a replica that stopped has no load)
+GAUGE_TTL_S = 5.0
+#: after this long without a push a process's counters join the retired totals (observability/aggregate.py)
+RETIRE_AFTER_S = 300.0
+
+
+class MetricsHub:
+    """The Ray actor's body: the latest snapshot of every process of one app (see MetricsAggregate)."""
+
+    def __init__(self, gauge_ttl_s: float = GAUGE_TTL_S, retire_after_s: float = RETIRE_AFTER_S):
+        self.aggregate = MetricsAggregate(gauge_ttl_s, retire_after_s)
+
+    def push(self, process: str, snapshot: Snapshot) -> int:
+        self.aggregate.push(process, snapshot, time.monotonic())
+        return self.aggregate.num_processes
+
+    def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True) -> str:
+        """Push the caller's own snapshot, then the Prometheus text of every process's."""
+        now = time.monotonic()
+        self.aggregate.push(process, snapshot, now)
+        return render(self.aggregate.merged(now), model_name, vllm_aliases)
+
+
+def hub_name(app_name: str) -> str:
+    return f"metrics:{app_name}"
+
+
+def get_hub(app_name: str) -> Any:
+    """The app's hub actor, created by whichever process asks first. Detached: it outlives the process that
+    made it, so the totals survive any one replica (it goes when Ray does; `ray.kill` it after deleting
+    the app to free it sooner)."""
+    return _hub_actor_class().options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
+                         get_if_exists=True).remote()
+
+
+@functools.cache
+def _hub_actor_class() -> Any:
+    import ray
+    return ray.remote(num_cpus=0, max_restarts=-1)(MetricsHub)
+
+
+def serve_app_and_replica() -> tuple[str, str] | None:
+    """(app name, replica id) inside a Serve replica, None elsewhere."""
+    try:
+        from ray import serve
+        ctx = serve.get_replica_context()
+        return ctx.app_name, ctx.replica_id.unique_id
+    except Exception:
+        return None
+
+
+class MetricsExporter:
+    """This process's side: pushes its snapshot to the app's hub on a timer, and renders `/metrics`."""
+
+    def __init__(self, reader: InMemoryMetricReader, app_name: str | None, process: str,
+                 interval_s: float = PUSH_INTERVAL_S):
+        self.reader = reader
+        self.app_name = app_name
+        self.process = f"{process}:{uuid.uuid4().hex[:8]}"      # a restarted process is a new one
+        self.interval_s = interval_s
+        self._hub: Any = None
+        self._hub_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread: threading.Thread | None = None
+        if app_name is not None:
+            self._thread = threading.Thread(target=self._loop, name="metrics-push", daemon=True)
+            self._thread.start()
+
+    def snapshot(self) -> Snapshot:
+        return snapshot_of(self.reader.get_metrics_data())
+
+    def push_once(self) -> None:
+        """Collect and push now (blocking; the timer thread's step)."""
+        import ray
+        hub = self._hub_handle()
+        ray.get(hub.push.remote(self.process, self.snapshot()), timeout=max(10.0, 5 * self.interval_s))
+
+    async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
+        """The app's merged metrics as Prometheus text; this process's alone if there is no hub to ask."""
+        snap = self.snapshot()
+        if self.app_name is not None:
+            try:
+                return await self._hub_handle().render.remote(self.process, snap, model_name, vllm_aliases)
+            except Exception as e:
+                self._forget_hub(e)
+        return render(snap, model_name, vllm_aliases)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.push_once()
+            except Exception as e:         # the hub restarting, Ray shutting down: try again next tick
+                self._forget_hub(e)
+
+    def _hub_handle(self) -> Any:
+        with self._hub_lock:
+            if self._hub is None:
+                assert self.app_name is not None
+                self._hub = get_hub(self.app_name)
+            return self._hub
+
+    def _forget_hub(self, e: Exception) -> None:
+        with self._hub_lock:
+            self._hub = None
+        if not self._warned:
+            self._warned = True
+            logger.warning("metrics hub of app %s unreachable (%s: %s); retrying every %.1fs", self.app_name,
+                           type(e).__name__, e, self.interval_s)

@@ -1,0 +1,120 @@
+"""/metrics a Grafana user can rely on (issue 32.5), on a real Serve app with two ingress replicas and two
+model replicas: replica gauges read the requests while they run (not only when one finishes), and counters
+only grow across scrapes whichever ingress replica answers them."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import app_config, wait_running
+from tests.integration.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+METRICS_APP = "affinity-metrics"
+STEP_S = 0.02          # paced engine steps: a 100-token stream lasts >= 2 s however fast the CPU is
+
+
+@pytest.fixture(scope="module")
+def url(ray_serve, checkpoints):
+    from ray import serve
+
+    from app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"], ingress_replicas=2)
+    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": STEP_S}
+    cfg["engine"]["cache"]["num_blocks"] = 512
+    cfg["observability"] |= {"metrics_push_interval_s": 0.25}
+    serve.run(build_app(cfg), name=METRICS_APP, route_prefix="/metrics-app")
+    wait_running(METRICS_APP, "LLMReplica", 2)
+    wait_running(METRICS_APP, "Ingress", 2)
+    yield ray_serve + "/metrics-app"
+    serve.delete(METRICS_APP)
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name]
+
+
+def _total(text: str, name: str, **labels: str) -> float:
+    return sum(v for lab, v in _samples(text, name) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def test_replica_gauges_read_running_requests_while_they_run(url):
+    num_streams, max_tokens = 8, 100
+    done = threading.Event()
+    errors: list[BaseException] = []
+    finished_at: list[float] = []
+
+    def stream(i: int) -> None:
+        try:
+            with httpx.Client(timeout=120) as c:
+                r = c.post(f"{url}/v1/completions", json={"prompt": f"long request {i}", "max_tokens": max_tokens,
+                                                          "ignore_eos": True, "temperature": 0})
+                finished_at.append(time.monotonic())
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == max_tokens
+        except BaseException as e:     # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(num_streams)]
+    for t in threads:
+        t.start()
+    watcher = threading.Thread(target=lambda: ([t.join() for t in threads], done.set()))
+    watcher.start()
+    # (scraped at, running, vllm running, kv usage), summed over the replicas
+    seen: list[tuple[float, float, float, float]] = []
+    with httpx.Client(timeout=30) as c:
+        while not done.is_set():
+            text = c.get(f"{url}/metrics").text
+            seen.append((time.monotonic(), _total(text, "affinity_replica_running_requests"),
+                         _total(text, "vllm:num_requests_running", model_name="tiny-llama"),
+                         _total(text, "affinity_replica_kv_cache_usage")))
+            time.sleep(0.1)
+        watcher.join()
+        assert not errors, errors
+        # while the 8 streams ran, before any had finished, the gauges said so (they used to be set only
+        # when a request finished, so they read 0 here)
+        seen = [s[1:] for s in seen if s[0] < min(finished_at)]
+        assert seen, "no scrape before the first request finished"
+        assert max(r for r, _, _ in seen) >= num_streams // 2, seen
+        assert max(v for _, v, _ in seen) >= num_streams // 2, seen
+        assert max(k for _, _, k in seen) > 0, seen
+        # and they come back to 0 once the streams end, without another request
+        wait_until(lambda: _total(c.get(f"{url}/metrics").text, "affinity_replica_running_requests") == 0, 10,
+                   "the running gauges to return to 0")
+        text = c.get(f"{url}/metrics").text
+    assert _total(text, "affinity_requests_finished_total", finish_reason="length") >= num_streams
+    assert _total(text, "vllm:request_success_total", finished_reason="length") >= num_streams
+    for phase in ("queue", "prefill", "decode"):
+        assert _total(text, f"affinity_request_{phase}_time_seconds_count") >= num_streams, phase
+    assert _total(text, "affinity_request_decode_time_seconds_sum") >= num_streams * (max_tokens - 1) * STEP_S * 0.9
+
+
+def test_counters_only_grow_across_scrapes_with_two_ingress_replicas(url):
+    """Serve's proxy spreads both the requests and the scrapes over the two ingress replicas; each scrape
+    reads the app's total (it read 7, 3, 7, 3 when each ingress exported only its own)."""
+    route = "/v1/completions"
+
+    def count(text: str) -> float:        # the route label is the whole path, the app's prefix included
+        return sum(v for lab, v in _samples(text, "affinity_http_requests_total")
+                   if lab.get("route", "").endswith(route) and lab.get("status") == "200")
+
+    with httpx.Client(timeout=60) as c:
+        before = count(c.get(f"{url}/metrics").text)
+        readings = []
+        for i in range(20):
+            r = c.post(f"{url}{route}", json={"prompt": f"count me {i}", "max_tokens": 1})
+            assert r.status_code == 200
+            readings.append(count(c.get(f"{url}/metrics").text))
+        assert all(b >= a for a, b in zip([before, *readings], readings)), (before, readings)
+        # once both ingress replicas have pushed, every scrape reads all 20, whichever replica answers
+        wait_until(lambda: count(c.get(f"{url}/metrics").text) == before + 20, 10,
+                   "the scrapes to read every request")
+        settled = [count(c.get(f"{url}/metrics").text) for _ in range(8)]
+        assert settled == [before + 20] * 8, settled
+        tokens = [_total(c.get(f"{url}/metrics").text, "vllm:generation_tokens_total") for _ in range(8)]
+        assert tokens == sorted(tokens) and tokens[0] > 0, tokens
