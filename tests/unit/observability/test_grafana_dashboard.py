@@ -126,3 +126,16 @@ def test_vllm_dashboard_names_are_exported():
     missing = vllm_dashboard - _rendered_series()
     assert not missing, missing
     assert missing == vllm_dashboard - names.exported_series()
+
+
+def test_every_metric_and_alias_is_in_the_docs():
+    """docs/observability.md names every exported family (`a_{x,y}_b` in the tables stands for both)."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "observability.md").read_text()
+    documented: set[str] = set()
+    for token in re.findall(r"`([\w:{},]+)`", page):
+        m = re.fullmatch(r"([\w:]*)\{([\w,]+)\}([\w:]*)", token)
+        documented |= {m.group(1) + alt + m.group(3) for alt in m.group(2).split(",")} if m else {token}
+    for spec in names.METRICS.values():
+        for family in (spec.family, *spec.vllm):
+            exposed = family + ("_total" if spec.kind is names.Kind.COUNTER else "")
+            assert exposed in documented, f"docs/observability.md does not name {exposed}"
