@@ -153,48 +153,58 @@ class ScalingDecision:
                 f"{self.down_target})")
 
 
-#: fewer running sequences than this say too little about the KV a sequence holds (a shared prefix is most
-#: of it): the replica's C then comes from its step costs and the prior only
+#: fewer running sequences per replica than this say too little about the KV a sequence holds (a shared
+#: prefix is most of it): C then comes from the step costs (or the prior) only
 MIN_SEQS_FOR_KV = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
-    """One replica's capacity: R uncached prompt tokens per second, C sequences decoding within the TPOT
-    SLO and held in KV at the KV target, and how much the running sequences' KV will grow (>= 1: the
-    sequences are younger than those the replica saw finish)."""
+    """One replica's capacity as it measured it: R uncached prompt tokens per second, C_tpot sequences whose
+    decode steps fit the TPOT SLO, and how much its running sequences' KV will grow (>= 1: they are younger
+    than the sequences it saw finish)."""
 
     prefill_tokens_per_s: float
-    decode_seqs: float
+    tpot_seqs: float
     kv_growth: float = 1.0
 
 
 def replica_capacity(s: ReplicaSignals, cfg: PolicyConfig) -> Capacity:
-    """R and C of the replica reporting `s`, from its own step costs and sequence lengths where it reports
-    them (`online_capacity`), else the priors.
+    """R, C_tpot and the KV growth of the replica reporting `s`, from its own step costs and sequence lengths
+    where it reports them (`online_capacity`), else the priors.
 
     - R = 1 / prefill_s_per_token.
-    - C = min(C_tpot, C_kv). C_tpot: the batch whose decode step, base + decode cost x context per sequence
-      x batch, fits the TPOT SLO, at most the engine's batch cap (the prior `decode_seqs_per_replica` until
-      the replica reports step costs). C_kv: the sequences the KV target holds at
-      the KV each running sequence holds now (KV usage / running, sharing included), grown to what a
-      sequence holds on average over its life (prompt + output / 2 of the sequences that finished) from what
-      the running ones hold now (their mean context): after a shift to longer outputs the young sequences
-      read small, and C_kv says so before the pool fills.
+    - C_tpot: the batch whose decode step, base + decode cost x context per sequence x batch, fits the TPOT
+      SLO, at most the engine's batch cap (the prior `decode_seqs_per_replica` until the replica reports
+      step costs).
+    - KV growth: what a sequence holds on average over its life (prompt + output / 2 of the sequences that
+      finished) over what the running ones hold now (their mean context): after a shift to longer outputs
+      the young sequences read small, and the growth says so before the pool fills.
     """
     if not cfg.online_capacity:
         return Capacity(cfg.prefill_tokens_per_s, cfg.decode_seqs_per_replica)
     r = 1.0 / s.prefill_s_per_token if s.prefill_s_per_token > 0 else cfg.prefill_tokens_per_s
-    caps = [cfg.decode_seqs_per_replica]        # the TPOT bound until the replica's step costs say otherwise
+    c_tpot = cfg.decode_seqs_per_replica
     if s.decode_s_per_context_token > 0 and s.mean_context_tokens > 0:
-        c_tpot = (cfg.tpot_slo_s - s.step_base_s) / (s.decode_s_per_context_token * s.mean_context_tokens)
-        caps[0] = max(1.0, min(c_tpot, s.max_num_seqs) if s.max_num_seqs > 0 else c_tpot)
+        c = (cfg.tpot_slo_s - s.step_base_s) / (s.decode_s_per_context_token * s.mean_context_tokens)
+        c_tpot = max(1.0, min(c, s.max_num_seqs) if s.max_num_seqs > 0 else c)
     growth = 1.0
     if s.mean_context_tokens > 0 and s.mean_prompt_tokens > 0:
         growth = max(1.0, (s.mean_prompt_tokens + s.mean_output_tokens / 2) / s.mean_context_tokens)
-    if s.num_running >= MIN_SEQS_FOR_KV and s.kv_cache_usage > 0:
-        caps.append(max(1.0, cfg.kv_usage_target * s.num_running / (s.kv_cache_usage * growth)))
-    return Capacity(r, min(caps), growth)
+    return Capacity(r, c_tpot, growth)
+
+
+def decode_capacity(signals: Sequence[ReplicaSignals], caps: Sequence[Capacity], cfg: PolicyConfig) -> float:
+    """C, the sequences one (mean) replica decodes: min(C_tpot, C_kv). C_kv (online only) pools the fleet:
+    the sequences the KV target holds at the KV a running sequence holds now (usage / running, a shared
+    prefix included), grown to its life's mean; pooled because one replica holding a sequence or two reads
+    mostly its shared prefix. Fewer than MIN_SEQS_FOR_KV running sequences per replica say too little."""
+    c = sum(x.tpot_seqs for x in caps) / len(caps) if caps else cfg.decode_seqs_per_replica
+    running = sum(s.num_running for s in signals)
+    held = sum(s.kv_cache_usage * x.kv_growth for s, x in zip(signals, caps))
+    if cfg.online_capacity and signals and running >= MIN_SEQS_FOR_KV * len(signals) and held > 0:
+        c = min(c, max(1.0, cfg.kv_usage_target * running / held))
+    return c
 
 
 def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_at_callers: float = 0.0) -> FleetLoad:
@@ -209,7 +219,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     # an average one.
     caps = [replica_capacity(s, cfg) for s in signals]
     r = sum(c.prefill_tokens_per_s for c in caps) / len(caps) if caps else cfg.prefill_tokens_per_s
-    c_decode = sum(c.decode_seqs for c in caps) / len(caps) if caps else cfg.decode_seqs_per_replica
+    c_decode = decode_capacity(signals, caps, cfg)
 
     def weighted(attr: str) -> float:
         return sum(getattr(s, attr) * s.num_recent_requests for s in signals) / recent if recent else 0.0

@@ -168,6 +168,74 @@ class RayDefaultPolicy:
         return max(self.lo, min(self.hi, desired))
 
 
+class DynamoPlannerPolicy:
+    """A Dynamo-SLA-planner-style baseline, re-implemented from its public description (ai-dynamo/dynamo
+    docs/architecture/sla_planner.md; ../shared/ROUTING_NOTES.md section 3): every `interval_s` it takes the
+    arrival rate, mean input length (ISL) and mean output length (OSL) the frontend saw over the last
+    interval (a constant predictor: the next interval is the last one) and sizes
+    prefill = rate x ISL / (profiled prefill throughput) and decode = rate x OSL / (profiled decode
+    throughput at the TPOT SLO), the profile being the device's own timing model. The replicas here serve
+    both phases (aggregated), so their shares add: replicas = ceil((prefill + decode) / `utilization`).
+    No latency feedback (no correction factors) and no prefix-cache term: the profile is of uncached
+    prompts."""
+
+    role = "dynamo"
+
+    def __init__(self, timing: TimingModel, spec: ReplicaSpec, tpot_slo_s: float, min_replicas: int,
+                 max_replicas: int, utilization: float = 0.8, interval_s: float = 10.0, kv_target: float = 0.85,
+                 name: str | None = None):
+        self.timing, self.spec, self.tpot_slo_s = timing, spec, tpot_slo_s
+        self.lo, self.hi, self.util, self.interval_s, self.kv_target = (min_replicas, max_replicas, utilization,
+                                                                         interval_s, kv_target)
+        self.name = name or f"Dynamo-style planner, util {utilization:g}"
+        self.look_back_s, self.metrics_interval_s = APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S
+        self.arrivals: list[tuple[float, int]] = []      # (t, prompt tokens)
+        self.outputs: list[tuple[float, int]] = []       # (t, output tokens) of finished requests
+        self.last_osl = 100.0
+        self.next_at = 0.0
+        self.target: int | None = None
+        self.decisions: list[tuple[float, int, str]] = []
+
+    def on_arrival(self, now: float, num_prompt_tokens: int) -> None:
+        self.arrivals.append((now, num_prompt_tokens))
+
+    def on_finish(self, now: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self.outputs.append((now, num_output_tokens))
+
+    def decode_tokens_per_s(self, isl: float, osl: float) -> float:
+        """The profile: one replica's best decode throughput whose step meets the TPOT SLO and whose batch fits
+        the KV target at the mean context (ISL + OSL / 2)."""
+        t, ctx = self.timing, isl + osl / 2
+        n_kv = self.kv_target * self.spec.num_kv_tokens / max(ctx, 1.0)
+        n_tpot = (self.tpot_slo_s - t.step_base_s) / (t.decode_per_context_token_s * max(ctx, 1.0))
+        n = max(1.0, min(self.spec.max_num_seqs, n_kv, n_tpot))
+        return n / (t.step_base_s + t.decode_per_context_token_s * ctx * n)
+
+    def __call__(self, signals: list[ReplicaSignals], total_ongoing: float, current: int, now: float,
+                 queued: float = 0.0) -> int:
+        if self.target is None:
+            self.target = current
+        if now + 1e-9 >= self.next_at:
+            start = now - self.interval_s
+            arr = [n for t, n in self.arrivals if t >= start]
+            outs = [n for t, n in self.outputs if t >= start]
+            self.arrivals = [a for a in self.arrivals if a[0] >= start]
+            self.outputs = [o for o in self.outputs if o[0] >= start]
+            if outs:
+                self.last_osl = float(np.mean(outs))
+            if arr:
+                rate, isl = len(arr) / self.interval_s, float(np.mean(arr))
+                prefill = rate * isl * self.timing.prefill_per_token_s
+                decode = rate * self.last_osl / self.decode_tokens_per_s(isl, self.last_osl)
+                self.target = max(self.lo, min(self.hi, math.ceil((prefill + decode) / self.util - 1e-9)))
+            else:
+                self.target = self.lo
+            self.next_at = now + self.interval_s
+        if self.target != current:
+            self.decisions.append((round(now, 2), self.target, "planner"))
+        return self.target
+
+
 # ================================================================== router over a changing replica set
 class ElasticRouter:
     """Our prefix-affinity core (app/routing) over the routable replicas, fed like the Serve shell."""
@@ -222,6 +290,10 @@ class SimConfig:
     #: requests a replica holds at once (Serve's max_ongoing_requests); the rest wait at the caller, first come
     #: first served, and count as queued at callers. 0: no cap, every request is routed when it arrives
     max_ongoing: int = 0
+    #: replica k runs (speeds[k % len]) x slower than the timing model (heterogeneous devices); () all at 1
+    speeds: tuple[float, ...] = ()
+    #: recovery is measured from this fraction of the trace (the burst's start; a mix shift's onset)
+    event_frac: float = BURST[0]
 
 
 @dataclass
@@ -234,6 +306,7 @@ class _Rep:
     draining_since: float | None = None
     ongoing: int = 0
     samples: deque = field(default_factory=deque)   # (t, ReplicaSignals) recorded, pushed or not
+    step: tuple[float, int, int, int] | None = None  # the step running: (duration, prefill, decode seqs, context)
 
 
 @dataclass
@@ -290,9 +363,14 @@ class AutoscaleSim:
     def provision(self, n: int) -> None:
         for _ in range(n):
             k = len(self.reps)
-            self.reps.append(_Rep(SimReplica(k, self.spec, self.timing), SignalRecorder(), self.now,
+            self.reps.append(_Rep(SimReplica(k, self.spec, self.replica_timing(k)), SignalRecorder(), self.now,
                                   self.now + self.cfg.startup_s))
             self.push(self.now + self.cfg.startup_s, _READY, k)
+
+    def replica_timing(self, k: int) -> TimingModel:
+        f = self.cfg.speeds[k % len(self.cfg.speeds)] if self.cfg.speeds else 1.0
+        t = self.timing
+        return TimingModel(t.step_base_s * f, t.prefill_per_token_s * f, t.decode_per_context_token_s * f)
 
     def stop(self, n: int) -> None:
         live = [k for k, r in enumerate(self.reps) if r.stopped_at is None and r.draining_since is None]
@@ -343,6 +421,8 @@ class AutoscaleSim:
 
     def on_release(self, i: int) -> None:
         self.release[i] = self.now
+        if hasattr(self.policy, "on_arrival"):            # what a frontend sees (the Dynamo-style planner)
+            self.policy.on_arrival(self.now, len(self.trace.requests[i].prompt_token_ids))
         if self.pending or not self.with_room():
             self.pending.append(i)
             return
@@ -360,13 +440,24 @@ class AutoscaleSim:
             self.start_step(k)
 
     def start_step(self, k: int) -> None:
-        dt = self.reps[k].sim.start_step()
+        rep = self.reps[k]
+        dt = rep.sim.start_step()
         if dt is not None:
+            so, requests = rep.sim._pending, rep.sim.scheduler.requests
+            prefill = seqs = ctx = 0
+            for req_id, n in so.num_scheduled_tokens.items():      # as engine.pacing prices the step
+                req = requests.get(req_id)
+                if req is not None and n == 1 and req.num_output_tokens > 0:
+                    seqs, ctx = seqs + 1, ctx + req.num_computed_tokens
+                else:
+                    prefill += n
+            rep.step = (dt, prefill, seqs, ctx)
             self.push(self.now + dt, _STEP, k)
 
     def on_step(self, k: int) -> None:
         rep = self.reps[k]
         res = rep.sim.end_step()
+        rep.recorder.on_step(self.now, *rep.step)
         reqs = self.trace.requests
         for rid in res.first_token_ids:
             i = self.index[rid]
@@ -382,7 +473,10 @@ class AutoscaleSim:
             self.finish[i] = self.now
             self.num_finished += 1
             rep.ongoing -= 1
-            rep.recorder.on_finished(self.now, self.now - self.first[i], len(reqs[i].output_token_ids))
+            rep.recorder.on_finished(self.now, self.now - self.first[i], len(reqs[i].output_token_ids),
+                                     len(reqs[i].prompt_token_ids))
+            if hasattr(self.policy, "on_finish"):
+                self.policy.on_finish(self.now, len(reqs[i].prompt_token_ids), len(reqs[i].output_token_ids))
             self.router.now = self.now
             self.router.core.on_finished(rid)
             for c in self.children.get(rid, ()):
@@ -413,7 +507,8 @@ class AutoscaleSim:
         return rep.recorder.snapshot(self.now, num_running=st.num_running_reqs, num_waiting=st.num_waiting_reqs,
                                      num_in_flight=rep.ongoing, kv_cache_usage=st.kv_cache_usage,
                                      num_queued_prefill_tokens=st.num_queued_prefill_tokens,
-                                     num_preemptions_total=st.num_preemptions_total)
+                                     num_preemptions_total=st.num_preemptions_total,
+                                     max_num_seqs=self.spec.max_num_seqs)
 
     def observed(self, rep: _Rep) -> ReplicaSignals | None:
         """What the controller sees of `rep`: the replica records a sample every min(0.2 x look-back, metrics
@@ -483,7 +578,7 @@ class AutoscaleSim:
             arrivals.append(int(m.sum()) / BIN_S)
             att.append(float(ok[m].mean()) if m.any() else 1.0)
             p90.append(float(np.percentile(ttft[m], 90)) if m.any() else 0.0)
-        b0 = BURST[0] * T
+        b0 = cfg.event_frac * T
         bad = [bins[b + 1] for b in range(len(bins) - 1) if bins[b] >= b0 and att[b] < 0.9]
         recover = (max(bad) - b0) if bad else 0.0
         prompt = np.array([len(r.prompt_token_ids) for r in reqs])

@@ -1,0 +1,325 @@
+"""Autoscaling Pareto comparison (issue 29): every tuning of Serve's request-count rule against our policy's
+curve, on workloads whose mix shifts, in benchmarks/autoscale.py's simulator.
+
+For each workload and fleet size it runs
+- Serve's rule (⌈ongoing ÷ target⌉, benchmarks/autoscale.py:RayDefaultPolicy) at each `--targets` value,
+  with this app's delays and metric windows (2 s up, 30 s down, look-back 5 s, metrics 1 s);
+- ours (autoscale/policy.py) at each `--utils` value of `target_utilization` (downscale_utilization at
+  0.625 x it, the default's ratio), the first of them being the operating point;
+- ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom;
+- a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
+and reports, at our operating point, the replica-seconds Serve's best tuning needs for the same TTFT SLO
+attainment, linearly interpolated along Serve's Pareto frontier (its non-dominated points), and our
+replica-seconds over that. Serve's frontier may not reach our attainment: then the ratio is against its
+best point and marked as a bound ("<=").
+
+Workloads (seeded; `mix_trace`): the arrival rate is sized so the heaviest phase needs about `--load` of
+the fleet by the timing model.
+- `output-shift`: chat (output median 100 tokens) -> long-form (400) at half the trace, same arrivals;
+- `prompt-shift`: prompts of ~500 tokens -> ~8k (RAG documents, unique) at half the trace;
+- `reuse-collapse`: 3k-token prompts sharing one of 8 prefixes of 2.8k tokens -> no shared prefix;
+- `diurnal`: one day's ramp compressed, rate 0.1 -> 1 -> 0.1 of the peak with x lognormal(0.25) noise per
+  5 s, the chat mix throughout;
+- `base`: benchmarks/autoscale.py's trace (ramp, 2x burst, quiet), 8 replicas (its generator is slow).
+Mix workloads run on a GPU-sized KV pool (64k tokens per replica, `MIX_SPEC`) so an 8k prompt fits many
+times; ours' prior C for it is 48 (`--decode-seqs`), R 20k tokens/s (the timing model's).
+
+    python benchmarks/autoscale_pareto.py --workloads prompt-shift --fleets 8 --duration 240
+    python benchmarks/autoscale_pareto.py                        # all mix workloads, 8 and 32 (about an hour)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from autoscale.policy import PolicyConfig  # noqa: E402
+from benchmarks.autoscale import (APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, AutoscaleSim,  # noqa: E402
+                                  DynamoPlannerPolicy, EnginePolicy, RayDefaultPolicy, RunResult, SimConfig,
+                                  read_trace, shaped_trace, write_trace)
+from benchmarks.routing.replica import ReplicaSpec, TimingModel  # noqa: E402
+from benchmarks.routing.workload import Trace, TraceMeta, TraceRequest, WorkloadSpec  # noqa: E402
+
+MIX_SPEC = ReplicaSpec(num_kv_tokens=65536, max_model_len=16384)
+MIX_WORKLOADS = ("output-shift", "prompt-shift", "reuse-collapse", "diurnal")
+SHIFT_AT = 0.5                       # the mix shifts at this fraction of the trace
+VOCAB = (3, 30000)
+
+
+# ================================================================== workloads
+def _phase(kind: str, x: float) -> dict:
+    """The mix at fraction x of the trace: rate multiplier, shared prefix tokens (0: none), reuse probability,
+    unique prompt tokens (median), output tokens (median)."""
+    late = x >= SHIFT_AT
+    if kind == "output-shift":
+        return dict(rate=1.0, prefix=800, reuse=0.7, unique=300, output=400 if late else 100)
+    if kind == "prompt-shift":
+        return dict(rate=1.0, prefix=300, reuse=0.7, unique=7700 if late else 200, output=100)
+    if kind == "reuse-collapse":
+        return dict(rate=1.0, prefix=2800, reuse=0.0 if late else 0.9, unique=200, output=100)
+    if kind == "diurnal":
+        return dict(rate=0.1 + 0.9 * math.sin(math.pi * x) ** 2, prefix=800, reuse=0.7, unique=300, output=150)
+    raise ValueError(f"unknown workload {kind!r}; choose from {MIX_WORKLOADS}")
+
+
+#: the time per output token a loaded replica runs at (decode steps share it with prefill chunks), for sizing
+LOADED_TPOT_S = 0.05
+
+
+def _work_s(ph: dict, timing: TimingModel, spec: ReplicaSpec) -> float:
+    """Replica-seconds one request of the mix costs by the timing model: the larger of its compute (its
+    uncached prefill plus its share of the decode steps at the batch the KV pool holds) and its KV
+    residency (its own context held for its lifetime at LOADED_TPOT_S, over the pool at the 0.85 target)."""
+    prompt = ph["prefix"] + ph["unique"]
+    uncached = ph["unique"] + ph["prefix"] * (1 - ph["reuse"])
+    ctx = prompt + ph["output"] / 2
+    batch = max(1.0, min(spec.max_num_seqs, 0.85 * spec.num_kv_tokens / ctx))
+    per_token = timing.step_base_s / batch + timing.decode_per_context_token_s * ctx
+    compute = uncached * timing.prefill_per_token_s + ph["output"] * per_token
+    lifetime = uncached * timing.prefill_per_token_s + ph["output"] * LOADED_TPOT_S
+    held = uncached + ph["output"] / 2            # a shared prefix is held once per replica, not per sequence
+    return max(compute, lifetime * held / (0.85 * spec.num_kv_tokens))
+
+
+def mix_trace(kind: str, num_replicas: int, duration_s: float, load: float, seed: int,
+              timing: TimingModel = TimingModel(), spec: ReplicaSpec = MIX_SPEC) -> Trace:
+    """A seeded trace of `kind` whose heaviest phase needs about `load` x `num_replicas` replicas."""
+    _phase(kind, 0.0)                                           # an unknown kind fails here, naming the choices
+    rng = np.random.default_rng([seed, MIX_WORKLOADS.index(kind)])
+    xs = np.linspace(0, 1, 201)
+    peak = max(_phase(kind, x)["rate"] * _work_s(_phase(kind, x), timing, spec) for x in xs)
+    rate_max = load * num_replicas / peak                       # requests/s at rate multiplier 1
+    noise_bin = 5.0
+    noise = rng.lognormal(0.0, 0.25, int(duration_s / noise_bin) + 1) if kind == "diurnal" else None
+    prefixes = [rng.integers(*VOCAB, 2800).tolist() for _ in range(8)]
+    popularity = 1.0 / np.arange(1, 9) ** 0.8
+    popularity /= popularity.sum()
+    reqs, t, i = [], 0.0, 0
+    bound = rate_max * (1.6 if noise is not None else 1.0) * 2      # thinning envelope
+    while True:
+        t += rng.exponential(1.0 / bound)
+        if t >= duration_s:
+            break
+        x = t / duration_s
+        ph = _phase(kind, x)
+        r = rate_max * ph["rate"] * (noise[int(t / noise_bin)] if noise is not None else 1.0)
+        if rng.random() >= min(1.0, r / bound):
+            continue
+        unique = int(np.clip(rng.lognormal(math.log(ph["unique"]), 0.4), 16, 12000))
+        out = int(np.clip(rng.lognormal(math.log(ph["output"]), 0.5), 8, 2000))
+        if ph["prefix"] and rng.random() < ph["reuse"]:
+            g = int(rng.choice(8, p=popularity))
+            prompt, group = prefixes[g][:ph["prefix"]], f"p{g}"
+        else:
+            prompt, group = rng.integers(*VOCAB, ph["prefix"]).tolist(), ""
+        prompt = prompt + rng.integers(*VOCAB, unique).tolist()
+        reqs.append(TraceRequest(f"{kind}-{i}", float(t), "A" if group else "D", group, prompt,
+                                 rng.integers(*VOCAB, out).tolist()))
+        i += 1
+    meta = TraceMeta(WorkloadSpec(num_replicas=num_replicas, seed=seed), spec,
+                     saturation_rps_per_replica=1.0 / peak, arrival_rate_rps=rate_max, duration_s=duration_s,
+                     warmup_s=0.0, num_tenants=8, think_mean_s=0.0, measured_pressure=0.0, measured_load=load,
+                     num_requests=len(reqs))
+    return Trace(meta, reqs)
+
+
+# ================================================================== Pareto frontier
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The non-dominated (replica-seconds, attainment) points: sorted by replica-seconds, each with a higher
+    attainment than every cheaper one."""
+    out: list[tuple[float, float]] = []
+    for cost, att in sorted(points):
+        if not out or att > out[-1][1]:
+            out.append((cost, att))
+    return out
+
+
+def cost_at(points: list[tuple[float, float]], attainment: float) -> tuple[float, bool]:
+    """Replica-seconds the frontier of `points` needs for `attainment`, interpolated linearly between its
+    neighbouring points, and whether it reaches it (if not: the cost of its best point)."""
+    f = frontier(points)
+    if attainment <= f[0][1]:
+        return f[0][0], True
+    for (c0, a0), (c1, a1) in zip(f, f[1:]):
+        if a0 < attainment <= a1:
+            return c0 + (c1 - c0) * (attainment - a0) / (a1 - a0), True
+    return f[-1][0], False
+
+
+# ================================================================== runs
+def ours_config(n: int, a, util: float, **over) -> PolicyConfig:
+    cfg = PolicyConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, tpot_slo_s=a.tpot_slo,
+                       prefill_tokens_per_s=1.0 / TimingModel().prefill_per_token_s, decode_seqs_per_replica=a.c_prior,
+                       upscale_delay_s=2.0, downscale_delay_s=30.0, downscale_to_zero_delay_s=60.0,
+                       target_utilization=util, downscale_utilization=0.625 * util)
+    return replace(cfg, **over)
+
+
+def policies(n: int, spec: ReplicaSpec, a) -> list:
+    timing = TimingModel()
+    out = []
+    for i, u in enumerate(a.utils):
+        pol = EnginePolicy(ours_config(n, a, u), APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"ours, util {u:g}")
+        pol.role = "ours" if i == 0 else "ours-curve"
+        out.append(pol)
+    if a.ablations:
+        u = a.utils[0]
+        for label, over in (("priors only (no online R/C)", dict(online_capacity=False)),
+                            ("no trend", dict(trend_lead_s=0.0)), ("no headroom", dict(headroom_z=0.0))):
+            pol = EnginePolicy(ours_config(n, a, u, **over), APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S,
+                               f"ours, util {u:g}, {label}")
+            pol.role = "ablation"
+            out.append(pol)
+    for t in a.targets:
+        out.append(RayDefaultPolicy(t, 1, n, 2.0, 30.0, APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S,
+                                    f"Serve rule, target {t:g}", "serve"))
+    for u in a.dynamo_utils:
+        out.append(DynamoPlannerPolicy(timing, spec, a.tpot_slo, 1, n, utilization=u))
+    return out
+
+
+def summarize(results: list[RunResult]) -> dict:
+    ours = next(r for r in results if r.role == "ours")
+    serve = [(r.replica_seconds, r.ttft_slo_attainment) for r in results if r.role == "serve"]
+    cost, reached = cost_at(serve, ours.ttft_slo_attainment)
+    # Serve's cheapest tuning whose attainment is at least ours: its recovery is the one to compare with
+    match = [r for r in results if r.role == "serve" and r.ttft_slo_attainment >= ours.ttft_slo_attainment]
+    best = min(match, key=lambda r: r.replica_seconds) if match else None
+    return {"ours_attainment": ours.ttft_slo_attainment, "ours_replica_seconds": ours.replica_seconds,
+            "serve_replica_seconds_at_ours_attainment": cost, "serve_reaches_ours": reached,
+            "ratio": ours.replica_seconds / cost, "target_met": bool(reached and ours.replica_seconds <= 0.8 * cost
+                                                                     and ours.failed == 0),
+            "ours_recover_s": ours.recover_s, "ours_failed": ours.failed,
+            "serve_cheapest_matching": best.policy if best else None,
+            "serve_cheapest_matching_recover_s": best.recover_s if best else None,
+            "failed_any": int(sum(r.failed for r in results))}
+
+
+def table(results: list[RunResult], s: dict, title: str) -> str:
+    lines = [title, f"{'policy':<52} {'SLO att':>8} {'TTFT p99':>9} {'rep-s':>7} {'recover':>8} {'failed':>6} "
+                    f"{'peak':>5}"]
+    for r in results:
+        lines.append(f"{r.policy:<52} {r.ttft_slo_attainment:>8.4f} {r.ttft_p99_s:>8.2f}s {r.replica_seconds:>7.0f} "
+                     f"{r.recover_s:>7.0f}s {r.failed:>6} {r.max_replicas_seen:>5}")
+    rel = "" if s["serve_reaches_ours"] else "<="
+    lines.append(f"-> Serve's frontier at ours' attainment {s['ours_attainment']:.4f}: "
+                 f"{s['serve_replica_seconds_at_ours_attainment']:.0f} replica-s"
+                 f"{'' if s['serve_reaches_ours'] else ' (never reached: its best point)'}; ours / Serve's best "
+                 f"{rel}{s['ratio']:.2f} ({'met' if s['target_met'] else 'NOT met'} at <= 0.8)")
+    return "\n".join(lines)
+
+
+def plot(all_runs: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(all_runs)
+    cols = min(3, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    style = {"serve": ("o-", "tab:blue", "Serve rule (targets)"), "ours": ("*", "tab:red", "ours (operating point)"),
+             "ours-curve": ("s--", "tab:red", "ours (target_utilization)"),
+             "dynamo": ("^:", "tab:green", "Dynamo-style planner"), "ablation": ("x", "tab:gray", "ours, ablations")}
+    for ax, key in zip(axes.flat, keys):
+        res = all_runs[key]["results"]
+        for role, (fmt, color, label) in style.items():
+            pts = [r for r in res if r["role"] == role or (role == "ours-curve" and r["role"] == "ours")]
+            if not pts:
+                continue
+            pts = sorted(pts, key=lambda r: r["replica_seconds"])
+            ax.plot([r["replica_seconds"] for r in pts], [r["ttft_slo_attainment"] for r in pts], fmt,
+                    color=color, label=label, ms=12 if role == "ours" else 6)
+            if role == "serve":
+                for r in pts:
+                    ax.annotate(r["policy"].split()[-1], (r["replica_seconds"], r["ttft_slo_attainment"]),
+                                fontsize=7, xytext=(3, -8), textcoords="offset points")
+        s = all_runs[key]["summary"]
+        ax.set_title(f"{key}: ours / Serve's best {'' if s['serve_reaches_ours'] else '<='}{s['ratio']:.2f}",
+                     fontsize=9)
+        ax.set_xlabel("replica-seconds")
+        ax.set_ylabel("TTFT SLO attainment")
+        ax.set_ylim(max(0.0, min(r["ttft_slo_attainment"] for r in res) - 0.02), 1.005)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(MIX_WORKLOADS), help=f"of {MIX_WORKLOADS} and base")
+    p.add_argument("--fleets", default="8,32", help="max replicas, comma-separated")
+    p.add_argument("--duration", type=float, default=240.0, help="trace length (simulated seconds)")
+    p.add_argument("--load", type=float, default=0.6, help="the heaviest phase's load / the max fleet")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--targets", default="2,4,6,8,12,16,24,32", help="Serve rule's target_ongoing_requests")
+    p.add_argument("--utils", default="0.8,0.6,0.7,0.9", help="ours' target_utilization (the first: operating point)")
+    p.add_argument("--dynamo-utils", default="0.8,1.0", help="the Dynamo-style planner's utilization")
+    p.add_argument("--no-ablations", dest="ablations", action="store_false")
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tpot-slo", type=float, default=0.15)
+    p.add_argument("--c-prior", "--decode-seqs", dest="c_prior", type=float, default=None,
+                   help="ours' prior decode_seqs_per_replica (default: 48 on the mix pool, 12 on base)")
+    p.add_argument("--speeds", default="", help="heterogeneous fleet: replica k runs speeds[k %% len] x slower")
+    p.add_argument("--out-dir", default="benchmarks/autoscale-results")
+    a = p.parse_args()
+    a.targets = [float(x) for x in a.targets.split(",") if x]
+    a.utils = [float(x) for x in a.utils.split(",") if x]
+    a.dynamo_utils = [float(x) for x in a.dynamo_utils.split(",") if x]
+    speeds = tuple(float(x) for x in a.speeds.split(",") if x)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    all_runs: dict = {}
+    for kind in a.workloads.split(","):
+        for n in [int(x) for x in a.fleets.split(",")]:
+            t0 = time.perf_counter()
+            if kind == "base":
+                spec, c_prior, event = ReplicaSpec(), 12.0, 0.5
+                cached = out / f"trace_n{n}_d{a.duration:g}_l0.9_s{a.seed}.jsonl.gz"
+                trace = read_trace(cached) if cached.exists() else shaped_trace(n, a.duration, 0.9, a.seed, say)
+                if not cached.exists():
+                    write_trace(trace, cached)
+            else:
+                spec, c_prior, event = MIX_SPEC, 48.0, SHIFT_AT if kind != "diurnal" else 0.25
+                trace = mix_trace(kind, n, a.duration, a.load, a.seed)
+            a_run = argparse.Namespace(**{**vars(a), "c_prior": a.c_prior or c_prior})
+            cfg = SimConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, speeds=speeds, event_frac=event)
+            results = []
+            for pol in policies(n, spec, a_run):
+                res = AutoscaleSim(trace, pol, cfg, spec, TimingModel(), a.seed).run()
+                say(f"  {kind} n={n} {res.policy}: att {res.ttft_slo_attainment:.4f}, {res.replica_seconds:.0f} "
+                    f"replica-s, failed {res.failed} ({res.wall_s:.0f} s wall)")
+                results.append(res)
+            s = summarize(results)
+            key = f"{kind}, {n} replicas" + (f", speeds {a.speeds}" if speeds else "")
+            print(table(results, s, f"{key}: {len(trace.requests)} requests over {trace.meta.duration_s:.0f} s"),
+                  flush=True)
+            all_runs[key] = {"workload": kind, "max_replicas": n, "num_requests": len(trace.requests),
+                             "wall_s": round(time.perf_counter() - t0, 1), "summary": s,
+                             "results": [{k: (round(v, 4) if isinstance(v, float) else v)
+                                          for k, v in asdict(r).items() if k not in ("timeline", "wall_s")}
+                                         for r in results]}
+    tag = f"{a.workloads.replace(',', '-')}_n{a.fleets.replace(',', '-')}" + ("_het" if speeds else "")
+    (out / f"autoscale_pareto_{tag}.json").write_text(json.dumps({"args": vars(a), "runs": all_runs}, indent=1))
+    plot(all_runs, out / f"autoscale_pareto_{tag}.png")
+    say(f"wrote {out}/autoscale_pareto_{tag}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
