@@ -153,6 +153,32 @@ def build_app(config: AppConfig | dict | None = None):
 
 
 def app_builder(args: dict[str, Any]):
-    """`serve run app.builder:app_builder config=path.yaml` (or with no args: the demo defaults)."""
+    """`serve run app.builder:app_builder config=path.yaml` (or with no args: the demo defaults). Under
+    `serve run` the config's serve.host, serve.port and proxy_location apply (start_serve_for_serve_run)."""
     path = args.get("config") or os.environ.get("AFFINITY_SERVE_CONFIG")
-    return build_app(AppConfig.from_yaml(path) if path else AppConfig())
+    config = AppConfig.from_yaml(path) if path else AppConfig()
+    start_serve_for_serve_run(config)
+    return build_app(config)
+
+
+def start_serve_for_serve_run(config: AppConfig) -> bool:
+    """`serve run IMPORT_PATH` calls the builder before it starts Ray and Serve, then starts Serve's proxy on
+    its own defaults (port 8000, every node) and ignores the config's. Inside `serve run` (its click
+    context) and before Ray starts, do what it would do (ray.init with its --address, --runtime-env and
+    --working-dir, in Serve's namespace) and start Serve with the config's HTTP options and the HTTP layer's
+    limits; serve run then finds that Serve. Anywhere else (a Serve config deployed by `serve deploy`, whose
+    own http_options apply; a Python caller): nothing. Returns whether it started Serve."""
+    import click
+    import ray
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.info_name != "run" or "config_or_import_path" not in ctx.params or ray.is_initialized():
+        return False
+    from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+    from ray.serve._private.constants import SERVE_NAMESPACE
+    p = ctx.params
+    runtime_env = parse_runtime_env_args(runtime_env=p.get("runtime_env"), runtime_env_json=p.get("runtime_env_json"),
+                                         working_dir=p.get("working_dir"))
+    os.environ.update(http_limits_env(config))      # a local Ray started here gives them to the proxy
+    ray.init(address=p.get("address"), namespace=SERVE_NAMESPACE, runtime_env=runtime_env)
+    serve.start(**serve_start_options(config))
+    return True

@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                    "or --api-key-file)")
     s.add_argument("--address", help="run on this Ray cluster (also RAY_ADDRESS); default: start a local Ray of its "
                    "own, bound to 127.0.0.1")
+    s.add_argument("--no-dashboard", action="store_true", help="the local Ray without its dashboard (then Ray's "
+                   "`serve status`, `serve deploy` and `ray job` cannot attach); default: on 127.0.0.1:8265")
+    s.add_argument("--dashboard-port", type=int, default=8265, help="the local Ray dashboard's port (default 8265)")
     p = sub.add_parser("deploy", help="deploy onto a running Ray cluster (cluster.yaml's head runs it) and exit")
     p.add_argument("--config", required=True, help="AppConfig YAML file (engine.model: a path on the GPU nodes)")
     p.add_argument("--address", default="auto", help="Ray address (default: the cluster this node belongs to)")
@@ -241,7 +244,8 @@ def serve_cmd(args) -> int:
     check_model(cfg)
     previous = signal.signal(signal.SIGTERM, _interrupt)      # during start-up SIGTERM acts as Ctrl-C
     try:
-        init_ray(args.address or os.environ.get("RAY_ADDRESS"), cfg)
+        address = args.address or os.environ.get("RAY_ADDRESS")
+        init_ray(address, cfg, dashboard_port=None if args.no_dashboard else args.dashboard_port)
         from ray import serve
         print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...",
               flush=True)
@@ -261,7 +265,7 @@ def serve_cmd(args) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(ready_message(cfg), flush=True)
+    print(ready_message(cfg, "" if address else attach_message(cfg)), flush=True)
     signals: list[int] = []
     stop = threading.Event()
 
@@ -330,9 +334,10 @@ def drain(cfg: "AppConfig", hurry: Callable[[], bool] = lambda: False, poll_s: f
         return 0, 0
 
 
-def ready_message(cfg: "AppConfig") -> str:
-    """Where the server is and a request to paste. The API key itself is never printed: the curl line reads
-    it from the environment variable the server can read it from too."""
+def ready_message(cfg: "AppConfig", attach: str = "") -> str:
+    """Where the server is and a request to paste (then `attach`: how other programs reach its Ray). The API
+    key itself is never printed: the curl line reads it from the environment variable the server can read it
+    from too."""
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     name = cfg.serve.model_name or Path(cfg.engine.model or "model").name
     auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.serve.api_key else ""
@@ -340,10 +345,35 @@ def ready_message(cfg: "AppConfig") -> str:
             "[affinity-serve] try:\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"    -d '{json.dumps({'model': name, 'prompt': 'Once upon a time', 'max_tokens': 16})}'\n"
-            "[affinity-serve] Ctrl-C to stop.")
+            + attach + "[affinity-serve] Ctrl-C to stop.")
 
 
-def init_ray(address: str | None, cfg: "AppConfig") -> None:
+def attach_message(cfg: "AppConfig") -> str:
+    """How another Python process (a Ray driver) and Ray's own CLI reach the app on the local Ray this process
+    started. That Ray listens on 127.0.0.1 only and requires Ray's token (~/.ray/auth_token): a driver must
+    not resolve 127.0.0.1 to the machine's outward address (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and takes
+    the address from RAY_ADDRESS (then ray.init() turns on token authentication, as it does not for an
+    explicit address); Ray's CLI is told to send the token (RAY_AUTH_MODE=token)."""
+    import ray
+    gcs = ray.get_runtime_context().gcs_address
+    lines = [f"[affinity-serve] other Ray drivers: RAY_ADDRESS={gcs} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
+             f"python ... (then ray.init(); serve.get_app_handle(\"{cfg.serve.app_name}\"))\n"]
+    dashboard = _dashboard_url()
+    if dashboard:
+        lines.append(f"[affinity-serve] Ray's tools: RAY_AUTH_MODE=token serve status --address {dashboard}\n")
+    return "".join(lines)
+
+
+def _dashboard_url() -> str | None:
+    import ray
+    try:
+        url = ray._private.worker.get_dashboard_url()
+    except Exception:
+        return None
+    return f"http://{url}" if url else None
+
+
+def init_ray(address: str | None, cfg: "AppConfig", dashboard_port: int | None = 8265) -> None:
     """A Ray cluster the user asked for (--address / RAY_ADDRESS), or a local Ray of this process's own:
     address="local" (never a cluster some earlier `ray start` left recorded on the machine), every Ray
     process bound to 127.0.0.1 (the node address and Ray's local-only mode; Ray's token authentication
@@ -364,9 +394,11 @@ def init_ray(address: str | None, cfg: "AppConfig") -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False        # Ray imported before this call (tests, embedding)
     print("[affinity-serve] starting a local Ray of its own on 127.0.0.1 (to use a cluster: --address or "
           "RAY_ADDRESS)", flush=True)
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=True,
-             logging_level="WARNING", num_cpus=max(2, os.cpu_count() or 2) * 2,
-             runtime_env={"worker_process_setup_hook": "app.cli.loopback_worker_setup"})
+    dashboard = ({"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port}
+                 if dashboard_port is not None else {"include_dashboard": False})
+    ray.init(address="local", _node_ip_address="127.0.0.1", configure_logging=True, logging_level="WARNING",
+             num_cpus=max(2, os.cpu_count() or 2) * 2,
+             runtime_env={"worker_process_setup_hook": "app.cli.loopback_worker_setup"}, **dashboard)
 
 
 def loopback_worker_setup() -> None:

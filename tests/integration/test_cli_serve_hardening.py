@@ -48,7 +48,8 @@ class CLI:
                if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
         env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--model",
-                                      checkpoints["llama"], "--port", str(self.port), "--replicas", "1"],
+                                      checkpoints["llama"], "--port", str(self.port), "--replicas", "1",
+                                      "--dashboard-port", str(_free_port())],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()

@@ -40,7 +40,9 @@ def test_serve_starts_its_own_loopback_ray_with_authentication_on(checkpoints, r
         main(["serve", "--model", checkpoints["llama"]])
     (kw,) = ray_init
     assert kw["address"] == "local"                          # never a cluster some `ray start` left recorded
-    assert kw["_node_ip_address"] == "127.0.0.1" and kw["include_dashboard"] is False
+    assert kw["_node_ip_address"] == "127.0.0.1"
+    # the dashboard (Ray's `serve status`, issue 32.3) on loopback only; --no-dashboard switches it off
+    assert (kw["include_dashboard"], kw["dashboard_host"], kw["dashboard_port"]) == (True, "127.0.0.1", 8265)
     assert kw["runtime_env"] == {"worker_process_setup_hook": "app.cli.loopback_worker_setup"}
     import os
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
@@ -48,6 +50,9 @@ def test_serve_starts_its_own_loopback_ray_with_authentication_on(checkpoints, r
     assert os.environ[PROXY_CALLBACK_ENV] == "app.http:proxy_middlewares"      # the proxy's HTTP limits
     assert json.loads(os.environ[HTTP_LIMITS_ENV])["body_read_timeout_s"] == 15.0
     assert "starting a local Ray of its own on 127.0.0.1" in capsys.readouterr().out
+    with pytest.raises(_Stop):
+        main(["serve", "--model", checkpoints["llama"], "--no-dashboard"])
+    assert ray_init[1]["include_dashboard"] is False and "dashboard_host" not in ray_init[1]
 
 
 def test_the_worker_hook_binds_serve_replicas_grpc_server_to_loopback(monkeypatch):

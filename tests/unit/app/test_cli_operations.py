@@ -67,3 +67,49 @@ def test_serve_run_does_not_log_that_it_reconnected_to_the_serve_just_started():
                                None, None)
     assert not f.filter(record)
     assert f.filter(logging.LogRecord("ray.serve", logging.INFO, __file__, 1, "Deployed app", None, None))
+
+
+# ---------------------------------------------------------------- 32.3: serve run app.builder:app_builder
+def test_serve_run_of_the_builder_starts_serve_on_the_configs_port(tmp_path, monkeypatch):
+    """`serve run` calls the builder before it starts Ray and Serve on port 8000: inside its click context,
+    the builder starts them itself with serve run's own --address and runtime env, on the config's port."""
+    import click
+    from ray import serve
+    from ray.serve.scripts import run as serve_run_command
+
+    from app import builder
+    calls: list = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw)))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("start", kw)))
+    monkeypatch.setattr(builder, "build_app", lambda cfg: "app")
+    for var in ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "AFFINITY_SERVE_HTTP_LIMITS"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"serve": {"port": 8123, "host": "127.0.0.1"}}))
+    assert builder.app_builder({"config": str(cfg)}) == "app" and calls == []          # not under serve run
+    params = {"config_or_import_path": "app.builder:app_builder", "address": "127.0.0.1:6379",
+              "runtime_env": None, "runtime_env_json": '{"env_vars": {"A": "1"}}', "working_dir": None}
+    with click.Context(serve_run_command, info_name="run") as ctx:
+        ctx.params.update(params)
+        assert builder.app_builder({"config": str(cfg)}) == "app"
+    assert calls == [("init", {"address": "127.0.0.1:6379", "namespace": "serve",
+                               "runtime_env": {"env_vars": {"A": "1"}}}),
+                     ("start", {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123}})]
+    import os
+    assert os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "app.http:proxy_middlewares"
+
+
+def test_ready_message_says_how_drivers_and_rays_tools_attach(monkeypatch):
+    from app import cli
+    from app.config import AppConfig
+
+    class Ctx:
+        gcs_address = "127.0.0.1:41234"
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
+    monkeypatch.setattr(cli, "_dashboard_url", lambda: "http://127.0.0.1:8265")
+    text = cli.ready_message(AppConfig(), cli.attach_message(AppConfig()))
+    assert ("RAY_ADDRESS=127.0.0.1:41234 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python ... (then ray.init(); "
+            'serve.get_app_handle("affinity"))') in text
+    assert "RAY_AUTH_MODE=token serve status --address http://127.0.0.1:8265" in text
+    assert text.rstrip().endswith("Ctrl-C to stop.")
