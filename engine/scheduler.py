@@ -42,7 +42,8 @@ class Scheduler:
     - prefix-cache stats are recorded once per admission (resumptions after preemption included);
     - a waiting request whose next uncached block is being computed by a running request (same
       prefix, admitted earlier) waits for it instead of computing it twice (in-batch prefix sharing,
-      as SGLang does); admission stops there, keeping FCFS order.
+      as SGLang does); the requests behind it are admitted meanwhile (they may use the step's budget),
+      and it keeps its place at the head of the queue.
 
     `schedule()` may run again before the previous output arrived (to overlap scheduling with the model):
     requests whose tokens are all in flight are skipped, a token that arrives for a request preempted
@@ -300,6 +301,15 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_reqs: list[NewRequestData]) -> int:
+        deferred: list[Request] = []      # waiting on blocks another request is computing, in queue order
+        try:
+            return self._schedule_waiting_loop(budget, num_scheduled, new_reqs, deferred)
+        finally:
+            for req in reversed(deferred):      # back at the head, in their order: they keep their turn
+                self.waiting.add_front(req)
+
+    def _schedule_waiting_loop(self, budget: int, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                               deferred: list[Request]) -> int:
         cfg = self.config
         inflight: set | None = None
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -311,7 +321,10 @@ class Scheduler:
                 if inflight is None:
                     inflight = self._inflight_block_hashes()
                 if req.block_hashes[len(hits)] in inflight:
-                    break     # its next block is being computed by another request: wait and hit it
+                    # Its next block is being computed by another request: it waits to hit it, without
+                    # holding up the requests behind it (they may use this step's budget).
+                    deferred.append(self.waiting.pop())
+                    continue
             if self.connector is not None:
                 started = self._start_load(req, hits, num_hit_tokens)
                 if started is None:

@@ -391,12 +391,27 @@ def test_same_prefix_in_one_step_is_computed_once():
     shared = list(range(300, 316))                       # 4 full blocks
     s.add_request(make_request("a", shared + [1, 2]))
     s.add_request(make_request("b", shared + [3, 4]))
-    s.add_request(make_request("c", [7, 7, 7, 7, 7]))    # behind b: FCFS keeps it waiting too
+    s.add_request(make_request("c", [7, 7, 7, 7, 7]))    # behind b, unrelated: not held up by b's wait
     so, _ = step(s)
-    assert so.num_scheduled_tokens == {"a": 18}           # b would recompute a's blocks: it waits
+    assert so.num_scheduled_tokens == {"a": 18, "c": 5}   # b would recompute a's blocks: it waits
+    assert [r.req_id for r in s.waiting] == ["b"]
     so, out = step(s)
     assert so.num_scheduled_tokens["b"] == 2 and so.scheduled_new_reqs[0].num_computed_tokens == 16
-    assert "c" in so.num_scheduled_tokens
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+
+
+def test_requests_waiting_on_in_flight_blocks_keep_their_order():
+    s = make_scheduler(max_num_batched_tokens=64)
+    shared = list(range(300, 316))
+    s.add_request(make_request("a", shared + [1, 2]))
+    s.add_request(make_request("b", shared + [3, 4]))
+    s.add_request(make_request("d", shared + [5, 6]))
+    step(s)
+    assert [r.req_id for r in s.waiting] == ["b", "d"]    # both wait for a's blocks, in arrival order
+    so, _ = step(s)
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["b", "d"]
+    assert all(r.num_computed_tokens == 16 for r in so.scheduled_new_reqs)
     run_to_completion(s)
     assert_all_blocks_free(s)
 
