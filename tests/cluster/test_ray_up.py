@@ -1,6 +1,8 @@
 """`ray up` for real on this machine: Ray's `local` provider with 127.0.0.1 as the head, reached over SSH
-through an sshd this test starts, then the head's start command deploys the app with `affinity-serve
-deploy`, a completion over HTTP, and `ray down`.
+through an sshd this test starts. The node gets what cluster.yaml gives it: its file_mounts (this repository,
+rsync-filtered by .gitignore) and its setup_commands as written (deploy/setup-node.sh: a Python 3.11 venv
+first on PATH, the repository installed into it; offline here: tests/cluster/node_env.py). Then the head's
+start command deploys the app with that venv's `affinity-serve deploy`, a completion over HTTP, `ray down`.
 
 Isolation: sshd runs as PID 1 of its own PID and /proc namespace (`unshare --pid --fork --mount-proc`), so
 everything started over SSH lives in it, and the `ray stop` of the start commands and of `ray down` (which
@@ -14,6 +16,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -27,6 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from tests.cluster.node_env import offline_env, offline_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.rayup]
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,17 +68,19 @@ def _skip_reason() -> str | None:
 class LoopbackSSH:
     """A throwaway key pair and an sshd on a free 127.0.0.1 port, in its own PID namespace."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, env: dict[str, str] | None = None):
         self.root, self.home, self.port = root, root / "home", _free_port()
         self.home.mkdir(parents=True)
         self.key = root / "id_ed25519"
         for key in (self.key, root / "host_ed25519"):
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
         shutil.copy(f"{self.key}.pub", root / "authorized_keys")
-        # ray's commands run in login shells: put this venv first on PATH (a real node has ray on PATH too)
-        profile = f'export PATH="{BIN}:$PATH"\n'
-        (self.home / ".bash_profile").write_text(profile)
-        (self.home / ".bashrc").write_text(profile)
+        # ray's commands run in login shells that then source ~/.bashrc: the login profile puts this checkout's
+        # environment on PATH (for `ray`; a real node's image has it too) and exports `env`; ~/.bashrc opens as
+        # Ubuntu's does, and the setup script puts its venv in front of it
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
+        (self.home / ".bash_profile").write_text(f'export PATH="{BIN}:$PATH"\n{exports}')
+        (self.home / ".bashrc").write_text("case $- in *i*) ;; *) return;; esac\n")
         (root / "sshd_config").write_text("\n".join([
             f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {root}/host_ed25519",
             f"PidFile {root}/sshd.pid", f"AuthorizedKeysFile {root}/authorized_keys",
@@ -112,22 +119,32 @@ class LoopbackSSH:
 
 
 def _cluster_config(ssh: LoopbackSSH, name: str, app_yaml: Path, gcs_port: int, ray_tmp: str) -> dict:
+    """The local cluster: cluster.yaml's file_mounts (its paths relative to the repository), rsync filter and
+    setup_commands as they are; a loopback head, Ray's token auth and the test's app config instead of the
+    cloud's start commands. The deploy runs from the home directory with the venv the setup made (a check
+    first: `app` is the copy the file mounts put in ~/affinity-serve)."""
+    real = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    mounts = {remote: str((ROOT / local).resolve()) for remote, local in real["file_mounts"].items()}
+    mounts["~/affinity-serve.yaml"] = str(app_yaml)
     ray_start = (f"ray start --head --port={gcs_port} --node-ip-address=127.0.0.1 --num-cpus=2 "
                  f"--include-dashboard=false --disable-usage-stats --temp-dir={ray_tmp} "
                  "--autoscaling-config=~/ray_bootstrap_config.yaml")
+    check = ("python -c \"import os, sys, app; assert sys.version_info >= (3, 11); "
+             "assert app.__path__[0] == os.path.expanduser('~/affinity-serve/app'), app.__path__\"")
     return {
         "cluster_name": name,
         "provider": {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []},
         "auth": {"ssh_user": getpass.getuser(), "ssh_private_key": str(ssh.key),
                  "ssh_proxy_command": ssh.proxy_command},     # the launcher has no SSH port option
         "max_workers": 0,
-        "file_mounts": {"~/affinity-serve.yaml": str(app_yaml)},
-        "setup_commands": [f"cd {ROOT} && python -c 'import app.cli, engine, ray'"],
+        "file_mounts": mounts,
+        "rsync_filter": real["rsync_filter"],
+        "setup_commands": real["setup_commands"],
         "head_start_ray_commands": [
             "ray stop",                              # inside the namespace: nothing else to stop
             "ray get-auth-token --generate > /dev/null",    # Ray's token auth, token in the session's ~/.ray
             f"RAY_AUTH_MODE=token {ray_start}",
-            f"cd {ROOT} && RAY_AUTH_MODE=token affinity-serve deploy --config ~/affinity-serve.yaml "
+            f"cd ~ && {check} && RAY_AUTH_MODE=token affinity-serve deploy --config ~/affinity-serve.yaml "
             f"--address 127.0.0.1:{gcs_port}",
         ],
         "worker_start_ray_commands": [],
@@ -160,7 +177,9 @@ def test_ray_up_deploys_the_app_serves_a_completion_and_ray_down_stops_it(tmp_pa
         "serve": {"host": "127.0.0.1", "port": http_port, "num_replicas": 1, "replica_num_cpus": 0.5,
                   "model_name": "tiny", "graceful_shutdown_timeout_s": 2.0},
         "observability": {"traces": "none"}}))
-    ssh = LoopbackSSH(tmp_path / "ssh")
+    venv = offline_venv(tmp_path / "venv")             # the node's ~/venv, made offline (node_env.py)
+    knobs = {k: v for k, v in offline_env(tmp_path / "ssh" / "home", venv).items() if k != "HOME"}
+    ssh = LoopbackSSH(tmp_path / "ssh", env=knobs)
     cluster_yaml = tmp_path / "local-cluster.yaml"
     cluster_yaml.write_text(yaml.safe_dump(_cluster_config(ssh, name, app_yaml, gcs_port, ray_tmp)))
     # A stand-in for the pytest session's Ray outside the namespace: `ray stop` kills processes named raylet

@@ -51,8 +51,22 @@ def test_head_deploys_with_the_cli_and_keeps_the_dashboard_on_loopback():
     cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     start = " ".join(cfg["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start
-    assert "-m app.cli deploy --config ~/affinity-serve.yaml" in start
+    assert "affinity-serve deploy --config ~/affinity-serve.yaml" in start
     assert cfg["file_mounts"]["~/affinity-serve.yaml"] == "./deploy/cluster-app.yaml"
     from app.cli import _parser
     args = _parser().parse_args(["deploy", "--config", "x.yaml"])
     assert args.cmd == "deploy" and args.address == "auto"
+
+
+def test_nodes_boot_an_image_of_their_region_with_a_driver_and_install_python_311():
+    """Issue 32.6: an AMI id belongs to one region (the one before was another region's); the SSM parameter
+    resolves to the Deep Learning Base AMI (NVIDIA driver) of whichever region is configured. Its Python is
+    3.10, so the setup installs 3.11; the install steps are a script the `ray up` test runs as users get it."""
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    for name, node in cfg["available_node_types"].items():
+        image = node["node_config"]["ImageId"]
+        assert image.startswith("resolve:ssm:/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-"), name
+    assert cfg["setup_commands"] == ["bash ~/affinity-serve/deploy/setup-node.sh"]
+    assert cfg["file_mounts"]["~/affinity-serve"] == "." and cfg["rsync_filter"] == [".gitignore"]
+    script = (ROOT / "deploy" / "setup-node.sh").read_text()
+    assert "uv venv --seed --python 3.11" in script and "nvidia-smi" in script
