@@ -161,9 +161,14 @@ class LLMEngine:
                             "lengths); decode runs eager", backend.name)
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
-        #: grammars for structured output, compiled on its own thread (xgrammar, imported on first use)
+        #: grammars for structured output, compiled on its own thread (xgrammar, imported on first use). The
+        #: step's bitmask fill overlaps the forward: on CUDA the runner reads it once the forward is launched
+        #: (the host fills while the device computes); on CPU a worker thread fills it during the forward
+        #: (benchmarks/structured.py: cheaper than filling after it, once the forward is a few ms)
+        cuda = self.device.type == "cuda"
         self.structured_output = StructuredOutputManager(self.tokenizer, self.model_args.vocab_size,
-                                                         self.eos_token_ids)
+                                                         self.eos_token_ids, fill_on_thread=not cuda,
+                                                         pin_memory=cuda)
         self.last_stats = SchedulerStats()
         cap = (self.num_blocks - 1) * block_size
         logger.info("engine ready: %s %s on %s, attention=%s, linear=%s, max_model_len=%d, KV cache %d blocks "
@@ -394,6 +399,7 @@ class LLMEngine:
     def step(self) -> EngineStepOutput:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
+        # filled while the forward runs (see GrammarBitmask); the sampler reads it
         so.grammar_bitmask = self.structured_output.grammar_bitmask(so, self.scheduler.requests)
         if so.is_empty and (compiling := self.scheduler.awaiting_grammar()):
             # nothing else to run: wait (briefly, so adds and aborts are not held up) instead of spinning
@@ -416,6 +422,9 @@ class LLMEngine:
             for rid in affected:
                 self._drop_parent(rid)
             raise StepError(e, affected) from e
+        finally:
+            if so.grammar_bitmask is not None:     # the fill reads the matchers: done before any advances
+                so.grammar_bitmask.wait()
         if (wait := modelled - (time.perf_counter() - t0)) > 0:
             time.sleep(wait)                  # engine.pace: the step lasts as long as the modelled device's
         out = self.scheduler.update_from_output(so, ro)

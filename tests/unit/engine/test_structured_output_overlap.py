@@ -1,0 +1,173 @@
+"""Issue 27: the grammar bitmask is filled while the forward runs (on CPU on the manager's worker thread, from
+the moment the step is scheduled; on CUDA when the sampler reads it, after the forward was launched). The
+outputs must be exactly those of a fill done in order, and valid, under batching with unconstrained rows,
+n > 1, preemption with chunked prefill, and aborts, with every matcher and KV block released."""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import threading
+import weakref
+
+import pytest
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine, StepError  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.structured_output import StructuredOutputSpec  # noqa: E402
+from tests.unit.engine.test_structured_output import SCHEMAS, _assert_released  # noqa: E402
+
+
+def _engine(checkpoints, fill_on_thread: bool, **kw) -> LLMEngine:
+    cfg = {"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4}, **kw}
+    eng = LLMEngine(EngineConfig.model_validate(cfg))
+    eng.structured_output.fill_on_thread = fill_on_thread
+    return eng
+
+
+def _workload(eng: LLMEngine) -> None:
+    """Constrained rows of every kind beside unconstrained ones, greedy and seeded-sampled, n = 2 and 3."""
+    for i, schema in enumerate(SCHEMAS):
+        eng.add_request(f"json{i}", f"Item {i} as JSON", SamplingParams(
+            n=2, max_tokens=120, temperature=1.0, seed=10 + i,
+            structured_output=StructuredOutputSpec.from_schema(schema)))
+    eng.add_request("regex", "Code:", SamplingParams(max_tokens=12, temperature=0.0,
+                                                     structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")))
+    eng.add_request("choice", "Mood:", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3,
+                                                      structured_output=StructuredOutputSpec(choice=("good", "bad"))))
+    for i in range(3):
+        eng.add_request(f"free{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                    ignore_eos=True))
+
+
+def _step(eng: LLMEngine, out: dict[tuple[str, int], list]) -> None:
+    for d in eng.step().deltas:
+        ids, text, _ = out.setdefault((d.request_id, d.index), [[], "", None])
+        out[(d.request_id, d.index)] = [ids + d.token_ids, text + d.text, d.finish_reason if d.finished else None]
+
+
+def _run(eng: LLMEngine, out: dict | None = None) -> dict[tuple[str, int], tuple[list[int], str, str]]:
+    """(request id, index) -> (token ids, text, finish_reason), adding to `out` (deltas of earlier steps)."""
+    out = {} if out is None else out
+    while eng.has_unfinished_requests():
+        _step(eng, out)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _check_valid(out) -> None:
+    for (rid, _), (_, text, reason) in out.items():
+        if rid.startswith("json"):
+            assert reason == "stop", text
+            jsonschema.validate(json.loads(text), SCHEMAS[int(rid[4:])])
+        elif rid == "regex":
+            assert re.fullmatch(r"[A-Z]{3}-\d{4}", text) and reason == "stop", text
+        elif rid == "choice":
+            assert text in ("good", "bad") and reason == "stop", text
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    # a pool too small for all rows at once (preempted and recomputed mid-grammar), prompts in chunks of 4
+    {"cache": {"num_blocks": 40, "block_size": 4},
+     "scheduler": {"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16}},
+], ids=["batched", "preempted"])
+def test_a_fill_on_the_thread_gives_exactly_the_in_order_outputs(checkpoints, kw):
+    ref = _engine(checkpoints, fill_on_thread=False, **kw)
+    _workload(ref)
+    want = _run(ref)
+    eng = _engine(checkpoints, fill_on_thread=True, **kw)
+    _workload(eng)
+    got = _run(eng)
+    assert got == want
+    _check_valid(got)
+    if kw:
+        assert eng.last_stats.num_preemptions_total > 0
+    _assert_released(eng)
+    _assert_released(ref)
+
+
+def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints, monkeypatch):
+    """On CPU the engine fills on its worker thread (fill_on_thread is its default there), and the fill has
+    started before the step's logits are computed: it overlaps the forward instead of following it."""
+    eng = LLMEngine(EngineConfig.model_validate({"model": checkpoints["llama"],
+                                                 "cache": {"num_blocks": 128, "block_size": 4}}))
+    assert eng.structured_output.fill_on_thread
+    events: list[tuple[str, str]] = []
+    fill = eng.structured_output._fill
+
+    def recording_fill(*a):
+        events.append(("fill", threading.current_thread().name))
+        return fill(*a)
+
+    monkeypatch.setattr(eng.structured_output, "_fill", recording_fill)
+    model = eng.runner.model
+    logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: (events.append(("logits", "")), logits(h))[1])
+    eng.add_request("j", "x", SamplingParams(max_tokens=30, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
+    out = _run(eng)
+    jsonschema.validate(json.loads(out[("j", 0)][1]), SCHEMAS[0])
+    fills = [i for i, (what, _) in enumerate(events) if what == "fill"]
+    assert len(fills) == len(out[("j", 0)][0])           # one fill per sampled token
+    assert all(events[i][1].startswith("grammar-bitmask") for i in fills)
+    # each fill began before its step's logits (the next "logits" event after the previous fill)
+    assert all(events[i + 1][0] == "logits" for i in fills)
+
+
+@pytest.mark.parametrize("fill_on_thread", [False, True])
+def test_aborts_mid_grammar_release_the_matchers(checkpoints, fill_on_thread):
+    """Aborted while their grammars are advancing (n = 2, beside a request that goes on): the aborted
+    sequences' matchers are freed (nothing in the manager or a pending fill holds them), the survivor still
+    validates, every KV block returns."""
+    eng = _engine(checkpoints, fill_on_thread)
+    spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
+    eng.add_request("gone", "a", SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=1, structured_output=spec))
+    eng.add_request("kept", "b", SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured_output=spec))
+    refs, seen = [], {}
+    while len(refs) < 2:
+        _step(eng, seen)
+        refs = [weakref.ref(eng.scheduler.requests[f"gone#{i}"].structured_output.matcher) for i in range(2)
+                if eng.scheduler.requests[f"gone#{i}"].structured_output.is_ready]
+    for _ in range(3):
+        _step(eng, seen)
+    assert all(seen.get(("gone", i)) and seen[("gone", i)][2] is None for i in range(2))   # mid-grammar
+    eng.abort_request("gone")
+    out = _run(eng, seen)
+    gc.collect()
+    assert all(r() is None for r in refs)
+    _, text, reason = out[("kept", 0)]
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+    _assert_released(eng)
+
+
+def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkeypatch):
+    """The forward raises while the fill runs on the thread: the step waits for the fill before the failed
+    requests' matchers are dropped, and the engine serves the next request."""
+    eng = _engine(checkpoints, fill_on_thread=True)
+    spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
+    eng.add_request("a", "x", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec))
+    while not eng.scheduler.requests["a"].output_token_ids:
+        eng.step()
+    fill_done = threading.Event()
+    fill = eng.structured_output._fill
+    monkeypatch.setattr(eng.structured_output, "_fill", lambda *a: (fill(*a), fill_done.set())[0])
+    model = eng.runner.model
+    real = model.compute_logits
+
+    def boom(h):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(model, "compute_logits", boom)
+    with pytest.raises(StepError):
+        eng.step()
+    assert fill_done.is_set()
+    monkeypatch.setattr(model, "compute_logits", real)
+    eng.add_request("b", "y", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec))
+    out = _run(eng)
+    jsonschema.validate(json.loads(out[("b", 0)][1]), SCHEMAS[0])
+    _assert_released(eng)
