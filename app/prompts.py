@@ -15,7 +15,7 @@ from app.errors import APIError
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.tool_calls import ToolCallMode, tool_call_grammar
 from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
-from engine.errors import InvalidRequestError
+from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.hashing import BlockHash, hash_block_chain
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputSpec
@@ -58,15 +58,18 @@ class PreparedRequest:
 
 def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest, request_id: str, *,
                     model_name: str, limits: EngineLimits, tokenizer: Any | None,
-                    max_prompts: int | None = None) -> PreparedRequest:
+                    max_prompts: int | None = None, max_token_chars: int | None = None) -> PreparedRequest:
     """Raise APIError or InvalidRequestError (-> 400/404) for anything the engine would refuse.
 
     `tokenizer` is None in token-ids-only mode: only token-id prompts are accepted then. `max_prompts`
-    (serve.max_prompts_per_request) bounds a completion's prompts, checked before any is tokenized.
+    (serve.max_prompts_per_request) bounds a completion's prompts, and `max_token_chars` (the tokenizer's
+    longest token, max_token_chars()) a text's length, both checked before anything is tokenized.
     """
     if req.model is not None and req.model != model_name:
         raise APIError(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                        404, "invalid_request_error", "model", "model_not_found")
+    if max_token_chars is not None:
+        check_text_fits_context(kind, req, limits, max_token_chars)
     if kind is RequestKind.CHAT:
         prompts, texts = [chat_prompt_ids(req, tokenizer)], [None]
         logprobs = _chat_logprobs(req)
@@ -164,6 +167,51 @@ def _resolve_max_tokens(kind: RequestKind, max_tokens: int | None, echo: bool, l
         raise APIError("max_tokens may be 0 only with echo: true (then the prompt alone is returned)", 400,
                        "invalid_request_error", "max_tokens", "invalid_value")
     return max_tokens
+
+
+#: Normalizers may compose characters (NFC turns a Hangul jamo triple into one syllable) before tokens are cut:
+#: the character bound allows this many characters of text per character of a token.
+NORMALIZATION_SLACK = 4
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: its vocabulary's longest entry (a byte-level
+    entry has one character per byte, a SentencePiece byte-fallback entry reads `<0x0A>`: both at least as
+    long as the text they decode to; added tokens are matched in text by their content)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def text_chars(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters of text the request would tokenize (a completion's prompt strings, chat message contents)."""
+    if kind is RequestKind.CHAT:
+        total = 0
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.text or "") for p in content)
+        return total
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return max((len(p) for p in prompt if isinstance(p, str)), default=0)   # each prompt is its own request
+    return 0
+
+
+def check_text_fits_context(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest,
+                            limits: EngineLimits, max_token_chars: int) -> None:
+    """A 400 (`context_length_exceeded`), before tokenizing, for text longer than the context could hold even
+    if every token were the vocabulary's longest: tokenizing a megabyte prompt only to refuse it costs
+    seconds of the prepare thread and keeps its memory in the allocator (issue 33.12)."""
+    bound = limits.max_model_len * max_token_chars * NORMALIZATION_SLACK
+    n = text_chars(kind, req)
+    if n > bound:
+        raise ContextLengthExceededError(
+            f"the prompt has {n} characters, more than this model's maximum context length of "
+            f"{limits.max_model_len} tokens can hold (at most {bound} characters); shorten the prompt",
+            param="messages" if kind is RequestKind.CHAT else "prompt")
 
 
 def _check_num_prompts(prompt: Any, max_prompts: int | None) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 from app import openai_format as fmt
 from app.errors import APIError
 from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
-from app.prompts import PreparedRequest, RequestKind, detokenize_request, prepare_request, tokenize_request
+from app.prompts import (PreparedRequest, RequestKind, detokenize_request, max_token_chars, prepare_request,
+                         text_chars, tokenize_request)
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ReplicaChunk, TokenizeRequest
 from app.tool_calls import ToolCallMode, ToolCallStream, hermes_content, tool_calls_message
 from app.routing import debug as routing_debug
@@ -49,6 +50,7 @@ class OpenAIServing:
         self.observer = observer
         self.metrics = metrics
         self._limits: EngineLimits | None = None
+        self._token_chars: int | None = None
         self.wait = ReplicaWait(first_output_timeout_s, self.cold_start_timeout_s, self._num_replicas)
 
     @property
@@ -88,8 +90,9 @@ class OpenAIServing:
         limits = await self.limits()
         p = await asyncio.get_running_loop().run_in_executor(
             self._prepare_thread, functools.partial(
-                prepare_request, kind, req, request_id, model_name=self.model_name, limits=limits,
-                tokenizer=self.tokenizer, max_prompts=self.max_prompts_per_request))
+                _releasing_memory, text_chars(kind, req), prepare_request, kind, req, request_id,
+                model_name=self.model_name, limits=limits, tokenizer=self.tokenizer,
+                max_prompts=self.max_prompts_per_request, max_token_chars=self._max_token_chars()))
         self._quiet_cancelled_futures()
         await self._admit(p)
         return p
@@ -99,8 +102,9 @@ class OpenAIServing:
         context length (and each token's text with `return_token_strs`). On the prepare thread."""
         self._check_model(req.model)
         limits = await self.limits()
+        chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [] if isinstance(m.content, str))
         ids = await asyncio.get_running_loop().run_in_executor(
-            self._prepare_thread, tokenize_request, req, self.tokenizer)
+            self._prepare_thread, _releasing_memory, chars, tokenize_request, req, self.tokenizer)
         strs = [self.token_str(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -110,6 +114,15 @@ class OpenAIServing:
         text = await asyncio.get_running_loop().run_in_executor(
             self._prepare_thread, detokenize_request, req, self.tokenizer)
         return {"prompt": text}
+
+    def _max_token_chars(self) -> int | None:
+        """The tokenizer's longest token in characters (the bound on a prompt's text before it is tokenized);
+        read once, on the prepare thread's first use. None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        if self._token_chars is None:
+            self._token_chars = max_token_chars(self.tokenizer)
+        return self._token_chars
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -369,3 +382,35 @@ def _is_cancellation(exc: BaseException) -> bool:
     return type(exc).__name__ in ("TaskCancelledError", "RequestCancelledError") or isinstance(
         exc, asyncio.CancelledError)
 
+
+#: after tokenizing at least this many characters, the prepare thread hands its freed memory back
+RELEASE_AFTER_CHARS = 256 * 1024
+
+
+def _releasing_memory(chars: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` on the prepare thread; after a large text (`chars`), glibc's malloc_trim: a
+    tokenizer's work on a megabyte prompt frees ~140 MB that glibc otherwise keeps in this thread's arena, so
+    the ingress's RSS stayed that much higher after one such request (issue 33.12)."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if chars >= RELEASE_AFTER_CHARS:
+            release_freed_memory()
+
+
+def release_freed_memory() -> bool:
+    """Return the C allocator's free memory to the OS (glibc only; elsewhere nothing). True when trimmed."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if not _malloc_trim:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim: Any = None
