@@ -88,17 +88,54 @@ def pinned_lru_hit_rate(requests: Sequence[TraceRequest], full_hashes: Sequence[
 def ttft_floor_s(requests: Sequence[TraceRequest], full_hashes: Sequence[Sequence[BlockHash]], block_size: int,
                  measured: Sequence[bool], step_base_s: float, prefill_per_token_s: float,
                  max_batched_tokens: int) -> list[float]:
-    """Per measured request, the TTFT no router can beat: its prompt's uncached part under the shared
-    infinite cache, prefilled alone on an idle replica in chunks of `max_batched_tokens` (each step costs
-    `step_base_s` plus `prefill_per_token_s` per token). A percentile of these is the floor of that
-    percentile: a router whose TTFT p99 is near it has nothing left to win there."""
-    present: set[BlockHash] = set()
-    out = []
-    for r, hashes, m in zip(requests, full_hashes, measured):
-        if m:
-            uncached = max(1, len(r.prompt_token_ids) - _hit_blocks(r, hashes, present, block_size) * block_size)
-            steps = -(-uncached // max_batched_tokens)
-            out.append(steps * step_base_s + uncached * prefill_per_token_s)
-        present.update(hashes)
-    return out
+    """Per measured request, the TTFT no router can beat (approximately): its prompt prefilled alone on an
+    idle replica in chunks of `max_batched_tokens` (each step costs `step_base_s` plus `prefill_per_token_s`
+    per token), with one shared infinite cache in which a block appears only once some earlier request
+    could have computed it. A percentile of these is the floor of that percentile: a router whose TTFT p99
+    is near it has nothing left to win there.
 
+    Causal, not instantaneous: a sibling that arrives while the first request of its burst is still
+    prefilling their shared prefix can hit it only by waiting for it (or compute it itself), so its floor
+    is min over the cached run it uses of (wait for that run) + (prefill of the rest). Every request's
+    blocks become available as it would compute them alone from its arrival: prompt blocks at the end of
+    their chunk, answer blocks one decode step (`step_base_s`) per token after the prompt. A session turn
+    counts from when its parent could have finished (alone) plus its think time, as the simulator releases
+    it after the parent finished."""
+    avail: dict[BlockHash, float] = {}
+    done_at: dict[str, float] = {}
+    out = []
+
+    def prefill_s(tokens: int) -> float:
+        return -(-tokens // max_batched_tokens) * step_base_s + tokens * prefill_per_token_s
+
+    for r, hashes, m in zip(requests, full_hashes, measured):
+        start = r.arrival_s
+        if r.parent_id is not None and r.parent_id in done_at:
+            start = max(start, done_at[r.parent_id] + r.think_s)
+        prompt = len(r.prompt_token_ids)
+        n = min((prompt - 1) // block_size, len(hashes))
+        best, best_j, best_begin, ready = prefill_s(max(1, prompt)), 0, start, start
+        for j in range(1, n + 1):
+            t = avail.get(hashes[j - 1])
+            if t is None:
+                break
+            ready = max(ready, t)
+            ttft = ready - start + prefill_s(prompt - j * block_size)
+            if ttft < best:
+                best, best_j, best_begin = ttft, j, ready
+        if m:
+            out.append(best)
+        # this request's own computation: prompt blocks after the run it used, then its answer's blocks
+        t0 = best_begin
+        num_prompt_blocks = prompt // block_size
+        for i in range(best_j, min(num_prompt_blocks, len(hashes))):
+            t = t0 + prefill_s((i + 1 - best_j) * block_size)
+            if t < avail.get(hashes[i], float("inf")):
+                avail[hashes[i]] = t
+        first_token = start + best
+        for i in range(num_prompt_blocks, len(hashes)):
+            t = first_token + max(0, (i + 1) * block_size - prompt) * step_base_s
+            if t < avail.get(hashes[i], float("inf")):
+                avail[hashes[i]] = t
+        done_at[r.req_id] = first_token + len(r.output_token_ids) * step_base_s
+    return out
