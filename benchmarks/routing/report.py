@@ -158,8 +158,8 @@ def header(doc: dict) -> str:
     target = "hot mode: not sized" if c["hot_prefix"] else f"target {c['pressure_target']}"
     lengths = (f", long-tail prompts, {c['replica']['num_kv_tokens'] // c['replica']['block_size']} KV blocks "
                "per replica" if c.get("long_tail") else "")
-    floor = (f"; TTFT floor (alone on an idle replica, shared-cache hits once computable) p99 {b['ttft_floor_p99_s']:.2f} s"
-             if b.get("ttft_floor_p99_s") is not None else "")
+    floor = ("; TTFT floor (alone on an idle replica, shared-cache hits once computable) p99 "
+             f"{b['ttft_floor_p99_s']:.2f} s" if b.get("ttft_floor_p99_s") is not None else "")
     return (f"{c['replicas']} replicas, {mode}{lengths}, pressure {c['pressure']:.2f} ({target}), "
             f"load {c['load']:.2f} (target {c['load_target']}), {c['requests']} requests over {c['duration_s']:.0f} s, "
             f"KV events every {c['events_period_s']} s, stats every {c['stats_period_s']} s\n"
