@@ -227,9 +227,61 @@ HTTP_LIMITS_ENV = "AFFINITY_SERVE_HTTP_LIMITS"
 
 def proxy_middlewares() -> list:
     """Serve's proxy calls this at start-up (PROXY_CALLBACK_ENV): HTTPLimitsMiddleware with the limits the
-    JSON in HTTP_LIMITS_ENV gives (HTTPLimitsMiddleware's keyword arguments; the defaults where unset)."""
+    JSON in HTTP_LIMITS_ENV gives (HTTPLimitsMiddleware's keyword arguments; the defaults where unset), and
+    the header guard on the proxy's HTTP parser (install_header_guard)."""
     from starlette.middleware import Middleware
-    return [Middleware(HTTPLimitsMiddleware, **json.loads(os.environ.get(HTTP_LIMITS_ENV) or "{}"))]
+    limits = json.loads(os.environ.get(HTTP_LIMITS_ENV) or "{}")
+    install_header_guard(limits.get("max_header_bytes", 16 * 1024))
+    return [Middleware(HTTPLimitsMiddleware, **limits)]
+
+
+#: what the header guard lets a request's header block grow to beyond max_header_bytes before it answers 431:
+#: it counts whole reads (the socket hands over up to 256 KiB at once), so a read that completes the headers
+#: of one request and starts the next is never mistaken for a large header block
+HEADER_GUARD_SLACK_BYTES = 256 * 1024
+
+
+def install_header_guard(max_header_bytes: int) -> None:
+    """Bound what uvicorn's httptools parser (Serve's proxy's HTTP server) reads of a request's header block:
+    past max_header_bytes + HEADER_GUARD_SLACK_BYTES with the headers still incomplete, it answers 431 (OpenAI
+    body) and closes the connection. Without it a 64 MB header block was read and held in full before the
+    middleware's exact 431 (+136 MB in the proxy, issue 33.3). uvicorn's h11 parser is bounded by h11 already
+    (16 KiB). Idempotent; patches the class, so servers started before and after both use it."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:                  # no httptools: uvicorn uses h11
+        return
+    limit = max_header_bytes + HEADER_GUARD_SLACK_BYTES
+    original = getattr(HttpToolsProtocol, "_affinity_original", None)
+    if original is None:
+        original = (HttpToolsProtocol.data_received, HttpToolsProtocol.on_message_begin,
+                    HttpToolsProtocol.on_headers_complete)
+        HttpToolsProtocol._affinity_original = original
+    data_received, on_message_begin, on_headers_complete = original
+    body = json.dumps(APIError(f"request headers are larger than {max_header_bytes} bytes", 431,
+                               "invalid_request_error", None, "headers_too_large").body()).encode()
+    refusal = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+               b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+
+    def guarded_data_received(self, data: bytes) -> None:
+        data_received(self, data)
+        if getattr(self, "_affinity_in_headers", True) and not self.transport.is_closing():
+            self._affinity_header_bytes = getattr(self, "_affinity_header_bytes", 0) + len(data)
+            if self._affinity_header_bytes > limit:
+                self.transport.write(refusal)
+                self.transport.close()
+
+    def guarded_message_begin(self) -> None:
+        self._affinity_in_headers, self._affinity_header_bytes = True, 0
+        on_message_begin(self)
+
+    def guarded_headers_complete(self) -> None:
+        self._affinity_in_headers = False
+        on_headers_complete(self)
+
+    HttpToolsProtocol.data_received = guarded_data_received
+    HttpToolsProtocol.on_message_begin = guarded_message_begin
+    HttpToolsProtocol.on_headers_complete = guarded_headers_complete
 
 
 class HTTPLimitsMiddleware:
