@@ -3,10 +3,16 @@
 Interleaved A/B, best of N, fixed seeds, greedy, 64 new tokens forced (no EOS):
   (1) 32 requests x 128-token prompts     (2) 32 requests x (512 shared + 32 unique) prompts
   (3) batch 1, 128-token prompt
+and on models of their own (issue 31), ours vs transformers on the same checkpoint too:
+  (moe) a Qwen3-MoE-shaped model (32 experts, top 4, renormalised), 32 x 128 -> 64; target >= 2x at batch 32
+  (sliding) a Gemma-3-shaped model (5 sliding layers : 1 global, window 512), 2 x 8192 -> 16, and the KV blocks
+      each KV-cache group holds while the requests decode: target, a sliding group holds <= window / context of
+      what the full-attention group holds (up to a block of alignment)
 Prints output tokens/s for both and the ratio; --json writes the rows. Our prefix cache is reset
 before every run so repetitions never see an earlier run's blocks.
 
     python benchmarks/engine_throughput.py [--reps 3] [--threads 2] [--json out.json] [--ablate]
+        [--cases 1,2,3,moe,sliding]
 
 --ablate adds case (1) with our CPU speed-ups switched off (F.linear instead of oneDNN prepacked weights;
 pure-torch decode attention instead of the C kernel; the torch per-token ops instead of the C fused ones),
@@ -34,25 +40,130 @@ MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, interme
              vocab_size=32000, max_position_embeddings=2048, init_std=0.02)
 
 
+#: Qwen3-MoE-shaped (the 30B-A3B's routing: top-k renormalised, 1/16 of the experts at top 8 of 128; here top 4
+#: of 32), tiny for CPU
+MOE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+           intermediate_size=1408, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4,
+           norm_topk_prob=True, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+           initializer_range=0.02)
+#: Gemma-3-shaped: five sliding-window layers to one global, window 512, 8k context, one KV head of 64 (GQA 4)
+SLIDING = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+               intermediate_size=1024, vocab_size=32000, max_position_embeddings=16384, sliding_window=512,
+               layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=64,
+               tie_word_embeddings=True, initializer_range=0.02)
+SLIDING_CASE = (2, 8192, 16)                    # requests, prompt tokens, new tokens
+
+
+def write_hf_checkpoint(path: str | Path, config_class: str, *, dtype: str = "float32", device: str = "cpu",
+                        seed: int = 0, **config) -> Path:
+    """A random checkpoint of any transformers architecture, written by transformers (hub tensor names), with
+    the demo tokenizer; weights initialised on `device` (fast for large models on a GPU)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from engine.demo import build_tokenizer
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>",
+                            pad_token="<pad>").save_pretrained(str(path))
+    ids = dict(bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("<|im_end|>"),
+               pad_token_id=tok.token_to_id("<pad>"))
+    cfg = getattr(transformers, config_class)(**ids, **config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.save_pretrained(str(path))
+    del model
+    return path
+
+
 def prompts(n: int, plen: int, prefix: int = 0, seed: int = 123) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     pre = torch.randint(3, 32000, (prefix,), generator=g).tolist()
     return [pre + torch.randint(3, 32000, (plen,), generator=g).tolist() for _ in range(n)]
 
 
-def run_hf(model, ps: list[list[int]]) -> tuple[float, int]:
+def run_hf(model, ps: list[list[int]], new: int = NEW) -> tuple[float, int]:
     ids = torch.tensor(ps)
     t = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
-    return time.perf_counter() - t, len(ps) * NEW
+    return time.perf_counter() - t, len(ps) * new
 
 
-def run_ours(llm, ps: list[list[int]]) -> tuple[float, int]:
+def blocks_held(llm, ps: list[list[int]], new: int) -> dict:
+    """One untimed run that records, at every step once every request decodes, the blocks each KV-cache group
+    holds (over all requests); returns the most each group held then, with the groups' windows."""
+    from engine import SamplingParams
+    eng = llm.engine
+    kv = eng.kv_cache_manager
+    assert eng.reset_prefix_cache()
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(ps):
+        eng.add_request(f"h{i}", p, params)
+    peak = [0] * len(kv.groups)
+    while eng.has_unfinished_requests():
+        eng.step()
+        tables = list(kv.req_to_group_blocks.values())
+        if len(tables) == len(ps) and all(r.num_output_tokens >= 1 for r in eng.scheduler.running):
+            for g in range(len(kv.groups)):
+                peak[g] = max(peak[g], sum(1 for t in tables for b in t[g] if not b.is_null))
+    return {"windows": [g.window for g in kv.groups], "blocks": peak}
+
+
+def model_case(key: str, tmp: str, threads: int, reps: int) -> list[dict]:
+    """Case `moe` or `sliding`: a checkpoint of that shape, transformers and ours on it, interleaved."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    if key == "moe":
+        path = write_hf_checkpoint(Path(tmp) / "moe", "Qwen3MoeConfig", **MOE)
+        name, ps, new = "MoE (Qwen3-MoE-shaped) 32 x 128 -> 64", prompts(32, 128), NEW
+        engine_kw = dict(cache={"block_size": 16, "num_blocks": 2048},
+                         scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 64})
+    else:
+        path = write_hf_checkpoint(Path(tmp) / "sliding", "Gemma3TextConfig", **SLIDING)
+        n, plen, new = SLIDING_CASE
+        name, ps = f"sliding window (Gemma-3-shaped) {n} x {plen} -> {new}", prompts(n, plen)
+        # 2048-token chunks: a sliding group holds its window plus one chunk while a prompt is computed
+        engine_kw = dict(cache={"block_size": 16, "num_blocks": 2 * 1024 + 256},
+                         scheduler={"max_num_batched_tokens": 2048, "max_num_seqs": 8})
+    print(f"[engine_throughput] case {key}: {name}", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).eval()
+    llm = LLM(path, num_threads=threads, **engine_kw)
+    run_hf(hf, prompts(2, 16), 4)
+    run_ours(llm, prompts(2, 16), 4)
+    best = {"hf": float("inf"), "ours": float("inf")}
+    for rep in range(reps):
+        for who in best:
+            dt, got = run_hf(hf, ps, new) if who == "hf" else run_ours(llm, ps, new)
+            assert got == len(ps) * new
+            best[who] = min(best[who], dt)
+            print(f"[engine_throughput] case {key} rep {rep + 1}/{reps} {who}: {dt:.2f}s", flush=True)
+    n = len(ps) * new
+    row = {"case": name, "hf_tok_s": round(n / best["hf"], 1), "ours_tok_s": round(n / best["ours"], 1),
+           "ratio": round(best["hf"] / best["ours"], 2), "vs_default": 1.0, "hf_s": round(best["hf"], 3),
+           "ours_s": round(best["ours"], 3)}
+    if key == "sliding":
+        held = blocks_held(llm, ps, new)
+        full = max(b for b, w in zip(held["blocks"], held["windows"]) if w is None)
+        sliding = max(b for b, w in zip(held["blocks"], held["windows"]) if w is not None)
+        window = SLIDING["sliding_window"]
+        row.update(full_group_blocks=full, sliding_group_blocks=sliding,
+                   sliding_over_full=round(sliding / full, 4), window_over_context=round(window / (plen + new), 4),
+                   window_blocks_per_request=window // 16)
+        print(f"[engine_throughput] blocks held while decoding: full-attention group {full}, each sliding group "
+              f"<= {sliding} ({sliding / full:.3f} of full; window / context = {window / (plen + new):.3f})")
+    del hf, llm
+    return [row]
+
+
+def run_ours(llm, ps: list[list[int]], new: int = NEW) -> tuple[float, int]:
     from engine import SamplingParams
     assert llm.engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
     t = time.perf_counter()
     outs = llm.generate(ps, params, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -64,7 +175,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--cases", default="1,2,3")
+    ap.add_argument("--cases", default="1,2,3,moe,sliding")
     ap.add_argument("--ablate", action="store_true", help="also run case 1 with our speed-ups switched off")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,6 +234,9 @@ def main() -> None:
         c_ops_impl = None
     rows = []
     for key in args.cases.split(","):
+        if key in ("moe", "sliding"):
+            rows += model_case(key, tmp, args.threads, args.reps)
+            continue
         name, ps = cases[key]
         # a case's variants run interleaved with it and with transformers in every repetition, so the
         # machine's drift hits them all alike
@@ -144,11 +258,11 @@ def main() -> None:
             rows.append({"case": label, "hf_tok_s": round(n / best["hf"], 1), "ours_tok_s": round(n / best[i], 1),
                          "ratio": round(best["hf"] / best[i], 2), "vs_default": round(best[0] / best[i], 2),
                          "hf_s": round(best["hf"], 3), "ours_s": round(best[i], 3)})
-    hdr = f"{'case':<38} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'vs default':>10}"
+    hdr = f"{'case':<44} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'vs default':>10}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['case']:<38} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
+        print(f"{r['case']:<44} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
               f"{r['vs_default']:>9.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "rows": rows}, indent=2))

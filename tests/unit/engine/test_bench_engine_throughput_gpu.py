@@ -27,22 +27,45 @@ the cache; without cascade the step re-reads them, which the floor must not excu
     out = tmp_path / "gpu.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
                         "--tiny", "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out),
-                        *only], capture_output=True, text=True, timeout=240)
+                        *only], capture_output=True, text=True, timeout=480)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["backend"] == backend and doc["copy_bandwidth_gb_s"] > 0
     cases = ["batch 1, 32 -> 8", "batch 4, 32 -> 8", "4 x (64 shared + 8) -> 8",
-             "4 x (64 shared + 8) -> 8, no cascade"]
-    assert [row["case"] for row in doc["rows"]] == (cases[2:] if only else cases)
+             "4 x (64 shared + 8) -> 8, no cascade", "MoE batch 4, 32 -> 8", "sliding batch 2, 200 -> 8"]
+    rows = {row["case"]: row for row in doc["rows"]}
+    assert list(rows) == (cases[2:4] if only else cases)
     assert doc["cascade_min_tokens"] == 64
-    shared, plain = doc["rows"][-2:]
+    shared, plain = rows["4 x (64 shared + 8) -> 8"], rows["4 x (64 shared + 8) -> 8, no cascade"]
     assert shared["cascade"] and not plain["cascade"] and shared["floor_ms"] == plain["floor_ms"]
-    assert not any(row["cascade"] for row in doc["rows"][:-2])              # nothing shared there
+    assert not any(row["cascade"] for name, row in rows.items() if "shared" not in name)     # nothing shared
     for row in doc["rows"]:
         assert row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0 and row["decode_step_ms"] > 0
         # the ratio is computed before rounding; the tiny model's floor is ~0.03 ms, so 3 decimals cost a few %
         assert row["step_over_floor"] == pytest.approx(row["decode_step_ms"] / row["floor_ms"], rel=0.05)
+    if not only:
+        # MoE: 4 tokens of top 2 of 8 experts activate 8 (1 - (3/4)^4) = 5.47 experts per layer on average
+        assert rows["MoE batch 4, 32 -> 8"]["active_experts_per_layer"] == 5.5
+        # sliding (window 32, 16-token blocks, 2 requests of ~204 tokens): the full group holds every block,
+        # each sliding group its window's (2 blocks, 3 when unaligned) per request
+        held = rows["sliding batch 2, 200 -> 8"]["blocks_held"]
+        assert held[0] == [None, 26] and all(w == 32 and n <= 2 * 3 for w, n in held[1:])
     assert "step/floor" in r.stdout
+
+
+def test_floor_bytes_counts_active_experts_and_windows():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.engine_throughput_gpu import expected_active_experts, floor_bytes
+
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.w = torch.nn.Parameter(torch.zeros(8, 3, 2))            # 8 experts of 6 parameters
+    model.dense = torch.nn.Linear(2, 5, bias=False)                       # 10 parameters
+    cfg = dict(hidden_size=4, num_heads=2, num_kv_heads=1, num_layers=2, head_dim=2)
+    # 2 of 8 experts active: 12 expert parameters + 10; layer 0 reads min(9, 4) keys, layer 1 all 9
+    assert floor_bytes(model, cfg, [9], 1, active_experts=2, layer_windows=[4, None]) == 22 + (4 + 9) * 2 * 1 * 2
+    assert expected_active_experts(128, 8, 1) == pytest.approx(8)
+    assert 100 < expected_active_experts(128, 8, 32) < 128
 
 
 def test_floor_bytes_reads_each_weight_once_and_every_sequences_kv():
