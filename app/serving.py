@@ -20,7 +20,7 @@ from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, r
 from app.prompts import (PreparedRequest, RequestKind, detokenize_request, max_token_chars, prepare_request,
                          text_chars, tokenize_request)
 from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ReplicaChunk, TokenizeRequest
-from app.tool_calls import ToolCallMode, ToolCallStream, hermes_content, tool_calls_message
+from app.tool_calls import ToolCallMode, ToolCallStream, auto_content, tool_calls_message
 from app.routing import debug as routing_debug
 from engine import EngineLimits
 from observability.metrics import ServingMetrics
@@ -266,8 +266,8 @@ class OpenAIServing:
                 calls = reader.feed(c.text)
                 text = reader.take_content() + (reader.flush_content() if c.finish_reason else "")
                 if not calls and not text and not c.finish_reason and lps is None and not token_ids:
-                    return None          # a call's name (or a <tool_call> block) is not complete yet
-                reason = (_tool_finish_reason(c.finish_reason) if reader.sent or not p.tool_mode.hermes
+                    return None          # a call's name (or an "auto" call) is not complete yet
+                reason = (_tool_finish_reason(c.finish_reason) if reader.sent or p.tool_mode.parser is None
                           else c.finish_reason)
                 return fmt.chat_chunk(meta, idx, text, reason, lps, fingerprint, p.stream_usage,
                                       token_ids=token_ids, tool_calls=calls)
@@ -359,11 +359,11 @@ def _tool_finish_reason(reason: str | None) -> str | None:
 
 def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode) -> fmt.Choice:
     """A chat choice whose output is a grammar-constrained call (or, tool_choice "auto", text that may hold
-    `<tool_call>` blocks): its text read back as `tool_calls`."""
+    calls in the template's format): its text read back as `tool_calls`."""
     calls = tool_calls_message(c.text, mode)
-    if mode.hermes and not calls:
+    if mode.parser is not None and not calls:
         return c                         # "auto": the model answered in text
-    return dataclasses.replace(c, text=(hermes_content(c.text) or "") if mode.hermes else "", tool_calls=calls,
+    return dataclasses.replace(c, text=(auto_content(c.text, mode) or "") if mode.parser else "", tool_calls=calls,
                                finish_reason=_tool_finish_reason(c.finish_reason))
 
 

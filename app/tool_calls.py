@@ -6,10 +6,15 @@ streams without a model-specific parser:
 - a named function: the output is the function's arguments, one JSON object;
 - "required": `[{"name": "<one of the tools>", "arguments": {...}}, ...]` (one item unless parallel_tool_calls),
   each item's arguments valid against its function's parameters.
-"auto" lets the model choose between text and calls, so it needs the model's own call format: the Hermes/Qwen
-one (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, detected from a chat template that writes
-`<tool_call>`) is read back from the text; for other templates (Llama 3 JSON, Mistral `[TOOL_CALLS]`) "auto" is
-a 400 that names what is supported.
+"auto" lets the model choose between text and calls, so its own call format is read back from the text, the
+parser chosen from the chat template (`detect_tool_parser`):
+- `hermes` (Hermes, Qwen 2/2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere;
+- `llama3_json` (Llama 3.1/3.2/3.3): the output is `{"name": ..., "parameters": {...}}` (several separated by
+  `;`), after an optional `<|python_tag|>`, which also starts calls after some text when it reaches the text;
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]` is a special token, which
+  the default `skip_special_tokens` drops from the text: an output that opens with such a JSON array is read
+  as calls too.
+Templates with none of these keep "auto" a 400 that names what is supported.
 """
 from __future__ import annotations
 
@@ -29,15 +34,43 @@ _ITEM_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+#: the text that starts the calls, per JSON parser (special tokens: in the text only when not skipped)
+_JSON_MARKERS = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+#: an output opening like this is calls even without the marker (dropped from the text as a special token)
+_JSON_OPENERS = {"llama3_json": re.compile(r"\s*\{"), "mistral": re.compile(r"\s*\[\s*\{")}
+#: an output so far that may still open like that (held back, not sent as content)
+_JSON_MAY_OPEN = {"llama3_json": re.compile(r"\s*"), "mistral": re.compile(r"\s*(\[\s*)?")}
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCallMode:
     """How a chat response's output is read back: the named function's arguments (`function` set), a list of
-    calls ("required"), or (`hermes`, tool_choice "auto") text with `<tool_call>` blocks in it."""
+    calls ("required"), or (`parser` set, tool_choice "auto") text that may hold calls in that format."""
 
     function: str | None
-    hermes: bool = False
+    parser: str | None = None
+
+    @property
+    def hermes(self) -> bool:
+        return self.parser == "hermes"
+
+
+def detect_tool_parser(tokenizer: Any | None) -> str | None:
+    """The tool-call format a chat template writes (one of TOOL_PARSERS), or None: Hermes/Qwen's `<tool_call>`,
+    Mistral's `[TOOL_CALLS]`, Llama 3's JSON calls (`<|python_tag|>`, or `"parameters"` in a template with
+    Llama 3's headers)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):                   # named templates: the default, or all of them
+        template = template.get("tool_use") or template.get("default") or " ".join(map(str, template.values()))
+    template = str(template)
+    if _HERMES_OPEN in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ('"parameters"' in template and "<|start_header_id|>" in template):
+        return "llama3_json"
+    return None
 
 
 def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
@@ -57,13 +90,15 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
                        "invalid_value")
     if choice == "none":
         return None, None
-    if (choice is None or choice == "auto") and _HERMES_OPEN in str(getattr(tokenizer, "chat_template", "") or ""):
-        return None, ToolCallMode(None, hermes=True)
     if choice is None or choice == "auto":
+        parser = detect_tool_parser(tokenizer)
+        if parser is not None:
+            return None, ToolCallMode(None, parser=parser)
         raise APIError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
-                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>); "
-                       "send tool_choice 'required', a named function ({'type': 'function', 'function': "
-                       "{'name': ...}}) or 'none'", 400, "invalid_request_error", "tool_choice", "unsupported_value")
+                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>, "
+                       "Llama 3 JSON, Mistral [TOOL_CALLS]); send tool_choice 'required', a named function "
+                       "({'type': 'function', 'function': {'name': ...}}) or 'none'", 400, "invalid_request_error",
+                       "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
@@ -88,6 +123,8 @@ def read_calls(text: str, mode: ToolCallMode) -> list[tuple[str, str, bool]]:
     name is complete; its arguments text grows as `text` does (a prefix of the final one)."""
     if mode.hermes:
         return [(name, args, True) for name, args, _ in _hermes_calls(text)[0]]
+    if mode.parser is not None:
+        return [(name, args, True) for name, args in _json_section(text, mode.parser)[1]]
     if mode.function is not None:
         return [(mode.function, text, _value_end(text, 0) is not None)]
     calls = []
@@ -156,16 +193,79 @@ def _parse_call(body: str) -> tuple[str, str] | None:
         call = json.loads(body)
     except ValueError:
         return None
+    return _as_call(call)
+
+
+def _as_call(call: Any) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a decoded call object (`arguments`, or Llama 3's `parameters`), else None."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    args = call.get("arguments", {})
+    args = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(args, (dict, str)):
+        return None
     return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
-def hermes_content(text: str) -> str | None:
-    """The text of a Hermes-format answer outside its calls (None when only whitespace)."""
-    content = _hermes_calls(text)[1].strip()
-    return content or None
+_DECODER = json.JSONDecoder()
+
+
+def _section_start(text: str, parser: str) -> tuple[int, int] | None:
+    """Where `parser`'s calls begin in `text`, and where their JSON does: at its marker, or at the start of an
+    output that opens with the format's JSON (the marker dropped as a special token); None if neither."""
+    marker = _JSON_MARKERS[parser]
+    if (i := text.find(marker)) != -1:
+        return i, i + len(marker)
+    if (m := _JSON_OPENERS[parser].match(text)) is not None:
+        return 0, len(m.group()) - len(m.group().lstrip())
+    return None
+
+
+def _json_calls(text: str, pos: int) -> tuple[list[tuple[str, str]], int]:
+    """The complete calls from `pos` on: call objects, bare or in one array, separated by blanks, `,` or `;`;
+    and where the last one (or its array) ends. Stops at what is incomplete or not a call."""
+    calls, end, in_array = [], pos, False
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,;":
+            pos += 1
+        if pos >= len(text):
+            break
+        if text[pos] in "[]":
+            if (text[pos] == "[") == in_array:
+                break                              # nested, or a stray bracket: not calls
+            in_array = text[pos] == "["
+            pos += 1
+            end = pos if not in_array else end
+            continue
+        try:
+            obj, nxt = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            break                                  # incomplete (or not JSON)
+        call = _as_call(obj)
+        if call is None:
+            break
+        calls.append(call)
+        pos = end = nxt
+    return calls, end
+
+
+def _json_section(text: str, parser: str) -> tuple[int, list[tuple[str, str]], int]:
+    """(where the calls begin, the complete calls, where they end) in a llama3_json/mistral output; no calls:
+    (len(text), [], len(text))."""
+    start = _section_start(text, parser)
+    if start is None:
+        return len(text), [], len(text)
+    calls, end = _json_calls(text, start[1])
+    return (start[0], calls, end) if calls else (len(text), [], len(text))
+
+
+def auto_content(text: str, mode: ToolCallMode) -> str | None:
+    """tool_choice "auto": the text of an answer outside its calls (None when only whitespace)."""
+    if mode.hermes:
+        content = _hermes_calls(text)[1]
+    else:
+        start, _, end = _json_section(text, mode.parser)
+        content = text[:start] + text[end:]
+    return content.strip() or None
 
 
 def tool_calls_message(text: str, mode: ToolCallMode) -> list[dict]:
@@ -188,6 +288,8 @@ class ToolCallStream:
         self.text += text
         if self.mode.hermes:
             return self._feed_hermes()
+        if self.mode.parser is not None:
+            return self._feed_json()
         out = []
         for i, (name, args, _) in enumerate(read_calls(self.text, self.mode)):
             if i == len(self.sent):
@@ -203,6 +305,8 @@ class ToolCallStream:
         """hermes: the text to send as content now (call the after `feed`). Text before a `<tool_call>` block
         goes out; a block is held until it closes (then it is a call, sent by `feed`, or, if its JSON is not a
         call, text); a suffix that may be the start of the tag is held back."""
+        if self.mode.parser is not None and not self.mode.hermes:
+            return self._take_json_content()
         if not self.mode.hermes:
             return ""
         out, pos, text = [], self.content_sent, self.text
@@ -238,9 +342,50 @@ class ToolCallStream:
                             "function": {"name": name, "arguments": args}})
         return out
 
+    def _feed_json(self) -> list[dict]:
+        start = _section_start(self.text, self.mode.parser)
+        if start is None:
+            return []
+        out = []
+        for i, (name, args) in enumerate(_json_calls(self.text, start[1])[0]):
+            if i == len(self.sent):
+                self.sent.append(len(args))
+                out.append({"index": i, "id": new_call_id(), "type": "function",
+                            "function": {"name": name, "arguments": args}})
+        return out
+
+    def _take_json_content(self) -> str:
+        """llama3_json/mistral: text before the calls goes out; from where they begin (the marker, or an output
+        opening with their JSON) all is held; so is a suffix that may be the start of the marker, and an output
+        so far that may still open with the JSON."""
+        text, parser = self.text, self.mode.parser
+        start = _section_start(text, parser)
+        if start is not None:
+            hold = max(start[0], self.content_sent)
+        elif self.content_sent == 0 and _JSON_MAY_OPEN[parser].fullmatch(text):
+            hold = 0
+        else:
+            hold = len(text) - _partial_suffix(text, _JSON_MARKERS[parser], self.content_sent)
+        out, self.content_sent = text[self.content_sent:hold], max(hold, self.content_sent)
+        return out
+
     def flush_content(self) -> str:
-        """hermes, at the end: the text still held back (an unclosed block or a partial tag is text)."""
-        if not self.mode.hermes:
+        """At the end ("auto"): the text still held back: an unclosed block or a partial tag is text; after
+        llama3_json/mistral calls, what follows them; held JSON that held no call, all of it."""
+        if self.mode.parser is None:
             return ""
+        if not self.mode.hermes and self.sent:
+            _, _, end = _json_section(self.text, self.mode.parser)
+            rest = self.text[end:]
+            self.content_sent = len(self.text)
+            return rest if rest.strip() else ""
         out, self.content_sent = self.text[self.content_sent:], len(self.text)
         return out
+
+
+def _partial_suffix(text: str, marker: str, floor: int) -> int:
+    """The length of the longest suffix of `text` (after `floor`) that `marker` starts with (0 if none)."""
+    for k in range(min(len(marker) - 1, len(text) - floor), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
