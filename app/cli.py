@@ -260,7 +260,7 @@ def serve_cmd(args) -> int:
             done.set()
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)        # a second Ctrl-C must not cut the clean-up short
-        _stop_ray()
+        _stop_ray(local=not (args.address or os.environ.get("RAY_ADDRESS")))
         print("\n[affinity-serve] interrupted during start-up; stopped.", flush=True)
         return 130
     finally:
@@ -277,7 +277,7 @@ def serve_cmd(args) -> int:
     while not stop.wait(1.0):      # a timed wait keeps the main thread responsive to signals
         continue
     finished, ended = drain(cfg, hurry=lambda: len(signals) > 1)
-    _stop_ray()
+    _stop_ray(local=not address)
     print(f"[affinity-serve] stopped ({finished} request(s) finished while draining, {ended} stream(s) ended "
           "early).", flush=True)
     return 0
@@ -287,12 +287,17 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_ray() -> None:
+def _stop_ray(local: bool) -> None:
+    """Stop what `serve` started. Its own local Ray goes down whole with ray.shutdown() (everything in it was
+    drained already); serve.shutdown() first would only add Ray's notices about the controller's tasks it
+    kills ("Task ServeController.graceful_shutdown failed ... killed by ray.kill"). On a cluster (--address),
+    Serve is shut down there and this driver disconnects."""
     import ray
     if ray.is_initialized():
         from ray import serve
         try:
-            serve.shutdown()
+            if not local:
+                serve.shutdown()
         finally:
             ray.shutdown()
 
