@@ -1,11 +1,13 @@
 """Issue 32.2 and 32.3 through the real `affinity-serve serve`: another Python process (a Ray driver) gets
 answers from the app's handle API, and Ray's own `serve status` attaches, each exactly as the ready message
-says (the local Ray listens on 127.0.0.1 only and keeps Ray's token authentication on)."""
+says (the local Ray listens on 127.0.0.1 only and keeps Ray's token authentication on). And 32.1's start-up
+half: Ctrl-C while it deploys is one line, no traceback."""
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -68,3 +70,17 @@ def test_serve_status_attaches_as_the_ready_message_says(served):
                        timeout=120)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "affinity:" in r.stdout and "status: RUNNING" in r.stdout and "LLMReplica:" in r.stdout, r.stdout
+
+
+def test_ctrl_c_during_start_up_is_one_line(checkpoints, tmp_path):
+    cli = CLI(checkpoints, tmp_path, {}, wait_ready=False)
+    try:
+        assert cli.wait_for("deploying 1 replica(s)", 120), "".join(cli.out)[-3000:]
+        rc = cli.stop(signal.SIGINT, timeout_s=60)
+    finally:
+        if cli.proc.poll() is None:
+            cli.stop(signal.SIGKILL)
+    text = "".join(cli.out)
+    assert rc == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert [l.strip() for l in cli.out if "interrupted" in l] == [
+        "[affinity-serve] interrupted during start-up; stopped."], text[-3000:]

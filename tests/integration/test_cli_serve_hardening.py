@@ -33,7 +33,7 @@ def _free_port() -> int:
 class CLI:
     """`affinity-serve serve` in a subprocess of its own session, its output collected line by line."""
 
-    def __init__(self, checkpoints, tmp: Path, serve: dict, engine: dict | None = None):
+    def __init__(self, checkpoints, tmp: Path, serve: dict, engine: dict | None = None, wait_ready: bool = True):
         ray_tmp = tempfile.mkdtemp(prefix="r33", dir="/tmp")        # short: Ray's socket paths must fit
         # What a forgotten `ray start --head` leaves: Ray's current-cluster record, pointing nowhere now.
         Path(ray_tmp, "ray").mkdir()
@@ -55,7 +55,8 @@ class CLI:
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [self._lines.put(l) for l in self.proc.stdout], daemon=True).start()
         self.out: list[str] = []
-        assert self.wait_for("Ctrl-C to stop", 240), "".join(self.out)[-4000:]
+        if wait_ready:
+            assert self.wait_for("Ctrl-C to stop", 240), "".join(self.out)[-4000:]
 
     def wait_for(self, text: str, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
