@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 _CACHE_SIZE = 512
 #: from this many constrained rows a step fills the bitmask with xgrammar's batch matcher (threads)
 _BATCH_FILL_MIN_ROWS = 8
+#: from this many, with fill_on_thread, on the worker thread (fewer fill in less than the hand-off costs)
+_THREAD_FILL_MIN_ROWS = 4
 
 
 class GrammarState:
@@ -160,7 +162,8 @@ class StructuredOutputManager:
     bitmask on another. `tokenizer` is the engine's (Hugging Face) tokenizer, `vocab_size` the logits' width,
     `stop_token_ids` the ids that end a sequence (a finished grammar allows only these). `fill_on_thread`:
     each step's bitmask is filled on a worker thread from the moment the step is scheduled; otherwise when the
-    sampler reads it (see `GrammarBitmask`). `pin_memory`: the bitmask is filled in pinned host memory (it
+    sampler reads it (see `GrammarBitmask`); a step with fewer than `_THREAD_FILL_MIN_ROWS` constrained rows
+    fills when read either way. `pin_memory`: the bitmask is filled in pinned host memory (it
     crosses to a CUDA device without a staging copy)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *,
@@ -243,10 +246,11 @@ class StructuredOutputManager:
             return None
         matchers = [st.matcher for _, st in rows]
         json_rows = [i for i, (_, st) in enumerate(rows) if st.spec.key[0] in ("json", "json_object")]
-        if self.fill_on_thread and self._fill_executor is None:
+        on_thread = self.fill_on_thread and len(rows) >= _THREAD_FILL_MIN_ROWS
+        if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
         return GrammarBitmask([r for r, _ in rows], partial(self._fill, matchers, json_rows),
-                              self._fill_executor if self.fill_on_thread else None)
+                              self._fill_executor if on_thread else None)
 
     def _fill(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens."""

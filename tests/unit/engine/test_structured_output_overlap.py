@@ -91,8 +91,9 @@ def test_a_fill_on_the_thread_gives_exactly_the_in_order_outputs(checkpoints, kw
 
 
 def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints, monkeypatch):
-    """On CPU the engine fills on its worker thread (fill_on_thread is its default there), and the fill has
-    started before the step's logits are computed: it overlaps the forward instead of following it."""
+    """On CPU the engine fills on its worker thread (fill_on_thread is its default there; from 4 constrained
+    rows: n = 4 here), and the fill has started before the step's logits are computed: it overlaps the forward
+    instead of following it."""
     eng = LLMEngine(EngineConfig.model_validate({"model": checkpoints["llama"],
                                                  "cache": {"num_blocks": 128, "block_size": 4}}))
     assert eng.structured_output.fill_on_thread
@@ -107,12 +108,13 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     model = eng.runner.model
     logits = model.compute_logits
     monkeypatch.setattr(model, "compute_logits", lambda h: (events.append(("logits", "")), logits(h))[1])
-    eng.add_request("j", "x", SamplingParams(max_tokens=30, temperature=0.0,
+    eng.add_request("j", "x", SamplingParams(n=4, max_tokens=30, temperature=0.0,
                                              structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
     out = _run(eng)
-    jsonschema.validate(json.loads(out[("j", 0)][1]), SCHEMAS[0])
+    for i in range(4):
+        jsonschema.validate(json.loads(out[("j", i)][1]), SCHEMAS[0])
     fills = [i for i, (what, _) in enumerate(events) if what == "fill"]
-    assert len(fills) == len(out[("j", 0)][0])           # one fill per sampled token
+    assert len(fills) == len(out[("j", 0)][0])           # one fill per step (the 4 rows run in step)
     assert all(events[i][1].startswith("grammar-bitmask") for i in fills)
     # each fill began before its step's logits (the next "logits" event after the previous fill)
     assert all(events[i + 1][0] == "logits" for i in fills)
@@ -120,21 +122,21 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
 
 @pytest.mark.parametrize("fill_on_thread", [False, True])
 def test_aborts_mid_grammar_release_the_matchers(checkpoints, fill_on_thread):
-    """Aborted while their grammars are advancing (n = 2, beside a request that goes on): the aborted
+    """Aborted while their grammars are advancing (n = 4, beside a request that goes on): the aborted
     sequences' matchers are freed (nothing in the manager or a pending fill holds them), the survivor still
     validates, every KV block returns."""
     eng = _engine(checkpoints, fill_on_thread)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
-    eng.add_request("gone", "a", SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=1, structured_output=spec))
+    eng.add_request("gone", "a", SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=1, structured_output=spec))
     eng.add_request("kept", "b", SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured_output=spec))
     refs, seen = [], {}
-    while len(refs) < 2:
+    while len(refs) < 4:
         _step(eng, seen)
-        refs = [weakref.ref(eng.scheduler.requests[f"gone#{i}"].structured_output.matcher) for i in range(2)
+        refs = [weakref.ref(eng.scheduler.requests[f"gone#{i}"].structured_output.matcher) for i in range(4)
                 if eng.scheduler.requests[f"gone#{i}"].structured_output.is_ready]
     for _ in range(3):
         _step(eng, seen)
-    assert all(seen.get(("gone", i)) and seen[("gone", i)][2] is None for i in range(2))   # mid-grammar
+    assert all(seen.get(("gone", i)) and seen[("gone", i)][2] is None for i in range(4))   # mid-grammar
     eng.abort_request("gone")
     out = _run(eng, seen)
     gc.collect()
@@ -150,8 +152,8 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
     requests' matchers are dropped, and the engine serves the next request."""
     eng = _engine(checkpoints, fill_on_thread=True)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
-    eng.add_request("a", "x", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec))
-    while not eng.scheduler.requests["a"].output_token_ids:
+    eng.add_request("a", "x", SamplingParams(n=4, max_tokens=40, temperature=0.0, structured_output=spec))
+    while not eng.scheduler.requests["a#0"].output_token_ids:
         eng.step()
     fill_done = threading.Event()
     fill = eng.structured_output._fill
