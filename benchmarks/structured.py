@@ -72,6 +72,45 @@ def decode_step_s(eng: LLMEngine, batch: int, steps: int, mode: str, seed: int, 
     return statistics.median(times[1:] or times)
 
 
+def breakdown_ms(eng: LLMEngine, batch: int, steps: int, temperature: float) -> dict[str, float]:
+    """Where a constrained step's extra time goes, filled when read ("lazy", so each part is on the step's
+    path): median ms per step of the bitmask fill (xgrammar), its unpacking to a boolean mask, the sampler
+    (masking included; compare `sampler_free`) and the matchers' acceptance of the sampled tokens."""
+    import engine.structured_output.manager as som
+    timings: dict[str, list[float]] = {}
+
+    def timed(owner, name: str, key: str):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                timings.setdefault(key, []).append(time.perf_counter() - t)
+        return real, wrapper
+
+    patches = [(eng.structured_output, "_fill", "fill"), (som, "unpack_bitmask", "unpack"),
+               (eng.runner, "sampler", "sampler"), (eng, "_advance_grammar", "accept")]
+    saved = []
+    for owner, name, key in patches:
+        real, wrapper = timed(owner, name, key)
+        saved.append((owner, name, real))
+        setattr(owner, name, wrapper)
+    try:
+        decode_step_s(eng, batch, steps, "free", 900, temperature)
+        free_sampler = statistics.median(timings.pop("sampler"))
+        timings.clear()
+        decode_step_s(eng, batch, steps, "lazy", 901, temperature)
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+    out = {k: statistics.median(v) * 1e3 for k, v in timings.items()}
+    out["accept"] *= batch                        # per row -> per step
+    out["sampler_free"] = free_sampler * 1e3
+    return out
+
+
 def compile_times(eng: LLMEngine) -> dict[str, tuple[float, float]]:
     """Schema -> (cold compile s, cached s) through the engine's manager."""
     mgr = eng.structured_output
@@ -105,6 +144,9 @@ def run_model(name: str, args) -> tuple[list[dict], dict]:
             best = {m: min(times[m]) for m in MODES}
             rows.append({"model": name, "batch": b, **{f"{m}_ms": best[m] * 1e3 for m in MODES},
                          **{f"{m}_overhead": best[m] / best["free"] - 1 for m in MODES[1:]}})
+        if 32 in args.batches:
+            rows[-1 if args.batches[-1] == 32 else args.batches.index(32)]["breakdown_ms"] = breakdown_ms(
+                eng, 32, args.steps, args.temperature)
         compiles = compile_times(eng) if name == args.models[0] else {}
         eng.close()
     return rows, compiles
@@ -133,6 +175,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:>6} {r['batch']:>6} {r['free_ms']:>9.2f} {r['lazy_ms']:>9.2f} {r['lazy_overhead']:>8.1%} "
               f"{r['thread_ms']:>10.2f} {r['thread_overhead']:>8.1%}")
+    print(f"\nbatch 32, filled when read: ms per step")
+    print(f"{'model':>6} {'fill':>7} {'unpack':>7} {'sampler':>8} {'(free)':>7} {'accept':>7}")
+    for r in rows:
+        if (b := r.get("breakdown_ms")) is not None:
+            print(f"{r['model']:>6} {b['fill']:>7.3f} {b['unpack']:>7.3f} {b['sampler']:>8.3f} "
+                  f"{b['sampler_free']:>7.3f} {b['accept']:>7.3f}")
     print(f"\n{'schema':>8} {'cold ms':>9} {'cached ms':>10}")
     for name, (cold, cached) in compiles.items():
         print(f"{name:>8} {cold * 1e3:>9.2f} {cached * 1e3:>10.3f}")
