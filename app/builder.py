@@ -100,6 +100,29 @@ def replica_deployment(config: AppConfig):
     return serve.deployment(LLMReplica).options(**opts)
 
 
+def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
+    """P/D disaggregation (app/disagg.py): the decode pool, bound to a handle on the prefill pool. Each pool is an
+    LLMReplica deployment with its own router (prefix affinity on its own replicas' caches); the decode one keeps
+    the name LLMReplica, as the ingress's target."""
+    from app.disagg import DecodeReplica, PrefillReplica
+    from app.disagg_config import pool_engine_config
+    d = config.disaggregation
+    base = replica_deployment(config)
+    obs = config.observability.model_dump()
+
+    def pool_options(pool) -> dict[str, Any]:
+        placement = replica_placement(config)["ray_actor_options"]
+        if pool.replica_resources is not None:
+            placement = {**placement, "resources": dict(pool.replica_resources)}
+        return {"num_replicas": pool.num_replicas, "ray_actor_options": placement}
+
+    prefill = base.options(func_or_class=PrefillReplica, name="PrefillReplica", **pool_options(d.prefill))
+    prefill_app = prefill.bind(pool_engine_config(engine_cfg, d.prefill, d), config.serve.wedge_timeout_s, obs)
+    decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options(d.decode))
+    return decode.bind(pool_engine_config(engine_cfg, d.decode, d), config.serve.wedge_timeout_s, obs,
+                       prefill_app, d.min_remote_prefill_tokens)
+
+
 def engine_policy_kwargs(config: AppConfig) -> dict[str, Any]:
     """autoscale.policy.PolicyConfig's fields from the autoscaling section (JSON: Serve ships them)."""
     from autoscale.policy import PolicyConfig
@@ -143,8 +166,11 @@ def build_app(config: AppConfig | dict | None = None):
         config = AppConfig.model_validate(config)
     config = resolve_model(config)
     engine_cfg = config.engine.to_engine_config().model_dump()
-    replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
-                                              config.observability.model_dump())
+    if config.disaggregation.enabled:
+        replica = disagg_deployments(config, engine_cfg)
+    else:
+        replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
+                                                  config.observability.model_dump())
     # Serve keeps deployment arguments in its controller and Ray's GCS: the API key goes as a digest only
     key = config.serve.api_key
     without_key = config.model_copy(update={"serve": config.serve.model_copy(update={"api_key": None})})

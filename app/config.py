@@ -11,6 +11,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, ValidationError, field_validator,
                       model_validator)
 
+from app.disagg_config import DisaggregationSection
 from app.routing.config import AffinityConfig, RoutingPolicyName
 from engine.config import EngineConfig
 
@@ -209,6 +210,31 @@ class AppConfig(_Strict):
     routing: RoutingSection = RoutingSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     observability: ObservabilitySection = ObservabilitySection()
+    disaggregation: DisaggregationSection = DisaggregationSection()
+
+    @model_validator(mode="after")
+    def _check_disaggregation(self) -> "AppConfig":
+        d = self.disaggregation
+        if not d.enabled:
+            return self
+        if self.autoscaling.enabled:
+            raise ValueError("disaggregation: per-pool autoscaling is not implemented yet; set autoscaling.enabled "
+                             "false and size the pools with disaggregation.prefill/decode.num_replicas")
+        if self.engine.kv_connector.type != "none":
+            raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
+                             f"{self.engine.kv_connector.type!r} cannot be combined with it yet")
+        if not self.engine.cache.enable_prefix_caching:
+            raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
+                             "admitted as prefix hits)")
+        from app.disagg_config import pool_engine_config
+        base = {**self.engine.model_dump(), "model": self.engine.model or "unresolved"}
+        for name in ("prefill", "decode"):
+            try:
+                pool_engine_config(base, getattr(d, name), d)
+            except ValidationError as e:
+                raise ValueError(f"disaggregation.{name}.engine: {e.errors()[0]['msg']} at "
+                                 f"{'.'.join(map(str, e.errors()[0]['loc']))}") from None
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

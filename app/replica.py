@@ -100,8 +100,11 @@ class LLMReplica:
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReplicaChunk]:
-        """Stream chunks; the last chunk of each sequence carries finish_reason, timings and stats."""
+    async def generate(self, req: GenerateRequest, kv_transfer: list[Any] | None = None
+                       ) -> AsyncIterator[ReplicaChunk]:
+        """Stream chunks; the last chunk of each sequence carries finish_reason, timings and stats.
+
+        `kv_transfer` (P/D disaggregation, app/disagg.py): the RemotePrefill of each sequence, continued here."""
         from observability.tracing import context_from_carrier, trace_id_hex
 
         ids = {"request_id": req.client_request_id or req.request_id, "engine_req_id": req.request_id}
@@ -116,7 +119,8 @@ class LLMReplica:
         try:
             gen = self.engine.generate(req.prompt_token_ids, req.params, req.request_id, priority=req.priority,
                                        cache_salt=req.cache_salt, trace_context=req.trace_context or None,
-                                       block_hashes=req.block_hashes)
+                                       block_hashes=req.block_hashes,
+                                       **({"kv_transfer": kv_transfer} if kv_transfer is not None else {}))
             async for d in gen:
                 now = time.monotonic()
                 if first_token is None and d.token_ids:

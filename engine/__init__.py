@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from engine.models.checkpoint import resolve_context_length, validate_checkpoint
     from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
     from engine.kv_connector.shared_store import UnsafeSharedStoreError, check_shared_root, default_shared_root
+    from engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
 
 PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.hashing", "engine.limits", "engine.sampling_params",
                   "engine.types", "engine.structured_output")
@@ -52,6 +53,9 @@ _LAZY = {
     "check_shared_root": "engine.kv_connector.shared_store",
     "default_shared_root": "engine.kv_connector.shared_store",
     "UnsafeSharedStoreError": "engine.kv_connector.shared_store",
+    "RemoteDecode": "engine.kv_connector.pd",
+    "RemotePrefill": "engine.kv_connector.pd",
+    "KVTransferError": "engine.kv_connector.pd",
 }
 
 
@@ -67,4 +71,4 @@ __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "check_request", "check_request_fits_context",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
            "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving", "check_shared_root",
-           "default_shared_root", "UnsafeSharedStoreError"]
+           "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode", "RemotePrefill", "KVTransferError"]

@@ -190,6 +190,24 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             self._background.discard(request_id)
 
+    async def read_held_kv(self, transfer_id: str, start_block: int, num_blocks: int):
+        """P/D (kv_connector.type pd): copy blocks of a prefill's held KV out, on a thread beside the steps
+        (a uint8 array [num_blocks, block_bytes]); the hold is freed by the next step, which this wakes."""
+        try:
+            return await asyncio.to_thread(self.engine.kv_source.read_held_blocks, transfer_id, start_block,
+                                           num_blocks)
+        finally:
+            self._kick()
+
+    def release_held_kv(self, transfer_id: str) -> None:
+        """P/D: free a prefill's held KV unread (the decode side needs none of it)."""
+        self.engine.kv_source.release_held(transfer_id)
+        self._kick()
+
+    def wake(self) -> None:
+        """Run a step now if there is anything to do (P/D: free held KV whose timeout has passed)."""
+        self._kick()
+
     async def abort(self, request_id: str) -> None:
         if request_id in self._streams:
             self._pending_aborts.add(request_id)

@@ -1,0 +1,207 @@
+"""P/D disaggregation on Ray Serve (issue 28): a prefill pool and a decode pool, KV moved by Ray's object store.
+
+The ingress routes every request to the decode pool (the usual router: prefix affinity on that pool's cache,
+which holds the earlier turns of a conversation, against load and KV room). A decode replica asks its local
+prefix cache how much of the prompt it already holds; when the rest is at least
+`disaggregation.min_remote_prefill_tokens`, it calls the prefill pool (its own router: prefix affinity on the
+prefill pool's cache), else it serves the request itself as in unified mode. The prefill replica runs the
+prompt and the first token with the engine's P/D connector holding the KV, copies the held blocks the decode
+replica lacks into Ray's object store (`ray.put`: zero-copy for a reader on the same node, Ray's object
+manager across nodes) and returns the first token with an ObjectRef; the decode replica streams that token at
+once and continues the request in its engine, which loads the blocks from the ref while the request waits
+outside the token budget. If the prefill call or the read fails, the decode replica recomputes (counted).
+
+Both replicas are LLMReplicas with a P/D engine; only the decode one holds a handle to the other pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import APIError
+from app.protocol import GenerateRequest, ReplicaChunk
+from app.replica import LLMReplica
+from engine import KVTransferError, RemoteDecode, RemotePrefill
+
+logger = logging.getLogger("affinity.disagg")
+
+
+# ---------------------------------------------------------------- transport: Ray's object store
+class _ObjectRead:
+    def __init__(self, ref: Any, offset: int, num_blocks: int):
+        self._ref, self._offset, self._n = ref, offset, num_blocks
+
+    def poll(self) -> Any:
+        import ray
+        ready, _ = ray.wait([self._ref], timeout=0, fetch_local=True)
+        if not ready:
+            return None
+        try:
+            blocks = ray.get(self._ref)
+        except Exception as e:       # the prefill replica (the object's owner) died, or the object was lost
+            raise KVTransferError(f"the prefilled KV is gone: {type(e).__name__}: {e}", "missing") from e
+        return blocks[self._offset:self._offset + self._n]
+
+    def cancel(self) -> None:
+        pass                          # the object is freed with its last reference
+
+
+class RayObjectTransport:
+    """Decode side: a RemotePrefill's `address` is (ObjectRef of blocks [first, num_blocks), first)."""
+
+    def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int):
+        ref, first = remote.address if remote.address is not None else (None, 0)
+        if ref is None or start_block < first:
+            # the prefill copied out only what this replica held then; some of it has been evicted since
+            raise KVTransferError(f"blocks from {start_block} were not copied out (from {first})", "missing")
+        return _ObjectRead(ref, start_block - first, num_blocks)
+
+    def release(self, remote: RemotePrefill) -> None:
+        pass                          # the prefill side freed its blocks when it copied them out
+
+
+# ---------------------------------------------------------------- the prefill pool
+@dataclass
+class PrefillResult:
+    """One sequence's first token (as the chunk a replica streams) and where its KV is (None: finished)."""
+
+    chunk: ReplicaChunk
+    remote: RemotePrefill | None
+
+
+class PrefillReplica(LLMReplica):
+    """A replica of the prefill pool: `prefill` runs a prompt and its first token for a decode replica."""
+
+    async def prefill(self, req: GenerateRequest, skip_blocks: int = 0) -> list[PrefillResult]:
+        """Each sequence's first token; where the request goes on, its KV beyond the first `skip_blocks` blocks
+        (the decode replica holds those) copied into Ray's object store."""
+        import ray
+        params = dataclasses.replace(req.params, max_tokens=1)
+        out: dict[int, PrefillResult] = {}
+        held: list[str] = []
+        arrival = time.monotonic()
+        try:
+            gen = self.engine.generate(req.prompt_token_ids, params, req.request_id, priority=req.priority,
+                                       cache_salt=req.cache_salt, trace_context=req.trace_context or None,
+                                       block_hashes=req.block_hashes, kv_transfer=RemoteDecode())
+            async for d in gen:
+                if d.finish_reason == "error":
+                    raise APIError("prefill failed inside the engine", 500, "server_error", None, "engine_error")
+                prev = out.get(d.index)
+                chunk = ReplicaChunk(d.index, (prev.chunk.text if prev else "") + d.text,
+                                     (prev.chunk.token_ids if prev else []) + d.token_ids, d.finish_reason,
+                                     d.stop_reason, d.logprobs, prompt_logprobs=d.prompt_logprobs or
+                                     (prev.chunk.prompt_logprobs if prev else None),
+                                     num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
+                                     replica_id=self.replica_id)
+                out[d.index] = PrefillResult(chunk, None)
+                if d.finished and d.kv_transfer is not None:
+                    held.append(d.kv_transfer.transfer_id)
+                    out[d.index].remote = await self._publish(d.kv_transfer, skip_blocks, ray)
+                    held.remove(d.kv_transfer.transfer_id)
+            now = time.monotonic()
+            self.signals.on_first_token(now, now - arrival, max(0, len(req.prompt_token_ids) - skip_blocks), 0)
+            return [out[i] for i in sorted(out)]
+        finally:
+            for tid in held:         # cancelled mid-copy: free now rather than at the timeout
+                self.engine.release_held_kv(tid)
+
+    async def _publish(self, remote: RemotePrefill, skip_blocks: int, ray) -> RemotePrefill:
+        first = min(skip_blocks, remote.num_blocks)
+        if first >= remote.num_blocks:
+            self.engine.release_held_kv(remote.transfer_id)
+            return dataclasses.replace(remote, address=(None, first))
+        blocks = await self.engine.read_held_kv(remote.transfer_id, first, remote.num_blocks - first)
+        return dataclasses.replace(remote, address=(ray.put(blocks), first))
+
+
+# ---------------------------------------------------------------- the decode pool
+@dataclass
+class DisaggCounters:
+    remote: int = 0             # requests prefilled by the prefill pool
+    local_short: int = 0        # served here: the uncached part was below min_remote_prefill_tokens
+    local_ineligible: int = 0   # served here: max_tokens 1, structured output
+    prefill_failed: int = 0     # the prefill pool failed: recomputed here
+
+
+class DecodeReplica(LLMReplica):
+    """A replica of the decode pool: takes the ingress's requests, has the prefill pool prefill them."""
+
+    def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
+                 observability: dict[str, Any] | None = None, prefill: Any = None,
+                 min_remote_prefill_tokens: int = 0):
+        super().__init__(engine_config, wedge_timeout_s, observability)
+        self.prefill_handle = prefill
+        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.engine.engine.set_kv_transport(RayObjectTransport())
+        self.disagg = DisaggCounters()
+
+    def _local_hit_blocks(self, req: GenerateRequest) -> int:
+        """Leading prompt blocks this replica's pool holds now (a hint: the engine decides at admission)."""
+        pool = self.engine.engine.kv_cache_manager.pool
+        n = 0
+        for h in req.block_hashes or ():
+            if pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
+
+    def _route(self, req: GenerateRequest) -> int | None:
+        """Blocks held here if the prefill pool should prefill `req`, else None (served here)."""
+        p = req.params
+        if p.max_tokens <= 1 or p.structured_output is not None or self.prefill_handle is None:
+            self.disagg.local_ineligible += 1
+            return None
+        k = self._local_hit_blocks(req)
+        if len(req.prompt_token_ids) - k * self.engine.engine.config.cache.block_size < self.min_remote_prefill_tokens:
+            self.disagg.local_short += 1
+            return None
+        return k
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReplicaChunk]:
+        skip = self._route(req)
+        if skip is None:
+            async for c in super().generate(req):
+                yield c
+            return
+        try:
+            results: list[PrefillResult] = await self.prefill_handle.prefill.remote(req, skip)
+        except asyncio.CancelledError:
+            raise
+        except APIError as e:
+            if e.status_code < 500:      # the request itself is bad: the same answer as unified
+                raise
+            results = None
+        except Exception as e:
+            logger.warning("prefill pool failed (%s: %s): recomputing here", type(e).__name__, e)
+            results = None
+        if results is None:
+            self.disagg.prefill_failed += 1
+            async for c in super().generate(req):
+                yield c
+            return
+        self.disagg.remote += 1
+        cont: list[tuple[int, RemotePrefill]] = []
+        for r in results:
+            c = r.chunk
+            c.replica_id = self.replica_id
+            if r.remote is not None and c.finish_reason == "length":
+                c.finish_reason = c.stop_reason = None        # it goes on here
+                cont.append((c.index, r.remote))
+            elif c.finish_reason is not None:
+                c.replica_stats = self.stats()
+                c.timings = {"queue_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+            yield c
+        if not cont:
+            return
+        params = dataclasses.replace(req.params, n=len(cont), prompt_logprobs=None,
+                                     seed=None if req.params.seed is None else req.params.seed + 1)
+        d_req = dataclasses.replace(req, params=params)
+        async for c in super().generate(d_req, kv_transfer=[r for _, r in cont]):
+            c.index = cont[c.index][0]
+            yield c

@@ -1,0 +1,168 @@
+"""P/D disaggregation on a real Ray Serve (app/disagg.py): 1 prefill + 1 decode replica, KV through Ray's
+object store. Token-exact greedy output against transformers, streamed and whole, n > 1, logprobs, stop
+strings; short prompts served by the decode replica itself; a prefill pool that fails makes the decode replica
+recompute; both pools end with every KV block free."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tests.integration.conftest import app_config, wait_running
+from tests.integration.waiting import wait_until
+
+pytestmark = pytest.mark.slow         # deploys its own 1P+1D app
+APP = "affinity-disagg"
+BLOCK = 4
+MIN_REMOTE = 12
+
+
+@pytest.fixture(scope="module")
+def pd_url(ray_serve, checkpoints):
+    from ray import serve
+
+    from app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"])
+    cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
+                             "prefill": {"num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
+                             "decode": {"num_replicas": 1}}
+    serve.run(build_app(cfg), name=APP, route_prefix="/disagg")
+    try:
+        wait_running(APP, "LLMReplica", 1)
+        wait_running(APP, "PrefillReplica", 1)
+        yield ray_serve + "/disagg"
+    finally:
+        serve.delete(APP)
+
+
+def _state(deployment: str) -> dict:
+    from ray import serve
+    return serve.get_deployment_handle(deployment, app_name=APP).debug_state.remote().result(timeout_s=30)
+
+
+def _ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(10, 700) for _ in range(n)]
+
+
+def _complete(c, url, prompt, **kw):
+    r = c.post(f"{url}/v1/completions", json={"prompt": prompt, "temperature": 0, "ignore_eos": True,
+                                               "return_token_ids": True, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _pools_empty():
+    for dep in ("LLMReplica", "PrefillReplica"):
+        st = _state(dep)
+        if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
+            return False
+    return True
+
+
+def test_pd_greedy_equals_transformers_whole_and_streamed(pd_url, checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    with httpx.Client(timeout=60) as c:
+        for n_prompt in (13, 16, 31, 57):
+            prompt = _ids(n_prompt, n_prompt)
+            ref = hf_reference(path, prompt, 10)
+            out = _complete(c, pd_url, prompt, max_tokens=10)
+            assert out["choices"][0]["token_ids"] == ref
+            assert out["usage"]["completion_tokens"] == 10
+            streamed = []
+            with c.stream("POST", f"{pd_url}/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        import json
+                        ch = json.loads(line[6:])["choices"]
+                        if ch:
+                            streamed.extend(ch[0].get("token_ids") or [])
+            assert streamed == ref
+    conn = _state("LLMReplica")["kv_connector"]
+    assert conn["loads_ok"] >= 4 and conn["loads_failed"] == 0
+    wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
+
+
+def test_pd_n_logprobs_and_stop_strings_behave_as_unified(pd_url, checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    prompt = _ids(40, 5)
+    ref = hf_reference(path, prompt, 8)
+    with httpx.Client(timeout=60) as c:
+        out = _complete(c, pd_url, prompt, max_tokens=8, n=2, logprobs=2)
+        assert [ch["token_ids"] for ch in sorted(out["choices"], key=lambda ch: ch["index"])] == [ref, ref]
+        for ch in out["choices"]:
+            assert len(ch["logprobs"]["tokens"]) == 8 and len(ch["logprobs"]["top_logprobs"][0]) == 2
+        full = _complete(c, pd_url, prompt, max_tokens=8)["choices"][0]["text"]
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        if stop.strip():
+            cut = _complete(c, pd_url, prompt, max_tokens=8, stop=[stop])["choices"][0]
+            assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+        one = _complete(c, pd_url, prompt, max_tokens=1)["choices"][0]
+        assert one["token_ids"] == ref[:1] and one["finish_reason"] == "length"
+    wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
+
+
+def test_short_uncached_part_is_served_by_the_decode_replica(pd_url, checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    before = _state("LLMReplica")["kv_connector"]
+    prompt = _ids(MIN_REMOTE - 3, 77)
+    with httpx.Client(timeout=60) as c:
+        assert _complete(c, pd_url, prompt, max_tokens=5)["choices"][0]["token_ids"] == hf_reference(path, prompt, 5)
+    after = _state("LLMReplica")["kv_connector"]
+    assert after["lookups"] == before["lookups"]        # never asked for remote KV
+
+
+def test_ray_transport_read_of_a_dead_prefill_owner_fails_as_missing(ray_serve):
+    """The object store path: blocks put by a process that then died cannot be read (Ray's owner-died error),
+    which the decode engine turns into a recompute (engine tests cover that fallback)."""
+    import numpy as np
+    import ray
+
+    from app.disagg import RayObjectTransport
+    from engine import KVTransferError, RemotePrefill
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def put(self, n, width):
+            return [ray.put(np.arange(n * width, dtype=np.uint8).reshape(n, width))]
+
+    owner = Owner.remote()
+    [ref] = ray.get(owner.put.remote(3, 8))
+    [unread] = ray.get(owner.put.remote(4, 1 << 18))
+    t = RayObjectTransport()
+    remote = RemotePrefill("p", "t", "k", 12, 4, 1, address=(ref, 1))
+    h = t.start_read(remote, 2, 2)
+    got = wait_until(lambda: (lambda b: b is not None and [b])(h.poll()), timeout_s=10, what="the read")[0]
+    assert got.tolist() == np.arange(24, dtype=np.uint8).reshape(3, 8)[1:3].tolist()
+    with pytest.raises(KVTransferError):            # blocks before what the prefill copied out
+        t.start_read(remote, 0, 2)
+    ray.kill(owner)
+    wait_until(lambda: _dead(unread), timeout_s=20, what="the owner's death to reach the object")
+
+
+def _dead(ref) -> bool:
+    from app.disagg import _ObjectRead
+    from engine import KVTransferError
+    try:
+        _ObjectRead(ref, 0, 1).poll()
+        return False
+    except KVTransferError as e:
+        return e.cause == "missing"
+
+
+def test_prefill_pool_down_the_decode_replica_recomputes(pd_url, checkpoints, hf_reference):
+    import ray
+    path = checkpoints["llama"]
+    victim = _state("PrefillReplica")["replica_id"]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#PrefillReplica#{victim}", namespace="serve"), no_restart=True)
+    prompt = _ids(48, 99)
+    with httpx.Client(timeout=60) as c:
+        out = _complete(c, pd_url, prompt, max_tokens=6)
+    assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
+    wait_running(APP, "PrefillReplica", 1, timeout_s=90)
+    wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
