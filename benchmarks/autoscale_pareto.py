@@ -5,7 +5,9 @@ For each workload and fleet size it runs
 - Serve's rule (⌈ongoing ÷ target⌉, benchmarks/autoscale.py:RayDefaultPolicy) at each `--targets` value,
   with this app's delays and metric windows (2 s up, 30 s down, look-back 5 s, metrics 1 s);
 - ours (autoscale/policy.py) at each `--utils` value of `target_utilization` (downscale_utilization at
-  0.625 x it, the default's ratio), the first of them being the operating point;
+  0.625 x it, the default's ratio) and each `--zs` value of `headroom_z` (the spare capacity for arrival
+  noise, which sizes small fleets more than the utilization does), the first of each being the operating
+  point (the defaults: 0.8, 2);
 - ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom;
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 and reports, at our operating point, the replica-seconds Serve's best tuning needs for the same TTFT SLO
@@ -36,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -167,16 +170,18 @@ def ours_config(n: int, a, util: float, **over) -> PolicyConfig:
 def policies(n: int, spec: ReplicaSpec, a) -> list:
     timing = TimingModel()
     out = []
-    for i, u in enumerate(a.utils):
-        pol = EnginePolicy(ours_config(n, a, u), APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, f"ours, util {u:g}")
+    curve = [(u, a.zs[0]) for u in a.utils] + [(a.utils[0], z) for z in a.zs[1:]]
+    for i, (u, z) in enumerate(curve):
+        pol = EnginePolicy(ours_config(n, a, u, headroom_z=z), APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S,
+                           f"ours, util {u:g}, z {z:g}")
         pol.role = "ours" if i == 0 else "ours-curve"
         out.append(pol)
     if a.ablations:
         u = a.utils[0]
         for label, over in (("priors only (no online R/C)", dict(online_capacity=False)),
                             ("no trend", dict(trend_lead_s=0.0)), ("no headroom", dict(headroom_z=0.0))):
-            pol = EnginePolicy(ours_config(n, a, u, **over), APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S,
-                               f"ours, util {u:g}, {label}")
+            pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
+                               APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
             out.append(pol)
     for t in a.targets:
@@ -187,9 +192,12 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
     return out
 
 
-def summarize(results: list[RunResult]) -> dict:
-    ours = next(r for r in results if r.role == "ours")
+def summarize(results: list[RunResult]) -> dict | None:
+    """Ours' operating point against Serve's frontier (None without both: a partial run for --merge)."""
+    ours = next((r for r in results if r.role == "ours"), None)
     serve = [(r.replica_seconds, r.ttft_slo_attainment) for r in results if r.role == "serve"]
+    if ours is None or not serve:
+        return None
     cost, reached = cost_at(serve, ours.ttft_slo_attainment)
     # Serve's cheapest tuning whose attainment is at least ours: its recovery is the one to compare with
     match = [r for r in results if r.role == "serve" and r.ttft_slo_attainment >= ours.ttft_slo_attainment]
@@ -204,12 +212,14 @@ def summarize(results: list[RunResult]) -> dict:
             "failed_any": int(sum(r.failed for r in results))}
 
 
-def table(results: list[RunResult], s: dict, title: str) -> str:
+def table(results: list[RunResult], s: dict | None, title: str) -> str:
     lines = [title, f"{'policy':<52} {'SLO att':>8} {'TTFT p99':>9} {'rep-s':>7} {'recover':>8} {'failed':>6} "
                     f"{'peak':>5}"]
     for r in results:
         lines.append(f"{r.policy:<52} {r.ttft_slo_attainment:>8.4f} {r.ttft_p99_s:>8.2f}s {r.replica_seconds:>7.0f} "
                      f"{r.recover_s:>7.0f}s {r.failed:>6} {r.max_replicas_seen:>5}")
+    if s is None:
+        return "\n".join(lines)
     rel = "" if s["serve_reaches_ours"] else "<="
     lines.append(f"-> Serve's frontier at ours' attainment {s['ours_attainment']:.4f}: "
                  f"{s['serve_replica_seconds_at_ours_attainment']:.0f} replica-s"
@@ -226,9 +236,9 @@ def plot(all_runs: dict, path: Path) -> None:
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    style = {"serve": ("o-", "tab:blue", "Serve rule (targets)"), "ours": ("*", "tab:red", "ours (operating point)"),
-             "ours-curve": ("s--", "tab:red", "ours (target_utilization)"),
-             "dynamo": ("^:", "tab:green", "Dynamo-style planner"), "ablation": ("x", "tab:gray", "ours, ablations")}
+    style = {"serve": ("o", "tab:blue", "Serve rule (targets; line: its frontier)"), "ours": ("*", "tab:red", "ours (operating point)"),
+             "ours-curve": ("s", "tab:red", "ours (target_utilization, headroom_z)"),
+             "dynamo": ("^", "tab:green", "Dynamo-style planner"), "ablation": ("x", "tab:gray", "ours, ablations")}
     for ax, key in zip(axes.flat, keys):
         res = all_runs[key]["results"]
         for role, (fmt, color, label) in style.items():
@@ -239,6 +249,8 @@ def plot(all_runs: dict, path: Path) -> None:
             ax.plot([r["replica_seconds"] for r in pts], [r["ttft_slo_attainment"] for r in pts], fmt,
                     color=color, label=label, ms=12 if role == "ours" else 6)
             if role == "serve":
+                f = frontier([(r["replica_seconds"], r["ttft_slo_attainment"]) for r in pts])
+                ax.plot([c for c, _ in f], [x for _, x in f], "-", color=color, lw=1)
                 for r in pts:
                     ax.annotate(r["policy"].split()[-1], (r["replica_seconds"], r["ttft_slo_attainment"]),
                                 fontsize=7, xytext=(3, -8), textcoords="offset points")
@@ -257,6 +269,26 @@ def plot(all_runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merge(paths: list[Path]) -> dict:
+    """The runs of several result files, by workload and fleet; a later file's rows of ours' curve replace an
+    earlier file's (a re-run of ours' knobs), every other row is kept (a later row of the same name wins)."""
+    runs: dict = {}
+    for path in paths:
+        for key, run in json.loads(path.read_text())["runs"].items():
+            old = runs.get(key)
+            if old is None:
+                runs[key] = run
+                continue
+            new_roles = {r["role"] for r in run["results"]}
+            names = {r["policy"] for r in run["results"]}
+            keep = [r for r in old["results"] if r["policy"] not in names
+                    and not ({"ours", "ours-curve"} & new_roles and r["role"] in ("ours", "ours-curve"))]
+            runs[key] = {**old, "results": keep + run["results"]}
+    for run in runs.values():
+        run["summary"] = summarize([SimpleNamespace(**r) for r in run["results"]])
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default=",".join(MIX_WORKLOADS), help=f"of {MIX_WORKLOADS} and base")
@@ -265,7 +297,8 @@ def main() -> None:
     p.add_argument("--load", type=float, default=0.6, help="the heaviest phase's load / the max fleet")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--targets", default="2,4,6,8,12,16,24,32", help="Serve rule's target_ongoing_requests")
-    p.add_argument("--utils", default="0.8,0.6,0.7,0.9", help="ours' target_utilization (the first: operating point)")
+    p.add_argument("--utils", default="0.8,0.6,0.9", help="ours' target_utilization (the first: operating point)")
+    p.add_argument("--zs", default="2,1,3", help="ours' headroom_z at the first util (the first: operating point)")
     p.add_argument("--dynamo-utils", default="0.8,1.0", help="the Dynamo-style planner's utilization")
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
     p.add_argument("--ttft-slo", type=float, default=1.0)
@@ -273,14 +306,27 @@ def main() -> None:
     p.add_argument("--c-prior", "--decode-seqs", dest="c_prior", type=float, default=None,
                    help="ours' prior decode_seqs_per_replica (default: 48 on the mix pool, 12 on base)")
     p.add_argument("--speeds", default="", help="heterogeneous fleet: replica k runs speeds[k %% len] x slower")
+    p.add_argument("--max-ongoing", type=int, default=0,
+                   help="Serve's max_ongoing_requests per replica (the rest wait at the caller); 0: no cap")
     p.add_argument("--out-dir", default="benchmarks/autoscale-results")
+    p.add_argument("--merge", default="", help="no runs: merge these result JSONs (comma-separated), print the "
+                   "summaries and write autoscale_pareto.json/.png to --out-dir")
     a = p.parse_args()
     a.targets = [float(x) for x in a.targets.split(",") if x]
     a.utils = [float(x) for x in a.utils.split(",") if x]
+    a.zs = [float(x) for x in a.zs.split(",") if x]
     a.dynamo_utils = [float(x) for x in a.dynamo_utils.split(",") if x]
     speeds = tuple(float(x) for x in a.speeds.split(",") if x)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if a.merge:
+        runs = merge([Path(x) for x in a.merge.split(",") if x])
+        for key, run in runs.items():
+            print(table([SimpleNamespace(**r) for r in run["results"]], run["summary"], key))
+        (out / "autoscale_pareto.json").write_text(json.dumps({"merged": a.merge.split(","), "runs": runs},
+                                                              indent=1))
+        plot(runs, out / "autoscale_pareto.png")
+        return
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -299,7 +345,8 @@ def main() -> None:
                 spec, c_prior, event = MIX_SPEC, 48.0, SHIFT_AT if kind != "diurnal" else 0.25
                 trace = mix_trace(kind, n, a.duration, a.load, a.seed)
             a_run = argparse.Namespace(**{**vars(a), "c_prior": a.c_prior or c_prior})
-            cfg = SimConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, speeds=speeds, event_frac=event)
+            cfg = SimConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, speeds=speeds, event_frac=event,
+                            max_ongoing=a.max_ongoing)
             results = []
             for pol in policies(n, spec, a_run):
                 res = AutoscaleSim(trace, pol, cfg, spec, TimingModel(), a.seed).run()
@@ -307,7 +354,8 @@ def main() -> None:
                     f"replica-s, failed {res.failed} ({res.wall_s:.0f} s wall)")
                 results.append(res)
             s = summarize(results)
-            key = f"{kind}, {n} replicas" + (f", speeds {a.speeds}" if speeds else "")
+            key = (f"{kind}, {n} replicas" + (f", speeds {a.speeds}" if speeds else "")
+                   + (f", cap {a.max_ongoing}" if a.max_ongoing else ""))
             print(table(results, s, f"{key}: {len(trace.requests)} requests over {trace.meta.duration_s:.0f} s"),
                   flush=True)
             all_runs[key] = {"workload": kind, "max_replicas": n, "num_requests": len(trace.requests),
@@ -315,7 +363,12 @@ def main() -> None:
                              "results": [{k: (round(v, 4) if isinstance(v, float) else v)
                                           for k, v in asdict(r).items() if k not in ("timeline", "wall_s")}
                                          for r in results]}
-    tag = f"{a.workloads.replace(',', '-')}_n{a.fleets.replace(',', '-')}" + ("_het" if speeds else "")
+    if all(r["summary"] is None for r in all_runs.values()):
+        (out / f"autoscale_pareto_partial_{a.workloads.replace(',', '-')}_n{a.fleets.replace(',', '-')}.json"
+         ).write_text(json.dumps({"args": vars(a), "runs": all_runs}, indent=1))
+        return
+    tag = (f"{a.workloads.replace(',', '-')}_n{a.fleets.replace(',', '-')}" + ("_het" if speeds else "")
+           + (f"_cap{a.max_ongoing}" if a.max_ongoing else ""))
     (out / f"autoscale_pareto_{tag}.json").write_text(json.dumps({"args": vars(a), "runs": all_runs}, indent=1))
     plot(all_runs, out / f"autoscale_pareto_{tag}.png")
     say(f"wrote {out}/autoscale_pareto_{tag}.json and .png")
