@@ -141,6 +141,9 @@ class DecodeReplica(LLMReplica):
         self.engine.engine.set_kv_transport(RayObjectTransport())
         self.disagg = DisaggCounters()
 
+    async def debug_state(self) -> dict[str, Any]:
+        return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg)}
+
     def _local_hit_blocks(self, req: GenerateRequest) -> int:
         """Leading prompt blocks this replica's pool holds now (a hint: the engine decides at admission)."""
         pool = self.engine.engine.kv_cache_manager.pool

@@ -454,7 +454,11 @@ class LLMEngine:
                                       stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens,
                                       d.first_scheduled_time, d.prompt_logprobs))
             if finished and self.pd is not None:
-                deltas[-1].kv_transfer = self.pd.take_transfer_params(d.req_id)
+                remote = self.pd.take_transfer_params(d.req_id)
+                if remote is not None and reason != "length":     # a stop string on the first token: done
+                    self._kv_connector_worker.release_held(remote.transfer_id)
+                    remote = None
+                deltas[-1].kv_transfer = remote
             if finished:
                 del self._seqs[d.req_id]
                 parent = self._parents[seq.parent_id]

@@ -312,3 +312,17 @@ def test_incompatible_layout_recomputes(pair, hf_reference):
     _settle(p, d)
     assert p.pd.pd_stats.holds_released == 1     # D told P it would read nothing
     _assert_empty(p, d)
+
+
+def test_stop_string_on_the_first_token_releases_the_hold(pair):
+    path, p, d = pair
+    prompt = _ids(40, 13)
+    text = p.tokenizer.decode(_run(p, "probe", prompt, SamplingParams(max_tokens=1, **GREEDY))[0][0])
+    if not text.strip():
+        pytest.skip("the first token decodes to whitespace")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, stop=[text.strip()[:1]])
+    toks, finals = _run(p, "s", prompt, params, RemoteDecode())
+    assert finals[0].finish_reason == "stop" and finals[0].kv_transfer is None
+    _settle(p)
+    assert p.pd.pd_stats.holds_released == 1
+    _assert_empty(p)
