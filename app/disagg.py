@@ -30,6 +30,9 @@ from engine import KVTransferError, RemoteDecode, RemotePrefill
 
 logger = logging.getLogger("affinity.disagg")
 
+#: the decode replica's span around its call to the prefill pool (a child of the request's trace)
+SPAN_REMOTE_PREFILL = "llm.remote_prefill"
+
 
 # ---------------------------------------------------------------- transport: Ray's object store
 class _ObjectRead:
@@ -172,17 +175,29 @@ class DecodeReplica(LLMReplica):
             async for c in super().generate(req):
                 yield c
             return
+        from observability.tracing import context_from_carrier
+        span = self.tracer.start_span(SPAN_REMOTE_PREFILL, context=context_from_carrier(req.trace_context),
+                                      attributes={"replica": self.replica_id, "pd.local_blocks": skip,
+                                                  "pd.prompt_tokens": len(req.prompt_token_ids)})
+        results: list[PrefillResult] | None = None
         try:
-            results: list[PrefillResult] = await self.prefill_handle.prefill.remote(req, skip)
+            results = await self.prefill_handle.prefill.remote(req, skip)
         except asyncio.CancelledError:
             raise
         except APIError as e:
             if e.status_code < 500:      # the request itself is bad: the same answer as unified
                 raise
-            results = None
         except Exception as e:
             logger.warning("prefill pool failed (%s: %s): recomputing here", type(e).__name__, e)
-            results = None
+        finally:
+            if results is not None:
+                remotes = [r.remote for r in results if r.remote is not None]
+                n = sum(max(0, r.num_blocks - skip) for r in remotes)
+                span.set_attribute("pd.transfer_blocks", n)
+                span.set_attribute("pd.transfer_bytes", n * self.engine.engine.pd.layout.block_bytes)
+                span.set_attribute("pd.prefill_replica", results[0].chunk.replica_id if results else "")
+            span.set_attribute("pd.fallback", results is None)
+            span.end()
         if results is None:
             self.disagg.prefill_failed += 1
             async for c in super().generate(req):
