@@ -323,8 +323,8 @@ def main() -> None:
         runs = merge([Path(x) for x in a.merge.split(",") if x])
         for key, run in runs.items():
             print(table([SimpleNamespace(**r) for r in run["results"]], run["summary"], key))
-        (out / "autoscale_pareto.json").write_text(json.dumps({"merged": a.merge.split(","), "runs": runs},
-                                                              indent=1))
+        merged = [Path(x).name for x in a.merge.split(",") if x]
+        (out / "autoscale_pareto.json").write_text(json.dumps({"merged": merged, "runs": runs}, indent=1))
         plot(runs, out / "autoscale_pareto.png")
         return
 
