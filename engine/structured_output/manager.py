@@ -57,10 +57,7 @@ class GrammarState:
     def accept(self, token_ids: Iterable[int]) -> bool:
         """Advance over sampled tokens; False if one is outside the grammar (then the rest are not taken)."""
         m = self.matcher
-        for t in token_ids:
-            if m.is_terminated() or not m.accept_token(t):
-                return False
-        return True
+        return all(m.accept_token(t) for t in token_ids)      # False past the grammar's end too
 
     @property
     def is_terminated(self) -> bool:
@@ -77,20 +74,27 @@ class GrammarBitmask:
     exact bitmask: the fill reads matchers that accepted the previous step's tokens, and none advances before
     this step's tokens are sampled."""
 
-    __slots__ = ("req_ids", "_fill", "_future", "_packed")
+    __slots__ = ("_fill", "_future", "_packed", "_unpacked", "req_ids")
 
-    def __init__(self, req_ids: list[str], fill: Callable[[], torch.Tensor], executor: Executor | None = None):
+    def __init__(self, req_ids: list[str], fill: Callable[[], torch.Tensor], executor: Executor | None = None,
+                 vocab_size: int | None = None):
+        """`fill` returns the packed bitmask; with `executor` it runs there at once, and with `vocab_size` the
+        thread also unpacks it to the [R, vocab_size] boolean mask a host sampler applies."""
         self.req_ids = req_ids
         self._fill: Callable[[], torch.Tensor] | None = fill
-        self._future = executor.submit(fill) if executor is not None else None
+        self._future = (executor.submit(_fill_and_unpack, fill, vocab_size) if executor is not None else None)
         self._packed: torch.Tensor | None = None
+        self._unpacked: torch.Tensor | None = None
 
     @property
     def packed(self) -> torch.Tensor:
         """[len(req_ids), ceil(vocab / 32)] int32 on the host (filled now, or waited for)."""
         if self._packed is None:
             fill, self._fill = self._fill, None        # drops the matchers
-            self._packed = self._future.result() if self._future is not None else fill()
+            if self._future is not None:
+                self._packed, self._unpacked = self._future.result()
+            else:
+                self._packed = fill()
         return self._packed
 
     def wait(self) -> None:
@@ -108,13 +112,23 @@ class GrammarBitmask:
         if not hits:
             return None
         packed = self.packed
-        if len(hits) != len(row_req_ids) or any(j != i for j, i in hits):
+        same_rows = len(hits) == len(row_req_ids) and all(j == i for j, i in hits)
+        unpacked = self._unpacked
+        if same_rows and device.type == "cpu" and unpacked is not None and unpacked.shape[1] == vocab_size:
+            return unpacked                             # unpacked on the thread, during the forward
+        if not same_rows:
             rows = torch.full((len(row_req_ids), packed.shape[1]), -1, dtype=torch.int32)   # all allowed
             rows[[j for j, _ in hits]] = packed[[i for _, i in hits]]
             packed = rows
         if device.type == "cuda":          # the packed words cross (32x smaller), the device unpacks them
             packed = (packed if packed.is_pinned() else packed.pin_memory()).to(device, non_blocking=True)
         return unpack_bitmask(packed, vocab_size)
+
+
+def _fill_and_unpack(fill: Callable[[], torch.Tensor], vocab_size: int | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    packed = fill()
+    return packed, (unpack_bitmask(packed, vocab_size) if vocab_size is not None else None)
 
 
 def _no_control_byte_tokens(decoded_vocab: Sequence[bytes], vocab_size: int,
@@ -250,7 +264,8 @@ class StructuredOutputManager:
         if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
         return GrammarBitmask([r for r, _ in rows], partial(self._fill, matchers, json_rows),
-                              self._fill_executor if on_thread else None)
+                              self._fill_executor if on_thread else None,
+                              None if self.pin_memory else self.vocab_size)   # a host sampler: unpack there too
 
     def _fill(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens."""

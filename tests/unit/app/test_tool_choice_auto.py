@@ -104,8 +104,8 @@ def hermes(checkpoints, tmp_path):
 def json_format(request, checkpoints, tmp_path):
     """(client, ingress, replica, parser, texts): texts["call"] makes a call, with `Let me check.` before it."""
     template = LLAMA3_TEMPLATE if request.param == "llama3_json" else MISTRAL_TEMPLATE
-    call = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
-            if request.param == "llama3_json" else '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    call = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}' if request.param == "llama3_json"
+            else '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]')
     # the marker is a special token: with skip_special_tokens (the default) the text has no marker, and a
     # reply that opens with the calls' JSON is read as calls
     bare = ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
