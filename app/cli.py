@@ -356,13 +356,14 @@ def ready_message(cfg: "AppConfig", attach: str = "") -> str:
 def attach_message(cfg: "AppConfig") -> str:
     """How another Python process (a Ray driver) and Ray's own CLI reach the app on the local Ray this process
     started. That Ray listens on 127.0.0.1 only and requires Ray's token (~/.ray/auth_token): a driver must
-    not resolve 127.0.0.1 to the machine's outward address (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and takes
-    the address from RAY_ADDRESS (then ray.init() turns on token authentication, as it does not for an
-    explicit address); Ray's CLI is told to send the token (RAY_AUTH_MODE=token)."""
+    not resolve 127.0.0.1 to the machine's outward address (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) and must
+    send the token (RAY_AUTH_MODE=token: Ray turns it on by itself only for a cluster it finds, never for an
+    address it is given); Ray's CLI likewise."""
     import ray
     gcs = ray.get_runtime_context().gcs_address
-    lines = [f"[affinity-serve] other Ray drivers: RAY_ADDRESS={gcs} RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
-             f"python ... (then ray.init(); serve.get_app_handle(\"{cfg.serve.app_name}\"))\n"]
+    lines = [f"[affinity-serve] other Ray drivers: RAY_ADDRESS={gcs} RAY_AUTH_MODE=token "
+             f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python ... (then ray.init(); "
+             f"serve.get_app_handle(\"{cfg.serve.app_name}\"))\n"]
     dashboard = _dashboard_url()
     if dashboard:
         lines.append(f"[affinity-serve] Ray's tools: RAY_AUTH_MODE=token serve status --address {dashboard}\n")

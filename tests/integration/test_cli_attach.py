@@ -52,7 +52,7 @@ def _clean_env() -> dict[str, str]:
 
 def test_a_second_driver_gets_answers_as_the_ready_message_says(served):
     env, _ = _printed_env(served.out, "[affinity-serve] other Ray drivers: ")
-    assert set(env) == {"RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    assert set(env) == {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     r = subprocess.run([sys.executable, "-c", DRIVER], cwd=ROOT, env=_clean_env() | env, capture_output=True,
                        text=True, timeout=240)
     result = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]

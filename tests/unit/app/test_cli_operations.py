@@ -109,7 +109,8 @@ def test_ready_message_says_how_drivers_and_rays_tools_attach(monkeypatch):
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
     monkeypatch.setattr(cli, "_dashboard_url", lambda: "http://127.0.0.1:8265")
     text = cli.ready_message(AppConfig(), cli.attach_message(AppConfig()))
-    assert ("RAY_ADDRESS=127.0.0.1:41234 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python ... (then ray.init(); "
+    assert ("RAY_ADDRESS=127.0.0.1:41234 RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python ... "
+            "(then ray.init(); "
             'serve.get_app_handle("affinity"))') in text
     assert "RAY_AUTH_MODE=token serve status --address http://127.0.0.1:8265" in text
     assert text.rstrip().endswith("Ctrl-C to stop.")
