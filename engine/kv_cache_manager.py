@@ -259,11 +259,11 @@ class KVCacheManager:
                         n = i
                         break
         sliding = [g for g, spec in enumerate(self.groups) if spec.window is not None]
-        while n > 0:                                 # lower n past the first missing window block, re-check
-            start = self._window_start(self.groups[sliding[0]], n * bs) if sliding else n
-            missing = next((i for i in range(n - 1, start - 1, -1)
-                            if any(pool.get_cached_block(hashes[i], g) is None for g in sliding)), None)
-            if missing is None:
+        while n > 0:                     # lower n to the last missing window block of any group, re-check
+            missing = max((next((i for i in range(n - 1, self._window_start(self.groups[g], n * bs) - 1, -1)
+                                 if pool.get_cached_block(hashes[i], g) is None), -1) for g in sliding),
+                          default=-1)
+            if missing < 0:
                 break
             n = missing
         if n == 0:

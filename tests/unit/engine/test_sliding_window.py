@@ -85,6 +85,21 @@ def test_hit_needs_only_the_window_blocks_of_sliding_groups():
     assert kv.pool.num_free_blocks == kv.num_usable_blocks
 
 
+def test_each_sliding_group_checks_its_own_window():
+    groups = [KVCacheGroupSpec((0,), None), KVCacheGroupSpec((1,), 8), KVCacheGroupSpec((2,), 32)]
+    kv = KVCacheManager(64, 4, 1024, groups=groups)
+    a = make_request("a", 64)
+    _advance(kv, a, 64)
+    kv.free(a)
+    b = make_request("b", a.prompt_token_ids + [3])
+    assert kv.get_computed_blocks(b)[1] == 64
+    # block 10 is outside the 8-token window at 64 but inside the 32-token one: the hit ends before it
+    kv.pool._evict(kv.pool.get_cached_block(a.block_hashes[10], 1))
+    assert kv.get_computed_blocks(b)[1] == 64
+    kv.pool._evict(kv.pool.get_cached_block(a.block_hashes[10], 2))
+    assert kv.get_computed_blocks(b)[1] == 40
+
+
 def test_full_group_miss_limits_the_hit():
     kv = _hybrid()
     a = make_request("a", 40)
