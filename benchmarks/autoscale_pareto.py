@@ -17,7 +17,8 @@ best point and marked as a bound ("<=").
 
 Workloads (seeded; `mix_trace`): the arrival rate is sized so the heaviest phase needs about `--load` of
 the fleet by the timing model.
-- `output-shift`: chat (output median 100 tokens) -> long-form (400) at half the trace, same arrivals;
+- `output-shift`: chat (output median 100 tokens) -> long-form (400) at half the trace, same arrivals (the
+  three shift workloads ramp from 0.1 to 1 of their rate over the first 10% of the trace);
 - `prompt-shift`: prompts of ~500 tokens -> ~8k (RAG documents, unique) at half the trace;
 - `reuse-collapse`: 3k-token prompts sharing one of 8 prefixes of 2.8k tokens -> no shared prefix;
 - `diurnal`: one day's ramp compressed, rate 0.1 -> 1 -> 0.1 of the peak with x lognormal(0.25) noise per
@@ -55,6 +56,9 @@ from benchmarks.routing.workload import Trace, TraceMeta, TraceRequest, Workload
 MIX_SPEC = ReplicaSpec(num_kv_tokens=65536, max_model_len=16384)
 MIX_WORKLOADS = ("output-shift", "prompt-shift", "reuse-collapse", "diurnal")
 SHIFT_AT = 0.5                       # the mix shifts at this fraction of the trace
+#: the shift workloads' rate ramps from 0.1 to 1 over this fraction of the trace: a fleet starting at one
+#: replica is not met by the full rate at once (at 32 replicas that cold start cost every policy ~7%)
+RAMP_TO = 0.1
 VOCAB = (3, 30000)
 
 
@@ -63,12 +67,13 @@ def _phase(kind: str, x: float) -> dict:
     """The mix at fraction x of the trace: rate multiplier, shared prefix tokens (0: none), reuse probability,
     unique prompt tokens (median), output tokens (median)."""
     late = x >= SHIFT_AT
+    ramp = min(1.0, 0.1 + 0.9 * x / RAMP_TO)       # the service's traffic arrives over the first RAMP_TO
     if kind == "output-shift":
-        return dict(rate=1.0, prefix=800, reuse=0.7, unique=300, output=400 if late else 100)
+        return dict(rate=ramp, prefix=800, reuse=0.7, unique=300, output=400 if late else 100)
     if kind == "prompt-shift":
-        return dict(rate=1.0, prefix=300, reuse=0.7, unique=7700 if late else 200, output=100)
+        return dict(rate=ramp, prefix=300, reuse=0.7, unique=7700 if late else 200, output=100)
     if kind == "reuse-collapse":
-        return dict(rate=1.0, prefix=2800, reuse=0.0 if late else 0.9, unique=200, output=100)
+        return dict(rate=ramp, prefix=2800, reuse=0.0 if late else 0.9, unique=200, output=100)
     if kind == "diurnal":
         return dict(rate=0.1 + 0.9 * math.sin(math.pi * x) ** 2, prefix=800, reuse=0.7, unique=300, output=150)
     raise ValueError(f"unknown workload {kind!r}; choose from {MIX_WORKLOADS}")
