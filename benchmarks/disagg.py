@@ -1,0 +1,344 @@
+"""P/D disaggregation against unified serving on emulated devices, and what a KV transfer costs.
+
+Part 1 (scheduling, `engine.pace`): N engines, each in its own thread and paced to a modelled accelerator
+(a step lasts step_base_s + prefill_per_token_s x prompt tokens in it + ...), so each adds capacity as a GPU
+would and a long prefill in a mixed batch stalls that step's decodes as it does there. The same Poisson trace
+of long prompts and long outputs runs on N unified engines (least-loaded dispatch) and on each P:D split of
+the same N (prefill on the least-loaded P engine, its KV read by the least-loaded D engine through the
+LocalTransport). Reported: TTFT p50/p99, TPOT p50/p99 (per request), the p99 gap between two tokens of a
+stream, throughput, prefix hit rate, failures and fallbacks; a PNG of per-request TPOT over time.
+
+Part 2 (transfer cost): gather + scatter of n blocks between two engines' pools through the LocalTransport,
+and `ray.put` in one process + `ray.get` in another on the same node (Ray's object store), per block and per
+request, for the demo model's layout and for a Llama-3-8B-sized block (32 layers x 8 KV heads x 128 x 16
+tokens, bf16: 2 MiB).
+
+    flock /tmp/affinity-bench.lock .venv/bin/python benchmarks/disagg.py --json out.json --png tpot.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine import LLM, RemoteDecode, SamplingParams
+from engine.demo import write_demo_model
+from engine.kv_connector import LocalTransport
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    arrival: float
+    max_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    done: float | None = None
+    failed: bool = False
+
+
+class Worker(threading.Thread):
+    """One emulated device: an engine stepped by its own thread; work arrives through `inbox`."""
+
+    def __init__(self, name, engine, on_delta):
+        super().__init__(daemon=True, name=name)
+        self.engine, self.on_delta = engine, on_delta
+        self.inbox: queue.Queue = queue.Queue()
+        self.in_flight = 0
+        self.stop = False
+
+    def run(self):
+        e = self.engine
+        while not self.stop:
+            while True:
+                try:
+                    rid, prompt, params, kv = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                e.add_request(rid, prompt, params, kv_transfer=kv)
+            if not e.has_unfinished_requests():
+                time.sleep(0.0005)
+                continue
+            for d in e.step().deltas:
+                self.on_delta(self, d)
+
+
+def _engine(model, args, scheduler, transport=None):
+    kw = dict(cache={"num_blocks": args.num_blocks, "block_size": 16}, num_threads=1, scheduler=scheduler,
+              pace={"enabled": True, "step_base_s": args.step_base_s, "prefill_per_token_s": args.prefill_per_token_s,
+                    "decode_per_context_token_s": args.decode_per_context_token_s})
+    if transport is not None:
+        kw["kv_connector"] = {"type": "pd", "transfer_timeout_s": 30.0, "load_timeout_s": 10.0}
+    engine = LLM(model, **kw).engine
+    if transport is not None:
+        engine.set_kv_transport(transport)
+        transport.register(engine.pd.engine_id, engine.kv_source)
+    return engine
+
+
+def _trace(args, seed):
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(args.num_requests):
+        t += rng.expovariate(args.rate)
+        n = rng.randrange(args.min_prompt, args.max_prompt + 1)
+        out.append((t, [rng.randrange(10, 700) for _ in range(n)]))
+    return out
+
+
+def run(model, args, num_prefill: int | None):
+    """num_prefill None: unified. Returns (requests, engines' stats)."""
+    lock = threading.Lock()
+    reqs: dict[str, Req] = {}
+    transport = LocalTransport() if num_prefill else None
+    n = args.num_engines
+    sched_u = {"max_num_batched_tokens": args.budget, "max_num_seqs": 64}
+    sched_p = {"max_num_batched_tokens": args.prefill_budget, "max_num_seqs": 64}
+    decodes: list[Worker] = []
+
+    def pick(pool):
+        return min(pool, key=lambda w: w.in_flight)
+
+    def on_unified(w, d):
+        r = reqs[d.request_id]
+        now = time.monotonic()
+        if d.token_ids:
+            r.token_times.extend([now] * len(d.token_ids))
+        if d.finished:
+            r.failed = d.finish_reason not in ("length", "stop")
+            r.done = now
+            with lock:
+                w.in_flight -= 1
+
+    def on_prefill(w, d):
+        r = reqs[d.request_id]
+        now = time.monotonic()
+        r.token_times.extend([now] * len(d.token_ids))
+        if d.finished:
+            with lock:
+                w.in_flight -= 1
+                target = pick(decodes)
+                target.in_flight += 1
+            if d.kv_transfer is None:
+                r.failed, r.done = True, now
+                return
+            target.inbox.put((d.request_id, r.prompt, _params(r.max_tokens), [d.kv_transfer]))
+
+    if num_prefill:
+        prefills = [Worker(f"P{i}", _engine(model, args, sched_p, transport), on_prefill) for i in range(num_prefill)]
+        decodes += [Worker(f"D{i}", _engine(model, args, sched_u, transport), on_unified)
+                    for i in range(n - num_prefill)]
+        entry = prefills
+    else:
+        prefills = []
+        decodes += [Worker(f"U{i}", _engine(model, args, sched_u), on_unified) for i in range(n)]
+        entry = decodes
+    workers = prefills + decodes
+    for w in workers:
+        w.start()
+    t0 = time.monotonic()
+    for i, (at, prompt) in enumerate(_trace(args, args.seed)):
+        wait = t0 + at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        r = reqs[f"r{i}"] = Req(f"r{i}", prompt, time.monotonic(), args.max_tokens)
+        with lock:
+            w = pick(entry)
+            w.in_flight += 1
+        params = _params(1) if num_prefill else _params(r.max_tokens)
+        w.inbox.put((r.rid, prompt, params, RemoteDecode() if num_prefill else None))
+    deadline = time.monotonic() + args.drain_s
+    while time.monotonic() < deadline and any(r.done is None for r in reqs.values()):
+        time.sleep(0.05)
+    for w in workers:
+        w.stop = True
+    for w in workers:
+        w.join(timeout=5)
+    stats = {"loads_failed": 0, "loads_ok": 0, "hits": 0, "queries": 0, "held_s": 0.0, "holds": 0,
+             "read_s": 0.0}
+    for w in workers:
+        e = w.engine
+        stats["hits"] += e.kv_cache_manager.stats.hits
+        stats["queries"] += e.kv_cache_manager.stats.queries
+        if e.pd is not None:
+            stats["loads_failed"] += e.pd.stats.loads_failed
+            stats["loads_ok"] += e.pd.stats.loads_ok
+            stats["held_s"] += e.pd.pd_stats.held_seconds_total
+            stats["holds"] += e.pd.pd_stats.holds
+            stats["read_s"] += e.pd.pd_stats.read_seconds_total
+        e.close()
+    return list(reqs.values()), stats, t0
+
+
+def _params(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
+
+
+def summarize(name, reqs, stats, t0):
+    ok = [r for r in reqs if r.done is not None and not r.failed and len(r.token_times) == r.max_tokens]
+    ttft = [r.token_times[0] - r.arrival for r in ok]
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok]
+    gaps = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    span = max(r.done for r in ok) - min(r.arrival for r in ok) if ok else float("nan")
+    return {"config": name, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99), "gap_p99_s": _pct(gaps, 99),
+            "throughput_tok_s": sum(len(r.token_times) for r in ok) / span, "completed": len(ok),
+            "failed": len(reqs) - len(ok), "hit_rate": stats["hits"] / max(1, stats["queries"]),
+            "kv_reads": stats["loads_ok"], "fallbacks": stats["loads_failed"],
+            "mean_hold_s": stats["held_s"] / max(1, stats["holds"]),
+            "mean_read_s": stats["read_s"] / max(1, stats["loads_ok"]),
+            "_tpot_series": [(r.token_times[0] - t0, (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1))
+                             for r in ok]}
+
+
+# ---------------------------------------------------------------- part 2: transfer cost
+def transfer_cost(model, nblocks_list, repeats=5):
+    """Seconds per request for moving n blocks between two engines (LocalTransport: gather + scatter)."""
+
+    rows = []
+    p = LLM(model, cache={"num_blocks": 600, "block_size": 16}, num_threads=1, kv_connector={"type": "pd"}).engine
+    d = LLM(model, cache={"num_blocks": 600, "block_size": 16}, num_threads=1, kv_connector={"type": "pd"}).engine
+    bb = p.pd.layout.block_bytes
+    for nb in nblocks_list:
+        times = []
+        for k in range(repeats):
+            prompt = [random.Random(nb * 100 + k).randrange(10, 700) for _ in range(nb * 16 + 1)]
+            p.add_request(f"t{nb}-{k}", prompt, _params(1), kv_transfer=RemoteDecode())
+            remote = None
+            while remote is None:
+                for dd in p.step().deltas:
+                    if dd.finished:
+                        remote = dd.kv_transfer
+            t = time.perf_counter()
+            data = p.kv_source.read_held_blocks(remote.transfer_id, 0, remote.num_blocks)
+            from engine.kv_connector.pd import RemoteRead
+            w = d._kv_connector_worker
+            w._land(RemoteRead(None, list(range(1, nb + 1)), [], remote=remote), data)
+            times.append(time.perf_counter() - t)
+            p.step()
+        best = statistics.median(times)
+        rows.append({"path": "local (gather+scatter)", "layout": "demo", "blocks": nb, "block_bytes": bb,
+                     "request_s": best, "per_block_us": best / nb * 1e6, "GB_s": nb * bb / best / 1e9})
+    p.close()
+    d.close()
+    return rows
+
+
+def ray_cost(block_bytes, nblocks_list, label, repeats=3):
+    """ray.put in one actor, ray.get in another, same node (what the app's RayObjectTransport does)."""
+    import numpy as np
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Side:
+        def put(self, nb, bb):
+            arr = np.ones((nb, bb), dtype=np.uint8)
+            t = time.perf_counter()
+            ref = ray.put(arr)
+            return [ref], time.perf_counter() - t
+
+        def get(self, refs):
+            t = time.perf_counter()
+            a = ray.get(refs[0])
+            x = np.empty_like(a)      # the decode side lands it (host copy standing in for the scatter)
+            x[...] = a
+            return time.perf_counter() - t
+
+    a, b = Side.remote(), Side.remote()
+    rows = []
+    for nb in nblocks_list:
+        ts = []
+        for _ in range(repeats):
+            refs, put_s = ray.get(a.put.remote(nb, block_bytes))
+            get_s = ray.get(b.get.remote(refs))
+            ts.append(put_s + get_s)
+            del refs
+        s = statistics.median(ts)
+        rows.append({"path": "ray object store (put+get)", "layout": label, "blocks": nb, "block_bytes": block_bytes,
+                     "request_s": s, "per_block_us": s / nb * 1e6, "GB_s": nb * block_bytes / s / 1e9})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--num-engines", type=int, default=4)
+    ap.add_argument("--splits", default="1,2", help="prefill engine counts to try (the rest decode)")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=1.2, help="requests per second")
+    ap.add_argument("--min-prompt", type=int, default=1024)
+    ap.add_argument("--max-prompt", type=int, default=3072)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="unified and decode engines' max_num_batched_tokens")
+    ap.add_argument("--prefill-budget", type=int, default=4096)
+    ap.add_argument("--step-base-s", type=float, default=0.010)
+    ap.add_argument("--prefill-per-token-s", type=float, default=0.0001)
+    ap.add_argument("--decode-per-context-token-s", type=float, default=0.0)
+    ap.add_argument("--num-blocks", type=int, default=2200)
+    ap.add_argument("--drain-s", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--json")
+    ap.add_argument("--png")
+    args = ap.parse_args()
+
+    model = tempfile.mkdtemp(prefix="disagg-bench-")
+    write_demo_model(model, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                     max_position_embeddings=8192, seed=1)
+    results = [summarize(f"unified x{args.num_engines}", *run(model, args, None))]
+    for p in (int(x) for x in args.splits.split(",")):
+        results.append(summarize(f"P/D {p}:{args.num_engines - p}", *run(model, args, p)))
+    base = results[0]
+    print(f"\n{args.num_requests} requests at {args.rate}/s, prompts {args.min_prompt}-{args.max_prompt}, "
+          f"{args.max_tokens} output tokens; pace: base {args.step_base_s}s + {args.prefill_per_token_s}s/prompt token")
+    hdr = (f"{'config':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'gap p99':>8} "
+           f"{'tok/s':>7} {'done':>5} {'fail':>5} {'reads':>6} {'fallb':>6} {'hold s':>7}  TPOT p99 / TTFT p99 vs unified")
+    print(hdr)
+    for r in results:
+        print(f"{r['config']:<12} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} {r['tpot_p50_s']:9.4f} "
+              f"{r['tpot_p99_s']:9.4f} {r['gap_p99_s']:8.3f} {r['throughput_tok_s']:7.1f} {r['completed']:5d} "
+              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f}  "
+              f"{r['tpot_p99_s'] / base['tpot_p99_s']:.2f}x / {r['ttft_p99_s'] / base['ttft_p99_s']:.2f}x")
+    costs = transfer_cost(model, [8, 64, 256])
+    if not args.skip_ray:
+        import ray
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        costs += ray_cost(costs[0]["block_bytes"], [64, 256], "demo")
+        costs += ray_cost(2 * 32 * 8 * 16 * 128 * 2, [16, 64], "llama3-8b bf16")
+        ray.shutdown()
+    print(f"\n{'transfer path':<28} {'layout':<15} {'blocks':>6} {'block B':>9} {'request ms':>10} "
+          f"{'us/block':>9} {'GB/s':>6}")
+    for c in costs:
+        print(f"{c['path']:<28} {c['layout']:<15} {c['blocks']:6d} {c['block_bytes']:9d} {c['request_s'] * 1e3:10.2f} "
+              f"{c['per_block_us']:9.1f} {c['GB_s']:6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": [{k: v for k, v in r.items() if not k.startswith("_")}
+                                                       for r in results], "transfer": costs}, f, indent=1)
+    if args.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r in results:
+            xs, ys = zip(*sorted(r["_tpot_series"])) if r["_tpot_series"] else ((), ())
+            ax.plot(xs, [y * 1e3 for y in ys], marker=".", linestyle="-", label=r["config"])
+        ax.set_xlabel("first token at (s)")
+        ax.set_ylabel("TPOT of the request (ms)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
