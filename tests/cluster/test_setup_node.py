@@ -17,7 +17,8 @@ def test_setup_installs_the_repository_into_a_311_venv_first_on_path_idempotentl
     copy_repository(home / "affinity-serve")
     (home / ".bashrc").write_text("case $- in *i*) ;; *) return;; esac\nalias ll='ls -l'\n")   # Ubuntu's opening
     venv = offline_venv(tmp_path / "venv")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AFFINITY_SERVE_", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in os.environ.items()                    # a node's environment has none of these
+           if not k.startswith(("AFFINITY_SERVE_", "VIRTUAL_ENV", "PYTHONPATH"))}
     env |= offline_env(home, venv)
     for _ in range(2):                                   # every `ray up` runs it again
         r = subprocess.run(["bash", str(SCRIPT)], cwd=home, env=env, capture_output=True, text=True, timeout=300)
