@@ -31,7 +31,8 @@ on it in the same run:
   sliding: Gemma-3-1B-shaped (hidden 1152, 26 layers, five sliding (window 512) to one global, 4 / 1 heads of
       256), 4 x 8192 -> 64: also the KV blocks each KV-cache group holds while decoding (a sliding group holds
       about window / context of the full group's). Its floor reads min(context, window) keys in sliding layers.
-Select with --case (e.g. --case MoE, --case sliding, --case "batch 32, 512"); --tiny has small ones of each.
+They run when --case selects them (--case MoE, --case sliding) or with --all; without either, only the Llama
+cases run (make bench-gpu stays about a minute). --tiny has small ones of each.
 """
 from __future__ import annotations
 
@@ -244,6 +245,7 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=12, help="layers of the A3B-shaped MoE model (48 in the real one)")
     ap.add_argument("--case", action="append", default=[], metavar="TEXT",
                     help="only the cases whose name contains TEXT (repeatable; e.g. --case shared)")
+    ap.add_argument("--all", action="store_true", help="also the MoE and sliding-window families")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -252,7 +254,8 @@ def main() -> None:
     names = [c[0] for c in cases(args.tiny)]
     if args.case and not any(t in n for n in names for t in args.case):
         sys.exit(f"--case {' / '.join(args.case)} matches none of the cases: {names}")
-    selected = [c for c in cases(args.tiny) if not args.case or any(t in c[0] for t in args.case)]
+    selected = [c for c in cases(args.tiny)
+                if (any(t in c[0] for t in args.case) if args.case else args.all or family(c[0]) == "llama")]
     dt = getattr(torch, args.dtype)
     say = lambda msg: print(f"[engine_throughput_gpu] {msg}", flush=True)  # noqa: E731
     tmp = tempfile.mkdtemp(prefix="affinity-gpu-bench-")

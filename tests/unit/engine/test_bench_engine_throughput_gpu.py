@@ -20,21 +20,21 @@ def test_the_gpu_benchmark_runs_on_cpu_tiny_and_writes_its_rows(tmp_path, backen
     cascade, and both rows' floors count the prefix's shared pages once (cascade or not, they are one copy in
 the cache; without cascade the step re-reads them, which the floor must not excuse). With the triton backend (interpreted here)
     only that case runs (--case)."""
-    only = []
+    extra = ["--all"]
     if backend == "triton":
         pytest.importorskip("triton", reason="needs the triton package")
-        only = ["--case", "shared"]
+        extra = ["--case", "shared"]
     out = tmp_path / "gpu.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
                         "--tiny", "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out),
-                        *only], capture_output=True, text=True, timeout=480)
+                        *extra], capture_output=True, text=True, timeout=480)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["backend"] == backend and doc["copy_bandwidth_gb_s"] > 0
     cases = ["batch 1, 32 -> 8", "batch 4, 32 -> 8", "4 x (64 shared + 8) -> 8",
              "4 x (64 shared + 8) -> 8, no cascade", "MoE batch 4, 32 -> 8", "sliding batch 2, 200 -> 8"]
     rows = {row["case"]: row for row in doc["rows"]}
-    assert list(rows) == (cases[2:4] if only else cases)
+    assert list(rows) == (cases[2:4] if backend == "triton" else cases)
     assert doc["cascade_min_tokens"] == 64
     shared, plain = rows["4 x (64 shared + 8) -> 8"], rows["4 x (64 shared + 8) -> 8, no cascade"]
     assert shared["cascade"] and not plain["cascade"] and shared["floor_ms"] == plain["floor_ms"]
@@ -43,7 +43,7 @@ the cache; without cascade the step re-reads them, which the floor must not excu
         assert row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0 and row["decode_step_ms"] > 0
         # the ratio is computed before rounding; the tiny model's floor is ~0.03 ms, so 3 decimals cost a few %
         assert row["step_over_floor"] == pytest.approx(row["decode_step_ms"] / row["floor_ms"], rel=0.05)
-    if not only:
+    if backend == "torch":
         # MoE: 4 tokens of top 2 of 8 experts activate 8 (1 - (3/4)^4) = 5.47 experts per layer on average
         assert rows["MoE batch 4, 32 -> 8"]["active_experts_per_layer"] == 5.5
         # sliding (window 32, 16-token blocks, 2 requests of ~204 tokens): the full group holds every block,
