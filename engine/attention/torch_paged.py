@@ -93,12 +93,13 @@ class TorchPagedAttention:
         common = meta.num_common_prefix_blocks
         least = self.cascade_min_tokens
         cascade = least is not None and nd > 1 and common * meta.block_size >= max(least, 1) and softcap is None
-        plain = meta.sliding_window is None and softcap is None
-        if (plain and not cascade and self.decode_kernel is not None and kv_cache.dtype == torch.float32
-                and kv_cache.device.type == "cpu"):
+        # a window no decode has outgrown yet reads what full attention reads
+        windowed = meta.sliding_window is not None and max(meta.seq_lens_list[:nd]) > meta.sliding_window
+        if (not windowed and softcap is None and not cascade and self.decode_kernel is not None
+                and kv_cache.dtype == torch.float32 and kv_cache.device.type == "cpu"):
             return self.decode_kernel(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         qg = q.view(nd, kvh, heads // kvh, hd).transpose(0, 1)                 # [KVH, nd, G, D]
-        if meta.sliding_window is not None:
+        if windowed:
             memo = meta.backend_cache
             if "window" not in memo:
                 memo["window"] = _window_pages(kv_cache, meta, nd)

@@ -209,6 +209,20 @@ def test_torch_window_attention_matches_a_dense_reference(softcap):
             row += 1
 
 
+def test_decode_inside_the_window_reads_like_full_attention():
+    """Until a request outgrows its window, windowed decode is full attention (and may take the C kernel)."""
+    torch.manual_seed(1)
+    bs, kvh, heads, d = 4, 2, 4, 8
+    cache = torch.randn(TorchPagedAttention.kv_cache_shape(16, bs, kvh, d))
+    tables, lens = [[1, 2, 3, 4], [5, 6, 7]], [15, 9]
+    q, k, v = torch.randn(2, heads, d), torch.randn(2, kvh, d), torch.randn(2, kvh, d)
+    outs = []
+    for window in (None, 64):
+        meta = build_attention_metadata([n - 1 for n in lens], [1, 1], tables, bs, sliding_window=window)
+        outs.append(TorchPagedAttention().forward(q, k, v, cache.clone(), meta, 0.3))
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 # ---------------------------------------------------------------- token-exact against transformers
 @pytest.fixture(scope="module")
 def tiny_sliding(tmp_path_factory):
