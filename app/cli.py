@@ -259,7 +259,7 @@ def serve_cmd(args) -> int:
         finally:
             done.set()
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)        # a second Ctrl-C must not cut the clean-up short
+        _ignore_signals()                 # a second Ctrl-C or SIGTERM must not cut the clean-up short
         _stop_ray(local=not (args.address or os.environ.get("RAY_ADDRESS")))
         print("\n[affinity-serve] interrupted during start-up; stopped.", flush=True)
         return 130
@@ -277,6 +277,7 @@ def serve_cmd(args) -> int:
     while not stop.wait(1.0):      # a timed wait keeps the main thread responsive to signals
         continue
     finished, ended = drain(cfg, hurry=lambda: len(signals) > 1)
+    _ignore_signals()
     _stop_ray(local=not address)
     print(f"[affinity-serve] stopped ({finished} request(s) finished while draining, {ended} stream(s) ended "
           "early).", flush=True)
@@ -285,6 +286,14 @@ def serve_cmd(args) -> int:
 
 def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt
+
+
+def _ignore_signals() -> None:
+    """While Ray stops: another Ctrl-C or SIGTERM (a supervisor repeating it, or the SIGTERM Ray's process
+    reaper sends to its process group as Ray's processes go) must not kill this process before its one
+    closing line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _stop_ray(local: bool) -> None:
