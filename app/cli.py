@@ -289,9 +289,8 @@ def _interrupt(signum, _frame) -> None:
 
 
 def _ignore_signals() -> None:
-    """While Ray stops: another Ctrl-C or SIGTERM (a supervisor repeating it, or the SIGTERM Ray's process
-    reaper sends to its process group as Ray's processes go) must not kill this process before its one
-    closing line."""
+    """While Ray stops: another Ctrl-C or SIGTERM (a supervisor repeating it) must not kill this process before
+    its one closing line (seen: a repeated SIGTERM during ray.shutdown() ended it with status -15)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
