@@ -187,7 +187,7 @@ class DecodeReplica(LLMReplica):
         except APIError as e:
             if e.status_code < 500:      # the request itself is bad: the same answer as unified
                 raise
-        except Exception as e:
+        except Exception as e:       # any failure of the prefill pool costs a recompute, not the request
             logger.warning("prefill pool failed (%s: %s): recomputing here", type(e).__name__, e)
         finally:
             if results is not None:

@@ -137,7 +137,14 @@ def test_ray_transport_read_of_a_dead_prefill_owner_fails_as_missing(ray_serve):
     t = RayObjectTransport()
     remote = RemotePrefill("p", "t", "k", 12, 4, 1, address=(ref, 1))
     h = t.start_read(remote, 2, 2)
-    got = wait_until(lambda: (lambda b: b is not None and [b])(h.poll()), timeout_s=10, what="the read")[0]
+    got = None
+
+    def read():
+        nonlocal got
+        got = h.poll()
+        return got is not None
+
+    wait_until(read, timeout_s=10, what="the read")
     assert got.tolist() == np.arange(24, dtype=np.uint8).reshape(3, 8)[1:3].tolist()
     with pytest.raises(KVTransferError):            # blocks before what the prefill copied out
         t.start_read(remote, 0, 2)
