@@ -320,20 +320,20 @@ class KVCacheManager:
             self.num_cached_block[req_id] = 0
             self._num_dropped[req_id] = [0] * len(self.groups)
         dropped = self._num_dropped[req_id]
+        # every group's hits are taken before any new block is: a new block may evict a free cached one,
+        # which must not be a later group's hit
+        for g, found in enumerate(group_hits):
+            pool.touch(b for b in found if not b.is_null)
+            tables[g].extend(found)
+            dropped[g] = self._window_start(self.groups[g], len(found) * bs)
+        if group_hits:
+            self.num_cached_block[req_id] = len(hits)
         new0: list[KVCacheBlock] = []
-        for g, spec in enumerate(self.groups):
-            table = tables[g]
-            if group_hits:
-                found = group_hits[g]
-                pool.touch(b for b in found if not b.is_null)
-                table.extend(found)
-                dropped[g] = self._window_start(spec, len(found) * bs)
+        for g, table in enumerate(tables):
             new = pool.get_new_blocks(num_new[g]) if num_new[g] > 0 else []
             table.extend(new)
             if g == 0:
                 new0 = new
-        if group_hits:
-            self.num_cached_block[req_id] = len(hits)
         return new0
 
     def reset_prefix_cache(self) -> bool:

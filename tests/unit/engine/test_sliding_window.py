@@ -85,6 +85,31 @@ def test_hit_needs_only_the_window_blocks_of_sliding_groups():
     assert kv.pool.num_free_blocks == kv.num_usable_blocks
 
 
+def test_new_blocks_never_evict_another_groups_hits():
+    """A full pool whose LRU head is the sliding group's hit blocks: group 0's new blocks must come from
+    elsewhere (every group's hits are taken before any new block)."""
+    kv = _hybrid(num_blocks=21)                          # 20 usable: exactly what `a` used over its life
+    a = make_request("a", 40)
+    for n in (12, 12, 12, 4):
+        _advance(kv, a, n)
+    kv.free(a)
+    assert kv.pool.num_free_blocks == 20
+    b = make_request("b", a.prompt_token_ids + [9] * 12)
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 40
+    window_hits = [kv.pool.get_cached_block(a.block_hashes[i], 1) for i in range(6, 10)]
+    others = [blk for blk in kv.pool.free_queue if blk not in window_hits]
+    kv.pool.touch(others)
+    kv.pool.free_blocks(others)                          # now the sliding group's hits head the LRU queue
+    assert set(map(id, list(kv.pool.free_queue)[:4])) == set(map(id, window_hits))
+    assert kv.allocate_slots(b, 12, hits) is not None
+    held = [blk for t in kv.req_to_group_blocks["b"] for blk in t if not blk.is_null]
+    assert len(held) == len(set(map(id, held))) == 13 + 7 and all(blk.ref_cnt == 1 for blk in held)
+    assert kv.req_to_group_blocks["b"][1][6:10] == window_hits
+    kv.free(b)
+    assert kv.pool.num_free_blocks == 20
+
+
 def test_each_sliding_group_checks_its_own_window():
     groups = [KVCacheGroupSpec((0,), None), KVCacheGroupSpec((1,), 8), KVCacheGroupSpec((2,), 32)]
     kv = KVCacheManager(64, 4, 1024, groups=groups)
