@@ -4,9 +4,11 @@ and a reason. Pure (no Ray, no clock): the caller passes `now` and keeps the ret
 The rule (docs/autoscaling.md writes it out):
 1. Predict the load in replica units: prefill work (recent uncached prompt tokens per second, the refills
    of prefixes the router saw cached on another replica at `refill_weight`, plus the queued backlog that
-   must be prefilled within the TTFT SLO) over one replica's calibrated prefill rate,
-   plus the sequences decoding over one replica's decode capacity within the TPOT SLO.
-   KV usage adds a floor: the fleet's held KV over the KV target. A rising load is projected
+   must be prefilled within the TTFT SLO) over one replica's prefill rate R,
+   plus the sequences decoding over one replica's decode capacity C within the TPOT SLO and the KV target;
+   R and C are learned from the replicas' own step costs and sequence lengths where they report them
+   (`replica_capacity`, `decode_capacity`), the configured priors otherwise.
+   KV usage adds a floor: the fleet's held KV (grown to its sequences' life's mean) over the KV target. A rising load is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
 2. Scale up when that needs more replicas at `target_utilization` or leaves less spare capacity than
    `headroom_z` standard deviations of the arrivals expected within one TTFT SLO, or (reactively) when the observed
