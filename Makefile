@@ -53,6 +53,8 @@ GPU_PYVER ?= 3.12
 GPU_WHEELS ?= gpu-wheels
 GPU_SITE ?= .gpu-site
 GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis
+# structured outputs' grammar engine, without its dependencies (torch, transformers, triton are that Python's)
+GPU_NODEPS := xgrammar==0.2.8 apache-tvm-ffi
 # Installed into $(GPU_SITE) (--target: that Python's own installs are left alone, and no "externally managed"
 # refusal), which goes first on PYTHONPATH: where it holds a newer copy of a shared dependency
 # (typing_extensions, packaging), that copy is the one imported.
@@ -61,6 +63,8 @@ GPU_ENV := PYTHONPATH=$(GPU_SITE):$$PYTHONPATH
 gpu-wheels: venv
 	$(PIP) download -q --only-binary=:all: --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
+	$(PIP) download -q --only-binary=:all: --no-deps --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_NODEPS)
 
 # Only what that Python cannot import, one wheel each (the newest there) without dependency resolution: its own
 # pytest and plugins stay in charge (a resolving --target install brings a second pytest that shadows them).
@@ -71,6 +75,7 @@ gpu-site:
 	need() { PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import $$1" 2>/dev/null && return 1; return 0; }; \
 	pick=""; \
 	if need pydantic; then pick="$$pick pydantic pydantic_core annotated_types typing_inspection typing_extensions"; fi; \
+	if need xgrammar; then pick="$$pick xgrammar apache_tvm_ffi"; fi; \
 	for m in pytest iniconfig pluggy packaging pygments pytest_timeout pytest_asyncio hypothesis sortedcontainers; do \
 		need $$m && pick="$$pick $$m"; done; \
 	for m in $$pick; do w=$$(ls $(GPU_WHEELS)/$$m-*.whl 2>/dev/null | sort -V | tail -1); \
