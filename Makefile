@@ -52,7 +52,7 @@ GPU_PY ?= python3
 GPU_PYVER ?= 3.12
 GPU_WHEELS ?= gpu-wheels
 GPU_SITE ?= .gpu-site
-GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis
+GPU_DEPS := pydantic pytest pytest-timeout pytest-asyncio hypothesis jsonschema
 # structured outputs' grammar engine, without its dependencies (torch, transformers, triton are that Python's)
 GPU_NODEPS := xgrammar==0.2.8 apache-tvm-ffi
 # Installed into $(GPU_SITE) (--target: that Python's own installs are left alone, and no "externally managed"
@@ -76,6 +76,7 @@ gpu-site:
 	pick=""; \
 	if need pydantic; then pick="$$pick pydantic pydantic_core annotated_types typing_inspection typing_extensions"; fi; \
 	if need xgrammar; then pick="$$pick xgrammar apache_tvm_ffi"; fi; \
+	if need jsonschema; then pick="$$pick jsonschema jsonschema_specifications referencing rpds_py attrs"; fi; \
 	for m in pytest iniconfig pluggy packaging pygments pytest_timeout pytest_asyncio hypothesis sortedcontainers; do \
 		need $$m && pick="$$pick $$m"; done; \
 	for m in $$pick; do w=$$(ls $(GPU_WHEELS)/$$m-*.whl 2>/dev/null | sort -V | tail -1); \

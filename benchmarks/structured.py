@@ -90,8 +90,33 @@ def breakdown_ms(eng: LLMEngine, batch: int, steps: int, temperature: float) -> 
                 timings.setdefault(key, []).append(time.perf_counter() - t)
         return real, wrapper
 
+    class TimedSampler:
+        """The runner's sampler, timed whether it is called or its `.sample` (the device fast path) is."""
+
+        def __init__(self, real):
+            self._real = real
+
+        def __call__(self, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return self._real(*a, **kw)
+            finally:
+                timings.setdefault("sampler", []).append(time.perf_counter() - t)
+
+        def sample(self, *a, **kw):
+            t = time.perf_counter()
+            try:
+                return self._real.sample(*a, **kw)
+            finally:
+                timings.setdefault("sampler", []).append(time.perf_counter() - t)
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+    real_sampler = eng.runner.sampler
+    eng.runner.sampler = TimedSampler(real_sampler)
     patches = [(eng.structured_output, "_fill", "fill"), (som, "unpack_bitmask", "unpack"),
-               (eng.runner, "sampler", "sampler"), (eng, "_advance_grammar", "accept")]
+               (eng, "_advance_grammar", "accept")]
     saved = []
     for owner, name, key in patches:
         real, wrapper = timed(owner, name, key)
@@ -103,6 +128,7 @@ def breakdown_ms(eng: LLMEngine, batch: int, steps: int, temperature: float) -> 
         timings.clear()
         decode_step_s(eng, batch, steps, "lazy", 901, temperature)
     finally:
+        eng.runner.sampler = real_sampler
         for owner, name, real in saved:
             setattr(owner, name, real)
     out = {k: statistics.median(v) * 1e3 for k, v in timings.items()}
