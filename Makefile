@@ -29,6 +29,7 @@ serve: venv
 # The `rayup` test (tests/cluster/test_ray_up.py: `ray up` over a local sshd, then `ray down`) runs in its own
 # pytest invocation after the main suite, so no `ray stop` can ever meet the main suite's Ray.
 test: venv
+	$(VENV)/bin/ruff check .
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not rayup" $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m rayup tests/cluster $(PYTEST_ARGS)
 	$(MKDOCS) build --strict --quiet

@@ -315,7 +315,7 @@ def run_family(fam: str, fam_cases: list, args, tmp: str, device: torch.device, 
     if fam == "llama":
         info.update(overlap_decode=overlap, cascade_min_tokens=least)
     say(f"overlap_decode {'on' if overlap else 'off'}; cascade decode "
-        f"{'from %d shared tokens' % least if least is not None else 'off'}")
+        f"{f'from {least} shared tokens' if least is not None else 'off'}")
     rows = []
     for name, batch, prefix, plen, new in fam_cases:
         ps = prompts(batch, plen, prefix, cfg["vocab_size"])

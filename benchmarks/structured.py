@@ -201,7 +201,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:>6} {r['batch']:>6} {r['free_ms']:>9.2f} {r['lazy_ms']:>9.2f} {r['lazy_overhead']:>8.1%} "
               f"{r['thread_ms']:>10.2f} {r['thread_overhead']:>8.1%}")
-    print(f"\nbatch 32, filled when read: ms per step")
+    print("\nbatch 32, filled when read: ms per step")
     print(f"{'model':>6} {'fill':>7} {'unpack':>7} {'sampler':>8} {'(free)':>7} {'accept':>7}")
     for r in rows:
         if (b := r.get("breakdown_ms")) is not None:

@@ -97,7 +97,7 @@ class KVEventFeed:
             else:
                 reply = await asyncio.wait_for(client.events_since(cursor.next_seq, cursor.epoch), self.timeout_s)
                 self._apply_events(rid, cursor, reply)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters.num_timeouts += 1
             logger.debug("replica %s did not answer the KV event pull within %.2fs", rid, self.timeout_s)
         except asyncio.CancelledError:

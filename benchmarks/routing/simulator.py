@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 from benchmarks.routing import report  # noqa: E402
 from benchmarks.routing.bounds import (footprint_partition, pinned_lru_hit_rate,  # noqa: E402
                                        shared_cache_hit_rate, ttft_floor_s)
-from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
+from benchmarks.routing.replica import SimReplica, TimingModel  # noqa: E402
 from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,  # noqa: E402
                                         RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
 from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,  # noqa: E402

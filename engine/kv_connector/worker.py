@@ -168,7 +168,6 @@ class OffloadWorker(_Worker):
 
     def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         assert self.copier is not None
-        slots = torch.tensor(t.tier_slots, dtype=torch.long)
         if not self.is_cuda:
             _, staged = self._host_blocks(len(t.block_ids))
             self.copier.gather(t.block_ids, staged)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
-from urllib.parse import urlparse
 
 import httpx
 import openai

@@ -137,7 +137,6 @@ def test_traces_span_tree_and_w3c_propagation(app_url):
 
 def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
     import ray
-    from ray import serve
 
     results = []
 

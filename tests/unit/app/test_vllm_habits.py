@@ -10,7 +10,7 @@ import ray
 from app.cli import main
 from app.config import AppConfig, ConfigError
 from engine import load_tokenizer
-from tests.unit.app.test_hostile_inputs import FakeReplica, http_request, ingress
+from tests.unit.app.test_hostile_inputs import http_request, ingress
 
 
 # ---------------------------------------------------------------- the command line as vLLM spells it

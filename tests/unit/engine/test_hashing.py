@@ -51,7 +51,7 @@ def test_pinned_hash_values():
 
 def test_pinned_values_follow_the_documented_encoding():
     """sha256(b"AS1" || parent || u32le(token) * n || extra), extra = b"salt" || u32le(len) || utf-8 salt."""
-    salt = "tenant-a".encode()
+    salt = b"tenant-a"
     first = hashlib.sha256(b"AS1" + NONE_HASH + struct.pack("<4I", 1, 2, 3, 4)
                            + b"salt" + struct.pack("<I", len(salt)) + salt).digest()
     second = hashlib.sha256(b"AS1" + first + struct.pack("<4I", 5, 6, 7, 8)).digest()
