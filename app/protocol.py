@@ -316,6 +316,19 @@ class DetokenizeRequest(BaseModel):
 
 
 # ---------------------------------------------------------------- ingress <-> replica
+class LocalOnly:
+    """A slot whose value stays in this process: it pickles as empty (what the router leaves on a request for
+    the ingress that sent it must not travel to the replica)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        return (LocalOnly, ())
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     """What the ingress sends a replica: token ids (so routers can see them), params, tracing.
@@ -340,6 +353,9 @@ class GenerateRequest:
     #: of its prefill that recomputes what another of them holds apart (the autoscaler's
     #: `refill_tokens_per_s`). None: no router prediction (load-only routing, a fallback).
     cached_on: list[tuple[str, int]] | None = None
+    #: set by the router in this process when it places the request (a re-route replaces it): its Decision,
+    #: read by the ingress at the first token for the request's routing span and metrics; not sent on
+    routing: LocalOnly = field(default_factory=LocalOnly, compare=False, repr=False)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ from app.errors import APIError
 from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
 from app.prompts import (PreparedRequest, RequestKind, detokenize_request, max_token_chars, prepare_request,
                          text_chars, tokenize_request)
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ReplicaChunk, TokenizeRequest
+from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ReplicaChunk,
+                          TokenizeRequest)
 from app.tool_calls import ToolCallMode, ToolCallStream, auto_content, tool_calls_message
 from app.routing import debug as routing_debug
 from engine import EngineLimits
@@ -298,13 +299,10 @@ class OpenAIServing:
                 if c.token_ids and prompt not in started:
                     started.add(prompt)
                     self._report_first_token(reqs[prompt].request_id, c.num_cached_tokens)
-                    self._take_decision(run, reqs[prompt].request_id, c)
+                    self._take_decision(run, reqs[prompt], c)
                 yield idx, c
         finally:
             await chunks.aclose()      # leaving early cancels the replica streams now, not at GC
-            for i, r in enumerate(reqs):
-                if i not in started:
-                    routing_debug.take_decision(r.request_id)     # never reported: do not keep it
 
     def _report_first_token(self, engine_req_id: str, num_cached_tokens: int) -> None:
         try:
@@ -314,9 +312,10 @@ class OpenAIServing:
             logger.debug("no router to report the first token of %s to", engine_req_id, exc_info=True)
 
     @staticmethod
-    def _take_decision(run: RequestRun, engine_req_id: str, c: ReplicaChunk) -> None:
-        """The router made its decision before sending the request, so it is there by the first token."""
-        decision = routing_debug.take_decision(engine_req_id)
+    def _take_decision(run: RequestRun, req: GenerateRequest, c: ReplicaChunk) -> None:
+        """The router (in this process) left its decision on the request before sending it, so it is there
+        by the first token; None without a router here (load-only policies place nothing)."""
+        decision, req.routing.value = req.routing.value, None
         if decision is not None:
             run.routing.append(routing_debug.routing_record(decision, c.replica_id, c.num_cached_tokens))
 

@@ -4,27 +4,18 @@ Serve builds one router per (process, deployment handle), on its own event loop 
 router class by value: this module (imported by reference, so one copy per process) is where routers
 register themselves so the ingress's debug methods can find the one routing its handle's requests.
 
-It is also where a router leaves each decision for the ingress that sent the request (`post_decision` on
-the router loop, `take_decision` on the ingress loop, keyed by the engine request id): the ingress puts it
-on the request's `llm.routing` span and in the routing metrics once the first token arrives.
+A router leaves each decision on the request itself (`GenerateRequest.routing`, which stays in this
+process); `routing_record` turns it into what the request's `llm.routing` span and the routing metrics say.
 """
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 from app.routing.api import Decision
 from observability.requests import RoutingRecord
 
 _ROUTERS: dict[str, list[weakref.ref]] = {}
-
-#: Decisions not yet taken are dropped oldest first past this many (requests that never produced a first
-#: token and were not discarded, or driver calls no ingress reads): a few MB at most.
-MAX_PENDING_DECISIONS = 10_000
-_DECISIONS: OrderedDict[str, Decision] = OrderedDict()
-_DECISIONS_LOCK = threading.Lock()       # the router loop and the ingress loop are different threads
 
 
 def register(app_name: str, deployment_name: str, router: Any) -> None:
@@ -46,22 +37,6 @@ def decision_to_dict(d: Decision) -> dict[str, Any]:
                             "predicted_tier_cached_tokens": c.predicted_tier_cached_tokens,
                             "predicted_ttft_s": c.predicted_ttft_s, "queued_prefill_tokens": c.queued_prefill_tokens,
                             "decode_load": c.decode_load, "kv_usage": c.kv_usage} for c in d.candidates]}
-
-
-def post_decision(decision: Decision) -> None:
-    """Leave `decision` for the ingress that sent its request (a re-route replaces the earlier one)."""
-    with _DECISIONS_LOCK:
-        _DECISIONS.pop(decision.request_id, None)
-        _DECISIONS[decision.request_id] = decision
-        while len(_DECISIONS) > MAX_PENDING_DECISIONS:
-            _DECISIONS.popitem(last=False)
-
-
-def take_decision(request_id: str) -> Decision | None:
-    """The decision a router in this process made for engine request `request_id`, removed; None if no
-    router here routed it (a test double handle, a router built elsewhere) or it was already taken."""
-    with _DECISIONS_LOCK:
-        return _DECISIONS.pop(request_id, None)
 
 
 def routing_record(d: Decision, replica_id: str, num_cached_tokens: int | None) -> RoutingRecord:

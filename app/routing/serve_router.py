@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import random
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ray
-from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
                                       RunningReplica)
 
@@ -30,41 +26,12 @@ from app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, Rep
                              RouteRequest)
 from app.routing.config import KV_EVENT_POLICIES, AffinityConfig
 from app.routing.core import make_core
-from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX, KVEventFeed, ReplicaFeedClient
-from engine.types import KVCacheSnapshot, KVEventsReply
+from app.routing.feed import KVEventFeed, ReplicaFeedClient
+from app.routing.serve_compat import ReplicaMethodClient, internal_request_id, pending_args
 
 logger = logging.getLogger("affinity.router")
 
 _MAX_TRACKED_CALLS = 100_000       # (internal id, replica) -> our ids whose completion never came: bounded
-
-
-class ReplicaMethodClient:
-    """Calls a deployment method on ONE replica, off the routing path: Serve's own request entry point on
-    the replica actor (`handle_request`) with a RequestMetadata naming the method, as Serve's router does
-    when it sends a non-streaming request (ActorReplicaWrapper.send_request_python without rejection)."""
-
-    def __init__(self, replica: RunningReplica) -> None:
-        self._actor = replica._actor_handle          # noqa: SLF001 - Serve keeps no public handle to it
-        self._app_name = replica.replica_id.deployment_id.app_name
-
-    async def events_since(self, next_seq: int, epoch: str | None) -> KVEventsReply:
-        return await self._call("kv_events_since", next_seq, epoch)
-
-    async def snapshot(self) -> KVCacheSnapshot:
-        return await self._call("kv_snapshot")
-
-    async def warm(self, prompts: list[list[int]]) -> dict[str, Any]:
-        return await self._call("warm", prompts)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        meta = RequestMetadata(request_id=f"{KV_FEED_REQUEST_ID_PREFIX}{method}", internal_request_id=uuid.uuid4().hex,
-                               call_method=method, app_name=self._app_name)
-        ref = self._actor.handle_request.remote(pickle.dumps(meta), *args)
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            ray.cancel(ref)
-            raise
 
 
 def _replica_key(replica_id: ReplicaID) -> str:
@@ -73,10 +40,8 @@ def _replica_key(replica_id: ReplicaID) -> str:
 
 def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
     """The ingress's GenerateRequest, if this call carries one (pre-warm calls, drivers: None)."""
-    if pending_request is None:
-        return None
-    args = getattr(pending_request, "args", None) or ()
-    return args[0] if isinstance(args[0] if args else None, GenerateRequest) else None
+    args = pending_args(pending_request)
+    return args[0] if args and isinstance(args[0], GenerateRequest) else None
 
 
 class AffinityRequestRouter(LocalityMixin, RequestRouter):
@@ -203,6 +168,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         req = _generate_request(pending_request)
         if req is not None:
             req.cached_on = None                       # a re-route must not keep an earlier prediction
+            req.routing.value = None
         if req is None or not candidates:
             return self._load_only(candidates)
         by_key = {_replica_key(r.replica_id): r for r in candidates}
@@ -210,8 +176,9 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         route = RouteRequest(req.request_id, list(req.block_hashes or []), len(req.prompt_token_ids),
                              (params.max_tokens or 0) * max(1, params.n), self._self_node_id)
         decision = self.core.route(route, list(by_key))
-        debug.post_decision(decision)                  # for the ingress's span and metrics
-        # Serve pickles the request's args when it sends them to the chosen replica, after this returns.
+        # Serve pickles the request's args when it sends them to the chosen replica, after this returns: the
+        # prediction travels on; the decision stays on the ingress's own object for its span and metrics.
+        req.routing.value = decision
         req.cached_on = decision.most_cached(2)
         ranked = [by_key[k] for k in decision.ranked if k in by_key]
         if not ranked:
@@ -231,8 +198,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
                 req.cached_on = None
             ids = [_replica_key(r.replica_id) for rank in ranks for r in rank]
             if req is not None and ids:
-                debug.post_decision(Decision(req.request_id, ids, ids[0], Reason.FALLBACK,
-                                             CandidateScores.empty(), 0.0))
+                req.routing.value = Decision(req.request_id, ids, ids[0], Reason.FALLBACK, CandidateScores.empty(),
+                                             0.0)
         except Exception:
             logger.exception("routing: recording the fallback decision failed")
 
@@ -255,7 +222,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             self.core.on_routed(req.request_id, key)
             if len(self._calls) >= _MAX_TRACKED_CALLS:
                 self._calls.pop(next(iter(self._calls)))
-            self._calls.setdefault((pending_request.metadata.internal_request_id, key), []).append(req.request_id)
+            self._calls.setdefault((internal_request_id(pending_request), key), []).append(req.request_id)
         except Exception:
             logger.exception("routing: on_request_routed failed")
 

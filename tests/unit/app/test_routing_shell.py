@@ -148,9 +148,8 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
     state = router.state(5)
     assert state["decisions"][-1]["chosen"] == "b" and state["decisions"][-1]["reason"] == "affinity"
     assert state["replicas"]["b"]["num_held_blocks"] == 4 and state["node_id"] == "node-1"
-    from app.routing import debug
-    left = debug.take_decision("r1")                            # left for the ingress that sent r1
-    assert left is not None and left.chosen == "b" and debug.take_decision("r1") is None
+    left = pending.args[0].routing.value                        # left for the ingress that sent r1
+    assert left is not None and left.chosen == "b"
 
 
 async def test_router_never_raises_and_routes_other_calls_load_only():
@@ -158,10 +157,10 @@ async def test_router_never_raises_and_routes_other_calls_load_only():
     reps = [_replica(k) for k in "abc"]
     router._sync_members(reps)
     router.inject_errors(1)
-    ranks = await router.choose_replicas(reps, _pending("r1", H[:2]))
+    pending = _pending("r1", H[:2])
+    ranks = await router.choose_replicas(reps, pending)
     assert router.num_shell_errors == 1 and sorted(len(r) for r in ranks) == [1, 2]
-    from app.routing import debug
-    fallback = debug.take_decision("r1")                        # the ingress's span still says why
+    fallback = pending.args[0].routing.value                    # the ingress's span still says why
     assert fallback.reason.value == "fallback" and fallback.chosen == ranks[0][0].replica_id.unique_id
     router.core = None                                          # any failure inside the shell
     assert sum(len(r) for r in await router.choose_replicas(reps, _pending("r2", H[:2]))) == 3

@@ -1,9 +1,9 @@
 """The router's decision reaches the request's `llm.routing` span and the routing metrics at the ingress
 (OpenTelemetry's in-memory span exporter and metric reader; the router is played by the fake replica,
-which posts a decision for the engine request id before streaming, as AffinityRequestRouter does)."""
+which leaves a decision on the request before streaming, as AffinityRequestRouter does in the ingress's
+process)."""
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -14,7 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from app.prompts import RequestKind
 from app.protocol import CompletionRequest, ReplicaChunk
-from app.routing import debug
 from app.routing.api import CandidateScores, Decision, Reason
 from app.serving import OpenAIServing
 from engine import EngineLimits
@@ -40,7 +39,7 @@ class RoutedReplica:
         return LIMITS
 
     async def generate(self, req):
-        debug.post_decision(_decision(req.request_id))
+        req.routing.value = _decision(req.request_id)
         if self.fail:
             raise RuntimeError("replica died")
         for t in range(2):
@@ -118,7 +117,7 @@ async def test_without_a_router_the_span_has_no_routing_attributes():
 async def test_a_fallback_decision_has_empty_candidate_lists_and_no_ttft():
     class Fallback(RoutedReplica):
         async def generate(self, req):
-            debug.post_decision(Decision(req.request_id, ["r1"], "r1", Reason.FALLBACK, CandidateScores.empty(), 0.0))
+            req.routing.value = Decision(req.request_id, ["r1"], "r1", Reason.FALLBACK, CandidateScores.empty(), 0.0)
             yield ReplicaChunk(0, "", [1], "length", num_prompt_tokens=4, num_cached_tokens=4, replica_id="r1")
 
     serving, spans, _ = _serving(Fallback())
@@ -128,19 +127,14 @@ async def test_a_fallback_decision_has_empty_candidate_lists_and_no_ttft():
     assert "routing.predicted_ttft_s" not in attrs and attrs["routing.predicted_cached_tokens"] == 0
 
 
-async def test_a_failed_request_leaves_no_decision_behind():
-    serving, _, _ = _serving(RoutedReplica(fail=True))
-    before = len(debug._DECISIONS)                              # noqa: SLF001
-    with pytest.raises(RuntimeError):
-        await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3], max_tokens=1), "c", {})
-    await asyncio.sleep(0)
-    assert len(debug._DECISIONS) == before                     # noqa: SLF001
+def test_the_decision_stays_in_the_ingress_process():
+    """What the router leaves on the request is not pickled with it to the replica."""
+    import pickle
 
-
-def test_pending_decisions_are_bounded(monkeypatch):
-    monkeypatch.setattr(debug, "MAX_PENDING_DECISIONS", 3)
-    for i in range(5):
-        debug.post_decision(_decision(f"bound-{i}"))
-    assert debug.take_decision("bound-0") is None and debug.take_decision("bound-4").chosen == "r2"
-    for i in range(2, 4):
-        debug.take_decision(f"bound-{i}")
+    from app.protocol import GenerateRequest
+    from engine import SamplingParams
+    req = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=1), cached_on=[("r2", 16)])
+    req.routing.value = _decision("r1")
+    sent = pickle.loads(pickle.dumps(req))
+    assert sent.routing.value is None and sent.cached_on == [("r2", 16)] and req.routing.value is not None
+    assert len(pickle.dumps(req)) < len(pickle.dumps(_decision("r1"))) + 400
