@@ -18,7 +18,7 @@ from typing import Any
 from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from app.metrics_hub import MetricsExporter, serve_app_and_replica
 from app.protocol import GenerateRequest, ReplicaChunk
-from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
+from app.routing.serve_compat import drop_kv_feed_access_logs
 from app.stats import ReplicaStats, load_sample
 from autoscale.signals import SignalRecorder, refilled_tokens
 from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
@@ -36,26 +36,6 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:   # outside Serve (unit tests)
         return f"local-{uuid.uuid4().hex[:6]}"
-
-
-class DropKVFeedAccessLogs(logging.Filter):
-    """Drops Serve's access-log lines for the routers' KV feed pulls: every router calls every replica
-    several times a second, which would bury the real requests. Serve's replica logs one access record per
-    call on the "ray.serve" logger with `serve_access_log` and `request_id` set (ray/serve/_private/
-    replica.py, `_access_log_context`); other records pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        request_id = getattr(record, "request_id", None)
-        return not (getattr(record, "serve_access_log", False) and isinstance(request_id, str)
-                    and request_id.startswith(KV_FEED_REQUEST_ID_PREFIX))
-
-
-def drop_kv_feed_access_logs() -> None:
-    """Install DropKVFeedAccessLogs on Serve's logger (a logger filter: Serve logs access records on that
-    logger itself). Idempotent."""
-    serve_logger = logging.getLogger("ray.serve")
-    if not any(isinstance(f, DropKVFeedAccessLogs) for f in serve_logger.filters):
-        serve_logger.addFilter(DropKVFeedAccessLogs())
 
 
 def serving_engine_config(engine_config: dict[str, Any]) -> EngineConfig:

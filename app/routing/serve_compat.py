@@ -7,10 +7,12 @@ tests/unit/app/test_serve_compat.py, so an upgrade that moves any of it fails th
   router does for a non-streaming request.
 - `pending_args` / `internal_request_id`: what a `PendingRequest` carries (the call's positional arguments,
   Serve's own id for the call).
+- `DropKVFeedAccessLogs`: a filter on Serve's logger that knows the attributes of Serve's access records.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import uuid
 from typing import Any
@@ -62,3 +64,23 @@ def pending_args(pending_request: PendingRequest | None) -> tuple:
 def internal_request_id(pending_request: PendingRequest) -> str:
     """Serve's own id of the call (what on_request_completed reports back)."""
     return pending_request.metadata.internal_request_id
+
+
+class DropKVFeedAccessLogs(logging.Filter):
+    """Drops Serve's access-log lines for the routers' KV feed pulls: every router calls every replica
+    several times a second, which would bury the real requests. Serve's replica logs one access record per
+    call on the "ray.serve" logger with `serve_access_log` and `request_id` set (ray/serve/_private/
+    replica.py, `_access_log_context`); other records pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = getattr(record, "request_id", None)
+        return not (getattr(record, "serve_access_log", False) and isinstance(request_id, str)
+                    and request_id.startswith(KV_FEED_REQUEST_ID_PREFIX))
+
+
+def drop_kv_feed_access_logs() -> None:
+    """Install DropKVFeedAccessLogs on Serve's logger (a logger filter: Serve logs access records on that
+    logger itself). Idempotent."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, DropKVFeedAccessLogs) for f in serve_logger.filters):
+        serve_logger.addFilter(DropKVFeedAccessLogs())

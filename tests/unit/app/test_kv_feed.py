@@ -73,7 +73,7 @@ def test_serve_access_log_lines_of_kv_feed_pulls_are_dropped():
     call's `request_id` (ray/serve/_private/replica.py): the feed's are dropped, everything else kept."""
     import logging
 
-    from app.replica import DropKVFeedAccessLogs, drop_kv_feed_access_logs
+    from app.routing.serve_compat import DropKVFeedAccessLogs, drop_kv_feed_access_logs
     from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 
     class Keep(logging.Handler):

@@ -25,7 +25,7 @@ def test_the_replica_method_client_can_build_and_send_a_method_call():
     assert "self._actor_handle" in inspect.getsource(RunningReplica.__init__)
 
 
-def test_pending_requests_carry_the_call_arguments_and_serves_own_id():
+async def test_pending_requests_carry_the_call_arguments_and_serves_own_id():   # PendingRequest makes a Future
     fields = {f.name for f in dataclasses.fields(PendingRequest)}
     assert {"args", "kwargs", "metadata"} <= fields
     assert "internal_request_id" in {f.name for f in dataclasses.fields(RequestMetadata)}
