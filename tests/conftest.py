@@ -65,13 +65,14 @@ def checkpoints(tmp_path_factory):
 def hf_reference():
     """(checkpoint, prompt ids, n) -> transformers greedy continuation (cached models)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from tests.unit.engine.tiny_hf import load_reference_model
 
     models = {}
 
     def model(path):
         if path not in models:
-            models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            models[path] = load_reference_model(path)
         return models[path]
 
     def greedy(path, ids, n):

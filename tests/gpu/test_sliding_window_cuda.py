@@ -28,10 +28,7 @@ def checkpoints(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", ["mistral", pytest.param("gemma2", marks=pytest.mark.xfail(
-    reason="known bug (issue 31): on an H200, Gemma 2 on the CUDA torch backend leaves transformers' greedy "
-           "output after 13 decode tokens of the first prompt, not at a near-tie; the CPU test is exact",
-    strict=False)), "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
 def test_float32_past_the_window_is_token_identical_to_transformers(checkpoints, hf_reference, name):
     from engine import LLM, SamplingParams
     path = checkpoints[name]

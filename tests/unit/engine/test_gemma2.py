@@ -71,3 +71,27 @@ def test_triton_backend_is_refused_naming_what_it_lacks(gemma2):
     with pytest.raises(ValueError, match="soft-capping"):
         select_backend("triton", "cuda", 16, softcap=True)
     assert select_backend("auto", "cpu", 16, sliding_window=True, softcap=True).name == "torch"
+
+
+def test_reference_keeps_the_attention_cap_where_transformers_would_pick_sdpa(gemma2, hf_reference, monkeypatch):
+    """Issue 31: Gemma 2 left transformers' greedy output on a lent GPU because the reference was wrong there:
+    transformers 5.17 (that machine's Python) lets Gemma 2 default to SDPA, which drops attn_logit_softcapping
+    without a word. That default is recreated here (Gemma 2 claims SDPA support): the references' loader still
+    runs eager attention, and its greedy output is the engine's, past the window."""
+    import torch
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from tests.unit.engine.tiny_hf import load_reference_model
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)
+    model = load_reference_model(gemma2)
+    assert model.config._attn_implementation == "eager"
+    prompt, n = _prompts(1, 40, 40, seed=1)[0], 16
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    llm = LLM(gemma2, cache={"num_blocks": 32, "block_size": 8})
+    got = llm.generate([prompt], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want
+    assert want != _reference_with(hf_reference, gemma2, [prompt], n, attn_logit_softcapping=None)[0]

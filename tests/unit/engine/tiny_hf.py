@@ -65,6 +65,20 @@ def write_tiny_hf(path: str | Path, config_class: str, *, seed: int = 0, generat
     return path
 
 
+def load_reference_model(path: str | Path):
+    """transformers' float32 model of a checkpoint, as the greedy references load it: eager attention where the
+    config soft-caps attention scores (Gemma 2's attn_logit_softcapping). transformers 5.17 (the lent GPUs'
+    Python) lets Gemma 2 default to SDPA, which drops that cap without a word (newer versions refuse SDPA for
+    it), so its "reference" is the output of the model without the cap."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {}
+    if getattr(AutoConfig.from_pretrained(str(path)), "attn_logit_softcapping", None) is not None:
+        kw["attn_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+
+
 def tiny_checkpoints(root: str | Path) -> dict[str, str]:
     """name in TINY_ARCHS -> checkpoint directory under `root`, written on first use."""
     root = Path(root)
