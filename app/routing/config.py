@@ -33,9 +33,12 @@ class AffinityConfig(BaseModel):
     calibrate: bool = Field(True, description="fit the two above from observed TTFTs")
     calibration_half_life: float = Field(200.0, gt=0, description="samples for a sample's weight to halve")
     calibration_prior_weight: float = Field(1.0, gt=0, description="pull towards the priors, in samples")
-    kv_pressure_threshold: float = Field(0.9, ge=0, le=1, description="KV usage where the penalty starts")
-    kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty at full KV usage (linear above "
-                                         "the threshold)")
+    kv_pressure_threshold: float = Field(1.0, ge=0, le=1, description="projected KV usage (the request's own "
+                                         "blocks counted in) where the penalty starts; 1: only a request that "
+                                         "does not fit pays")
+    kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty per pool's worth of projected "
+                                         "usage above the threshold (over 1 - threshold below 1), at most "
+                                         "twice this")
     # -- affinity release
     release_slack: float = Field(0.6, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
     release_slack_abs_s: float = Field(0.3, ge=0, description="the absolute part of that bound, seconds")

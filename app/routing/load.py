@@ -283,8 +283,10 @@ class TTFTModel:
 
         KV pressure is judged on the pool as it would be with the request in it: `own_blocks[i]` (the new
         blocks it needs there, uncached prompt + expected output) over the replica's pool size joins its
-        usage. A request that does not fit waits for running ones to finish, so the penalty grows past
-        `kv_pressure_penalty_s` (to twice it) as the projected usage passes 1."""
+        usage. The penalty rises linearly from 0 at `kv_pressure_threshold` by `kv_pressure_penalty_s` per
+        pool's worth of usage above it (over 1 - threshold when the threshold is below 1), at most twice the
+        penalty. At threshold 1 (the default) only a request that does not fit pays, in proportion to its
+        overage: a full small pool must not shed the requests of the prefixes it caches."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
         if own_blocks is None:

@@ -1,4 +1,5 @@
-"""The routing core imports nothing from Ray (only serve_router.py may), and the load-only baselines."""
+"""The routing core imports nothing from Ray (only the Serve shell, serve_router.py and serve_compat.py, may), and the
+load-only baselines."""
 from __future__ import annotations
 
 import ast
@@ -14,7 +15,7 @@ from app.routing import (AffinityConfig, KVEventBatch, PowerOfTwoCore, Reason, R
 from app.routing import PrefixAffinityRouterCore
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-SHELL = {"serve_router.py"}
+SHELL = {"serve_router.py", "serve_compat.py"}
 
 
 def _top_imports(path: pathlib.Path) -> set[str]:

@@ -97,7 +97,7 @@ def test_the_longest_match_is_the_affinity_replica():
 
 
 def test_kv_pressure_releases_the_holder():
-    core, _ = make()
+    core, _ = make(kv_pressure_threshold=0.9)              # the ramp: full penalty at a full pool
     hold(core, "a", PREFIX)
     stats(core, "a", kv_cache_usage=1.0)
     d = core.route(req("r1"), ["a", "b"])

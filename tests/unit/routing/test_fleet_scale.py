@@ -241,3 +241,19 @@ def test_kv_pressure_is_judged_with_the_request_in_the_pool():
     # a short one fits either pool: the shorter queue wins
     d2 = core.route(RouteRequest("short", chain("short", 4), 4 * BS + 5, 16), ids)
     assert d2.chosen == "r0"
+
+
+def test_at_threshold_one_only_a_request_that_does_not_fit_pays_the_kv_penalty():
+    """The default: a pool 95% full costs a request that fits in it nothing (a small pool must not shed its
+    cached prefixes' requests early); one that does not fit pays in proportion to its overage."""
+    core, clock, ids = make(2, kv_pressure_threshold=1.0, kv_pressure_penalty_s=1.0)
+    stats(core, "r0", kv_cache_usage=0.95, num_blocks=1000, num_queued_prefill_tokens=0)
+    stats(core, "r1", kv_cache_usage=0.0, num_blocks=1000, num_queued_prefill_tokens=0)
+    clock.t += 0.1
+    fits = core.route(RouteRequest("fits", chain("fits", 20), 20 * BS + 5, 8), ids)
+    assert score(fits, "r0").predicted_ttft_s == pytest.approx(score(fits, "r1").predicted_ttft_s)
+    big = core.route(RouteRequest("big", chain("big", 300), 300 * BS + 5, 8), ids)     # 0.95 + 0.3 > 1
+    assert big.chosen == "r1"
+    own_prefill_s = (300 * BS + 5) / core.model.prefill_tokens_per_s
+    overage = score(big, "r0").kv_usage + 301 / 1000 - 1.0     # its uncached prompt and expected output
+    assert score(big, "r0").predicted_ttft_s == pytest.approx(own_prefill_s + overage, abs=0.02)
