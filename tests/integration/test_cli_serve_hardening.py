@@ -239,7 +239,7 @@ def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoi
             cli.stop()
     text = "".join(cli.out)
     assert rc == 0 and "Traceback" not in text, text[-3000:]
-    assert "ray.kill" not in text and "ActorDiedError" not in text, text[-3000:]     # issue 32.1's noise
+    assert "ActorDiedError" not in text, text[-3000:]                          # issue 32.1's traceback
     closing = [l for l in cli.out if l.startswith("[affinity-serve] stopped")]
     assert len(closing) == 1 and ("0 stream(s) ended" in closing[0]) == (expect == "finished"), closing
     assert time.monotonic() - t < drain_s + 40
