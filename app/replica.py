@@ -123,7 +123,8 @@ class LLMReplica:
                     chunk.replica_stats = self.stats()
                     num_finished += 1
                     self.metrics.record_sequence(finish_reason=d.finish_reason or "stop", **chunk.timings)
-                    self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0))
+                    self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0),
+                                             num_prompt_tokens=d.num_prompt_tokens)
                     chunk.trace_id = trace_id_hex(span)
                     logger.info("sequence finished", extra={
                         **ids, "index": d.index, "finish_reason": d.finish_reason,
