@@ -92,8 +92,9 @@ def test_a_fill_on_the_thread_gives_exactly_the_in_order_outputs(checkpoints, kw
 
 def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints, monkeypatch):
     """On CPU the engine fills on its worker thread (fill_on_thread is its default there; from 4 constrained
-    rows: n = 4 here), and the fill has started before the step's logits are computed: it overlaps the forward
-    instead of following it."""
+    rows: n = 4 here), and the fill is handed to that thread before the step's logits are computed: it
+    overlaps the forward instead of following it. (When the thread actually starts is the OS's choice: the
+    hand-off is what the engine controls.)"""
     eng = LLMEngine(EngineConfig.model_validate({"model": checkpoints["llama"],
                                                  "cache": {"num_blocks": 128, "block_size": 4}}))
     assert eng.structured_output.fill_on_thread
@@ -105,6 +106,15 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
         return fill(*a)
 
     monkeypatch.setattr(eng.structured_output, "_fill", recording_fill)
+    handed = eng.structured_output.grammar_bitmask
+
+    def recording_hand_off(*a):
+        bitmask = handed(*a)
+        if bitmask is not None:
+            events.append(("handed", ""))
+        return bitmask
+
+    monkeypatch.setattr(eng.structured_output, "grammar_bitmask", recording_hand_off)
     model = eng.runner.model
     logits = model.compute_logits
     monkeypatch.setattr(model, "compute_logits", lambda h: (events.append(("logits", "")), logits(h))[1])
@@ -116,8 +126,10 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     fills = [i for i, (what, _) in enumerate(events) if what == "fill"]
     assert len(fills) == len(out[("j", 0)][0])           # one fill per step (the 4 rows run in step)
     assert all(events[i][1].startswith("grammar-bitmask") for i in fills)
-    # each fill began before its step's logits (the next "logits" event after the previous fill)
-    assert all(events[i + 1][0] == "logits" for i in fills)
+    # each step's fill was handed to the thread before that step's logits (the next "logits" event)
+    steps = [what for what, _ in events if what in ("handed", "logits")]
+    handed_at = [i for i, w in enumerate(steps) if w == "handed"]
+    assert len(handed_at) == len(fills) and all(steps[i + 1] == "logits" for i in handed_at)
 
 
 @pytest.mark.parametrize("fill_on_thread", [False, True])
