@@ -266,17 +266,9 @@ class ChatCompletionRequest(_OpenAIRequest):
         return out
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's): a `prompt` as the completions API tokenizes it, or `messages` (and `tools`)
     rendered by the chat template as the chat API does."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields_only(cls, data: Any) -> Any:
-        reject_unknown_fields(cls, data)
-        return data
 
     model: str | None = None
     prompt: str | None = None
@@ -300,16 +292,8 @@ class TokenizeRequest(BaseModel):
         return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's): token ids back to text, special tokens kept."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields_only(cls, data: Any) -> Any:
-        reject_unknown_fields(cls, data)
-        return data
 
     model: str | None = None
     tokens: list[TokenId] = Field(..., max_length=1_000_000)

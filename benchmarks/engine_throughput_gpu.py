@@ -215,22 +215,11 @@ def load_family(fam: str, args, tmp: str, device: torch.device, dt: torch.dtype,
 
 
 def blocks_held(llm, ps: list[list[int]], new: int) -> list[tuple[int | None, int]]:
-    """(window, most blocks held) per KV-cache group over the steps where every request decodes (one untimed run)."""
-    from engine import SamplingParams
-    eng = llm.engine
-    kv = eng.kv_cache_manager
-    assert eng.reset_prefix_cache()
-    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
-    for i, p in enumerate(ps):
-        eng.add_request(f"h{i}", p, params)
-    peak = [0] * len(kv.groups)
-    while eng.has_unfinished_requests():
-        eng.step()
-        tables = list(kv.req_to_group_blocks.values())
-        if len(tables) == len(ps) and all(r.num_output_tokens >= 1 for r in eng.scheduler.running):
-            for g in range(len(kv.groups)):
-                peak[g] = max(peak[g], sum(1 for t in tables for b in t[g] if not b.is_null))
-    return [(g.window, n) for g, n in zip(kv.groups, peak)]
+    """(window, most blocks held) per KV-cache group over the steps where every request decodes (one untimed run,
+    the CPU benchmark's measurement)."""
+    from benchmarks.engine_throughput import blocks_held as held_per_group
+    held = held_per_group(llm, ps, new)
+    return list(zip(held["windows"], held["blocks"]))
 
 
 def main() -> None:

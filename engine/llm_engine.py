@@ -360,7 +360,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt_logprobs come from the prefill engine; drop them from the decode "
                                       "request", param="prompt_logprobs")
         if params.structured_output is not None:
-            # TODO(issue 28): advance the grammar over the first token once it has compiled
+            # not supported: the decode side would have to advance the grammar over the transferred first token
+            # once it compiled; the app serves such requests unified (docs/disaggregation.md)
             raise InvalidRequestError("structured outputs are not continued from a remote prefill yet; serve "
                                       "them unified", param="kv_transfer_params")
 

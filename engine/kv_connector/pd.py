@@ -21,6 +21,7 @@ backends. One engine may play both parts (a request chooses by the value it brin
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from engine.request import RequestStatus
 if TYPE_CHECKING:
     from engine.request import Request
     from engine.types import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- what a request carries
@@ -384,8 +387,8 @@ class LocalTransport:
     def release(self, remote: RemotePrefill) -> None:
         try:
             self._source(remote.engine_id).release_held(remote.transfer_id)
-        except KVTransferError:
-            pass
+        except KVTransferError:     # the prefill engine is gone: its holds went with it (best effort, per the API)
+            logger.debug("releasing %s: prefill engine %s is gone", remote.transfer_id, remote.engine_id)
 
 
 _default_local: LocalTransport | None = None
