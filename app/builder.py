@@ -8,18 +8,18 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from app.config import AppConfig
-from app.http import APIKeyDigest
-from app.ingress import IngressServer
-from app.replica import LLMReplica
-from app.routing.serve_router import AffinityRequestRouter
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.http import APIKeyDigest
+from affinity_serve.app.ingress import IngressServer
+from affinity_serve.app.replica import LLMReplica
+from affinity_serve.app.routing.serve_router import AffinityRequestRouter
 
 
 def resolve_model(config: AppConfig) -> AppConfig:
     """Fill in the demo model directory when no model is configured (generated once, cached)."""
     if config.engine.model:
         return config
-    from engine import ensure_demo_model
+    from affinity_serve.engine import ensure_demo_model
     path = ensure_demo_model()
     return config.model_copy(update={"engine": config.engine.model_copy(update={"model": str(path)})})
 
@@ -60,7 +60,7 @@ def http_limits_env(config: AppConfig) -> dict[str, str]:
     """The environment under which Serve's proxy enforces the HTTP layer's limits (header size, body read
     time and size, requests in flight; Serve's client-hint headers removed): set where the proxy starts
     (the CLI sets it before it starts its local Ray; on a cluster, the nodes' environment, docs/limits.md)."""
-    from app.http import HTTP_LIMITS_ENV, PROXY_CALLBACK, PROXY_CALLBACK_ENV
+    from affinity_serve.app.http import HTTP_LIMITS_ENV, PROXY_CALLBACK, PROXY_CALLBACK_ENV
     s = config.serve
     limits = {"max_header_bytes": s.max_header_bytes, "max_body_bytes": s.max_request_body_bytes,
               "body_read_timeout_s": s.body_read_timeout_s, "max_connections": s.max_connections,
@@ -104,8 +104,8 @@ def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
     """P/D disaggregation (app/disagg.py): the decode pool, bound to a handle on the prefill pool. Each pool is an
     LLMReplica deployment with its own router (prefix affinity on its own replicas' caches); the decode one keeps
     the name LLMReplica, as the ingress's target."""
-    from app.disagg import DecodeReplica, PrefillReplica
-    from app.disagg_config import pool_engine_config
+    from affinity_serve.app.disagg import DecodeReplica, PrefillReplica
+    from affinity_serve.app.disagg_config import pool_engine_config
     d = config.disaggregation
     base = replica_deployment(config)
     obs = config.observability.model_dump()
@@ -125,7 +125,7 @@ def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
 
 def engine_policy_kwargs(config: AppConfig) -> dict[str, Any]:
     """autoscale.policy.PolicyConfig's fields from the autoscaling section (JSON: Serve ships them)."""
-    from autoscale.policy import PolicyConfig
+    from affinity_serve.autoscale.policy import PolicyConfig
     a = config.autoscaling.model_dump()
     return {k: a[k] for k in PolicyConfig.__dataclass_fields__}
 
@@ -146,7 +146,7 @@ def autoscaling_config(config: AppConfig) -> dict[str, Any]:
                                 "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
                                 "downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
     return out | {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
-                  "policy": {"policy_function": "autoscale.serve_policy:EngineAwarePolicy",
+                  "policy": {"policy_function": "affinity_serve.autoscale.serve_policy:EngineAwarePolicy",
                              "policy_kwargs": engine_policy_kwargs(config)}}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.config import AppConfig
+    from affinity_serve.app.config import AppConfig
 
 #: the environment variable `serve` reads the API key from (a key never goes on the command line or stdout)
 API_KEY_ENV = "AFFINITY_SERVE_API_KEY"
@@ -23,8 +23,8 @@ API_KEY_ENV = "AFFINITY_SERVE_API_KEY"
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a bad configuration or checkpoint prints one message and returns 2."""
     args = _parser().parse_args(argv)
-    from app.config import ConfigError
-    from engine.errors import ModelLoadError
+    from affinity_serve.app.config import ConfigError
+    from affinity_serve.engine.errors import ModelLoadError
     try:
         if args.cmd == "demo-model":
             return demo_model_cmd(args)
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def demo_model_cmd(args) -> int:
-    from engine import write_demo_model
+    from affinity_serve.engine import write_demo_model
     path = write_demo_model(args.path, arch=args.arch, seed=args.seed)
     print(f"wrote demo {args.arch} checkpoint to {path}")
     return 0
@@ -97,7 +97,7 @@ def demo_model_cmd(args) -> int:
 def config_cmd(args) -> int:
     """Checks the configuration only: the model path may exist only where the replicas run."""
     import yaml
-    from app.config import AppConfig
+    from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -108,7 +108,7 @@ def deploy_cmd(args) -> int:
     """Connects to the running cluster, starts Serve's HTTP proxy on serve.host:serve.port (proxy_location),
     deploys, and returns once the app runs; Serve keeps it running inside the cluster. The model path is
     checked by the replicas: it lives on their nodes."""
-    from app.config import AppConfig
+    from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config)
     check_extras(cfg)
     import ray
@@ -116,7 +116,7 @@ def deploy_cmd(args) -> int:
 
     ray.init(address=args.address, logging_level="WARNING")
     start_serve(cfg)
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
     serve.run(build_app(cfg), name=cfg.serve.app_name, route_prefix=cfg.serve.route_prefix, blocking=False)
     print(f"[affinity-serve] deployed {cfg.serve.app_name} at http://{cfg.serve.host}:{cfg.serve.port}", flush=True)
     return 0
@@ -141,7 +141,7 @@ def _version() -> str:
 
 
 def _load_config(args) -> "AppConfig":
-    from app.config import AppConfig, ConfigError
+    from affinity_serve.app.config import AppConfig, ConfigError
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     data = cfg.model_dump()
     if args.model and args.model_tag and args.model != args.model_tag:
@@ -167,7 +167,7 @@ def _load_config(args) -> "AppConfig":
 def _api_key(args) -> str | None:
     """The API key from --api-key-file, the environment, or --api-key (that one with a warning); None: the
     config file's (if any). Never printed."""
-    from app.config import ConfigError
+    from affinity_serve.app.config import ConfigError
     if getattr(args, "api_key_file", None):
         try:
             key = Path(args.api_key_file).read_text().strip()
@@ -196,7 +196,7 @@ def check_extras(cfg: "AppConfig") -> None:
     """Before Ray starts: a configured feature whose optional dependency is not installed is one line (a
     replica or ingress would otherwise fail to start, over and over, with a traceback each time)."""
     import importlib.util
-    from app.config import ConfigError
+    from affinity_serve.app.config import ConfigError
     for key, wanted, module, extra in _EXTRAS:
         if not wanted(cfg):
             continue
@@ -212,8 +212,8 @@ def check_extras(cfg: "AppConfig") -> None:
 
 def check_model(cfg: "AppConfig") -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
-    from engine import resolve_context_length, validate_checkpoint
-    from app.config import ConfigError
+    from affinity_serve.engine import resolve_context_length, validate_checkpoint
+    from affinity_serve.app.config import ConfigError
     args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
     try:
         resolve_context_length(args, cfg.engine.max_model_len)
@@ -226,7 +226,7 @@ def check_model(cfg: "AppConfig") -> None:
                                                     "GPU; use device: auto or cpu"])
     conn = cfg.engine.kv_connector
     if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
-        from engine import UnsafeSharedStoreError, check_shared_root, default_shared_root
+        from affinity_serve.engine import UnsafeSharedStoreError, check_shared_root, default_shared_root
         try:
             check_shared_root(conn.shared_dir or default_shared_root(), conn.shared_group)
         except UnsafeSharedStoreError as e:
@@ -235,7 +235,7 @@ def check_model(cfg: "AppConfig") -> None:
 
 def serve_cmd(args) -> int:
     cfg = _load_config(args)
-    from app.builder import build_app, resolve_model
+    from affinity_serve.app.builder import build_app, resolve_model
 
     if not cfg.engine.model:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
@@ -397,7 +397,7 @@ def init_ray(address: str | None, cfg: "AppConfig", dashboard_port: int | None =
         import ray
         ray.init(address=address, configure_logging=True, logging_level="WARNING")
         return
-    from app.builder import http_limits_env
+    from affinity_serve.app.builder import http_limits_env
     os.environ.update(http_limits_env(cfg))         # the proxy, a worker of the Ray started below, reads it
     # Before Ray is imported: Ray reads it once. Off, Ray binds its GCS, raylet, workers and agents to the
     # loopback address instead of every interface (an open Ray port runs any code that reaches it).
@@ -411,7 +411,7 @@ def init_ray(address: str | None, cfg: "AppConfig", dashboard_port: int | None =
                  if dashboard_port is not None else {"include_dashboard": False})
     ray.init(address="local", _node_ip_address="127.0.0.1", configure_logging=True, logging_level="WARNING",
              num_cpus=max(2, os.cpu_count() or 2) * 2,
-             runtime_env={"worker_process_setup_hook": "app.cli.loopback_worker_setup"}, **dashboard)
+             runtime_env={"worker_process_setup_hook": "affinity_serve.app.cli.loopback_worker_setup"}, **dashboard)
 
 
 def loopback_worker_setup() -> None:
@@ -436,7 +436,7 @@ def start_serve(cfg: "AppConfig") -> None:
 
     from ray import serve
 
-    from app.builder import serve_start_options
+    from affinity_serve.app.builder import serve_start_options
     serve_logger = logging.getLogger("ray.serve")
     if not any(isinstance(f, _NoReconnectNotice) for f in serve_logger.filters):
         serve_logger.addFilter(_NoReconnectNotice())

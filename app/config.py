@@ -11,9 +11,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, ValidationError, field_validator,
                       model_validator)
 
-from app.disagg_config import DisaggregationSection
-from app.routing.config import AffinityConfig, RoutingPolicyName
-from engine.config import EngineConfig
+from affinity_serve.app.disagg_config import DisaggregationSection
+from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
+from affinity_serve.engine.config import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -226,7 +226,7 @@ class AppConfig(_Strict):
         if not self.engine.cache.enable_prefix_caching:
             raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
                              "admitted as prefix hits)")
-        from app.disagg_config import pool_engine_config
+        from affinity_serve.app.disagg_config import pool_engine_config
         base = {**self.engine.model_dump(), "model": self.engine.model or "unresolved"}
         for name in ("prefill", "decode"):
             try:

@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import APIError
-from app.protocol import GenerateRequest, ReplicaChunk
-from app.replica import LLMReplica
-from engine import KVTransferError, RemoteDecode, RemotePrefill
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.replica import LLMReplica
+from affinity_serve.engine import KVTransferError, RemoteDecode, RemotePrefill
 
 logger = logging.getLogger("affinity.disagg")
 
@@ -175,7 +175,7 @@ class DecodeReplica(LLMReplica):
             async for c in super().generate(req):
                 yield c
             return
-        from observability.tracing import context_from_carrier
+        from affinity_serve.observability.tracing import context_from_carrier
         span = self.tracer.start_span(SPAN_REMOTE_PREFILL, context=context_from_carrier(req.trace_context),
                                       attributes={"replica": self.replica_id, "pd.local_blocks": skip,
                                                   "pd.prompt_tokens": len(req.prompt_token_ids)})

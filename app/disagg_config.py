@@ -49,7 +49,7 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def pool_engine_config(engine: dict[str, Any], pool: PoolSection, section: DisaggregationSection) -> dict[str, Any]:
     """A pool's engine config (a dict, as replicas take it): the engine section, the pool's settings, and the
     P/D connector."""
-    from engine.config import EngineConfig
+    from affinity_serve.engine.config import EngineConfig
     cfg = merge(engine, pool.engine)
     kv = {**cfg.get("kv_connector", {}), "type": "pd", "transfer_timeout_s": section.transfer_timeout_s}
     return EngineConfig.model_validate({**cfg, "kv_connector": kv}).model_dump()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.errors import (ContextLengthExceededError, EngineDeadError, EngineError, InvalidRequestError,
+from affinity_serve.engine.errors import (ContextLengthExceededError, EngineDeadError, EngineError, InvalidRequestError,
                            ModelLoadError)
 
 

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.errors import APIError
-from app.prompts import PreparedRequest
-from app.protocol import GenerateRequest, ReplicaChunk
-from app.stats import ReplicaStats
-from engine.types import Logprobs
-from observability.requests import RequestRecord, RoutingRecord
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.prompts import PreparedRequest
+from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.stats import ReplicaStats
+from affinity_serve.engine.types import Logprobs
+from affinity_serve.observability.requests import RequestRecord, RoutingRecord
 
 
 def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[GenerateRequest]:

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from app.errors import APIError
+from affinity_serve.app.errors import APIError
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -221,7 +221,7 @@ CLIENT_HINT_HEADERS = frozenset({b"x-request-disconnect-disabled", b"x-request-t
 #: What the CLI sets in the environment of the Ray it starts (builder.http_limits_env), so that Serve's proxy
 #: installs the middleware (Ray 2.60 takes proxy middlewares only from this callback, not from HTTPOptions).
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "app.http:proxy_middlewares"
+PROXY_CALLBACK = "affinity_serve.app.http:proxy_middlewares"
 HTTP_LIMITS_ENV = "AFFINITY_SERVE_HTTP_LIMITS"
 
 

@@ -19,20 +19,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.config import AppConfig
-from app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
-from app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
-from app.metrics_hub import MetricsExporter, serve_app_and_replica
-from app.prompts import RequestKind
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from app.routing import debug as routing_debug
-from app.serving import OpenAIRequest, OpenAIServing
-from engine import load_tokenizer
-from observability.logs import configure_json_logging, request_id_var
-from observability.metrics import ServingMetrics
-from observability.requests import RequestObserver
-from observability.setup import setup_telemetry
-from observability.tracing import extract_context, inject_carrier
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
+from affinity_serve.app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
+from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from affinity_serve.app.routing import debug as routing_debug
+from affinity_serve.app.serving import OpenAIRequest, OpenAIServing
+from affinity_serve.engine import load_tokenizer
+from affinity_serve.observability.logs import configure_json_logging, request_id_var
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver
+from affinity_serve.observability.setup import setup_telemetry
+from affinity_serve.observability.tracing import extract_context, inject_carrier
 
 logger = logging.getLogger("affinity.ingress")
 # FastAPI's own /docs, /redoc and /openapi.json are off: the Ingress serves them itself, only without an API

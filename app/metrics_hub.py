@@ -20,7 +20,7 @@ from typing import Any
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from observability.aggregate import MetricsAggregate, Snapshot, render, snapshot_of
+from affinity_serve.observability.aggregate import MetricsAggregate, Snapshot, render, snapshot_of
 
 logger = logging.getLogger("affinity.metrics")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.types import Logprobs
+from affinity_serve.engine.types import Logprobs
 
 TokenStr = Callable[[int], str]
 

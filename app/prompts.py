@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from app.errors import APIError
-from app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from app.tool_calls import ToolCallMode, tool_call_grammar
-from engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.hashing import BlockHash, hash_block_chain
-from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputSpec
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from affinity_serve.app.tool_calls import ToolCallMode, tool_call_grammar
+from affinity_serve.engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
+from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.structured_output import StructuredOutputSpec
 
 
 class RequestKind(str, Enum):

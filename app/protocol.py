@@ -6,11 +6,11 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.errors import APIError
+from affinity_serve.app.errors import APIError
 
-from app.stats import ReplicaStats
-from engine.sampling_params import SamplingParams
-from engine.types import Logprobs
+from affinity_serve.app.stats import ReplicaStats
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.types import Logprobs
 
 
 #: The engine's integer ranges: token counts and ids are 32-bit, seeds 64-bit. A larger number is a 400 here,
@@ -164,7 +164,7 @@ class _OpenAIRequest(BaseModel):
         """The engine's parameters; `n` sequences per prompt (more than `self.n` for best_of)."""
         bias = None
         if self.logit_bias:
-            from engine.errors import InvalidRequestError
+            from affinity_serve.engine.errors import InvalidRequestError
             try:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:

@@ -15,17 +15,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
-from app.metrics_hub import MetricsExporter, serve_app_and_replica
-from app.protocol import GenerateRequest, ReplicaChunk
-from app.routing.serve_compat import drop_kv_feed_access_logs
-from app.stats import ReplicaStats, load_sample
-from autoscale.signals import SignalRecorder, refilled_tokens
-from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.types import KVCacheSnapshot, KVEventsReply
-from observability import names
-from observability.metrics import ReplicaLoadSample, ReplicaMetrics
+from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
+from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
+from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.routing.serve_compat import drop_kv_feed_access_logs
+from affinity_serve.app.stats import ReplicaStats, load_sample
+from affinity_serve.autoscale.signals import SignalRecorder, refilled_tokens
+from affinity_serve.engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
+from affinity_serve.engine.errors import EngineDeadError, InvalidRequestError
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.observability import names
+from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics
 
 logger = logging.getLogger("affinity.replica")
 
@@ -50,8 +50,8 @@ class LLMReplica:
 
     def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
                  observability: dict[str, Any] | None = None):
-        from observability.logs import configure_json_logging
-        from observability.setup import setup_telemetry
+        from affinity_serve.observability.logs import configure_json_logging
+        from affinity_serve.observability.setup import setup_telemetry
 
         obs = observability or {}
         configure_json_logging(obs.get("log_level", "INFO"))
@@ -85,7 +85,7 @@ class LLMReplica:
         """Stream chunks; the last chunk of each sequence carries finish_reason, timings and stats.
 
         `kv_transfer` (P/D disaggregation, app/disagg.py): the RemotePrefill of each sequence, continued here."""
-        from observability.tracing import context_from_carrier, trace_id_hex
+        from affinity_serve.observability.tracing import context_from_carrier, trace_id_hex
 
         ids = {"request_id": req.client_request_id or req.request_id, "engine_req_id": req.request_id}
         arrival = time.monotonic()

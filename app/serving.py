@@ -14,18 +14,18 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from app import openai_format as fmt
-from app.errors import APIError
-from app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
-from app.prompts import (PreparedRequest, RequestKind, detokenize_request, max_token_chars, prepare_request,
-                         text_chars, tokenize_request)
-from app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, ReplicaChunk,
-                          TokenizeRequest)
-from app.tool_calls import ToolCallMode, ToolCallStream, auto_content, tool_calls_message
-from app.routing import debug as routing_debug
-from engine import EngineLimits
-from observability.metrics import ServingMetrics
-from observability.requests import RequestObserver, RequestSpan
+from affinity_serve.app import openai_format as fmt
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.fanout import ReplicaWait, RequestRun, SequenceResult, merged_chunks, replica_requests
+from affinity_serve.app.prompts import (PreparedRequest, RequestKind, detokenize_request, max_token_chars,
+                                        prepare_request, text_chars, tokenize_request)
+from affinity_serve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest,
+                                         ReplicaChunk, TokenizeRequest)
+from affinity_serve.app.tool_calls import ToolCallMode, ToolCallStream, auto_content, tool_calls_message
+from affinity_serve.app.routing import debug as routing_debug
+from affinity_serve.engine import EngineLimits
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver, RequestSpan
 
 logger = logging.getLogger("affinity.serving")
 

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from observability.metrics import ReplicaLoadSample
+from affinity_serve.observability.metrics import ReplicaLoadSample
 
 if TYPE_CHECKING:
-    from engine import EngineLoad
+    from affinity_serve.engine import EngineLoad
 
 
 @dataclass(frozen=True, slots=True)

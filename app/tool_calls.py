@@ -24,9 +24,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.errors import APIError
-from app.protocol import ChatCompletionRequest
-from engine.structured_output import StructuredOutputSpec
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.protocol import ChatCompletionRequest
+from affinity_serve.engine.structured_output import StructuredOutputSpec
 
 #: a function with no `parameters` takes an empty object, as OpenAI documents
 _NO_PARAMETERS = {"type": "object", "properties": {}}

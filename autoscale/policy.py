@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from autoscale.signals import ReplicaSignals
+from affinity_serve.autoscale.signals import ReplicaSignals
 
 
 class Reason(str, Enum):

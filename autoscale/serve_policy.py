@@ -1,7 +1,7 @@
 """EngineAwarePolicy: the adapter from Ray Serve's custom autoscaling policy hook to `policy.decide`.
 
 Serve instantiates the class once in its controller (`AutoscalingPolicy(policy_function=
-"autoscale.serve_policy:EngineAwarePolicy", policy_kwargs={...})`, the kwargs being `PolicyConfig`'s
+"affinity_serve.autoscale.serve_policy:EngineAwarePolicy", policy_kwargs={...})`, the kwargs being `PolicyConfig`'s
 fields) and calls it about every 0.1 s with an `AutoscalingContext`; it returns (target, policy_state).
 The replicas' `record_autoscaling_stats()` dicts (autoscale.signals.METRIC_KEYS) arrive averaged over
 `look_back_period_s` in `ctx.aggregated_metrics[key][replica_id]`.
@@ -15,8 +15,8 @@ import logging
 import time
 from typing import Any
 
-from autoscale.policy import PolicyConfig, PolicyState, Reason, ScalingDecision, decide
-from autoscale.signals import METRIC_KEYS, ReplicaSignals
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, Reason, ScalingDecision, decide
+from affinity_serve.autoscale.signals import METRIC_KEYS, ReplicaSignals
 
 # A child of Serve's own logger: in the controller, Serve's handlers (logs/serve/controller_*.log, at INFO)
 # write our decisions next to its "Upscaling ..." lines; a logger outside "ray.serve" reached no handler there.

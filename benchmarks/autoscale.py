@@ -56,14 +56,14 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo, ReplicaLoadView,  # noqa: E402
-                         RouteRequest, make_core)
-from autoscale.policy import PolicyConfig, PolicyState, decide  # noqa: E402
-from autoscale.signals import ReplicaSignals, SignalRecorder, refilled_tokens  # noqa: E402
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo,  # noqa: E402
+                                        ReplicaLoadView, RouteRequest, make_core)
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, decide  # noqa: E402
+from affinity_serve.autoscale.signals import ReplicaSignals, SignalRecorder, refilled_tokens  # noqa: E402
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
 from benchmarks.routing.workload import (Trace, TraceRequest, WorkloadSpec, generate, read_trace,  # noqa: E402
                                          write_trace)
-from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain  # noqa: E402
 
 #: (start fraction of the trace, load at start, load at end) — load as a fraction of the burst's peak
 PROFILE = [(0.00, 0.2, 0.2), (0.10, 0.2, 0.5), (0.40, 0.5, 0.5), (0.50, 1.0, 1.0), (0.60, 0.5, 0.5),

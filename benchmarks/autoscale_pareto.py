@@ -46,7 +46,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autoscale.policy import PolicyConfig  # noqa: E402
+from affinity_serve.autoscale.policy import PolicyConfig  # noqa: E402
 from benchmarks.autoscale import (APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, AutoscaleSim,  # noqa: E402
                                   DynamoPlannerPolicy, EnginePolicy, RayDefaultPolicy, RunResult, SimConfig,
                                   read_trace, shaped_trace, write_trace)

@@ -470,7 +470,7 @@ LARGE_DEMO = dict(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, i
 
 def resolve_model(name: str) -> str:
     """`demo` (the demo model), `demo-large` (LARGE_DEMO, written once next to the demo model) or a path."""
-    from engine.demo import default_demo_model_dir, ensure_demo_model, write_demo_model
+    from affinity_serve.engine.demo import default_demo_model_dir, ensure_demo_model, write_demo_model
     if name == "demo":
         return str(ensure_demo_model())
     if name != "demo-large":
@@ -501,7 +501,7 @@ def deploy(spec: RealSpec, model: str, autoscaling: dict[str, Any] | None, repli
     deploy time."""
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
     t0 = time.monotonic()
     cfg = real_app_config(spec, model, autoscaling, replicas, warmup_on_join)
     serve.run(build_app(cfg), name=real.APP_NAME, route_prefix=real.ROUTE)

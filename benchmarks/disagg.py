@@ -27,9 +27,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine import LLM, RemoteDecode, SamplingParams
-from engine.demo import write_demo_model
-from engine.kv_connector import LocalTransport
+from affinity_serve.engine import LLM, RemoteDecode, SamplingParams
+from affinity_serve.engine.demo import write_demo_model
+from affinity_serve.engine.kv_connector import LocalTransport
 
 
 @dataclass
@@ -222,7 +222,7 @@ def transfer_cost(model, nblocks_list, repeats=5):
                         remote = dd.kv_transfer
             t = time.perf_counter()
             data = p.kv_source.read_held_blocks(remote.transfer_id, 0, remote.num_blocks)
-            from engine.kv_connector.pd import RemoteRead
+            from affinity_serve.engine.kv_connector.pd import RemoteRead
             w = d._kv_connector_worker
             w._land(RemoteRead(None, list(range(1, nb + 1)), [], remote=remote), data)
             times.append(time.perf_counter() - t)

@@ -61,7 +61,7 @@ def write_hf_checkpoint(path: str | Path, config_class: str, *, dtype: str = "fl
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from engine.demo import build_tokenizer
+    from affinity_serve.engine.demo import build_tokenizer
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -96,7 +96,7 @@ def run_hf(model, ps: list[list[int]], new: int = NEW) -> tuple[float, int]:
 def blocks_held(llm, ps: list[list[int]], new: int) -> dict:
     """One untimed run that records, at every step once every request decodes, the blocks each KV-cache group
     holds (over all requests); returns the most each group held then, with the groups' windows."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     eng = llm.engine
     kv = eng.kv_cache_manager
     assert eng.reset_prefix_cache()
@@ -117,7 +117,7 @@ def model_case(key: str, tmp: str, threads: int, reps: int) -> list[dict]:
     """Case `moe` or `sliding`: a checkpoint of that shape, transformers and ours on it, interleaved."""
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from affinity_serve.engine import LLM
     if key == "moe":
         path = write_hf_checkpoint(Path(tmp) / "moe", "Qwen3MoeConfig", **MOE)
         name, ps, new = "MoE (Qwen3-MoE-shaped) 32 x 128 -> 64", prompts(32, 128), NEW
@@ -161,7 +161,7 @@ def model_case(key: str, tmp: str, threads: int, reps: int) -> list[dict]:
 
 
 def run_ours(llm, ps: list[list[int]], new: int = NEW) -> tuple[float, int]:
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     assert llm.engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
     t = time.perf_counter()
@@ -181,8 +181,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
-    from engine.demo import write_demo_model
+    from affinity_serve.engine import LLM
+    from affinity_serve.engine.demo import write_demo_model
 
     tmp = tempfile.mkdtemp(prefix="affinity-bench-")
     print(f"[engine_throughput] writing the benchmark model to {tmp} ...", flush=True)
@@ -228,7 +228,7 @@ def main() -> None:
                 m.plain_rows = 0 if linears == "packed" else HYBRID_PLAIN_ROWS
         return engine
 
-    from engine.models.linear import HYBRID_PLAIN_ROWS, PackedLinear
+    from affinity_serve.engine.models.linear import HYBRID_PLAIN_ROWS, PackedLinear
     kernel, c_ops_impl = llm.engine.runner.backend.decode_kernel, llm.engine.runner.model.ops
     if not llm.engine.runner.model.fused:
         c_ops_impl = None

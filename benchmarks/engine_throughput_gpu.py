@@ -134,7 +134,7 @@ def run_hf(model, ps: list[list[int]], new: int, device: torch.device) -> float:
 
 def run_ours(llm, ps: list[list[int]], new: int) -> tuple[float, float, int]:
     """(total seconds, mean decode step seconds once every sequence decodes, decode steps measured)."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     eng = llm.engine
     assert eng.reset_prefix_cache()
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -192,7 +192,7 @@ def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
 def load_family(fam: str, args, tmp: str, device: torch.device, dt: torch.dtype, say):
     """(checkpoint path, our cfg dict for the floor, MoE (E, k) or None, layer windows or None) for one family."""
     from benchmarks.engine_throughput import write_hf_checkpoint
-    from engine.demo import write_demo_model
+    from affinity_serve.engine.demo import write_demo_model
     if fam == "llama":
         cfg = TINY if args.tiny else LLAMA_1B
         say(f"writing the {'tiny' if args.tiny else 'Llama-3.2-1B-shaped'} model ({args.dtype}) to {tmp} ...")
@@ -209,7 +209,7 @@ def load_family(fam: str, args, tmp: str, device: torch.device, dt: torch.dtype,
     moe = (hf_cfg["num_experts"], hf_cfg["num_experts_per_tok"]) if fam == "moe" else None
     windows = None
     if fam == "sliding":
-        from engine.models.config import ModelArgs
+        from affinity_serve.engine.models.config import ModelArgs
         windows = list(ModelArgs.from_dir(path).layer_windows)
     return path, cfg, moe, windows
 
@@ -278,7 +278,7 @@ def run_family(fam: str, fam_cases: list, args, tmp: str, device: torch.device, 
     """Write one family's model, load transformers and ours on it, run its cases interleaved."""
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from affinity_serve.engine import LLM
     path, cfg, moe, windows = load_family(fam, args, tmp, device, dt, say)
     say("loading transformers ...")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dt).to(device).eval()

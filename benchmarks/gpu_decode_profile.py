@@ -37,8 +37,8 @@ def main() -> None:
         sys.exit("needs a CUDA GPU")
     if args.sweep:
         attention_sweep(torch.device("cuda"))
-    from engine import LLM, SamplingParams
-    from engine.demo import write_demo_model
+    from affinity_serve.engine import LLM, SamplingParams
+    from affinity_serve.engine.demo import write_demo_model
 
     path = write_demo_model(tempfile.mkdtemp(prefix="affinity-gpu-profile-"), dtype="bfloat16", **LLAMA_1B)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -129,8 +129,8 @@ def attention_sweep(device: torch.device, batches=(32, 128), prefixes=(512, 2048
     """Per-call time of one layer's decode attention: `batch` decodes, each at prefix + tail + i % 16 tokens,
     whose first `prefix` tokens are the same pages. Rows of plain (split-K over each request's keys) and
     cascade at each prefix split count P (the kernel's default P marked), printed as a table and returned."""
-    from engine.attention import build_attention_metadata
-    from engine.attention import triton_paged as tp
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention import triton_paged as tp
 
     bs = 16
     rows, default_p = [], {}

@@ -41,18 +41,18 @@ BLOCK = 16
 
 # ---------------------------------------------------------------- 1. overhead (runs in a subprocess)
 def _scheduler_step_us(variant: str, steps: int) -> float:
-    from engine.config import SchedulerConfig
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
-    from engine.types import ModelRunnerOutput
+    from affinity_serve.engine.config import SchedulerConfig
+    from affinity_serve.engine.kv_cache_manager import KVCacheManager
+    from affinity_serve.engine.request import Request
+    from affinity_serve.engine.sampling_params import SamplingParams
+    from affinity_serve.engine.scheduler import Scheduler
+    from affinity_serve.engine.types import ModelRunnerOutput
 
     n, max_len = 256, 8192
     kv = KVCacheManager(n * 40 + 16, BLOCK, max_len)
     kw = {}
     if variant == "offload-idle":
-        from engine.kv_connector import KVLayout, OffloadConnectorScheduler
+        from affinity_serve.engine.kv_connector import KVLayout, OffloadConnectorScheduler
         kw["kv_connector"] = OffloadConnectorScheduler(KVLayout(8, 4, 64, BLOCK, "float32", 4), 4096)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=n + 4096, max_num_seqs=n + 1), kv, max_len, **kw)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0)
@@ -80,7 +80,7 @@ def _scheduler_step_us(variant: str, steps: int) -> float:
 
 def _engine_tokens_per_s(variant: str, model: str, threads: int) -> float:
     import torch
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
     torch.manual_seed(0)
     kw = {}
     if variant == "offload-idle":
@@ -138,7 +138,7 @@ def overhead(args, model: str) -> list[dict]:
 
 # ---------------------------------------------------------------- 2 + 3. TTFT and bandwidth
 def _ttft(engine, rid: str, prompt: list[int]) -> tuple[float, int]:
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     ttft, cached = None, 0
@@ -187,8 +187,8 @@ def _timed(fn) -> float:
 
 def ttft_cases(args, model: str) -> dict:
     import torch
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    from affinity_serve.engine.llm_engine import LLMEngine
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(7)
     plen = args.prompt_len
@@ -256,9 +256,9 @@ def store_policy(args, model: str) -> list[dict]:
     """Prefixes revisited under pool pressure: what each store policy copies and what it saves."""
     import random
 
-    from engine import SamplingParams
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from affinity_serve.engine import SamplingParams
+    from affinity_serve.engine.config import EngineConfig
+    from affinity_serve.engine.llm_engine import LLMEngine
     plen = args.prompt_len // 2
     rows = []
     for pool, store_on in [(p, s) for p in ("small", "large") for s in ("none", "evict", "finish")]:
@@ -318,7 +318,7 @@ def _main() -> None:
         return
     if args.quick:
         args.reps, args.ttft_reps, args.steps, args.prompt_len, args.policy_requests = 1, 1, 100, 512, 12
-    from engine.demo import write_demo_model
+    from affinity_serve.engine.demo import write_demo_model
     model = str(Path(tempfile.mkdtemp(prefix="kvc-model-")) / "llama56m")
     write_demo_model(model, arch="llama", seed=0, **MODEL)
     result: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "variant", "model")}}

@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.kv_events import KVEventLog  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.types import BlockStored, KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
+from affinity_serve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from affinity_serve.engine.kv_events import KVEventLog  # noqa: E402
+from affinity_serve.engine.request import Request  # noqa: E402
+from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
+from affinity_serve.engine.types import BlockStored, KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
 
 BLOCK = 16
 REPLICA_COUNTS = (8, 32, 128)

@@ -22,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.gc_policy import tune_gc_for_serving  # noqa: E402
-from engine.hashing import hash_block_tokens  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.types import ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
+from affinity_serve.engine.gc_policy import tune_gc_for_serving  # noqa: E402
+from affinity_serve.engine.hashing import hash_block_tokens  # noqa: E402
+from affinity_serve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from affinity_serve.engine.request import Request  # noqa: E402
+from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
+from affinity_serve.engine.types import ModelRunnerOutput  # noqa: E402
 
 BLOCK = 16
 CASES = [("decode", 64, 0), ("decode", 256, 0), ("decode", 1024, 0), ("mixed", 256, 4)]

@@ -257,7 +257,7 @@ def probe_process(root: Any, detail: bool = False, trim: bool = False, trace: st
 
 def probe_replica_class():
     """LLMReplica plus `soak_probe` (defined here, shipped by value: nothing in app/ changes)."""
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
 
     class SoakProbeReplica(LLMReplica):
         async def soak_probe(self, detail: bool = False, trim: bool = False, trace: str = "") -> dict[str, Any]:
@@ -270,8 +270,8 @@ def probe_replica_class():
 # ================================================================== cluster
 def start(spec: SoakSpec) -> tuple[str, Any]:
     """Ray + Serve on 127.0.0.1 as `affinity-serve serve` starts them; deploys the app; returns (base URL, config)."""
-    from app.cli import init_ray, start_serve
-    from app.config import AppConfig
+    from affinity_serve.app.cli import init_ray, start_serve
+    from affinity_serve.app.config import AppConfig
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -279,7 +279,7 @@ def start(spec: SoakSpec) -> tuple[str, Any]:
         "engine": {"num_threads": spec.num_threads, "linear_backend": spec.linear_backend},
         "serve": {"app_name": APP_NAME, "host": "127.0.0.1", "port": port, "num_replicas": spec.replicas,
                   "model_name": MODEL_NAME}})
-    import app.builder as builder
+    import affinity_serve.app.builder as builder
     cfg = builder.resolve_model(cfg)
     os.environ.update(dict(spec.env))        # the local Ray started below passes it on to every worker
     init_ray(None, cfg)
@@ -609,7 +609,7 @@ def report_from_json(path: str, flat: float, png: str | None) -> None:
 
 
 def run(spec: SoakSpec) -> dict[str, Any]:
-    from engine import ensure_demo_model
+    from affinity_serve.engine import ensure_demo_model
     vocab = json.loads((Path(ensure_demo_model()) / "config.json").read_text())["vocab_size"]
     t_start = time.monotonic()
     url, _ = start(spec)

@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.demo import write_demo_model  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_output import StructuredOutputSpec  # noqa: E402
+from affinity_serve.engine.config import EngineConfig  # noqa: E402
+from affinity_serve.engine.demo import write_demo_model  # noqa: E402
+from affinity_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
 
 TARGET_OVERHEAD = 0.05            # at batch 32 on CPU (issue 27)
 MODELS = {
@@ -76,7 +76,7 @@ def breakdown_ms(eng: LLMEngine, batch: int, steps: int, temperature: float) -> 
     """Where a constrained step's extra time goes, filled when read ("lazy", so each part is on the step's
     path): median ms per step of the bitmask fill (xgrammar), its unpacking to a boolean mask, the sampler
     (masking included; compare `sampler_free`) and the matchers' acceptance of the sampled tokens."""
-    import engine.structured_output.manager as som
+    import affinity_serve.engine.structured_output.manager as som
     timings: dict[str, list[float]] = {}
 
     def timed(owner, name: str, key: str):

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.protocol import GenerateRequest  # noqa: E402
-from app.replica import LLMReplica  # noqa: E402
-from engine import SamplingParams, ensure_demo_model  # noqa: E402
+from affinity_serve.app.protocol import GenerateRequest  # noqa: E402
+from affinity_serve.app.replica import LLMReplica  # noqa: E402
+from affinity_serve.engine import SamplingParams, ensure_demo_model  # noqa: E402
 
 
 def _prompts(n: int, prefix_tokens: int, suffix_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -35,7 +35,8 @@ fi
 
 # shellcheck disable=SC2086  # AFFINITY_SERVE_PIP_ARGS holds several options
 "$VENV/bin/python" -m pip install --quiet ${AFFINITY_SERVE_PIP_ARGS:-} -e "$SRC${EXTRAS:+[$EXTRAS]}"
-"$VENV/bin/python" -c 'import app.cli, engine, ray; print("setup-node: affinity-serve with Ray", ray.__version__)'
+"$VENV/bin/python" -c 'import affinity_serve.app.cli, ray
+print("setup-node: affinity-serve with Ray", ray.__version__)'
 
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi -L

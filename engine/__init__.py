@@ -1,6 +1,6 @@
 """The per-replica LLM engine: scheduler, paged KV cache with prefix caching, model runner.
 
-`from engine import LLM, SamplingParams` works; heavy parts (torch, transformers) load on first use so
+`from affinity_serve.engine import LLM, SamplingParams` works; heavy parts (torch, transformers) load on first use so
 the scheduler and the block hashes stay importable without torch.
 
 The public surface is `__all__` plus the torch-free modules in `PUBLIC_MODULES` (boundary types, errors,
@@ -11,51 +11,52 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLMEngine, EngineHealth, EngineLoad
-    from engine.config import CacheConfig, EngineConfig, KVConnectorConfig, SchedulerConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.demo import ensure_demo_model, write_demo_model
-    from engine.gc_policy import tune_gc_for_serving
-    from engine.limits import EngineLimits, check_request, check_request_fits_context
-    from engine.models.checkpoint import resolve_context_length, validate_checkpoint
-    from engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
-    from engine.kv_connector.shared_store import UnsafeSharedStoreError, check_shared_root, default_shared_root
-    from engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
+    from affinity_serve.engine.async_engine import AsyncLLMEngine, EngineHealth, EngineLoad
+    from affinity_serve.engine.config import CacheConfig, EngineConfig, KVConnectorConfig, SchedulerConfig
+    from affinity_serve.engine.llm import LLM
+    from affinity_serve.engine.llm_engine import LLMEngine
+    from affinity_serve.engine.demo import ensure_demo_model, write_demo_model
+    from affinity_serve.engine.gc_policy import tune_gc_for_serving
+    from affinity_serve.engine.limits import EngineLimits, check_request, check_request_fits_context
+    from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
+    from affinity_serve.engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
+    from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
+                                                                 default_shared_root)
+    from affinity_serve.engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
 
-PUBLIC_MODULES = ("engine.config", "engine.errors", "engine.hashing", "engine.limits", "engine.sampling_params",
-                  "engine.types", "engine.structured_output")
+PUBLIC_MODULES = tuple(f"affinity_serve.engine.{m}" for m in ("config", "errors", "hashing", "limits", "sampling_params",
+                                                                 "types", "structured_output"))
 
 _LAZY = {
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "AsyncLLMEngine": "engine.async_engine",
-    "EngineLoad": "engine.async_engine",
-    "EngineHealth": "engine.async_engine",
-    "EngineLimits": "engine.limits",
-    "check_request": "engine.limits",
-    "check_request_fits_context": "engine.limits",
-    "load_tokenizer": "engine.tokenizer",
-    "apply_chat_template": "engine.tokenizer",
-    "token_ids_only_error": "engine.tokenizer",
-    "EngineConfig": "engine.config",
-    "CacheConfig": "engine.config",
-    "SchedulerConfig": "engine.config",
-    "KVConnectorConfig": "engine.config",
-    "write_demo_model": "engine.demo",
-    "ensure_demo_model": "engine.demo",
-    "validate_checkpoint": "engine.models.checkpoint",
-    "resolve_context_length": "engine.models.checkpoint",
-    "tune_gc_for_serving": "engine.gc_policy",
-    "check_shared_root": "engine.kv_connector.shared_store",
-    "default_shared_root": "engine.kv_connector.shared_store",
-    "UnsafeSharedStoreError": "engine.kv_connector.shared_store",
-    "RemoteDecode": "engine.kv_connector.pd",
-    "RemotePrefill": "engine.kv_connector.pd",
-    "KVTransferError": "engine.kv_connector.pd",
+    "LLM": "affinity_serve.engine.llm",
+    "LLMEngine": "affinity_serve.engine.llm_engine",
+    "AsyncLLMEngine": "affinity_serve.engine.async_engine",
+    "EngineLoad": "affinity_serve.engine.async_engine",
+    "EngineHealth": "affinity_serve.engine.async_engine",
+    "EngineLimits": "affinity_serve.engine.limits",
+    "check_request": "affinity_serve.engine.limits",
+    "check_request_fits_context": "affinity_serve.engine.limits",
+    "load_tokenizer": "affinity_serve.engine.tokenizer",
+    "apply_chat_template": "affinity_serve.engine.tokenizer",
+    "token_ids_only_error": "affinity_serve.engine.tokenizer",
+    "EngineConfig": "affinity_serve.engine.config",
+    "CacheConfig": "affinity_serve.engine.config",
+    "SchedulerConfig": "affinity_serve.engine.config",
+    "KVConnectorConfig": "affinity_serve.engine.config",
+    "write_demo_model": "affinity_serve.engine.demo",
+    "ensure_demo_model": "affinity_serve.engine.demo",
+    "validate_checkpoint": "affinity_serve.engine.models.checkpoint",
+    "resolve_context_length": "affinity_serve.engine.models.checkpoint",
+    "tune_gc_for_serving": "affinity_serve.engine.gc_policy",
+    "check_shared_root": "affinity_serve.engine.kv_connector.shared_store",
+    "default_shared_root": "affinity_serve.engine.kv_connector.shared_store",
+    "UnsafeSharedStoreError": "affinity_serve.engine.kv_connector.shared_store",
+    "RemoteDecode": "affinity_serve.engine.kv_connector.pd",
+    "RemotePrefill": "affinity_serve.engine.kv_connector.pd",
+    "KVTransferError": "affinity_serve.engine.kv_connector.pd",
 }
 
 

@@ -17,15 +17,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineError, InvalidRequestError
-from engine.kv_connector.base import KVConnectorStats
-from engine.kv_events import KVEventLog
-from engine.limits import EngineLimits, check_request
-from engine.llm_engine import LLMEngine, Prompt, StepError
-from engine.outputs import StreamDelta
-from engine.sampling_params import SamplingParams
-from engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from affinity_serve.engine.kv_connector.base import KVConnectorStats
+from affinity_serve.engine.kv_events import KVEventLog
+from affinity_serve.engine.limits import EngineLimits, check_request
+from affinity_serve.engine.llm_engine import LLMEngine, Prompt, StepError
+from affinity_serve.engine.outputs import StreamDelta
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
 
 logger = logging.getLogger(__name__)
 

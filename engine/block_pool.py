@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.hashing import BlockHash
-from engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def cache_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:

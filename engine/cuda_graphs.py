@@ -24,8 +24,8 @@ import logging
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.attention.base import common_prefix_blocks
+from affinity_serve.engine.attention import AttentionBackend, AttentionMetadata
+from affinity_serve.engine.attention.base import common_prefix_blocks
 
 logger = logging.getLogger(__name__)
 

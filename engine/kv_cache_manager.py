@@ -5,10 +5,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.kv_groups import KVCacheGroupSpec, blocks_needed, tokens_capacity, window_start_block
-from engine.request import Request
-from engine.types import KVEvent
+from affinity_serve.engine.block_pool import BlockPool, KVCacheBlock
+from affinity_serve.engine.kv_groups import KVCacheGroupSpec, blocks_needed, tokens_capacity, window_start_block
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.types import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:

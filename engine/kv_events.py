@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import islice
 
-from engine.types import AllBlocksCleared, KVEvent, KVEventsReply
+from affinity_serve.engine.types import AllBlocksCleared, KVEvent, KVEventsReply
 
 
 def num_event_blocks(event: KVEvent) -> int:

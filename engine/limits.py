@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.errors import ContextLengthExceededError, InvalidRequestError
+from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)

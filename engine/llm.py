@@ -5,10 +5,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.llm_engine import LLMEngine, Prompt
+from affinity_serve.engine.outputs import CompletionOutput, RequestOutput
+from affinity_serve.engine.sampling_params import SamplingParams
 
 
 class LLM:

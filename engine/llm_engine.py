@@ -9,32 +9,34 @@ from typing import Any
 
 import torch
 
-from engine.attention import select_backend
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graph_sizes
-from engine.errors import EngineError, InvalidRequestError
-from engine.hashing import BlockHash, check_block_hashes
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import kv_cache_groups, tokens_capacity
-from engine.kv_connector import (KVLayout, KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
-                                 build_kv_connector, default_local_transport, model_identity, set_pd_transport)
-from engine.limits import EngineLimits, check_request
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models import fused as fused_ops
-from engine.models.checkpoint import resolve_context_length, validate_checkpoint
-from engine.models.config import ModelArgs
-from engine.models.generation_config import GenerationConfig, all_eos_token_ids
-from engine.models.hub import resolve_model_path
-from engine.models.linear import HYBRID_PLAIN_ROWS, prepack_supported
-from engine.models.loader import load_model
-from engine.outputs import EngineStepOutput, StreamDelta
-from engine.pacing import modelled_step_time_s
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.structured_output.manager import GrammarState, StructuredOutputManager
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer, token_ids_only_error
-from engine.types import KVEvent, SchedulerStats
+from affinity_serve.engine.attention import select_backend
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.cuda_graphs import DecodeGraphs, graph_sizes
+from affinity_serve.engine.errors import EngineError, InvalidRequestError
+from affinity_serve.engine.hashing import BlockHash, check_block_hashes
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_groups import kv_cache_groups, tokens_capacity
+from affinity_serve.engine.kv_connector import (KVLayout, KVTransport, PDConnectorScheduler, RemoteDecode,
+                                                RemotePrefill, build_kv_connector, default_local_transport,
+                                                model_identity, set_pd_transport)
+from affinity_serve.engine.limits import EngineLimits, check_request
+from affinity_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from affinity_serve.engine.models import fused as fused_ops
+from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.models.generation_config import GenerationConfig, all_eos_token_ids
+from affinity_serve.engine.models.hub import resolve_model_path
+from affinity_serve.engine.models.linear import HYBRID_PLAIN_ROWS, prepack_supported
+from affinity_serve.engine.models.loader import load_model
+from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
+from affinity_serve.engine.pacing import modelled_step_time_s
+from affinity_serve.engine.request import Request, RequestStatus
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.structured_output.manager import GrammarState, StructuredOutputManager
+from affinity_serve.engine.tokenizer import (IncrementalDetokenizer, apply_chat_template, load_tokenizer,
+                                             token_ids_only_error)
+from affinity_serve.engine.types import KVEvent, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ class LLMEngine:
                 logger.warning("fused Triton ops failed their self-test on this device (%s); the model's "
                                "norms, RoPE and SiLU run as torch ops", why)
         elif self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_kernels:
-            from engine.attention.cpu_kernels import load_ops
+            from affinity_serve.engine.attention.cpu_kernels import load_ops
             ops = load_ops()                      # None (with a warning) without a C compiler
             why = fused_ops.self_test("cpu", ops) if ops is not None else "no C kernels"
             if why is None:

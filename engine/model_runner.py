@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, build_attention_metadata
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_connector.base import KVConnectorWorker
-from engine.kv_groups import kv_cache_groups, kv_tensor_of_layer, num_kv_tensors
-from engine.models.config import ModelArgs
-from engine.sampler import DeviceLogprobs, Sampler, SamplingInfo, device_logprobs, gather_logprobs
-from engine.sampling_params import SamplingParams
-from engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
+from affinity_serve.engine.attention import AttentionBackend, build_attention_metadata
+from affinity_serve.engine.cuda_graphs import DecodeGraphs
+from affinity_serve.engine.kv_connector.base import KVConnectorWorker
+from affinity_serve.engine.kv_groups import kv_cache_groups, kv_tensor_of_layer, num_kv_tensors
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.sampler import DeviceLogprobs, Sampler, SamplingInfo, device_logprobs, gather_logprobs
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.types import Logprobs, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ModelRunner:
         self._tokens_host: torch.Tensor | None = None          # CUDA: pinned, for the sampled ids
         self._tokens_copied = torch.cuda.Event() if device.type == "cuda" else None
         if kv_connector is not None:
-            from engine.kv_connector.worker import block_view_permutation
+            from affinity_serve.engine.kv_connector.worker import block_view_permutation
             kv_connector.register_kv_caches(self.kv_caches, block_view_permutation(backend.kv_cache_shape))
 
     # ------------------------------------------------------------------ state

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import Logprobs, SchedulerStats
+from affinity_serve.engine.types import Logprobs, SchedulerStats
 
 
 @dataclass(slots=True)

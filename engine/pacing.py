@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.request import Request
-from engine.types import SchedulerOutput
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.types import SchedulerOutput
 
 
 def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], step_base_s: float,

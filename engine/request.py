@@ -6,11 +6,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.hashing import BlockHash, hash_block_chain
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain
+from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured_output.manager import GrammarState
+    from affinity_serve.engine.structured_output.manager import GrammarState
 
 
 class RequestStatus(enum.Enum):

@@ -6,7 +6,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from engine.request import Request
+from affinity_serve.engine.request import Request
 
 
 class FCFSQueue:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.types import Logprobs
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.types import Logprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

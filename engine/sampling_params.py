@@ -5,10 +5,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.errors import InvalidRequestError
+from affinity_serve.engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.structured_output import StructuredOutputSpec
+    from affinity_serve.engine.structured_output import StructuredOutputSpec
 
 _MAX_LOGPROBS = 20
 

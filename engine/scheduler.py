@@ -10,15 +10,15 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.block_pool import KVCacheBlock
-from engine.config import SchedulerConfig
-from engine.errors import DuplicateRequestError
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector.base import KVConnectorOutput, KVConnectorScheduler, PoolChanges
-from engine.limits import EngineLimits, check_request
-from engine.request import Request, RequestStatus
-from engine.request_queue import make_queue
-from engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
+from affinity_serve.engine.block_pool import KVCacheBlock
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.errors import DuplicateRequestError
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_connector.base import KVConnectorOutput, KVConnectorScheduler, PoolChanges
+from affinity_serve.engine.limits import EngineLimits, check_request
+from affinity_serve.engine.request import Request, RequestStatus
+from affinity_serve.engine.request_queue import make_queue
+from affinity_serve.engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
                           SchedulerOutput, SchedulerStats, StepOutput)
 
 

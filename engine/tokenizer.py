@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequestError, ModelLoadError
-from engine.models.checkpoint import check_tokenizer_files
+from affinity_serve.engine.errors import InvalidRequestError, ModelLoadError
+from affinity_serve.engine.models.checkpoint import check_tokenizer_files
 
 
 def load_tokenizer(path: str | Path):
@@ -16,7 +16,7 @@ def load_tokenizer(path: str | Path):
     """
     from transformers import AutoTokenizer
 
-    from engine.models.hub import resolve_model_path
+    from affinity_serve.engine.models.hub import resolve_model_path
     path = resolve_model_path(str(path), weights=False)
     check_tokenizer_files(path)
     try:

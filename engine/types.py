@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.hashing import BlockHash
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
-    from engine.structured_output.manager import GrammarBitmask
+    from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
+    from affinity_serve.engine.structured_output.manager import GrammarBitmask
 
 
 # ---------------------------------------------------------------- scheduler -> runner

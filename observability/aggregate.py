@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, MetricsData, Sum
 
-from observability.names import METRICS, VLLM_LABELS, Kind
+from affinity_serve.observability.names import METRICS, VLLM_LABELS, Kind
 
 Labels = tuple[tuple[str, str], ...]      # sorted (name, value) pairs
 SeriesKey = tuple[str, Labels]            # (metric name, labels)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from observability import names
-from observability.names import METRICS, Kind
+from affinity_serve.observability import names
+from affinity_serve.observability.names import METRICS, Kind
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _DECISION_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05]

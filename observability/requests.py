@@ -11,9 +11,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from observability import names
-from observability.metrics import ServingMetrics
-from observability.tracing import context_from_carrier, inject_carrier, trace_id_hex
+from affinity_serve.observability import names
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.tracing import context_from_carrier, inject_carrier, trace_id_hex
 
 logger = logging.getLogger("affinity.requests")
 

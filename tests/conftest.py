@@ -34,7 +34,7 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermedi
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """name -> checkpoint dir, generated lazily."""
-    from engine.demo import write_demo_model
+    from affinity_serve.engine.demo import write_demo_model
 
     root = tmp_path_factory.mktemp("ckpt")
     made: dict[str, str] = {}

@@ -35,7 +35,7 @@ def _import_models():
         sys.path.insert(0, str(ROOT))
     from pydantic import BaseModel
 
-    from app.config import AppConfig
+    from affinity_serve.app.config import AppConfig
     return BaseModel, AppConfig
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.types import KVEvent
+from affinity_serve.engine.types import KVEvent
 
 BlockHash = bytes
 

@@ -7,10 +7,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
+from affinity_serve.app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
                              ReplicaLoadView, RouterCounters, RouteRequest)
-from app.routing.config import AffinityConfig
-from app.routing.load import LoadTracker
+from affinity_serve.app.routing.config import AffinityConfig
+from affinity_serve.app.routing.load import LoadTracker
 
 
 class _LoadOnlyCore(ABC):
@@ -170,7 +170,7 @@ class LlmdPreciseCore(_LoadOnlyCore):
                  rng: random.Random | None = None, *, affinity_threshold: float = 0.8,
                  max_ttft_penalty_s: float = 18.0, speculative_ttl_s: float = 2.0) -> None:
         super().__init__(config, clock, rng)
-        from app.routing.prefix_index import PrefixIndex
+        from affinity_serve.app.routing.prefix_index import PrefixIndex
         self.block_size = block_size
         self.peak_tokens_per_s = config.prefill_tokens_per_s
         self.affinity_threshold = affinity_threshold

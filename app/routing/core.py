@@ -7,13 +7,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
+from affinity_serve.app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
                              ReplicaLoadView, RouterCore, RouterCounters, RouteRequest)
-from app.routing.config import AffinityConfig, RoutingPolicyName
-from app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
-from app.routing.policy import AffinityPolicy
-from app.routing.prefix_index import PrefixIndex
-from app.routing.warmup import HotPrefixes
+from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
+from affinity_serve.app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
+from affinity_serve.app.routing.policy import AffinityPolicy
+from affinity_serve.app.routing.prefix_index import PrefixIndex
+from affinity_serve.app.routing.warmup import HotPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def make_core(policy: RoutingPolicyName, config: AffinityConfig, block_size: int
               clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> RouterCore:
     """The core for `routing.policy`: prefix_affinity | power_of_two | round_robin | llm_d_precise (a
     re-implementation of llm-d's precise scorer, for comparisons)."""
-    from app.routing.baselines import LlmdPreciseCore, PowerOfTwoCore, RoundRobinCore
+    from affinity_serve.app.routing.baselines import LlmdPreciseCore, PowerOfTwoCore, RoundRobinCore
     if policy == "prefix_affinity":
         return PrefixAffinityRouterCore(config, block_size, clock, rng)
     if policy == "llm_d_precise":

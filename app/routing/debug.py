@@ -12,8 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from app.routing.api import Decision
-from observability.requests import RoutingRecord
+from affinity_serve.app.routing.api import Decision
+from affinity_serve.observability.requests import RoutingRecord
 
 _ROUTERS: dict[str, list[weakref.ref]] = {}
 

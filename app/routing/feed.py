@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.routing.api import KVEventBatch, KVSnapshot, RouterCore
-from engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.app.routing.api import KVEventBatch, KVSnapshot, RouterCore
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
 
 #: Serve request ids of the feed's calls start with this (app/replica.py drops their access-log lines).
 KV_FEED_REQUEST_ID_PREFIX = "kv-feed-"

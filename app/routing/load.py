@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.routing.api import BlockHash, ReplicaLoadView
-from app.routing.config import AffinityConfig
+from affinity_serve.app.routing.api import BlockHash, ReplicaLoadView
+from affinity_serve.app.routing.config import AffinityConfig
 
 
 @dataclass(slots=True)

@@ -30,9 +30,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.routing.api import BlockHash, CandidateScores, Reason, RouteRequest
-from app.routing.config import AffinityConfig
-from app.routing.load import ReplicaLoad, TTFTModel
+from affinity_serve.app.routing.api import BlockHash, CandidateScores, Reason, RouteRequest
+from affinity_serve.app.routing.config import AffinityConfig
+from affinity_serve.app.routing.load import ReplicaLoad, TTFTModel
 
 
 @dataclass(slots=True)

@@ -58,9 +58,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from engine.types import MEDIUM_OFFLOAD, MEDIUM_POOL, MEDIUM_SHARED, AllBlocksCleared, BlockRemoved, BlockStored
+from affinity_serve.engine.types import (MEDIUM_OFFLOAD, MEDIUM_POOL, MEDIUM_SHARED, AllBlocksCleared, BlockRemoved,
+                                         BlockStored)
 
-from app.routing.api import BlockHash, KVEventBatch, KVSnapshot
+from affinity_serve.app.routing.api import BlockHash, KVEventBatch, KVSnapshot
 
 
 class _NodeState:

@@ -21,8 +21,8 @@ import ray
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
-from engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
 
 
 class ReplicaMethodClient:

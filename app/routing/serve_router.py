@@ -20,14 +20,14 @@ from typing import Any
 from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
                                       RunningReplica)
 
-from app.protocol import GenerateRequest
-from app.routing import debug
-from app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, ReplicaLoadView,
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.app.routing import debug
+from affinity_serve.app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, ReplicaLoadView,
                              RouteRequest)
-from app.routing.config import KV_EVENT_POLICIES, AffinityConfig
-from app.routing.core import make_core
-from app.routing.feed import KVEventFeed, ReplicaFeedClient
-from app.routing.serve_compat import ReplicaMethodClient, internal_request_id, pending_args
+from affinity_serve.app.routing.config import KV_EVENT_POLICIES, AffinityConfig
+from affinity_serve.app.routing.core import make_core
+from affinity_serve.app.routing.feed import KVEventFeed, ReplicaFeedClient
+from affinity_serve.app.routing.serve_compat import ReplicaMethodClient, internal_request_id, pending_args
 
 logger = logging.getLogger("affinity.router")
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from app.routing.api import BlockHash
-from engine.hashing import hash_block_chain
-from engine.types import BlockStored, KVEvent
+from affinity_serve.app.routing.api import BlockHash
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.types import BlockStored, KVEvent
 
 
 @dataclass(slots=True)

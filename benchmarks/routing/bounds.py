@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from benchmarks.routing.workload import TraceRequest
-from engine.hashing import BlockHash
+from affinity_serve.engine.hashing import BlockHash
 
 
 def group_key(r: TraceRequest) -> str:

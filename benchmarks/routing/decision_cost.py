@@ -28,12 +28,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo,  # noqa: E402
-                         ReplicaLoadView, RouteRequest)
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore,  # noqa: E402
+                                        ReplicaInfo, ReplicaLoadView, RouteRequest)
 from benchmarks.routing.field import LlmdPrecise  # noqa: E402
 from benchmarks.routing.replica import ReplicaSpec  # noqa: E402
 from benchmarks.routing.routers import ClusterView, SimRequest  # noqa: E402
-from engine.types import BlockStored  # noqa: E402
+from affinity_serve.engine.types import BlockStored  # noqa: E402
 
 BS = 16
 HASH_OBJECT_BYTES = 65          # a 32-byte bytes object: 33 bytes of header + 32 of digest

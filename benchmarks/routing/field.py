@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from app.routing.prefix_index import PrefixIndex
+from affinity_serve.app.routing.prefix_index import PrefixIndex
 from benchmarks.routing.replica import ReplicaSpec, SimReplica
 from benchmarks.routing.routers import ClusterView, SimRequest, _Base, pull_kv_events
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from app.routing import AffinityConfig, ReplicaInfo, ReplicaLoadView, RouteRequest, make_core
+from affinity_serve.app.routing import AffinityConfig, ReplicaInfo, ReplicaLoadView, RouteRequest, make_core
 from benchmarks.routing.replica import ReplicaSpec, SimReplica
 from benchmarks.routing.routers import ClusterView, SimRequest, _Base, pull_kv_events
 

@@ -215,7 +215,7 @@ def app_config(spec: BenchSpec, policy: str, model: str) -> dict[str, Any]:
 def deploy(spec: BenchSpec, policy: str, model: str) -> None:
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
     shutil.rmtree(shared_store_dir(), ignore_errors=True)        # every run starts from an empty store
     serve.run(build_app(app_config(spec, policy, model)), name=APP_NAME, route_prefix=ROUTE)
     _wait_running("LLMReplica", spec.replicas)
@@ -455,7 +455,7 @@ def plot(results: list[PolicyResult], bound: float, path: str) -> None:
 # ================================================================== main
 def run(spec: BenchSpec) -> tuple[list[PolicyResult], float]:
     """Every policy in turn on one cluster; returns their results and the trace's hit rate bound."""
-    from engine import ensure_demo_model
+    from affinity_serve.engine import ensure_demo_model
     start = time.monotonic()
     deadline = start + spec.time_limit_s
     model = str(ensure_demo_model())

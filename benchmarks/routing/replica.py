@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.hashing import BlockHash
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_events import KVEventLog
-from engine.pacing import modelled_step_time_s
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.types import KVCacheSnapshot, KVEventsReply, ModelRunnerOutput, SchedulerOutput
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_events import KVEventLog
+from affinity_serve.engine.pacing import modelled_step_time_s
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply, ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)

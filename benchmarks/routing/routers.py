@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from benchmarks.routing.replica import SimReplica
-from engine.hashing import BlockHash
+from affinity_serve.engine.hashing import BlockHash
 
 
 @dataclass(slots=True)
@@ -257,7 +257,7 @@ def pull_kv_events(replica: int, feed: SimReplica, ids: list[str], next_seq: lis
     the events since the last pull. `next_seq`/`epoch` (per replica) are updated in place; the index is
     reached through `needs_snapshot()` -> replica ids, `apply_events(KVEventBatch)` -> bool (False: gap)
     and `apply_snapshot(KVSnapshot)`."""
-    from app.routing import KVEventBatch, KVSnapshot
+    from affinity_serve.app.routing import KVEventBatch, KVSnapshot
     rid = ids[replica]
 
     def resync() -> None:

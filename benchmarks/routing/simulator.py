@@ -40,7 +40,7 @@ from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, R
                                         RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
 from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,  # noqa: E402
                                          replica_from_args, spec_from_args)
-from engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain  # noqa: E402
 
 _STEP_END, _RELEASE, _EVENTS, _STATS = 0, 1, 2, 3
 RAY_IMBALANCED_THRESHOLD = 16       # a quarter of max_num_seqs; Ray's docs example uses 10-20
@@ -283,7 +283,7 @@ FIELD = ("llmd", "llmd-2s", "sglang", "dynamo")
 
 def ours_available() -> bool:
     try:
-        import app.routing.api  # noqa: F401
+        import affinity_serve.app.routing.api  # noqa: F401
     except ImportError:
         return False
     return True

@@ -31,18 +31,18 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.routing import KVSnapshot, ReplicaInfo  # noqa: E402
+from affinity_serve.app.routing import KVSnapshot, ReplicaInfo  # noqa: E402
 from benchmarks.routing.ours import OursRouter  # noqa: E402
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
 from benchmarks.routing.routers import ClusterView, PowerOfTwo, SharedCacheOracle  # noqa: E402
 from benchmarks.routing.simulator import PreparedTrace, RunResult, Simulation, prepare  # noqa: E402
 from benchmarks.routing.workload import WorkloadSpec, describe, generate  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.hashing import BlockHash  # noqa: E402
-from engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout,  # noqa: E402
+from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
+from affinity_serve.engine.hashing import BlockHash  # noqa: E402
+from affinity_serve.engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout,  # noqa: E402
                                  SharedConnectorScheduler)
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.types import KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
+from affinity_serve.engine.types import KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
 
 #: the simulated model's KV layout (8B-class, GQA): 2 x 32 layers x 8 heads x 128 x 2 B = 128 KiB per token
 SIM_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", element_size=2)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import logging
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, build_attention_metadata
-from engine.attention.torch_paged import CASCADE_MIN_TOKENS
+from affinity_serve.engine.attention.base import AttentionBackend, AttentionMetadata, build_attention_metadata
+from affinity_serve.engine.attention.torch_paged import CASCADE_MIN_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -17,9 +17,9 @@ def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool
     decode batches sharing at least this many leading tokens read them once (torch and triton; None: never).
     sliding_window / softcap: the model has sliding-window layers / soft-capped attention scores, which the
     triton kernels do not implement ('auto' then skips them; 'triton' is refused)."""
-    from engine.attention.flash import FlashPagedAttention, flash_attn_available
-    from engine.attention.torch_paged import TorchPagedAttention
-    from engine.attention.triton_paged import TritonPagedAttention, interpreting
+    from affinity_serve.engine.attention.flash import FlashPagedAttention, flash_attn_available
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
+    from affinity_serve.engine.attention.triton_paged import TritonPagedAttention, interpreting
 
     if name == "auto":
         name = _auto(device, block_size, triton_ok=not (sliding_window or softcap))
@@ -46,7 +46,7 @@ def _auto(device: str, block_size: int, triton_ok: bool = True) -> str:
     """What 'auto' means here. Triton needs a working toolchain at run time (it compiles a small C launcher
     and the kernels for this GPU), so it is taken only once its kernels have compiled and agreed with the
     torch backend on a small mixed batch on this device; otherwise a warning says why, and torch runs."""
-    from engine.attention import flash, triton_paged
+    from affinity_serve.engine.attention import flash, triton_paged
 
     if device != "cuda":
         return "torch"

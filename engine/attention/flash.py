@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionMetadata
+from affinity_serve.engine.attention.base import AttentionMetadata
 
 FLASH_BLOCK_MULTIPLE = 256
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
-from engine.kv_groups import window_start_block
+from affinity_serve.engine.attention.base import AttentionMetadata
+from affinity_serve.engine.kv_groups import window_start_block
 
 #: shared-prefix length from which decode attention reads the prefix once for the whole batch
 CASCADE_MIN_TOKENS = 64
@@ -39,7 +39,7 @@ class TorchPagedAttention:
         self.num_cascade_forwards = 0              # forwards whose decode took the cascade path
         self.decode_kernel = None
         if cpu_kernels:
-            from engine.attention.cpu_kernels import load
+            from affinity_serve.engine.attention.cpu_kernels import load
             self.decode_kernel = load()
 
     @staticmethod

@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_paged import CASCADE_MIN_TOKENS, _write_kv
+from affinity_serve.engine.attention.base import AttentionMetadata
+from affinity_serve.engine.attention.torch_paged import CASCADE_MIN_TOKENS, _write_kv
 
 
 def triton_available() -> bool:
@@ -43,8 +43,8 @@ def self_test(device: str, block_size: int) -> str | None:
     small mixed batch: decodes of different lengths (two of them sharing their first pages), a chunk after
     cached context, a fresh prefill; run with cascade decode and without. Else why not, in a line. Cached per
     (device, block size)."""
-    from engine.attention.base import build_attention_metadata
-    from engine.attention.torch_paged import TorchPagedAttention
+    from affinity_serve.engine.attention.base import build_attention_metadata
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
     try:
         dev = torch.device(device)
         g = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def self_test(device: str, block_size: int) -> str | None:
 
 def _kernels():
     """The kernels module (decode, prefill, write_kv, decode_split, decode_merge), compiled on first launch."""
-    from engine.attention import _triton_kernels
+    from affinity_serve.engine.attention import _triton_kernels
     return _triton_kernels
 
 

@@ -10,18 +10,18 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
+from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorStats, KVConnectorUpdate, KVConnectorWorker, KVLayout,
                                       KVTransfer, PoolChanges)
-from engine.kv_connector.offload import OffloadConnectorScheduler
-from engine.kv_connector.pd import (HeldTransfers, KVTransferError, KVTransport, LocalTransport,
+from affinity_serve.engine.kv_connector.offload import OffloadConnectorScheduler
+from affinity_serve.engine.kv_connector.pd import (HeldTransfers, KVTransferError, KVTransport, LocalTransport,
                                     PDConnectorScheduler, RemoteDecode, RemotePrefill, default_local_transport)
-from engine.kv_connector.shared import SharedConnectorScheduler
-from engine.kv_connector.shared_store import (SharedKVStore, UnsafeSharedStoreError, check_shared_root,
+from affinity_serve.engine.kv_connector.shared import SharedConnectorScheduler
+from affinity_serve.engine.kv_connector.shared_store import (SharedKVStore, UnsafeSharedStoreError, check_shared_root,
                                               default_shared_root)
 
 if TYPE_CHECKING:
-    from engine.config import KVConnectorConfig
+    from affinity_serve.engine.config import KVConnectorConfig
 
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorStats",
            "KVConnectorUpdate", "KVConnectorWorker", "KVLayout", "KVTransfer", "PoolChanges",
@@ -70,7 +70,7 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
         return None
     if config.type == "pd":
         return _build_pd(config, layout, model_identity, device, dtype)
-    from engine.kv_connector.worker import OffloadWorker, SharedStoreWorker
+    from affinity_serve.engine.kv_connector.worker import OffloadWorker, SharedStoreWorker
     n = capacity_blocks(config, layout)
     if config.type == "offload":
         sched = OffloadConnectorScheduler(layout, n, store_on=config.store_on, load_timeout_s=config.load_timeout_s,
@@ -91,7 +91,7 @@ def _build_pd(config: "KVConnectorConfig", layout: KVLayout, identity: str, devi
     (`set_pd_transport`)."""
     import uuid
 
-    from engine.kv_connector.pd_worker import PDWorker
+    from affinity_serve.engine.kv_connector.pd_worker import PDWorker
     engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:12]}"
     held = HeldTransfers(config.transfer_timeout_s)
     transport = default_local_transport()

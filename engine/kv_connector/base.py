@@ -24,13 +24,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from engine.hashing import BlockHash
-from engine.request import RequestStatus
-from engine.types import KVEvent
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.request import RequestStatus
+from affinity_serve.engine.types import KVEvent
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.types import SchedulerOutput
+    from affinity_serve.engine.request import Request
+    from affinity_serve.engine.types import SchedulerOutput
 
 
 # ---------------------------------------------------------------- what a block is

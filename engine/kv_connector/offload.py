@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
-from engine.hashing import BlockHash
-from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
-from engine.types import BlockRemoved, BlockStored, KVEvent
+from affinity_serve.engine.types import BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.types import SchedulerOutput
+    from affinity_serve.engine.request import Request
+    from affinity_serve.engine.types import SchedulerOutput
 
 
 class OffloadConnectorScheduler(KVConnectorScheduler):

@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
+from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
-from engine.request import RequestStatus
+from affinity_serve.engine.request import RequestStatus
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.types import SchedulerOutput
+    from affinity_serve.engine.request import Request
+    from affinity_serve.engine.types import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

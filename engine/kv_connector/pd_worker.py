@@ -18,9 +18,9 @@ import warnings
 import numpy as np
 import torch
 
-from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout
-from engine.kv_connector.pd import HeldTransfers, KVReadHandle, KVTransferError, KVTransport, RemoteRead
-from engine.kv_connector.worker import BlockCopier, _block_shape
+from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout
+from affinity_serve.engine.kv_connector.pd import HeldTransfers, KVReadHandle, KVTransferError, KVTransport, RemoteRead
+from affinity_serve.engine.kv_connector.worker import BlockCopier, _block_shape
 
 logger = logging.getLogger(__name__)
 

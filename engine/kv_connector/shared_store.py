@@ -39,7 +39,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from engine.hashing import BlockHash
+from affinity_serve.engine.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

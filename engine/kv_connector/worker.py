@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
-from engine.kv_connector.shared_store import BlockRead, SharedKVStore
+from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
+from affinity_serve.engine.kv_connector.shared_store import BlockRead, SharedKVStore
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.errors import ModelLoadError
-from engine.models.config import ModelArgs
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models.config import ModelArgs
 
 #: files transformers' AutoTokenizer can build a tokenizer from (one is enough; tokenizer_config.json alone is not)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
@@ -22,11 +22,11 @@ def validate_checkpoint(path: str | Path, *, need_tokenizer: bool = True) -> Mod
     against the model's (headers only; this one check imports torch), and (when `need_tokenizer`) the
     tokenizer files.
     """
-    from engine.models.hub import resolve_model_path
+    from affinity_serve.engine.models.hub import resolve_model_path
     path = resolve_model_path(str(path))
     args = ModelArgs.from_dir(path)
     safetensors_files(Path(path))
-    from engine.models.loader import check_weight_shapes
+    from affinity_serve.engine.models.loader import check_weight_shapes
     check_weight_shapes(path, args)
     if need_tokenizer:
         check_tokenizer_files(path)

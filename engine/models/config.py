@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
+from affinity_serve.engine.errors import ModelLoadError
 
-from engine.models.registry import ArchSpec, architectures
+from affinity_serve.engine.models.registry import ArchSpec, architectures
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -21,7 +21,7 @@ import torch
 
 
 def _k():
-    from engine.models import _triton_ops
+    from affinity_serve.engine.models import _triton_ops
     return _triton_ops
 
 
@@ -79,7 +79,7 @@ def self_test(device: str, ops=None) -> str | None:
 
     import torch.nn.functional as F
 
-    from engine.models.rope import apply_rope
+    from affinity_serve.engine.models.rope import apply_rope
     ops = ops if ops is not None else sys.modules[__name__]
     try:
         dev = torch.device(device)

@@ -19,7 +19,7 @@ def _interpreting() -> bool:
 
 
 def _kernels():
-    from engine.models import _triton_moe
+    from affinity_serve.engine.models import _triton_moe
     return _triton_moe
 
 
@@ -85,7 +85,7 @@ def fused_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
 def self_test(device: str) -> str | None:
     """None when the kernel compiles on `device` and agrees with the grouped torch path (float32, small
     shapes); else why not, in a line."""
-    from engine.models.moe import grouped_experts, route
+    from affinity_serve.engine.models.moe import grouped_experts, route
     try:
         dev = torch.device(device)
         g = torch.Generator().manual_seed(0)

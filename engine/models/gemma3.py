@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
-from engine.models import fused
-from engine.models.config import ModelArgs
-from engine.models.llama import Attention, LlamaForCausalLM
-from engine.models.rope import cos_sin_table
+from affinity_serve.engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
+from affinity_serve.engine.models import fused
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.models.llama import Attention, LlamaForCausalLM
+from affinity_serve.engine.models.rope import cos_sin_table
 
 
 class GemmaRMSNorm(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
+from affinity_serve.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

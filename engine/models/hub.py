@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from affinity_serve.engine.errors import ModelLoadError
 
 #: the files a snapshot needs: everything validate_checkpoint and load_tokenizer read
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",

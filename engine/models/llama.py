@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
-from engine.models import fused
-from engine.models.config import ModelArgs
-from engine.models.linear import prepack_linears
-from engine.models.moe import SparseMoE
-from engine.models.rope import apply_rope, cos_sin_table
+from affinity_serve.engine.attention.base import AttentionBackend, AttentionMetadata, per_layer
+from affinity_serve.engine.models import fused
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.models.linear import prepack_linears
+from affinity_serve.engine.models.moe import SparseMoE
+from affinity_serve.engine.models.rope import apply_rope, cos_sin_table
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ class LlamaForCausalLM(nn.Module):
         moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         if not moe_layers:
             return
-        from engine.models import fused_moe
-        from engine.models.moe import grouped_experts
+        from affinity_serve.engine.models import fused_moe
+        from affinity_serve.engine.models.moe import grouped_experts
         why = fused_moe.self_test(str(self.embed_tokens.weight.device)) if on else "off"
         if on and why is not None:
             logger.warning("the Triton fused-MoE kernel failed its self-test (%s); experts run grouped", why)

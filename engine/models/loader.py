@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.errors import ModelLoadError
-from engine.models.checkpoint import safetensors_files
-from engine.models.config import ModelArgs
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import architectures, model_class
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models.checkpoint import safetensors_files
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.models.llama import LlamaForCausalLM
+from affinity_serve.engine.models.registry import architectures, model_class
 
 logger = logging.getLogger(__name__)
 

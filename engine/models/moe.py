@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.config import MoESpec
+from affinity_serve.engine.models.config import MoESpec
 
 #: (x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], topk_ids [T, k], topk_weights [T, k] float32)
 #: -> [T, H] in x's dtype

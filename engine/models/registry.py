@@ -36,7 +36,7 @@ class ArchSpec:
     #: hidden_act values the model code implements
     activations: tuple[str, ...] = ("silu", "swish")
     #: "module:Class" of the model (imported on use: this module stays torch-free)
-    model: str = "engine.models.llama:LlamaForCausalLM"
+    model: str = "affinity_serve.engine.models.llama:LlamaForCausalLM"
     #: extra ModelArgs values read from config.json (MoE sizes, ...); may override the common ones
     parse: Callable[[dict[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
 
@@ -50,7 +50,7 @@ def model_class(spec: ArchSpec) -> type:
 @functools.cache
 def architectures() -> dict[str, ArchSpec]:
     """Every spec in engine/models/arch/*.py, by architecture name."""
-    from engine.models import arch
+    from affinity_serve.engine.models import arch
     found: dict[str, ArchSpec] = {}
     for info in pkgutil.iter_modules(arch.__path__):
         module = importlib.import_module(f"{arch.__name__}.{info.name}")

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.models.config import RopeSpec
+from affinity_serve.engine.models.config import RopeSpec
 
 
 def inv_freq_and_scale(rope: RopeSpec, head_dim: int, max_positions: int | None = None

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.structured_output.spec import StructuredOutputSpec, import_xgrammar
+from affinity_serve.engine.structured_output.spec import StructuredOutputSpec, import_xgrammar
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.types import SchedulerOutput
+    from affinity_serve.engine.request import Request
+    from affinity_serve.engine.types import SchedulerOutput
 
 #: compiled grammars kept (least recently used dropped first)
 _CACHE_SIZE = 512

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from affinity_serve.engine.errors import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ BF16_STEP = 2 ** -7          # one bf16 step relative to the value (at most)
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: float = 1e-5) -> None:
-    from engine.attention.triton_paged import interpreting
+    from affinity_serve.engine.attention.triton_paged import interpreting
 
     if dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
@@ -25,12 +25,12 @@ def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, tol: float 
 def _ops(ops):
     if ops is not None:
         return ops
-    from engine.models import fused
+    from affinity_serve.engine.models import fused
     return fused
 
 
 def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int, ops=None) -> None:
-    from engine.models.llama import RMSNorm
+    from affinity_serve.engine.models.llama import RMSNorm
     add_rms_norm = _ops(ops).add_rms_norm
 
     g = torch.Generator().manual_seed(0)
@@ -43,7 +43,7 @@ def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int, ops
     if d is not None:
         ref_x.add_(d)
     got = add_rms_norm(x, d, norm.weight.detach(), 1e-6)
-    from engine.attention.triton_paged import interpreting
+    from affinity_serve.engine.attention.triton_paged import interpreting
     if interpreting() and dtype != torch.float32:
         _close(x, ref_x, dtype)                 # the interpreter truncates (see _close)
     else:
@@ -56,9 +56,9 @@ def check_add_rms_norm(dev, dtype, with_delta: bool, rows: int, hidden: int, ops
 def check_rope(dev, dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, ops=None,
                partial_rotary: float = 1.0) -> None:
     """q and k as one strided view of a [T, q + 2 kv] projection, as the model passes them."""
-    from engine.models.config import RopeSpec
+    from affinity_serve.engine.models.config import RopeSpec
     rope_ = _ops(ops).rope_
-    from engine.models.rope import apply_rope, cos_sin_table
+    from affinity_serve.engine.models.rope import apply_rope, cos_sin_table
 
     g = torch.Generator().manual_seed(1)
     cos, sin = cos_sin_table(RopeSpec(theta=10000.0, params={"partial_rotary_factor": partial_rotary}), head_dim, 512)
@@ -90,9 +90,9 @@ def check_decode_splits(dev, dtype, lens: list[int], heads: int, kv_heads: int, 
                         tol: float) -> None:
     """A decode-only batch (each request's last token computed now, `lens` its lengths after it) through the
     split-K kernels against the torch backend; asserts the split path is the one taken."""
-    from engine.attention import build_attention_metadata
-    from engine.attention.torch_paged import TorchPagedAttention, _write_kv
-    from engine.attention.triton_paged import TritonPagedAttention, decode_splits
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention, _write_kv
+    from affinity_serve.engine.attention.triton_paged import TritonPagedAttention, decode_splits
 
     assert decode_splits(torch.device(dev), len(lens), kv_heads) > 1, "the case must take the split path"
     g = torch.Generator().manual_seed(3)
@@ -127,10 +127,10 @@ def check_decode_splits(dev, dtype, lens: list[int], heads: int, kv_heads: int, 
 def check_fused_model_matches_unfused(path: str, dev, dtype, tol: float) -> None:
     """The same checkpoint loaded twice, one with fused ops on the triton backend, one on torch ops and the
     torch backend: a mixed prefill step, then a decode step over the cached context, hidden states close."""
-    from engine.attention import build_attention_metadata
-    from engine.attention.torch_paged import TorchPagedAttention
-    from engine.attention.triton_paged import TritonPagedAttention
-    from engine.models.loader import load_model
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
+    from affinity_serve.engine.attention.triton_paged import TritonPagedAttention
+    from affinity_serve.engine.models.loader import load_model
 
     runs = []
     for fused_on, backend in ((False, TorchPagedAttention(cpu_kernels=False)), (True, TritonPagedAttention())):

@@ -43,7 +43,7 @@ def scenario_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def agreement(llm, hf_logits, path: str, prompts: list[list[int]], max_tokens: int = 24) -> Agreement:
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -16,7 +16,7 @@ SCHED = {"max_num_batched_tokens": 64}                # chunks the 300-token pro
 def _llm(path, backend, dtype):
     if backend == "triton":
         pytest.importorskip("triton", reason="needs the triton package")
-    from engine import LLM
+    from affinity_serve.engine import LLM
     llm = LLM(path, device="cuda", dtype=dtype, attention_backend=backend, cache=CACHE, scheduler=SCHED)
     assert llm.engine.runner.backend.name == backend
     return llm
@@ -25,7 +25,7 @@ def _llm(path, backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_float32_is_token_identical_to_transformers(checkpoints, hf_reference, name, backend):
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     from tests.common.precision import scenario_prompts
 
     path = checkpoints[name]

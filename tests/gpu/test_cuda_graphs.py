@@ -24,13 +24,13 @@ def _prompts(n, seed=0):
 
 def _llm(path, dtype, **kw):
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine import LLM
+    from affinity_serve.engine import LLM
     return LLM(path, device="cuda", dtype=dtype, attention_backend="triton", scheduler={"max_num_seqs": 32},
                cache={"memory_budget_bytes": SMALL_KV}, **kw)
 
 
 def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, hf_reference):
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["llama"]
     llm = _llm(path, "float32")
@@ -49,7 +49,7 @@ def test_graphs_are_captured_and_replayed_with_transformers_tokens(checkpoints, 
 
 
 def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["qwen2"]
     prompts = _prompts(24, seed=1)             # a captured size: the graph's GEMMs see the eager run's rows
@@ -69,7 +69,7 @@ def test_bfloat16_graph_replay_gives_the_eager_tokens(checkpoints):
 def test_overlapped_decode_with_stop_tokens_and_arrivals(checkpoints, hf_reference):
     """On CUDA the sampled ids cross to the host through a pinned buffer while the next step is already
     queued: requests ending on a stop token and requests arriving mid-decode keep transformers' tokens."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["mistral"]
     llm = _llm(path, "float32")
@@ -97,7 +97,7 @@ def test_overlapped_decode_with_stop_tokens_and_arrivals(checkpoints, hf_referen
 
 
 def test_torch_backend_on_cuda_runs_eager(checkpoints):
-    from engine import LLM
+    from affinity_serve.engine import LLM
     llm = LLM(checkpoints["llama"], device="cuda", dtype="float32", attention_backend="torch",
               cache={"memory_budget_bytes": SMALL_KV})
     assert llm.engine.runner.decode_graphs is None
@@ -107,7 +107,7 @@ def test_overlapped_sampling_draws_what_the_in_order_run_draws(checkpoints):
     """Seeded sampling, logit_bias, penalties and unseeded draws through steps launched ahead on CUDA (the
     per-row values reach the device through pinned, non-blocking copies): seeded rows give the in-order run's
     tokens."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["qwen2"]
     prompts = _prompts(6, seed=5)
@@ -130,7 +130,7 @@ def test_overlapped_logprobs_are_the_in_order_logprobs(checkpoints):
     """Requests asking for logprobs overlap on CUDA too: the step launched ahead computes them on the device
     and queues their pinned copy with the ids; ids, ranks and top ids equal the in-order run's, logprobs to
     float32 rounding."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["llama"]
     prompts = _prompts(3, seed=9)
@@ -155,7 +155,7 @@ def test_cascade_graphs_replay_for_a_shared_prefix_with_transformers_tokens(chec
     """Requests on a cached 96-token prefix replay the cascade graph of their size (the shared length read
     from a device buffer at replay), in fp32 with transformers' tokens; a batch that shares nothing replays
     the plain graphs."""
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
 
     path = checkpoints["llama"]
     llm = _llm(path, "float32")

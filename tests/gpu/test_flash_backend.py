@@ -8,7 +8,7 @@ pytestmark = [pytest.mark.gpu,
 
 def test_flash_matches_torch_backend_greedy(checkpoints):
     pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install '.[gpu]')")
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints["llama"]
     prompts = [[10 + i for i in range(n)] for n in (5, 40, 300)]
@@ -22,7 +22,7 @@ def test_flash_matches_torch_backend_greedy(checkpoints):
 
 
 def test_torch_backend_on_gpu_matches_transformers(checkpoints, hf_reference):
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints["qwen2"]
     ids = [11, 22, 33, 44, 55, 66, 77]
@@ -35,9 +35,9 @@ def test_flash_backend_matches_torch_backend_on_a_mixed_batch():
     """Kernel level, fp16 on the GPU: context written by a prefill pass, then decodes, a chunk after
     cached context and a fresh prefill in one batch; both backends read their own cache layouts."""
     pytest.importorskip("flash_attn", reason="needs the flash-attn package (pip install '.[gpu]')")
-    from engine.attention import build_attention_metadata
-    from engine.attention.flash import FlashPagedAttention
-    from engine.attention.torch_paged import TorchPagedAttention
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention.flash import FlashPagedAttention
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
 
     dev, dt = torch.device("cuda"), torch.float16
     g = torch.Generator(device="cpu").manual_seed(0)

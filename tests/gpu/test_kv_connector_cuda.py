@@ -19,13 +19,13 @@ def _ids(n, seed):
 
 
 def _llm(path, connector, num_blocks=14):
-    from engine import LLM
+    from affinity_serve.engine import LLM
     return LLM(path, device="cuda", dtype="float32", attention_backend="torch",
                cache={"num_blocks": num_blocks, "block_size": BS}, kv_connector=connector)
 
 
 def _gen(llm, prompts, n=6):
-    from engine import SamplingParams
+    from affinity_serve.engine import SamplingParams
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 

@@ -22,8 +22,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("tokens", [1, 32, 300])
 def test_fused_experts_on_cuda(dtype, tol, tokens):
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine.models.fused_moe import fused_experts, self_test
-    from engine.models.moe import grouped_experts, route
+    from affinity_serve.engine.models.fused_moe import fused_experts, self_test
+    from affinity_serve.engine.models.moe import grouped_experts, route
     assert self_test("cuda") is None
     g = torch.Generator(device="cuda").manual_seed(tokens)
     h, inter, e, k = 2048, 768, 128, 8                      # a Qwen3-30B-A3B MoE layer
@@ -65,8 +65,8 @@ def test_float32_is_token_identical_to_transformers(tiny, hf_reference, name, ba
         if name == "gemma3":
             pytest.skip("the triton kernels have no sliding window: refused for Gemma 3 (tests/unit/engine/"
                         "test_gemma2.py checks the refusal; tests/gpu/test_sliding_window_cuda.py runs it on torch)")
-    from engine import LLM, SamplingParams
-    from engine.models.fused_moe import fused_experts
+    from affinity_serve.engine import LLM, SamplingParams
+    from affinity_serve.engine.models.fused_moe import fused_experts
     path = tiny[name]
     llm = LLM(path, device="cuda", dtype="float32", attention_backend=backend,
               cache={"num_blocks": 48, "block_size": 16}, scheduler={"max_num_batched_tokens": 64})

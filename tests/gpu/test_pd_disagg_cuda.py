@@ -21,7 +21,7 @@ def _ids(n, seed):
 
 
 def _engine(path, device, backend="torch"):
-    from engine import LLM
+    from affinity_serve.engine import LLM
     return LLM(path, device=device, dtype="float32", attention_backend=backend,
                cache={"num_blocks": 64, "block_size": BS}, kv_connector={"type": "pd"}).engine
 
@@ -41,7 +41,7 @@ def _run(engine, rid, prompt, params, kv):
 
 @pytest.mark.parametrize("decode_device", ["cuda", "cpu"])
 def test_pd_on_cuda_is_token_exact(checkpoints, hf_reference, decode_device):
-    from engine import RemoteDecode, SamplingParams
+    from affinity_serve.engine import RemoteDecode, SamplingParams
     path = checkpoints["llama"]
     p, d = _engine(path, "cuda"), _engine(path, decode_device)
     for n in (9, 40, 77):

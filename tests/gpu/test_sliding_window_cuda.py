@@ -30,7 +30,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
 def test_float32_past_the_window_is_token_identical_to_transformers(checkpoints, hf_reference, name):
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
     path = checkpoints[name]
     llm = LLM(path, device="cuda", dtype="float32", cache={"num_blocks": 64, "block_size": 16},
               scheduler={"max_num_batched_tokens": 48})
@@ -48,12 +48,12 @@ def test_float32_past_the_window_is_token_identical_to_transformers(checkpoints,
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_flash_window_matches_torch(softcap):
-    from engine.attention.flash import flash_attn_available
+    from affinity_serve.engine.attention.flash import flash_attn_available
     if not flash_attn_available():
         pytest.skip("flash-attn is not installed")
-    from engine.attention.base import build_attention_metadata
-    from engine.attention.flash import FlashPagedAttention
-    from engine.attention.torch_paged import TorchPagedAttention
+    from affinity_serve.engine.attention.base import build_attention_metadata
+    from affinity_serve.engine.attention.flash import FlashPagedAttention
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
     torch.manual_seed(0)
     bs, kvh, heads, d, nb, window = 256, 2, 8, 64, 12, 300
     starts, lens = [700, 0, 400], [701, 500, 660]                   # a decode, a fresh prompt, a chunk

@@ -28,7 +28,7 @@ SCHEMAS = [
 
 
 def _llm(path, backend: str):
-    from engine import LLM
+    from affinity_serve.engine import LLM
     if backend == "triton":
         pytest.importorskip("triton", reason="needs the triton package")
     return LLM(path, device="cuda", dtype="float32", attention_backend=backend,
@@ -45,8 +45,8 @@ def _run(eng) -> dict:
 
 
 def _workload(eng) -> None:
-    from engine import SamplingParams
-    from engine.structured_output import StructuredOutputSpec
+    from affinity_serve.engine import SamplingParams
+    from affinity_serve.engine.structured_output import StructuredOutputSpec
     for i, schema in enumerate(SCHEMAS):
         spec = StructuredOutputSpec.from_schema(schema)
         eng.add_request(f"greedy{i}", f"Item {i}", SamplingParams(max_tokens=120, temperature=0.0,
@@ -71,7 +71,7 @@ def _check(out) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_constrained_decode_on_cuda_is_valid_and_masks_on_the_device(checkpoints, backend, monkeypatch):
-    from engine.structured_output.manager import GrammarBitmask
+    from affinity_serve.engine.structured_output.manager import GrammarBitmask
     llm = _llm(checkpoints["llama"], backend)
     eng = llm.engine
     mgr = eng.structured_output
@@ -110,9 +110,9 @@ def test_overlap_decode_launches_nothing_ahead_for_constrained_rows_on_cuda(chec
     """CUDA graphs with overlap_decode (the Triton backend's default): a step launched ahead would sample before
     the grammar saw the previous token, so batches with constrained rows launch none; once they are done the
     unconstrained rows launch ahead again, and the constrained outputs validate."""
-    from engine import SamplingParams
-    from engine.request import RequestStatus
-    from engine.structured_output import StructuredOutputSpec
+    from affinity_serve.engine import SamplingParams
+    from affinity_serve.engine.request import RequestStatus
+    from affinity_serve.engine.structured_output import StructuredOutputSpec
     llm = _llm(checkpoints["llama"], "triton")
     eng, runner = llm.engine, llm.engine.runner
     if not runner.overlap_decode:

@@ -13,9 +13,9 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("H,KVH,D,bs", [(8, 2, 64, 16), (32, 8, 64, 16), (12, 2, 128, 16), (6, 6, 80, 32)])
 def test_triton_matches_torch_backend_on_cuda(H, KVH, D, bs, dtype, tol):
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine.attention import build_attention_metadata
-    from engine.attention.torch_paged import TorchPagedAttention, _write_kv
-    from engine.attention.triton_paged import TritonPagedAttention
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention, _write_kv
+    from affinity_serve.engine.attention.triton_paged import TritonPagedAttention
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
@@ -50,7 +50,7 @@ def test_triton_matches_torch_backend_on_cuda(H, KVH, D, bs, dtype, tol):
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_engine_on_triton_matches_transformers_fp32(checkpoints, hf_reference, name):
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints[name]
     prompts = [[10 + (7 * i + j) % 600 for j in range(n)] for i, n in enumerate((5, 40, 300, 33))]
@@ -63,8 +63,8 @@ def test_engine_on_triton_matches_transformers_fp32(checkpoints, hf_reference, n
 
 def test_auto_picks_triton_on_cuda_without_flash_attn():
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine.attention import select_backend
-    from engine.attention.flash import flash_attn_available
+    from affinity_serve.engine.attention import select_backend
+    from affinity_serve.engine.attention.flash import flash_attn_available
 
     expected = "flash" if flash_attn_available() else "triton"
     assert select_backend("auto", "cuda", 256).name == expected
@@ -77,9 +77,9 @@ def test_cascade_decode_matches_torch_backend_on_cuda(nd, H, KVH, D, dtype, tol)
     """Decodes sharing a 512-token prefix (the same pages) read it once for the batch (decode_prefix): the
     torch backend's result (which runs its own cascade) within fp32 / bf16 tolerance, and the plain kernels'."""
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine.attention import build_attention_metadata
-    from engine.attention.torch_paged import TorchPagedAttention, _write_kv
-    from engine.attention.triton_paged import TritonPagedAttention
+    from affinity_serve.engine.attention import build_attention_metadata
+    from affinity_serve.engine.attention.torch_paged import TorchPagedAttention, _write_kv
+    from affinity_serve.engine.attention.triton_paged import TritonPagedAttention
 
     dev, bs, plen = torch.device("cuda"), 16, 512
     g = torch.Generator().manual_seed(1)

@@ -54,7 +54,7 @@ def app_url(ray_serve, checkpoints):
     """The main app: 2 replicas of a tiny llama, at /."""
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     serve.run(build_app(app_config(checkpoints["llama"])), name=APP, route_prefix="/")
     _wait_running(APP, "LLMReplica", 2)
@@ -66,7 +66,7 @@ def secure_url(ray_serve, checkpoints):
     """A second app with an API key, a tiny admission limit (1 ongoing + 1 queued) and Retry-After 3."""
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, api_key=API_KEY, max_ongoing_requests=1,
                      max_queued_requests=1, graceful_shutdown_timeout_s=30.0, retry_after_s=3)
@@ -81,7 +81,7 @@ def routing_url(ray_serve, checkpoints):
     one), a small KV pool, 2 ingress replicas (each runs its own router), events pulled every 0.25 s."""
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], ingress_replicas=2, max_ongoing_requests=4)
     # hot_share_min_requests: a dozen sequential repeats of one prefix are all this app's traffic, so by

@@ -129,9 +129,9 @@ def scenario(workdir: Path) -> dict:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from app.builder import build_app, serve_start_options
-    from app.config import AppConfig
-    from engine.demo import write_demo_model
+    from affinity_serve.app.builder import build_app, serve_start_options
+    from affinity_serve.app.config import AppConfig
+    from affinity_serve.engine.demo import write_demo_model
 
     out: dict = {"timings_s": {}}
     t0 = time.monotonic()

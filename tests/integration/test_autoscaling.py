@@ -40,7 +40,7 @@ def _fast_engine_policy(**overrides) -> dict:
 def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_failures(ray_serve, checkpoints):
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
     # One replica "decodes" 3 sequences within its TPOT SLO. 8 concurrent clients: ~8 / 3 = 2.7 units of load
@@ -111,7 +111,7 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
 def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_back(ray_serve, checkpoints):
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, cold_start_timeout_s=60.0)
     cfg["autoscaling"] = _fast_engine_policy(min_replicas=0, max_replicas=1, decode_seqs_per_replica=3.0,

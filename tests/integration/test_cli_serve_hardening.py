@@ -47,7 +47,8 @@ class CLI:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
         env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--config", str(cfg), "--model",
+        self.proc = subprocess.Popen([sys.executable, "-m", "affinity_serve.app.cli", "serve", "--config", str(cfg),
+                                      "--model",
                                       checkpoints["llama"], "--port", str(self.port), "--replicas", "1",
                                       "--dashboard-port", str(_free_port())],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

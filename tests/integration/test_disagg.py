@@ -22,7 +22,7 @@ MIN_REMOTE = 12
 def pd_url(ray_serve, checkpoints):
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"])
     cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
@@ -123,8 +123,8 @@ def test_ray_transport_read_of_a_dead_prefill_owner_fails_as_missing(ray_serve):
     import numpy as np
     import ray
 
-    from app.disagg import RayObjectTransport
-    from engine import KVTransferError, RemotePrefill
+    from affinity_serve.app.disagg import RayObjectTransport
+    from affinity_serve.engine import KVTransferError, RemotePrefill
 
     @ray.remote(num_cpus=0)
     class Owner:
@@ -153,8 +153,8 @@ def test_ray_transport_read_of_a_dead_prefill_owner_fails_as_missing(ray_serve):
 
 
 def _dead(ref) -> bool:
-    from app.disagg import _ObjectRead
-    from engine import KVTransferError
+    from affinity_serve.app.disagg import _ObjectRead
+    from affinity_serve.engine import KVTransferError
     try:
         _ObjectRead(ref, 0, 1).poll()
         return False

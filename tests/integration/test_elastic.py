@@ -35,8 +35,8 @@ def _scale(app: str, n: int) -> None:
 def _deploy(cfg: dict, app: str, prefix: str, *, external_scaler: bool = True, replica_options=None) -> None:
     from ray import serve
 
-    from app.builder import build_app, ingress_deployment, replica_deployment, resolve_model
-    from app.config import AppConfig
+    from affinity_serve.app.builder import build_app, ingress_deployment, replica_deployment, resolve_model
+    from affinity_serve.app.config import AppConfig
     if replica_options is None:
         serve.run(build_app(cfg), name=app, route_prefix=prefix, external_scaler_enabled=external_scaler)
         return

@@ -106,7 +106,7 @@ def test_schema_fuzz_against_the_real_engine(app_url, path):
     """The unit fuzz's bodies (fewer, seeded) against real replicas: the engine's own ranges hold too."""
     from hypothesis import HealthCheck, given, seed, settings
 
-    from app.prompts import RequestKind
+    from affinity_serve.app.prompts import RequestKind
     from tests.unit.app.test_hostile_inputs import _bodies
     kind = RequestKind.COMPLETION if path == "/v1/completions" else RequestKind.CHAT
 

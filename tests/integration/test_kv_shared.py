@@ -29,7 +29,7 @@ BLOCK = 4
 def shared_url(ray_serve, checkpoints):
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     store = tempfile.mkdtemp(prefix="affinity-kv-test-", dir=shm)
@@ -106,8 +106,8 @@ def test_a_prefix_computed_on_one_replica_is_loaded_from_the_shared_store_on_the
 def test_a_damaged_block_in_the_store_is_recomputed_counted_and_repaired(shared_url):
     """Issue 26: a flipped byte in a stored block is a counted miss on the replica that reads it (same
     greedy output as the replica that computed it), and the recompute writes the block again."""
-    from engine.hashing import hash_block_chain
-    from engine.kv_connector.shared_store import HEADER_BYTES, BlockRead, SharedKVStore
+    from affinity_serve.engine.hashing import hash_block_chain
+    from affinity_serve.engine.kv_connector.shared_store import HEADER_BYTES, BlockRead, SharedKVStore
 
     url, store = shared_url
     rng = random.Random(26)

@@ -22,7 +22,7 @@ STEP_S = 0.02          # paced engine steps: a 100-token stream lasts >= 2 s how
 def url(ray_serve, checkpoints):
     from ray import serve
 
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], ingress_replicas=2)
     cfg["engine"]["pace"] = {"enabled": True, "step_base_s": STEP_S}

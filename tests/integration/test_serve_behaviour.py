@@ -69,8 +69,8 @@ def test_handle_api_from_another_serve_app(app_url):
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Caller:
         async def __call__(self, mode: str):
-            from app.errors import APIError
-            from app.protocol import ChatCompletionRequest, CompletionRequest
+            from affinity_serve.app.errors import APIError
+            from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest
             h = serve.get_app_handle(APP)
             if mode == "complete":
                 out = await h.completions.remote(CompletionRequest(prompt="Hello", max_tokens=5, temperature=0,
@@ -104,8 +104,8 @@ def test_handle_api_from_another_serve_app(app_url):
 def test_handle_api_from_driver_validates_like_http(app_url):
     from ray import serve
 
-    from app.errors import APIError
-    from app.protocol import CompletionRequest
+    from affinity_serve.app.errors import APIError
+    from affinity_serve.app.protocol import CompletionRequest
     h = serve.get_app_handle(APP)
     with pytest.raises(APIError) as e:
         h.completions.remote({"prompt": "x", "temperature": -3}).result(timeout_s=30)

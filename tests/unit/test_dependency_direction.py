@@ -1,9 +1,9 @@
 """Dependency direction: the engine knows nothing of Ray, FastAPI or the app; the scheduler side never
 imports torch; observability never imports the app; and the app uses only the engine's public names.
 
-The engine's public surface is (1) the names in `engine.__all__`, imported as `from engine import X`,
+The engine's public surface is (1) the names in `engine.__all__`, imported as `from affinity_serve.engine import X`,
 and (2) the torch-free modules in `engine.PUBLIC_MODULES` (boundary types, errors, limits, sampling
-parameters, configuration), imported as `from engine.<module> import X`. Everything else in `engine/` is
+parameters, configuration), imported as `from affinity_serve.engine.<module> import X`. Everything else in `engine/` is
 internal and may change without notice; app/ code that needs more adds a public name first.
 """
 import ast
@@ -11,10 +11,15 @@ import pathlib
 import subprocess
 import sys
 
-import engine
-
+from affinity_serve import engine
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FORBIDDEN_IN_ENGINE = {"ray", "fastapi", "starlette", "app", "autoscale", "observability"}
+
+
+def _top(module: str) -> str:
+    """The package a module belongs to: ours by their folder name (`affinity_serve.app.x` -> `app`)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "affinity_serve" and len(parts) > 1 else parts[0]
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -22,9 +27,11 @@ def _imports(path: pathlib.Path) -> set[str]:
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {_top(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module.split(".")[0])
+            out.add(_top(node.module))
+            if node.module == "affinity_serve":
+                out |= {a.name for a in node.names}
     return out
 
 
@@ -33,9 +40,9 @@ def _engine_imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out += [(a.name, []) for a in node.names if a.name.split(".")[0] == "engine"]
+            out += [(a.name, []) for a in node.names if a.name.startswith("affinity_serve.engine")]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.split(".")[0] == "engine":
+                and node.module.startswith("affinity_serve.engine"):
             out.append((node.module, [a.name for a in node.names]))
     return out
 
@@ -57,8 +64,8 @@ def test_app_uses_only_the_engines_public_names():
     bad = []
     for path in (ROOT / "app").rglob("*.py"):
         for module, names in _engine_imports(path):
-            if module == "engine":
-                bad += [f"{path.name}: from engine import {n}" for n in names if n not in public_names]
+            if module == "affinity_serve.engine":
+                bad += [f"{path.name}: from affinity_serve.engine import {n}" for n in names if n not in public_names]
             elif module not in public_modules:
                 bad.append(f"{path.name}: {module}")
     assert not bad, f"app/ reaches into engine internals (make them public first): {bad}"
@@ -68,7 +75,8 @@ def test_app_uses_only_the_engines_public_names():
 
 
 def test_scheduler_hashing_and_limits_import_without_torch():
-    code = ("import sys; import engine.scheduler, engine.hashing, engine.kv_cache_manager, engine.limits; "
+    code = ("import sys; import affinity_serve.engine.scheduler, affinity_serve.engine.hashing, "
+            "affinity_serve.engine.kv_cache_manager, affinity_serve.engine.limits; "
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from app.config import AppConfig
+from affinity_serve.app.config import AppConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -100,7 +100,7 @@ def _commands(code: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("where,code", BASH, ids=_ids(BASH))
 def test_bash_block_names_targets_flags_and_scripts_that_exist(where, code):
-    from app.cli import _parser
+    from affinity_serve.app.cli import _parser
     targets = _make_targets()
     for words in _commands(code):
         if words[0] == "make":

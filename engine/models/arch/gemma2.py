@@ -4,8 +4,8 @@ every layer, and sliding-window and global layers alternating (sliding first), e
 group (engine/kv_groups.py)."""
 from typing import Any
 
-from engine.models.config import _rope_spec
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.config import _rope_spec
+from affinity_serve.engine.models.registry import ArchSpec
 
 
 def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("Gemma2ForCausalLM", activations=("gelu_pytorch_tanh",), parse=_gemma2,
-             model="engine.models.gemma3:Gemma3ForCausalLM",
+             model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
                                            "attn_logit_softcapping"})),
 ]

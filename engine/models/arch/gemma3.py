@@ -4,8 +4,8 @@ global layers with their own RoPE (local base; global base and scaling). The sli
 KV-cache groups, which keep only their window's blocks (engine/kv_cache_manager.py)."""
 from typing import Any
 
-from engine.models.config import _rope_spec
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.config import _rope_spec
+from affinity_serve.engine.models.registry import ArchSpec
 
 
 def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -30,6 +30,6 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("Gemma3ForCausalLM", qk_norm=True, activations=("gelu_pytorch_tanh",), parse=_gemma3,
-             model="engine.models.gemma3:Gemma3ForCausalLM",
+             model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping"})),
 ]

@@ -1,5 +1,5 @@
 """Llama, Mistral (every layer in its sliding window, kept by the KV manager) and Qwen2 (q/k/v biases): the plain decoder."""
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.registry import ArchSpec
 
 SPECS = [
     ArchSpec("LlamaForCausalLM"),

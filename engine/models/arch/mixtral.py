@@ -2,8 +2,8 @@
 checkpoints name it block_sparse_moe with experts' w1 (gate), w3 (up), w2 (down)."""
 from typing import Any
 
-from engine.models.config import MoESpec
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.config import MoESpec
+from affinity_serve.engine.models.registry import ArchSpec
 
 
 def _moe(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Phi-3 (and Phi-4-mini): checkpoints store qkv_proj and gate_up_proj fused already, as the decoder does;
 LongRoPE ("su" and "yarn" read as longrope, as transformers does) and a partial rotary factor."""
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.registry import ArchSpec
 
 SPECS = [
     ArchSpec("Phi3ForCausalLM", rope_types=("longrope",), rope_aliases=(("su", "longrope"), ("yarn", "longrope")),

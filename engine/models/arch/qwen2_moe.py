@@ -2,9 +2,9 @@
 block with a shared expert, gated by sigmoid(shared_expert_gate(x)), that every token goes through."""
 from typing import Any
 
-from engine.models.arch.qwen3 import moe_layers
-from engine.models.config import MoESpec
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.arch.qwen3 import moe_layers
+from affinity_serve.engine.models.config import MoESpec
+from affinity_serve.engine.models.registry import ArchSpec
 
 
 def _qwen2_moe(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 in the layers decoder_sparse_step and mlp_only_layers select; top-k renormalised per norm_topk_prob)."""
 from typing import Any
 
-from engine.models.config import MoESpec
-from engine.models.registry import ArchSpec
+from affinity_serve.engine.models.config import MoESpec
+from affinity_serve.engine.models.registry import ArchSpec
 
 
 def moe_layers(cfg: dict[str, Any]) -> tuple[int, tuple[int, ...]]:

@@ -10,15 +10,16 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
-from app.errors import APIError
-from app.prompts import RequestKind
-from app.protocol import CompletionRequest, ReplicaChunk
-from app.routing import AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView, RouteRequest
-from app.routing import debug
-from app.serving import OpenAIServing
-from engine import EngineLimits
-from observability.metrics import ServingMetrics
-from observability.requests import RequestObserver
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import CompletionRequest, ReplicaChunk
+from affinity_serve.app.routing import (AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView,
+                                        RouteRequest)
+from affinity_serve.app.routing import debug
+from affinity_serve.app.serving import OpenAIServing
+from affinity_serve.engine import EngineLimits
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver
 from tests.unit.app.conftest import LocalHandle
 
 LIMITS = EngineLimits(max_model_len=256, vocab_size=1000, max_kv_tokens=1024, block_size=4)

@@ -1,6 +1,6 @@
 """build_app is the one place that sets Serve options: check what it sets."""
-from app.builder import ingress_deployment, replica_deployment
-from app.config import AppConfig
+from affinity_serve.app.builder import ingress_deployment, replica_deployment
+from affinity_serve.app.config import AppConfig
 
 
 def _cfg(**kw):
@@ -40,7 +40,7 @@ def test_ingress_binds_loopback_by_default_and_is_cpu_only():
 def test_replicas_are_routed_by_the_affinity_router_with_json_kwargs_from_the_config():
     import json
 
-    from app.builder import router_kwargs
+    from affinity_serve.app.builder import router_kwargs
     cfg = _cfg(engine={"cache": {"block_size": 8}},
                routing={"policy": "round_robin", "kv_events_period_s": 0.5, "affinity": {"release_slack": 0.5}})
     rc = replica_deployment(cfg)._deployment_config.request_router_config

@@ -5,9 +5,9 @@ import shutil
 import pytest
 import ray
 
-from app.cli import main
-from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from affinity_serve.app.cli import main
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.errors import ModelLoadError
 
 
 class _RayStarted(Exception):
@@ -38,7 +38,7 @@ def _copy(checkpoints, tmp_path) -> str:
 
 
 def _engine_message(model: str, **kw) -> str:
-    from engine.llm_engine import LLMEngine
+    from affinity_serve.engine.llm_engine import LLMEngine
     with pytest.raises(ModelLoadError) as ei:
         LLMEngine(EngineConfig(model=model, **kw))
     return str(ei.value)

@@ -9,9 +9,9 @@ import pytest
 import ray
 from ray._private import ray_constants
 
-from app.cli import API_KEY_ENV, main, ready_message
-from app.config import AppConfig
-from app.http import HTTP_LIMITS_ENV, PROXY_CALLBACK_ENV
+from affinity_serve.app.cli import API_KEY_ENV, main, ready_message
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.http import HTTP_LIMITS_ENV, PROXY_CALLBACK_ENV
 
 
 class _Stop(Exception):
@@ -43,11 +43,11 @@ def test_serve_starts_its_own_loopback_ray_with_authentication_on(checkpoints, r
     assert kw["_node_ip_address"] == "127.0.0.1"
     # the dashboard (Ray's `serve status`, issue 32.3) on loopback only; --no-dashboard switches it off
     assert (kw["include_dashboard"], kw["dashboard_host"], kw["dashboard_port"]) == (True, "127.0.0.1", 8265)
-    assert kw["runtime_env"] == {"worker_process_setup_hook": "app.cli.loopback_worker_setup"}
+    assert kw["runtime_env"] == {"worker_process_setup_hook": "affinity_serve.app.cli.loopback_worker_setup"}
     import os
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and ray_constants.ENABLE_RAY_CLUSTER is False
     assert "RAY_AUTH_MODE" not in os.environ                 # Ray's token authentication is not switched off
-    assert os.environ[PROXY_CALLBACK_ENV] == "app.http:proxy_middlewares"      # the proxy's HTTP limits
+    assert os.environ[PROXY_CALLBACK_ENV] == "affinity_serve.app.http:proxy_middlewares"      # the proxy's HTTP limits
     assert json.loads(os.environ[HTTP_LIMITS_ENV])["body_read_timeout_s"] == 15.0
     assert "starting a local Ray of its own on 127.0.0.1" in capsys.readouterr().out
     with pytest.raises(_Stop):
@@ -59,7 +59,7 @@ def test_the_worker_hook_binds_serve_replicas_grpc_server_to_loopback(monkeypatc
     """Serve 2.60 binds each replica's inter-deployment gRPC server to "[::]:0" (every interface)."""
     from ray.serve._private import replica
 
-    from app.cli import loopback_worker_setup
+    from affinity_serve.app.cli import loopback_worker_setup
     seen: list[str] = []
     monkeypatch.setattr(replica, "add_port_to_grpc_server", lambda server, address: seen.append(address) or 1)
     loopback_worker_setup()
@@ -86,7 +86,7 @@ def test_serve_joins_a_cluster_only_when_asked(checkpoints, ray_init, capsys, mo
 # ---------------------------------------------------------------- finding 10
 def test_the_key_comes_from_the_environment_or_a_file_and_is_never_printed(checkpoints, ray_init, capsys,
                                                                          monkeypatch, tmp_path):
-    from app import cli
+    from affinity_serve.app import cli
     seen: list = []
     monkeypatch.setattr(cli, "check_model", lambda cfg: seen.append(cfg))
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env-0123456789")
@@ -120,7 +120,7 @@ def test_the_key_is_masked_in_the_config_command_and_in_reprs(tmp_path, capsys):
 
 def test_serve_stores_only_a_digest_of_the_key(checkpoints):
     """What Serve keeps (the deployments' pickled arguments, in the controller and the GCS) holds no key."""
-    from app.builder import build_app
+    from affinity_serve.app.builder import build_app
     key = "sk-never-stored-0123456789"
     app = build_app({"engine": {"model": checkpoints["llama"]}, "serve": {"api_key": key}})
     blob = pickle.dumps((app._bound_deployment.init_args, app._bound_deployment.init_kwargs))
@@ -131,7 +131,7 @@ def test_serve_stores_only_a_digest_of_the_key(checkpoints):
 
 async def test_the_ingress_checks_the_digest(checkpoints):
     from tests.unit.app.test_hostile_inputs import http_request, ingress
-    from app.prompts import RequestKind
+    from affinity_serve.app.prompts import RequestKind
     ing, _ = ingress(checkpoints, api_key="sk-good-0123456789")
     assert ing.cfg.serve.api_key is None                          # dropped from the ingress's config
     body = b'{"prompt": [[1, 2]], "max_tokens": 1}'

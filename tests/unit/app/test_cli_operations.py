@@ -9,7 +9,7 @@ import logging
 import pytest
 import ray
 
-from app.cli import main
+from affinity_serve.app.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -53,14 +53,14 @@ def test_a_check_of_the_effective_configuration_reads_as_a_sentence(checkpoints,
 def test_ctrl_c_before_ray_is_one_line(monkeypatch, capsys):
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
-    monkeypatch.setattr("app.cli.check_model", interrupted)
+    monkeypatch.setattr("affinity_serve.app.cli.check_model", interrupted)
     assert main(["serve", "--model", "/m"]) == 130
     out = capsys.readouterr()
     assert out.out == "" and out.err.strip() == "[affinity-serve] interrupted; nothing was started."
 
 
 def test_serve_run_does_not_log_that_it_reconnected_to_the_serve_just_started():
-    from app.cli import _NoReconnectNotice
+    from affinity_serve.app.cli import _NoReconnectNotice
     f = _NoReconnectNotice()
     record = logging.LogRecord("ray.serve", logging.INFO, __file__, 1, 'Connecting to existing Serve app in '
                                'namespace "serve". New http_options/controller_options will not be applied.',
@@ -77,7 +77,7 @@ def test_serve_run_of_the_builder_starts_serve_on_the_configs_port(tmp_path, mon
     from ray import serve
     from ray.serve.scripts import run as serve_run_command
 
-    from app import builder
+    from affinity_serve.app import builder
     calls: list = []
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw)))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -88,7 +88,7 @@ def test_serve_run_of_the_builder_starts_serve_on_the_configs_port(tmp_path, mon
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"serve": {"port": 8123, "host": "127.0.0.1"}}))
     assert builder.app_builder({"config": str(cfg)}) == "app" and calls == []          # not under serve run
-    params = {"config_or_import_path": "app.builder:app_builder", "address": "127.0.0.1:6379",
+    params = {"config_or_import_path": "affinity_serve.app.builder:app_builder", "address": "127.0.0.1:6379",
               "runtime_env": None, "runtime_env_json": '{"env_vars": {"A": "1"}}', "working_dir": None}
     with click.Context(serve_run_command, info_name="run") as ctx:
         ctx.params.update(params)
@@ -97,12 +97,12 @@ def test_serve_run_of_the_builder_starts_serve_on_the_configs_port(tmp_path, mon
                                "runtime_env": {"env_vars": {"A": "1"}}}),
                      ("start", {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": 8123}})]
     import os
-    assert os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "app.http:proxy_middlewares"
+    assert os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "affinity_serve.app.http:proxy_middlewares"
 
 
 def test_ready_message_says_how_drivers_and_rays_tools_attach(monkeypatch):
-    from app import cli
-    from app.config import AppConfig
+    from affinity_serve.app import cli
+    from affinity_serve.app.config import AppConfig
 
     class Ctx:
         gcs_address = "127.0.0.1:41234"

@@ -21,7 +21,7 @@ def test_cluster_yaml_matches_ray_schema_and_launcher_checks():
 
 
 def test_cluster_app_config_is_valid_and_uses_gpus():
-    from app.config import AppConfig
+    from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(ROOT / "deploy" / "cluster-app.yaml")
     assert cfg.serve.replica_num_gpus == 1 and cfg.engine.cache.block_size % 256 == 0
     assert os.path.basename(cfg.engine.model)
@@ -30,8 +30,8 @@ def test_cluster_app_config_is_valid_and_uses_gpus():
 def test_cluster_nodes_declare_what_the_app_places_on_them():
     """Replicas' custom resources exist only on GPU workers (and fit one per node), the ingress's only on the
     head: a mismatch would leave replicas pending forever or put the ingress on a GPU node."""
-    from app.builder import ingress_placement, replica_placement
-    from app.config import AppConfig
+    from affinity_serve.app.builder import ingress_placement, replica_placement
+    from affinity_serve.app.config import AppConfig
     app = AppConfig.from_yaml(ROOT / "deploy" / "cluster-app.yaml")
     nodes = yaml.safe_load((ROOT / "cluster.yaml").read_text())["available_node_types"]
     head, gpu = nodes["head"]["resources"], nodes["gpu_worker"]["resources"]
@@ -53,7 +53,7 @@ def test_head_deploys_with_the_cli_and_keeps_the_dashboard_on_loopback():
     assert "--dashboard-host=127.0.0.1" in start
     assert "affinity-serve deploy --config ~/affinity-serve.yaml" in start
     assert cfg["file_mounts"]["~/affinity-serve.yaml"] == "./deploy/cluster-app.yaml"
-    from app.cli import _parser
+    from affinity_serve.app.cli import _parser
     args = _parser().parse_args(["deploy", "--config", "x.yaml"])
     assert args.cmd == "deploy" and args.address == "auto"
 

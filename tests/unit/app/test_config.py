@@ -2,8 +2,8 @@
 configuration reference documents every key with its default: tests/unit/test_docs.py."""
 import pytest
 
-from app.config import AppConfig, AppEngineConfig, ConfigError
-from engine.config import EngineConfig
+from affinity_serve.app.config import AppConfig, AppEngineConfig, ConfigError
+from affinity_serve.engine.config import EngineConfig
 
 
 def test_engine_section_is_the_engine_config():

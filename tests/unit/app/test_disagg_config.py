@@ -2,8 +2,8 @@
 deployments and engine configs as build_app makes them."""
 import pytest
 
-from app.builder import disagg_deployments
-from app.config import AppConfig, ConfigError
+from affinity_serve.app.builder import disagg_deployments
+from affinity_serve.app.config import AppConfig, ConfigError
 
 
 def _cfg(**d):

@@ -4,8 +4,8 @@ several prompts, streaming, max_tokens 0, and the prefix cache."""
 import pytest
 import torch
 
-from app.config import AppConfig
-from app.errors import APIError
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.errors import APIError
 from tests.unit.app.conftest import LocalHandle
 
 TEXT = "The quick brown fox jumps over the lazy dog."
@@ -15,8 +15,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture
 async def served(checkpoints):
     """(ingress, checkpoint path) over one real replica of the tiny llama."""
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
 
     path = checkpoints["llama"]
     rep = LLMReplica({"model": path, "cache": {"num_blocks": 128, "block_size": 4}})

@@ -8,15 +8,17 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 
-import app.fanout
-from app.errors import APIError
-from app.fanout import RequestRun, merged_chunks, replica_requests
-from app.prompts import PreparedRequest, RequestKind
-from app.protocol import ReplicaChunk
-from engine import SamplingParams
-from engine.types import Logprobs
-from observability.metrics import ServingMetrics
-from observability.requests import RequestObserver, RequestSpan
+import affinity_serve.app.fanout  # noqa: F401
+
+from affinity_serve import app
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.fanout import RequestRun, merged_chunks, replica_requests
+from affinity_serve.app.prompts import PreparedRequest, RequestKind
+from affinity_serve.app.protocol import ReplicaChunk
+from affinity_serve.engine import SamplingParams
+from affinity_serve.engine.types import Logprobs
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver, RequestSpan
 from tests.unit.app.conftest import LocalHandle
 
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from app.http import HEADER_GUARD_SLACK_BYTES, install_header_guard  # noqa: E402
+from affinity_serve.app.http import HEADER_GUARD_SLACK_BYTES, install_header_guard  # noqa: E402
 
 
 async def _echo_app(scope, receive, send):

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from app.config import AppConfig
-from app.fanout import merged_chunks, replica_requests
-from app.prompts import PreparedRequest, RequestKind
-from app.protocol import ReplicaChunk
-from engine import EngineLimits, SamplingParams
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.fanout import merged_chunks, replica_requests
+from affinity_serve.app.prompts import PreparedRequest, RequestKind
+from affinity_serve.app.protocol import ReplicaChunk
+from affinity_serve.engine import EngineLimits, SamplingParams
 from tests.unit.app.conftest import LocalHandle
 
 LIMITS = EngineLimits(max_model_len=64, vocab_size=10**6, max_kv_tokens=64)
@@ -39,7 +39,7 @@ class FakeReplica:
 
 
 def ingress(checkpoints, replica=None, **serve):
-    from app.ingress import Ingress
+    from affinity_serve.app.ingress import Ingress
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
                                     "serve": {"first_token_timeout_s": 0.5, **serve}})
     handle = LocalHandle(replica or FakeReplica())
@@ -158,7 +158,7 @@ async def test_an_integral_float_is_the_integer_and_answers(checkpoints):
 
 
 async def test_the_python_handle_api_refuses_surrogates_too(checkpoints):
-    from app.errors import APIError
+    from affinity_serve.app.errors import APIError
     ing, _ = ingress(checkpoints)
     with pytest.raises(APIError) as e:
         await ing.completions({"prompt": "hi", "request_id": "\ud800"})
@@ -166,8 +166,8 @@ async def test_the_python_handle_api_refuses_surrogates_too(checkpoints):
 
 
 def test_an_error_message_holding_a_surrogate_is_still_a_json_body():
-    from app.errors import APIError
-    from app.http import error_response
+    from affinity_serve.app.errors import APIError
+    from affinity_serve.app.http import error_response
     r = error_response(APIError("model '\ud800' not found", 404, code="model_not_found"))
     assert r.status_code == 404 and json.loads(r.body)["error"]["code"] == "model_not_found"
 
@@ -249,7 +249,7 @@ async def test_deeply_nested_json_is_a_400(checkpoints, kind, raw):
 
 
 async def test_nesting_is_bounded_for_python_callers_too_and_the_bound_is_configurable(checkpoints):
-    from app.errors import APIError
+    from affinity_serve.app.errors import APIError
     ing, _ = ingress(checkpoints, max_json_depth=4)
     nested: dict = {"prompt": "hi"}
     for _ in range(5):
@@ -288,7 +288,7 @@ async def test_a_client_disconnect_mid_body_is_a_499_logged_without_a_traceback(
 def test_a_cancelled_replica_task_is_a_cancellation_not_a_server_error():
     from ray.exceptions import TaskCancelledError
 
-    from app.errors import to_api_error
+    from affinity_serve.app.errors import to_api_error
     err = to_api_error(TaskCancelledError())
     assert (err.status_code, err.code) == (499, "cancelled")
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from app.http import HTTPLimitsMiddleware
+from affinity_serve.app.http import HTTPLimitsMiddleware
 
 
 class Inner:
@@ -191,8 +191,8 @@ def test_the_proxy_callback_builds_the_middleware_from_the_environment(monkeypat
     """Ray 2.60's proxy takes middlewares only from RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH."""
     from ray.serve._private.utils import call_function_from_import_path
 
-    from app.builder import http_limits_env
-    from app.config import AppConfig
+    from affinity_serve.app.builder import http_limits_env
+    from affinity_serve.app.config import AppConfig
     env = http_limits_env(AppConfig.model_validate({"serve": {"body_read_timeout_s": 3, "max_connections": 7}}))
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -5,12 +5,12 @@ import logging
 
 import pytest
 
-from app.config import AppConfig
-from app.errors import APIError, to_api_error
-from app.prompts import RequestKind
-from app.protocol import CompletionRequest, GenerateRequest, ReplicaChunk
-from engine import EngineLimits, SamplingParams
-from engine.types import Logprobs
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.errors import APIError, to_api_error
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import CompletionRequest, GenerateRequest, ReplicaChunk
+from affinity_serve.engine import EngineLimits, SamplingParams
+from affinity_serve.engine.types import Logprobs
 from tests.unit.app.conftest import LocalHandle
 
 LIMITS = EngineLimits(max_model_len=64, vocab_size=10**6, max_kv_tokens=64)
@@ -35,7 +35,7 @@ class FakeReplica:
 
 
 def _ingress(checkpoints, behaviour, engine=None, **serve):
-    from app.ingress import Ingress
+    from affinity_serve.app.ingress import Ingress
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"], **(engine or {})},
                                     "serve": {"first_token_timeout_s": 0.3, **serve}})
     handle = LocalHandle(FakeReplica(behaviour))
@@ -67,7 +67,7 @@ async def test_no_replica_output_is_503_within_bound(checkpoints):
 
 async def test_no_replica_answering_for_limits_is_a_503_not_a_hang(checkpoints):
     """/v1/models and a first completion ask a replica for the engine's limits: none up -> a bounded 503."""
-    from app.ingress import Ingress
+    from affinity_serve.app.ingress import Ingress
 
     class NoLimits(FakeReplica):
         async def limits(self):
@@ -90,7 +90,7 @@ async def test_no_replica_answering_for_limits_is_a_503_not_a_hang(checkpoints):
 async def test_retry_after_is_the_configured_serve_retry_after_s(checkpoints):
     from ray.serve.exceptions import BackPressureError
 
-    from app.http import error_response
+    from affinity_serve.app.http import error_response
 
     async def silent(req):
         await asyncio.sleep(3600)
@@ -109,7 +109,7 @@ async def test_retry_after_is_the_configured_serve_retry_after_s(checkpoints):
 
 
 async def test_failure_after_stream_started_is_an_sse_error_then_done(checkpoints):
-    from app.http import sse
+    from affinity_serve.app.http import sse
 
     async def dies(req):
         yield ReplicaChunk(0, "Hel", [5], replica_id="r1")
@@ -146,7 +146,7 @@ async def test_limit_and_model_checks_use_the_replicas_limits_before_any_generat
 
 
 async def test_vocabulary_check_comes_from_the_published_limits(checkpoints):
-    from app.ingress import Ingress
+    from affinity_serve.app.ingress import Ingress
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
     ing = Ingress(LocalHandle(FakeReplica(_tokens, EngineLimits(64, 100, 64))), cfg.model_dump())
     with pytest.raises(APIError) as e:
@@ -173,8 +173,8 @@ async def test_reused_client_request_id_never_becomes_the_engine_key(checkpoints
 
 async def test_same_client_id_concurrently_on_one_real_replica(checkpoints):
     """The defect end to end: one replica, 8 concurrent requests carrying one id -> all succeed."""
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
     ing = Ingress(LocalHandle(rep), cfg.model_dump())
@@ -187,7 +187,7 @@ async def test_same_client_id_concurrently_on_one_real_replica(checkpoints):
 def test_error_mapping_table():
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    from engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
+    from affinity_serve.engine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
     cases = [
         (BackPressureError(num_queued_requests=3, max_queued_requests=2), 429, "rate_limit_error"),
         (DeploymentUnavailableError.__new__(DeploymentUnavailableError), 503, "service_unavailable"),
@@ -276,8 +276,8 @@ async def test_missing_prompt_logprobs_are_a_server_error_not_zeros(checkpoints)
 
 # ---------------------------------------------------------------- token-ids-only mode
 async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoints, monkeypatch):
-    import app.ingress
-
+    import affinity_serve.app.ingress  # noqa: F401
+    from affinity_serve import app
     def no_tokenizer(path):
         raise AssertionError("no tokenizer may be loaded in token-ids-only mode")
 
@@ -360,7 +360,7 @@ async def test_unexpected_ingress_error_logs_its_traceback_once_and_4xx_without(
 
 async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(checkpoints, app_logs,
                                                                                monkeypatch):
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
 
     def boom(so):
@@ -382,8 +382,8 @@ async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(
 
 # ---------------------------------------------------------------- replica surface
 async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoints):
-    from app.replica import LLMReplica
-    from app.stats import ReplicaStats
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.app.stats import ReplicaStats
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
                      wedge_timeout_s=0.05)
     chunks = [c async for c in rep.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=3,
@@ -416,8 +416,8 @@ async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoint
 async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
     import threading
 
-    from app.replica import LLMReplica
-    from engine.errors import EngineDeadError
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.engine.errors import EngineDeadError
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
                      wedge_timeout_s=0.1)
     release = threading.Event()
@@ -443,7 +443,7 @@ async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
 
 
 def test_serve_does_not_log_our_api_errors_a_second_time(app_logs):
-    from app.errors import _AlreadyLogged, drop_serve_duplicate_logs
+    from affinity_serve.app.errors import _AlreadyLogged, drop_serve_duplicate_logs
     drop_serve_duplicate_logs()
     drop_serve_duplicate_logs()
     serve_logger = logging.getLogger("ray.serve")

@@ -2,13 +2,15 @@
 the ingress (the replica's engine uses those hashes instead of hashing again)."""
 import pickle
 
-import engine.request
-from app.config import AppConfig
-from app.ingress import Ingress
-from app.protocol import GenerateRequest, ReplicaChunk
-from app.replica import LLMReplica
-from engine import EngineLimits, SamplingParams
-from engine.hashing import hash_block_chain
+import affinity_serve.engine.request  # noqa: F401
+
+from affinity_serve import engine
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.ingress import Ingress
+from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.replica import LLMReplica
+from affinity_serve.engine import EngineLimits, SamplingParams
+from affinity_serve.engine.hashing import hash_block_chain
 from tests.unit.app.conftest import LocalHandle
 from tests.unit.engine.test_kv_events import replay
 
@@ -73,8 +75,8 @@ def test_serve_access_log_lines_of_kv_feed_pulls_are_dropped():
     call's `request_id` (ray/serve/_private/replica.py): the feed's are dropped, everything else kept."""
     import logging
 
-    from app.routing.serve_compat import DropKVFeedAccessLogs, drop_kv_feed_access_logs
-    from app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
+    from affinity_serve.app.routing.serve_compat import DropKVFeedAccessLogs, drop_kv_feed_access_logs
+    from affinity_serve.app.routing.feed import KV_FEED_REQUEST_ID_PREFIX
 
     class Keep(logging.Handler):
         def __init__(self):

@@ -2,8 +2,8 @@
 import openai.types as oai
 import openai.types.chat as oai_chat
 
-from app import openai_format as fmt
-from engine.types import Logprobs
+from affinity_serve.app import openai_format as fmt
+from affinity_serve.engine.types import Logprobs
 
 META = fmt.ResponseMeta("cmpl-1", 1700000000, "tiny")
 LPS = [Logprobs(1, -0.5, 1, [1, 2], [-0.5, -1.5]), Logprobs(22, -0.25, 1, [22], [-0.25])]

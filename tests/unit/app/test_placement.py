@@ -1,8 +1,8 @@
 """Placement: the Serve options build_app derives from the serve section's placement keys."""
 import pytest
 
-from app.builder import ingress_deployment, replica_deployment, serve_start_options
-from app.config import AppConfig, ConfigError
+from affinity_serve.app.builder import ingress_deployment, replica_deployment, serve_start_options
+from affinity_serve.app.config import AppConfig, ConfigError
 
 
 def _cfg(engine=None, **serve):

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.prompts import NORMALIZATION_SLACK, max_token_chars
-from app.serving import RELEASE_AFTER_CHARS, _releasing_memory, release_freed_memory
-from engine import load_tokenizer
+from affinity_serve.app.prompts import NORMALIZATION_SLACK, max_token_chars
+from affinity_serve.app.serving import RELEASE_AFTER_CHARS, _releasing_memory, release_freed_memory
+from affinity_serve.engine import load_tokenizer
 from tests.unit.app.test_hostile_inputs import http_request, ingress
 
 TEXT = "Once upon a time there was a little robot who liked prime numbers. "
@@ -36,7 +36,7 @@ class CountingTokenizer:
 
 
 async def _post(ing, body: dict, path: str):
-    from app.prompts import RequestKind
+    from affinity_serve.app.prompts import RequestKind
     kind = RequestKind.CHAT if "messages" in body else RequestKind.COMPLETION
     r = await ing._http(kind, http_request(json.dumps(body).encode(), path))
     return r.status_code, json.loads(r.body)

@@ -2,13 +2,13 @@
 `kv_tier_stats()` (for the ingress's metrics) and `debug_state()`; None without a connector."""
 import dataclasses
 
-from engine import SamplingParams
-from engine.kv_connector import KVConnectorStats
+from affinity_serve.engine import SamplingParams
+from affinity_serve.engine.kv_connector import KVConnectorStats
 
 
 async def test_the_replica_reports_its_tier_and_counters(checkpoints, tmp_path):
-    from app.protocol import GenerateRequest
-    from app.replica import LLMReplica
+    from affinity_serve.app.protocol import GenerateRequest
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4},
                       "kv_connector": {"type": "shared", "shared_dir": str(tmp_path / "kv"), "capacity_blocks": 64}})
     prompt = list(range(10, 31))

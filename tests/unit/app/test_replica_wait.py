@@ -7,9 +7,9 @@ import time
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from app.errors import APIError, to_api_error
-from app.fanout import ReplicaWait
-from app.http import error_response, sse
+from affinity_serve.app.errors import APIError, to_api_error
+from affinity_serve.app.fanout import ReplicaWait
+from affinity_serve.app.http import error_response, sse
 
 
 class _Replicas:

@@ -1,11 +1,11 @@
 """LLMReplica.warm: prefilling a joining replica's hottest prefixes caches them, and a later request that
 shares one finds it cached (what the router's warm-up on join relies on)."""
-from app.protocol import GenerateRequest
-from engine import SamplingParams
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.engine import SamplingParams
 
 
 async def test_warm_caches_the_prefixes_and_skips_prompts_the_engine_refuses(checkpoints):
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
     prefix = list(range(10, 42))                                   # 8 full blocks
     out = await rep.warm([prefix, list(range(5, 9)), [7] * 10_000])
@@ -23,8 +23,8 @@ async def test_a_warm_up_is_not_load_for_the_autoscaler_but_delays_requests_for_
     signals read an idle replica and the routing stats the warm-up's backlog; after it, both read idle."""
     import asyncio
 
-    from app.replica import LLMReplica
-    from autoscale.signals import ReplicaSignals
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.autoscale.signals import ReplicaSignals
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 256, "block_size": 4},
                       "scheduler": {"max_num_batched_tokens": 16}})
     task = asyncio.create_task(rep.warm([[11 + i] + list(range(20, 115)) for i in range(6)]))

@@ -2,9 +2,9 @@
 not, with or without a tokenizer), each choice carries its prompt's ids, and nothing is added unasked."""
 import pytest
 
-from app.config import AppConfig
-from app.protocol import GenerateRequest
-from engine import SamplingParams
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.engine import SamplingParams
 from tests.unit.app.conftest import LocalHandle
 
 PROMPT = [1, 415, 293, 606, 285, 114]
@@ -14,8 +14,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(params=[False, True], ids=["tokenizer", "token_ids_only"])
 async def served(request, checkpoints):
     """(ingress, replica) over one real replica of the tiny llama, with a tokenizer or in token-ids-only mode."""
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
 
     engine = {"model": checkpoints["llama"], "skip_tokenizer_init": request.param}
     rep = LLMReplica({**engine, "cache": {"num_blocks": 128, "block_size": 4}})
@@ -78,9 +78,9 @@ async def test_echo_keeps_the_prompt_out_of_token_ids_and_nothing_is_added_unask
 
 async def test_chat_returns_the_templated_prompt_ids_on_the_body_and_ids_per_choice(checkpoints):
     """As vLLM: chat's `prompt_token_ids` is the body's (streamed: on the role chunks), `token_ids` each choice's."""
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
-    from engine import apply_chat_template
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.engine import apply_chat_template
 
     engine = {"model": checkpoints["llama"]}
     rep = LLMReplica({**engine, "cache": {"num_blocks": 128, "block_size": 4}})

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from app.builder import router_kwargs
-from app.config import AppConfig
-from app.protocol import GenerateRequest
-from app.routing import AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo
-from app.routing.feed import KVEventFeed
-from engine import SamplingParams
-from engine.types import AllBlocksCleared, BlockStored, KVCacheSnapshot, KVEventsReply
+from affinity_serve.app.builder import router_kwargs
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.app.routing import AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo
+from affinity_serve.app.routing.feed import KVEventFeed
+from affinity_serve.engine import SamplingParams
+from affinity_serve.engine.types import AllBlocksCleared, BlockStored, KVCacheSnapshot, KVEventsReply
 
 H = [bytes([i]) * 8 for i in range(8)]
 
@@ -112,7 +112,7 @@ async def test_feed_drops_replicas_that_left():
 def _router(**kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from app.routing.serve_router import AffinityRequestRouter
+    from affinity_serve.app.routing.serve_router import AffinityRequestRouter
     r = AffinityRequestRouter(deployment_id=DeploymentID(name="LLMReplica", app_name="t"),
                               handle_source=DeploymentHandleSource.UNKNOWN, self_node_id="node-1")
     r.initialize_state(**kwargs)
@@ -135,7 +135,8 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
     router = _router(**router_kwargs(AppConfig.model_validate({"engine": {"cache": {"block_size": 4}}})))
     a, b = _replica("a", {"num_running": 0, "cache_epoch": "e"}), _replica("b")
     router._sync_members([a, b])
-    router.core.on_snapshot(__import__("app.routing", fromlist=["KVSnapshot"]).KVSnapshot("b", "e", 0, H[:4]))
+    from affinity_serve.app.routing import KVSnapshot
+    router.core.on_snapshot(KVSnapshot("b", "e", 0, H[:4]))
     pending = _pending("r1", H[:4])
     ranks = await router.choose_replicas([a, b], pending)
     assert [[x.replica_id.unique_id for x in rank] for rank in ranks] == [["b"], ["a"]]

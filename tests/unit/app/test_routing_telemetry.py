@@ -12,13 +12,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from app.prompts import RequestKind
-from app.protocol import CompletionRequest, ReplicaChunk
-from app.routing.api import CandidateScores, Decision, Reason
-from app.serving import OpenAIServing
-from engine import EngineLimits
-from observability.metrics import ServingMetrics
-from observability.requests import RequestObserver
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import CompletionRequest, ReplicaChunk
+from affinity_serve.app.routing.api import CandidateScores, Decision, Reason
+from affinity_serve.app.serving import OpenAIServing
+from affinity_serve.engine import EngineLimits
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver
 from tests.unit.app.conftest import LocalHandle
 
 LIMITS = EngineLimits(max_model_len=256, vocab_size=1000, max_kv_tokens=1024, block_size=4)
@@ -131,8 +131,8 @@ def test_the_decision_stays_in_the_ingress_process():
     """What the router leaves on the request is not pickled with it to the replica."""
     import pickle
 
-    from app.protocol import GenerateRequest
-    from engine import SamplingParams
+    from affinity_serve.app.protocol import GenerateRequest
+    from affinity_serve.engine import SamplingParams
     req = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=1), cached_on=[("r2", 16)])
     req.routing.value = _decision("r1")
     sent = pickle.loads(pickle.dumps(req))

@@ -8,8 +8,8 @@ from ray.serve._private.common import RequestMetadata
 from ray.serve._private.replica import ReplicaActor
 from ray.serve.request_router import LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.routing import serve_compat
-from app.routing.serve_router import AffinityRequestRouter
+from affinity_serve.app.routing import serve_compat
+from affinity_serve.app.routing.serve_router import AffinityRequestRouter
 
 
 def test_the_replica_method_client_can_build_and_send_a_method_call():

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from app.config import AppConfig  # noqa: E402
-from app.prompts import RequestKind  # noqa: E402
+from affinity_serve.app.config import AppConfig  # noqa: E402
+from affinity_serve.app.prompts import RequestKind  # noqa: E402
 from tests.unit.app.conftest import LocalHandle  # noqa: E402
 from tests.unit.app.test_hostile_inputs import http_request  # noqa: E402
 
@@ -36,8 +36,8 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture
 async def app(checkpoints):
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
     path = checkpoints["llama"]
     rep = LLMReplica({"model": path, "cache": {"num_blocks": 256, "block_size": 4}})
     ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())
@@ -187,8 +187,8 @@ async def test_streamed_tool_calls_keep_choices_apart_with_n(app):
 
 
 async def test_the_python_handle_api_takes_the_same_fields(checkpoints):
-    from app.ingress import Ingress
-    from app.replica import LLMReplica
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.replica import LLMReplica
     path = checkpoints["llama"]
     rep = LLMReplica({"model": path, "cache": {"num_blocks": 128, "block_size": 4}})
     ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())

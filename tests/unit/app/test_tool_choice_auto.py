@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from app.config import AppConfig
-from app.prompts import RequestKind
-from app.protocol import ReplicaChunk
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import ReplicaChunk
 from tests.unit.app.conftest import LocalHandle
-from engine import EngineLimits
+from affinity_serve.engine import EngineLimits
 from tests.unit.app.test_hostile_inputs import http_request
 
 LIMITS = EngineLimits(max_model_len=1024, vocab_size=10**6, max_kv_tokens=4096)
@@ -71,7 +71,7 @@ MISTRAL_TEMPLATE = (
 
 
 def _client(checkpoints, tmp_path, template: str):
-    from app.ingress import Ingress
+    from affinity_serve.app.ingress import Ingress
     path = tmp_path / "model"
     shutil.copytree(checkpoints["llama"], path)
     (path / "chat_template.jinja").write_text(template)
@@ -161,7 +161,7 @@ TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]
 
 async def test_the_parser_is_chosen_from_the_template(json_format):
     client, ing, replica, parser, texts = json_format
-    from app.tool_calls import detect_tool_parser
+    from affinity_serve.app.tool_calls import detect_tool_parser
     assert detect_tool_parser(ing.serving.tokenizer) == parser
     replica.text = texts["call"]
     r = await client.chat.completions.create(model=ing.model_name, messages=MSGS, tools=TOOLS, max_tokens=50)

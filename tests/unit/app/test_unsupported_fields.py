@@ -10,8 +10,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from app.errors import APIError
-from app.prompts import RequestKind
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.prompts import RequestKind
 from tests.unit.app.test_hostile_inputs import http_request, ingress
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -7,9 +7,9 @@ import json
 import pytest
 import ray
 
-from app.cli import main
-from app.config import AppConfig, ConfigError
-from engine import load_tokenizer
+from affinity_serve.app.cli import main
+from affinity_serve.app.config import AppConfig, ConfigError
+from affinity_serve.engine import load_tokenizer
 from tests.unit.app.test_hostile_inputs import http_request, ingress
 
 
@@ -24,7 +24,7 @@ def test_vllm_flags_override_the_config(checkpoints, tmp_path, monkeypatch):
     def stop(cfg):
         seen.append(cfg)
         raise _Stop
-    monkeypatch.setattr("app.cli.check_model", stop)
+    monkeypatch.setattr("affinity_serve.app.cli.check_model", stop)
     monkeypatch.setattr(ray, "init", lambda *a, **k: (_ for _ in ()).throw(AssertionError("Ray started")))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"engine": {"max_model_len": 64}, "serve": {"model_name": "from-file"}}))
@@ -71,12 +71,12 @@ async def test_tokenize_is_what_the_completions_and_chat_apis_run(checkpoints):
 
 
 def _chat_kind():
-    from app.prompts import RequestKind
+    from affinity_serve.app.prompts import RequestKind
     return RequestKind.CHAT
 
 
 def _chat(messages):
-    from app.protocol import ChatCompletionRequest
+    from affinity_serve.app.protocol import ChatCompletionRequest
     return ChatCompletionRequest(messages=messages)
 
 
@@ -111,7 +111,7 @@ async def test_retrieve_model_by_id(checkpoints):
 
 # ---------------------------------------------------------------- autoscaling: Serve's field names
 def test_serve_autoscaling_names_are_accepted_or_refused_with_the_right_name():
-    from app.builder import autoscaling_config
+    from affinity_serve.app.builder import autoscaling_config
     cfg = AppConfig.from_dict({"autoscaling": {"enabled": True, "policy": "requests", "min_replicas": 1,
                                                "max_replicas": 4, "initial_replicas": 3, "upscaling_factor": 1.5,
                                                "downscaling_factor": 0.5}})

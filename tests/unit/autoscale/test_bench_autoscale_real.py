@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from ray.serve.config import AutoscalingConfig
 
-from app.builder import autoscaling_config
-from app.config import AppConfig
+from affinity_serve.app.builder import autoscaling_config
+from affinity_serve.app.config import AppConfig
 from benchmarks.autoscale import BURST, PROFILE, profile
 from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome,
                                        decode_capacity, PolicyRun, RealSpec, Sample, arrival_times,
@@ -255,8 +255,8 @@ def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_d
     from benchmarks.autoscale_real import _DECISION_LINE, _SCALING_LINE
     head = "INFO 2026-11-25 14:00:01,250 controller 4242 -- "
     serve = head + "Upscaling Deployment(name='LLMReplica', app='affinity') from 1 to 2 replicas. Current ongoing"
-    from autoscale.policy import PolicyConfig, PolicyState, decide
-    from autoscale.signals import ReplicaSignals
+    from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, decide
+    from affinity_serve.autoscale.signals import ReplicaSignals
     d = decide([ReplicaSignals(num_running=30, prefill_tokens_per_s=1500, num_recent_requests=5)], 1, 0.0,
                PolicyState(), PolicyConfig(max_replicas=4, upscale_delay_s=0.0))
     ours = head + "affinity/LLMReplica: " + d.describe()            # as EngineAwarePolicy logs it

@@ -6,10 +6,10 @@ import json
 import pytest
 from ray.serve.config import AutoscalingConfig
 
-from app.builder import autoscaling_config, replica_deployment
-from app.config import AppConfig, ConfigError
-from autoscale.policy import PolicyConfig
-from autoscale.serve_policy import EngineAwarePolicy
+from affinity_serve.app.builder import autoscaling_config, replica_deployment
+from affinity_serve.app.config import AppConfig, ConfigError
+from affinity_serve.autoscale.policy import PolicyConfig
+from affinity_serve.autoscale.serve_policy import EngineAwarePolicy
 
 
 def _cfg(**autoscaling):
@@ -20,7 +20,7 @@ def _cfg(**autoscaling):
 def test_engine_policy_is_our_class_with_serves_delays_at_zero():
     cfg = _cfg(ttft_slo_s=1.5, downscale_delay_s=45, min_replicas=0)
     ac = replica_deployment(cfg)._deployment_config.autoscaling_config
-    assert ac.policy.policy_function == "autoscale.serve_policy:EngineAwarePolicy"
+    assert ac.policy.policy_function == "affinity_serve.autoscale.serve_policy:EngineAwarePolicy"
     assert (ac.upscale_delay_s, ac.downscale_delay_s, ac.downscale_to_zero_delay_s) == (0, 0, 0)
     assert (ac.min_replicas, ac.max_replicas, ac.initial_replicas) == (0, 4, 2)
     kwargs = ac.policy.policy_kwargs
@@ -33,7 +33,7 @@ def test_engine_policy_is_our_class_with_serves_delays_at_zero():
 def test_requests_policy_is_serves_default_with_our_delays():
     ac = AutoscalingConfig(**autoscaling_config(_cfg(policy="requests", target_ongoing_requests=5,
                                                      upscale_delay_s=3, downscale_delay_s=20)))
-    assert ac.policy.policy_function != "autoscale.serve_policy:EngineAwarePolicy"
+    assert ac.policy.policy_function != "affinity_serve.autoscale.serve_policy:EngineAwarePolicy"
     assert (ac.target_ongoing_requests, ac.upscale_delay_s, ac.downscale_delay_s) == (5, 3, 20)
     assert (ac.metrics_interval_s, ac.look_back_period_s) == (1.0, 5.0)
 

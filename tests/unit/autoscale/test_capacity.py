@@ -8,8 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from autoscale.policy import PolicyConfig, PolicyState, decide, fleet_load, replica_capacity
-from autoscale.signals import ReplicaSignals, SignalRecorder, StepCostModel
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, decide, fleet_load, replica_capacity
+from affinity_serve.autoscale.signals import ReplicaSignals, SignalRecorder, StepCostModel
 from benchmarks.autoscale import RayDefaultPolicy
 
 CFG = PolicyConfig(min_replicas=1, max_replicas=32, ttft_slo_s=1.0, tpot_slo_s=0.1, prefill_tokens_per_s=5000.0,

@@ -6,8 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load, replicas_needed
-from autoscale.signals import ReplicaSignals as S
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, Reason, decide, fleet_load, replicas_needed
+from affinity_serve.autoscale.signals import ReplicaSignals as S
 
 # 1000 uncached prompt tokens/s and 10 decoding sequences fill one replica; TTFT SLO 1 s, TPOT 0.1 s
 CFG = PolicyConfig(min_replicas=1, max_replicas=8, ttft_slo_s=1.0, tpot_slo_s=0.1, prefill_tokens_per_s=1000,

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from app.protocol import GenerateRequest
-from autoscale.signals import METRIC_KEYS, ReplicaSignals
-from engine import SamplingParams
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.autoscale.signals import METRIC_KEYS, ReplicaSignals
+from affinity_serve.engine import SamplingParams
 
 
 async def test_replica_reports_recent_ttft_tpot_and_prefill_tokens(checkpoints):
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
     before = rep.record_autoscaling_stats()
     assert set(before) == set(METRIC_KEYS) and all(isinstance(v, float) for v in before.values())
@@ -32,7 +32,7 @@ async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(c
     """The router says another replica holds 8 of the 12 prompt tokens (and this one 4, wrongly): this
     (empty) replica recomputes all 12, 8 of them a refill; a repeat here hits its own cache and refills
     nothing."""
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
     rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
     prompt = list(range(30, 42))
     for rid in ("moved", "repeat"):

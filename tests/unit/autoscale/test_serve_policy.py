@@ -7,8 +7,8 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from autoscale.serve_policy import EngineAwarePolicy, signals_from_context
-from autoscale.signals import ReplicaSignals
+from affinity_serve.autoscale.serve_policy import EngineAwarePolicy, signals_from_context
+from affinity_serve.autoscale.signals import ReplicaSignals
 
 DEP = DeploymentID(name="LLMReplica", app_name="affinity")
 KW = dict(min_replicas=1, max_replicas=4, ttft_slo_s=1.0, prefill_tokens_per_s=1000.0,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoscale.signals import METRIC_KEYS, ReplicaSignals, SignalRecorder, refilled_tokens
+from affinity_serve.autoscale.signals import METRIC_KEYS, ReplicaSignals, SignalRecorder, refilled_tokens
 
 LOAD = dict(num_running=2, num_waiting=1, num_in_flight=3, kv_cache_usage=0.4, num_queued_prefill_tokens=50)
 

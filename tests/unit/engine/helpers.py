@@ -4,12 +4,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.types import ModelRunnerOutput, SchedulerOutput, StepOutput
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.types import ModelRunnerOutput, SchedulerOutput, StepOutput
 
 EOS = 2
 

@@ -2,10 +2,10 @@ import asyncio
 
 import pytest
 
-from engine import SamplingParams
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from engine.errors import ContextLengthExceededError, EngineDeadError, EngineError
+from affinity_serve.engine import SamplingParams
+from affinity_serve.engine.async_engine import AsyncLLMEngine
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.errors import ContextLengthExceededError, EngineDeadError, EngineError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

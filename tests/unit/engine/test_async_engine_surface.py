@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams
+from affinity_serve.engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

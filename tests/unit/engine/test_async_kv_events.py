@@ -4,11 +4,13 @@ import threading
 
 import pytest
 
-import engine.request
-from engine import AsyncLLMEngine, EngineConfig, SamplingParams
-from engine.errors import EngineError
-from engine.hashing import hash_block_chain
-from engine.types import AllBlocksCleared
+import affinity_serve.engine.request  # noqa: F401
+
+from affinity_serve import engine
+from affinity_serve.engine import AsyncLLMEngine, EngineConfig, SamplingParams
+from affinity_serve.engine.errors import EngineError
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.types import AllBlocksCleared
 
 from tests.unit.engine.test_kv_events import replay
 

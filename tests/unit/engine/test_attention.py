@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata, select_backend
-from engine.attention.flash import validate_flash_block_size
-from engine.attention.torch_paged import TorchPagedAttention
+from affinity_serve.engine.attention import build_attention_metadata, select_backend
+from affinity_serve.engine.attention.flash import validate_flash_block_size
+from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
 
 
 def test_metadata_slots_positions_and_lengths():
@@ -53,7 +53,7 @@ def test_torch_backend_matches_dense_attention_on_mixed_batch(cpu_kernels):
     full_v = [torch.randn(c + n, KVH, D, generator=g) for c, n in zip(computed, sched)]
     # pre-fill the cached context through the slot mapping
     pre = build_attention_metadata([0, 0, 0], [9, 3, 6], tables[:3], bs)
-    from engine.attention.torch_paged import _write_kv
+    from affinity_serve.engine.attention.torch_paged import _write_kv
     _write_kv(torch.cat([full_k[0][:9], full_k[1][:3], full_k[2][:6]]),
               torch.cat([full_v[0][:9], full_v[1][:3], full_v[2][:6]]), cache, pre.slot_mapping)
     meta = build_attention_metadata(computed, sched, tables, bs)
@@ -83,7 +83,7 @@ def test_backend_selection_and_flash_validation():
 def test_cascade_decode_matches_plain_decode():
     """Decodes sharing prefix blocks: the prefix-once path equals the gather-everything path (the switch off, or
     a threshold above the shared length)."""
-    import engine.attention.torch_paged as tp
+    import affinity_serve.engine.attention.torch_paged as tp
     g = torch.Generator().manual_seed(1)
     H, KVH, D, bs = 8, 2, 16, 4
     backend = TorchPagedAttention(cpu_kernels=False)
@@ -115,7 +115,7 @@ def test_cascade_decode_matches_plain_decode():
     (8, 4, 64, 16), (4, 4, 32, 1), (8, 1, 128, 8), (6, 2, 24, 5), (16, 2, 64, 32), (4, 2, 20, 4)])
 def test_c_decode_kernel_matches_reference_in_place_over_pages(heads, kv_heads, head_dim, block_size):
     """The C kernel reads scattered pages in place; lengths end mid-block and differ per request."""
-    import engine.attention.torch_paged as tp
+    import affinity_serve.engine.attention.torch_paged as tp
     backend = _backend(True)
     g = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
     lens = [1, block_size, 37, 3 * block_size + 1, 90]
@@ -136,7 +136,7 @@ def test_c_decode_kernel_matches_reference_in_place_over_pages(heads, kv_heads, 
 
 
 def test_c_kernel_is_cached_and_can_be_switched_off(monkeypatch, tmp_path):
-    from engine.attention import cpu_kernels
+    from affinity_serve.engine.attention import cpu_kernels
     if cpu_kernels._compiler() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("AFFINITY_SERVE_CACHE", str(tmp_path))

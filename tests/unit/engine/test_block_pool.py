@@ -1,8 +1,8 @@
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.hashing import hash_block_chain
-from engine.types import AllBlocksCleared, BlockRemoved, BlockStored
+from affinity_serve.engine.block_pool import BlockPool
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def test_null_block_reserved_and_usage():

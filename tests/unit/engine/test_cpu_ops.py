@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernels
+from affinity_serve.engine.attention import cpu_kernels
 from tests.common.fused_checks import check_add_rms_norm, check_rope, check_silu_mul
 
 CPU = torch.device("cpu")
@@ -83,7 +83,7 @@ def test_wrong_inputs_get_a_clear_error(ops):
 
 
 def test_the_engine_runs_them_on_cpu_float32_and_not_when_switched_off(checkpoints, ops):
-    from engine import LLM
+    from affinity_serve.engine import LLM
     on = LLM(checkpoints["llama"], cache={"num_blocks": 16}).engine.runner.model
     assert on.fused and isinstance(on.ops, cpu_kernels.CpuOps)
     assert all(layer.mlp.ops is on.ops and layer.self_attn.ops is on.ops for layer in on.layers)

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, graph_sizes
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.cuda_graphs import DecodeGraphs, graph_sizes
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -300,7 +300,7 @@ def test_padded_decode_in_cascade_matches_transformers(monkeypatch, checkpoints,
     step's shared length reaches the kernels through the device buffer a graph would replay with, in order
     and launched ahead (run_next keeps it), and the tokens are transformers'."""
     pytest.importorskip("triton", reason="needs the triton package")
-    from engine.attention import triton_paged
+    from affinity_serve.engine.attention import triton_paged
 
     path = checkpoints["llama"]
     llm = LLM(path, attention_backend="triton", cache={"num_blocks": 64, "block_size": 8})

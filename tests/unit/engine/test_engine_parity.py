@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.llm_engine import LLMEngine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -35,8 +35,8 @@ def test_single_requests_match_transformers(checkpoints, hf_reference, name):
 def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, monkeypatch, linear, cpu_kernels):
     """The CPU GEMM paths (F.linear, oneDNN prepacked, prepacked + plain for 1-2 rows) and both decode and
     per-token-op paths (torch; the C decode kernel and C fused ops)."""
-    from engine.attention import cpu_kernels as ck
-    from engine.models.linear import prepack_supported
+    from affinity_serve.engine.attention import cpu_kernels as ck
+    from affinity_serve.engine.models.linear import prepack_supported
     if cpu_kernels and ck.load() is None:
         pytest.skip("no C compiler here: the C decode kernel cannot be built")
     if linear != "torch" and not prepack_supported(torch.device("cpu"), torch.float32):
@@ -47,7 +47,7 @@ def test_gemm_and_decode_kernel_paths_match(checkpoints, hf_reference, monkeypat
     assert (llm.engine.runner.backend.decode_kernel is not None) == cpu_kernels
     model = llm.engine.runner.model
     assert model.fused == cpu_kernels and isinstance(model.ops, ck.CpuOps) == cpu_kernels
-    from engine.models.linear import PackedLinear
+    from affinity_serve.engine.models.linear import PackedLinear
     rows, forward = [], PackedLinear.forward
 
     def spy(self, x):
@@ -198,7 +198,7 @@ def test_n_samples_and_text_prompts_and_chat(checkpoints):
 def test_concurrent_shared_prefix_decode_matches(monkeypatch, checkpoints, hf_reference, least):
     """Several requests decoding together over a long shared prefix: the cascade attention path, and with
     `cascade_min_tokens: null` the plain one; transformers' tokens either way."""
-    import engine.attention.torch_paged as tp
+    import affinity_serve.engine.attention.torch_paged as tp
     calls = []
     real = tp._cascade_decode
     monkeypatch.setattr(tp, "_cascade_decode", lambda *a: (calls.append(1), real(*a))[1])

@@ -1,9 +1,9 @@
 """Engine step edge cases on a tiny model: a failed step, and schedule() running ahead of the model."""
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepError
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.llm_engine import LLMEngine, StepError
+from affinity_serve.engine.sampling_params import SamplingParams
 
 
 def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):

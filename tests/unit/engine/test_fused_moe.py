@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton_paged import interpreting
+from affinity_serve.engine.attention.triton_paged import interpreting
 
 pytest.importorskip("triton", reason="needs the triton package (pip install -e '.[test]')")
 if torch.cuda.is_available():
@@ -15,8 +15,8 @@ if not interpreting():
     pytest.skip("without CUDA the kernel needs TRITON_INTERPRET=1 set before triton is imported",
                 allow_module_level=True)
 
-from engine.models.fused_moe import align_by_expert, fused_experts, self_test  # noqa: E402
-from engine.models.moe import grouped_experts, route  # noqa: E402
+from affinity_serve.engine.models.fused_moe import align_by_expert, fused_experts, self_test  # noqa: E402
+from affinity_serve.engine.models.moe import grouped_experts, route  # noqa: E402
 from tests.unit.engine.tiny_hf import tiny_checkpoints  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def test_self_test_passes_and_the_moe_model_fused_matches_unfused(tmp_path):
     from tests.common.fused_checks import check_fused_model_matches_unfused
     assert self_test("cpu") is None
     path = tiny_checkpoints(tmp_path)["qwen3_moe"]
-    from engine.models.loader import load_model
+    from affinity_serve.engine.models.loader import load_model
     model, _ = load_model(path, torch.float32, torch.device("cpu"), 64)
     model.use_fused_ops()
     assert model.layers[0].mlp.experts_fn is fused_experts                 # MoE layer 0; layer 1 is dense

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton_paged import interpreting
+from affinity_serve.engine.attention.triton_paged import interpreting
 
 pytest.importorskip("triton", reason="needs the triton package (pip install -e '.[test]')")
 if torch.cuda.is_available():
@@ -53,8 +53,8 @@ def test_self_test_passes_here_and_a_failing_kernel_leaves_the_torch_ops_on(chec
                                                                            caplog):
     """The engine switches the fused ops on only after their start-up self-test: a kernel that cannot compile
     costs a warning, not the replica (the model then runs its torch ops, still token-exact)."""
-    from engine import LLM, SamplingParams
-    from engine.models import fused
+    from affinity_serve.engine import LLM, SamplingParams
+    from affinity_serve.engine.models import fused
 
     assert fused.self_test.__wrapped__("cpu") is None
     assert LLM(checkpoints["llama"], attention_backend="triton", cache={"num_blocks": 16}).engine.runner.model.fused

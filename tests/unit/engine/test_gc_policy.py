@@ -3,9 +3,9 @@ import gc
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.gc_policy import STEP_GEN0_THRESHOLD, tune_gc_for_serving
-from engine.llm_engine import LLMEngine
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.gc_policy import STEP_GEN0_THRESHOLD, tune_gc_for_serving
+from affinity_serve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_tune_freezes_the_heap_and_raises_the_young_threshold(restore_gc):
 def test_a_replica_tunes_the_collector_but_a_bare_engine_does_not(checkpoints, restore_gc):
     """Process-wide settings belong to the serving process (a replica), not to every engine built (the
     offline LLM, tests)."""
-    from app.replica import LLMReplica
+    from affinity_serve.app.replica import LLMReplica
     gc.unfreeze()
     gc.set_threshold(700, 10, 10)
     cfg = dict(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4})

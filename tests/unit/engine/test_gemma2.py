@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.models.config import ModelArgs
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.models.config import ModelArgs
 from tests.unit.engine.tiny_hf import write_tiny_hf
 
 WINDOW = 16
@@ -65,7 +65,7 @@ def test_matches_transformers_greedy(gemma2, hf_reference):
 
 
 def test_triton_backend_is_refused_naming_what_it_lacks(gemma2):
-    from engine.attention import select_backend
+    from affinity_serve.engine.attention import select_backend
     with pytest.raises(ValueError, match="sliding-window"):
         select_backend("triton", "cuda", 16, sliding_window=True, softcap=True)
     with pytest.raises(ValueError, match="soft-capping"):

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
-from engine.models.checkpoint import validate_checkpoint
-from engine.models.config import ModelArgs
-from engine.sampler import Sampler, SamplingInfo
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models.checkpoint import validate_checkpoint
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.sampler import Sampler, SamplingInfo
 
 PROMPT = [11, 57, 203, 98, 340, 12]
 
@@ -133,7 +133,7 @@ def test_generation_config_defaults_apply_where_the_request_is_silent(checkpoint
 
 
 def test_weight_shape_mismatch_is_caught_before_ray_with_one_line(checkpoints, tmp_path, capsys):
-    from app.cli import main
+    from affinity_serve.app.cli import main
     d = _copy(checkpoints["llama"], tmp_path, "bad_shape")
     _edit_json(d / "config.json", intermediate_size=96)                    # the weights have 128
     with pytest.raises(ModelLoadError) as e:

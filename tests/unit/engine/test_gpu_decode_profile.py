@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="needs the triton package (pip install -e '.[test]')")
-from engine.attention.triton_paged import interpreting  # noqa: E402
+from affinity_serve.engine.attention.triton_paged import interpreting  # noqa: E402
 
 if not torch.cuda.is_available() and not interpreting():
     pytest.skip("without CUDA the kernels need TRITON_INTERPRET=1 set before triton is imported",
@@ -16,7 +16,7 @@ if not torch.cuda.is_available() and not interpreting():
 
 def test_attention_sweep_times_cascade_at_each_split_count_and_it_matches_plain(capsys):
     from benchmarks.gpu_decode_profile import attention_sweep
-    from engine.attention import triton_paged
+    from affinity_serve.engine.attention import triton_paged
 
     real = triton_paged.prefix_splits
     rows = attention_sweep(torch.device("cpu"), batches=(3,), prefixes=(64, 96), tail=8, splits=(1, 2, 4),

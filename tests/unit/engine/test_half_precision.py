@@ -3,7 +3,7 @@ top-1 agreement and logprob difference over a mixed batch with chunked prefill, 
 and preemption. tests/gpu/test_cuda_correctness.py applies the same measure on CUDA."""
 from __future__ import annotations
 
-from engine import LLM
+from affinity_serve.engine import LLM
 from tests.common.precision import agreement, scenario_prompts
 
 

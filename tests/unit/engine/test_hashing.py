@@ -5,7 +5,7 @@ import struct
 import subprocess
 import sys
 
-from engine.hashing import NONE_HASH, hash_block_chain, hash_block_tokens
+from affinity_serve.engine.hashing import NONE_HASH, hash_block_chain, hash_block_tokens
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 # Fixed input: two full blocks of 4 (the 9th token is not a full block), salted, the second chained on the
@@ -60,7 +60,7 @@ def test_pinned_values_follow_the_documented_encoding():
 
 def test_deterministic_across_processes_and_without_torch():
     """No per-process seed enters the hash (e.g. Python's salted str hash): fresh interpreters agree."""
-    code = ("import sys; from engine.hashing import hash_block_chain; "
+    code = ("import sys; from affinity_serve.engine.hashing import hash_block_chain; "
             f"print(' '.join(h.hex() for h in hash_block_chain(**{PINNED_INPUT!r}))); "
             "print('torch' in sys.modules)")
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

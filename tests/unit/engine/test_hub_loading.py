@@ -3,10 +3,10 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
-from engine.models.checkpoint import validate_checkpoint
-from engine.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models.checkpoint import validate_checkpoint
+from affinity_serve.engine.models.hub import hub_cache_dir, is_hub_id, resolve_model_path
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -53,7 +53,7 @@ def test_missing_model_is_one_line_naming_the_id_and_the_cache(hub_cache, model,
         validate_checkpoint(model)
     msg = str(e.value)
     assert repr(model) in msg and str(hub_cache) in msg and "HF_HUB_OFFLINE" in msg and "\n" not in msg
-    from app.cli import main
+    from affinity_serve.app.cli import main
     assert main(["serve", "--model", model]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and repr(model) in err
@@ -61,7 +61,7 @@ def test_missing_model_is_one_line_naming_the_id_and_the_cache(hub_cache, model,
 
 def test_tokenizer_alone_resolves_a_hub_id_without_the_weights(hub_cache, checkpoints, monkeypatch):
     """The ingress loads only the tokenizer: a snapshot with no safetensors is enough."""
-    from engine.tokenizer import load_tokenizer
+    from affinity_serve.engine.tokenizer import load_tokenizer
     for f in (hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT).glob("*.safetensors"):
         f.unlink()
     tok = load_tokenizer("tiny-org/tiny-llama")

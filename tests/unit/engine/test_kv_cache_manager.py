@@ -1,4 +1,4 @@
-from engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
 
 from tests.unit.engine.helpers import make_request
 

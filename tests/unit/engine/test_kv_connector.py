@@ -12,11 +12,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
+from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
-from engine.kv_connector.offload import OffloadConnectorScheduler
-from engine.request import RequestStatus
-from engine.types import BlockRemoved, BlockStored, ModelRunnerOutput
+from affinity_serve.engine.kv_connector.offload import OffloadConnectorScheduler
+from affinity_serve.engine.request import RequestStatus
+from affinity_serve.engine.types import BlockRemoved, BlockStored, ModelRunnerOutput
 
 from tests.unit.engine.helpers import assert_all_blocks_free, make_request, make_scheduler, runner_output
 

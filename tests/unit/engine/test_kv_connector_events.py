@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-from engine import AsyncLLMEngine, SamplingParams
-from engine.config import EngineConfig
-from engine.types import AllBlocksCleared, BlockRemoved, BlockStored
+from affinity_serve.engine import AsyncLLMEngine, SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def _replay(events):

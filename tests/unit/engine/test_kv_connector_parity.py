@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.hashing import hash_block_chain
-from engine.kv_connector import KVLayout, SharedKVStore
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.kv_connector import KVLayout, SharedKVStore
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BS = 8

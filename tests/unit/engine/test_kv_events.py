@@ -5,11 +5,11 @@ the numbered log that routers pull from is bounded and tells them when to resync
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
-from engine.errors import InvalidRequestError
-from engine.hashing import hash_block_chain, hash_block_tokens
-from engine.kv_events import KVEventLog
-from engine.types import AllBlocksCleared, BlockRemoved, BlockStored, ModelRunnerOutput
+from affinity_serve.engine.block_pool import BlockPool
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.hashing import hash_block_chain, hash_block_tokens
+from affinity_serve.engine.kv_events import KVEventLog
+from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, ModelRunnerOutput
 
 from tests.unit.engine.helpers import EOS, make_request, make_scheduler
 

@@ -1,8 +1,8 @@
 """The one request-limits check shared by the ingress and the engine (engine.limits)."""
 import pytest
 
-from engine.errors import ContextLengthExceededError, InvalidRequestError
-from engine.limits import EngineLimits, check_request, check_request_fits_context
+from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from affinity_serve.engine.limits import EngineLimits, check_request, check_request_fits_context
 
 LIMITS = EngineLimits(max_model_len=16, vocab_size=100, max_kv_tokens=32)
 

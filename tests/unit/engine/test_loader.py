@@ -3,8 +3,8 @@ import shutil
 
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.models.config import ModelArgs
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models.config import ModelArgs
 
 
 def _copy(src, tmp_path, name="m"):
@@ -23,7 +23,7 @@ def test_unsupported_architecture_names_what_was_found(checkpoints, tmp_path):
 
 
 def test_missing_files_are_named(checkpoints, tmp_path):
-    from engine.models.loader import load_model
+    from affinity_serve.engine.models.loader import load_model
     import torch
     with pytest.raises(ModelLoadError, match="not a directory"):
         ModelArgs.from_dir(tmp_path / "nope")
@@ -49,7 +49,7 @@ def test_unsupported_rope_type(checkpoints):
 
 
 def test_bfloat16_load_runs(checkpoints):
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
     llm = LLM(checkpoints["llama"], dtype="bfloat16", cache={"num_blocks": 32})
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -58,9 +58,9 @@ def test_bfloat16_load_runs(checkpoints):
 
 
 def test_max_model_len_capped_by_kv_capacity_and_published(checkpoints):
-    from engine.config import EngineConfig
-    from engine.limits import EngineLimits
-    from engine.llm_engine import LLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    from affinity_serve.engine.limits import EngineLimits
+    from affinity_serve.engine.llm_engine import LLMEngine
     cfg = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 9, "block_size": 4})
     eng = LLMEngine(cfg)
     assert eng.max_model_len == 32
@@ -72,8 +72,8 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
     import torch
     import torch.nn.functional as F
 
-    from engine.llm_engine import _pick_linear_backend
-    from engine.models.linear import PackedLinear, prepack_supported
+    from affinity_serve.engine.llm_engine import _pick_linear_backend
+    from affinity_serve.engine.models.linear import PackedLinear, prepack_supported
 
     cpu = torch.device("cpu")
     assert _pick_linear_backend("torch", cpu, torch.float32) == "torch"
@@ -109,8 +109,8 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
 def test_plain_copy_bytes_counts_the_linears_hybrid_duplicates(checkpoints):
     import torch
 
-    from engine.llm_engine import plain_copy_bytes
-    from engine.models.loader import load_model
+    from affinity_serve.engine.llm_engine import plain_copy_bytes
+    from affinity_serve.engine.models.loader import load_model
     for name in ("llama", "llama_tied_sharded"):
         model, args = load_model(checkpoints[name], torch.float32, torch.device("cpu"), 64)
         linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -119,7 +119,7 @@ def test_plain_copy_bytes_counts_the_linears_hybrid_duplicates(checkpoints):
 
 
 def test_validate_checkpoint_checks_what_the_loader_needs(checkpoints, tmp_path):
-    from engine.models.checkpoint import validate_checkpoint
+    from affinity_serve.engine.models.checkpoint import validate_checkpoint
     assert validate_checkpoint(checkpoints["llama"]).architecture == "LlamaForCausalLM"
     d = _copy(checkpoints["llama_tied_sharded"], tmp_path, "sharded")
     next(d.glob("model-00002-*.safetensors")).unlink()
@@ -146,7 +146,7 @@ def test_packed_linears_run_a_bounded_set_of_row_counts_and_match_f_linear():
     heap grew without it) and the rows that matter equal F.linear's."""
     import torch
 
-    from engine.models.linear import PackedLinear, prepack_supported, row_bucket
+    from affinity_serve.engine.models.linear import PackedLinear, prepack_supported, row_bucket
     assert [row_bucket(n) for n in (1, 8, 9, 16, 17, 64, 65, 128, 129, 2048)] == [1, 8, 16, 16, 24, 64, 128, 128,
                                                                                  192, 2048]
     assert len({row_bucket(n) for n in range(1, 2049)}) <= 8 + 7 + 31

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
-from engine.models import moe
-from engine.models.config import ModelArgs
-from engine.models.registry import architectures
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.errors import ModelLoadError
+from affinity_serve.engine.models import moe
+from affinity_serve.engine.models.config import ModelArgs
+from affinity_serve.engine.models.registry import architectures
 from tests.unit.engine.tiny_hf import tiny_checkpoints
 
 
@@ -132,7 +132,7 @@ def test_moe_checkpoint_and_config_that_disagree_fail_the_preflight_in_one_line(
     import json
     import shutil
 
-    from engine.models.checkpoint import validate_checkpoint
+    from affinity_serve.engine.models.checkpoint import validate_checkpoint
     for change, expect in [({"num_local_experts": 3}, "expert 3, but config.json says 3 experts"),
                            ({"num_local_experts": 5}, "shape mismatch for model.layers.0.block_sparse_moe.gate.weight: "
                                                       "checkpoint (4, 64) vs model (5, 64)"),

@@ -2,9 +2,9 @@
 import pytest
 from pydantic import ValidationError
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.llm_engine import LLMEngine
+from affinity_serve.engine.sampling_params import SamplingParams
 
 PACE = {"enabled": True, "step_base_s": 0.02, "prefill_per_token_s": 0.01, "decode_per_context_token_s": 0.001}
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.kv_connector import LocalTransport, RemoteDecode, RemotePrefill
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.kv_connector import LocalTransport, RemoteDecode, RemotePrefill
 
 BS = 8
 GREEDY = dict(temperature=0.0, ignore_eos=True)

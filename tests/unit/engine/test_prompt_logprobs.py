@@ -5,10 +5,10 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.llm_engine import LLMEngine
 from tests.unit.engine.helpers import make_request, make_scheduler, step
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -182,7 +182,7 @@ def test_no_extra_logits_without_prompt_logprobs(checkpoints):
 def test_kept_for_a_request_preempted_before_its_first_token_arrived():
     """schedule() twice: the prompt completes in so1, so2 preempts the request before so1's output is in.
     Its first token is kept (it resumes without recomputing its prompt), so its prompt logprobs must be too."""
-    from engine.types import Logprobs, ModelRunnerOutput
+    from affinity_serve.engine.types import Logprobs, ModelRunnerOutput
     s = make_scheduler(num_blocks=5, block_size=4, long_prefill_token_threshold=4)       # 4 usable blocks
     s.add_request(make_request("c", [30 + i for i in range(12)], max_tokens=1))
     s.add_request(make_request("a", [10 + i for i in range(8)], max_tokens=3, prompt_logprobs=0))

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, SamplingInfo
-from engine.sampling_params import SamplingParams
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.sampler import Sampler, SamplingInfo
+from affinity_serve.engine.sampling_params import SamplingParams
 
 
 def info(prompt=(1, 2), out=(), **kw):
@@ -121,8 +121,8 @@ def test_parameter_validation(kw, param):
 
 @pytest.mark.parametrize("k", [0, 4])
 def test_gather_logprobs_matches_per_row(k):
-    from engine.sampler import gather_logprobs
-    from engine.types import Logprobs
+    from affinity_serve.engine.sampler import gather_logprobs
+    from affinity_serve.engine.types import Logprobs
     lp = torch.log_softmax(logits_rows(6, seed=9), dim=-1)
     tokens = torch.tensor([0, 5, 49, 7, 7, 13])
     got = gather_logprobs(lp, tokens, k)
@@ -139,7 +139,7 @@ def test_argmax_helper_picks_what_argmax_picks_on_ties_and_nan():
     the maximum on ties, the NaN's index in a row with a NaN, index 0 in a constant row."""
     import torch
 
-    from engine.sampler import _argmax
+    from affinity_serve.engine.sampler import _argmax
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 300, generator=g)
     x[3, 10] = x[3, 20] = 50.0

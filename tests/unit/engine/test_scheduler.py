@@ -1,8 +1,8 @@
 import pytest
 
-from engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
-from engine.request import RequestStatus
-from engine.types import ModelRunnerOutput
+from affinity_serve.engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
+from affinity_serve.engine.request import RequestStatus
+from affinity_serve.engine.types import ModelRunnerOutput
 
 from tests.unit.engine.helpers import (EOS, assert_all_blocks_free, make_request, make_scheduler,
                                        run_to_completion, runner_output, step)
@@ -288,7 +288,7 @@ def test_tokens_after_stop_in_one_step_are_dropped():
     s = make_scheduler()
     s.add_request(make_request("a", 3, max_tokens=10, stop_token_ids=[7]))
     so = s.schedule()
-    from engine.types import ModelRunnerOutput
+    from affinity_serve.engine.types import ModelRunnerOutput
     out = s.update_from_output(so, ModelRunnerOutput(["a"], [[4, 7, 8, 9]]))
     assert out.outputs[0].new_token_ids == [4, 7] and out.outputs[0].finished
 
@@ -334,7 +334,7 @@ def test_output_for_aborted_request_is_dropped():
     s.add_request(make_request("a", 3))
     so = s.schedule()
     s.abort_requests("a")
-    from engine.types import ModelRunnerOutput
+    from affinity_serve.engine.types import ModelRunnerOutput
     out = s.update_from_output(so, ModelRunnerOutput(["a"], [[5]]))
     assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in out.outputs] == [("a", [], "abort")]
     assert_all_blocks_free(s)

@@ -8,9 +8,9 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.errors import InvalidRequestError
-from engine.request import RequestStatus
-from engine.types import ModelRunnerOutput
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.request import RequestStatus
+from affinity_serve.engine.types import ModelRunnerOutput
 
 from tests.unit.engine.helpers import EOS, assert_all_blocks_free, make_request, make_scheduler
 

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLM, SamplingParams
-from engine.hashing import hash_block_chain
-from engine.kv_connector import KVLayout, SharedKVStore, UnsafeSharedStoreError, default_shared_root
-from engine.kv_connector import shared_store
-from engine.kv_connector.shared_store import HEADER_BYTES, BlockRead, check_shared_root
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.kv_connector import KVLayout, SharedKVStore, UnsafeSharedStoreError, default_shared_root
+from affinity_serve.engine.kv_connector import shared_store
+from affinity_serve.engine.kv_connector.shared_store import HEADER_BYTES, BlockRead, check_shared_root
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 BS = 8
@@ -445,10 +445,10 @@ def test_corrupting_any_byte_of_a_block_file_never_changes_a_greedy_output(corru
 
 # ------------------------------------------------------------------ timeouts (scheduler, no model)
 def _sched_with_store(tmp_path, req):
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.kv_connector import SharedConnectorScheduler
-    from engine.scheduler import Scheduler
-    from engine.config import SchedulerConfig
+    from affinity_serve.engine.kv_cache_manager import KVCacheManager
+    from affinity_serve.engine.kv_connector import SharedConnectorScheduler
+    from affinity_serve.engine.scheduler import Scheduler
+    from affinity_serve.engine.config import SchedulerConfig
 
     store = _small_store(tmp_path / "kv", capacity=64)
     store.write_many([(h, memoryview(bytes(LAYOUT.block_bytes))) for h in req.block_hashes])
@@ -459,8 +459,8 @@ def _sched_with_store(tmp_path, req):
 
 @pytest.mark.parametrize("abort", [False, True])
 def test_a_timed_out_load_counts_once_as_timed_out_and_an_aborted_one_not_at_all(tmp_path, abort):
-    from engine.kv_connector import KVConnectorOutput
-    from engine.request import RequestStatus
+    from affinity_serve.engine.kv_connector import KVConnectorOutput
+    from affinity_serve.engine.request import RequestStatus
 
     from tests.unit.engine.helpers import make_request, runner_output
 

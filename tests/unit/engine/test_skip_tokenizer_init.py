@@ -3,8 +3,8 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError, ModelLoadError
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.errors import InvalidRequestError, ModelLoadError
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,15 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention.base import build_attention_metadata
-from engine.attention.flash import flash_kwargs
-from engine.attention.torch_paged import TorchPagedAttention
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import KVCacheGroupSpec, blocks_needed, kv_cache_groups, kv_tensor_of_layer, num_kv_tensors
-from engine.scheduler import Scheduler
+from affinity_serve.engine import LLM, SamplingParams
+from affinity_serve.engine.attention.base import build_attention_metadata
+from affinity_serve.engine.attention.flash import flash_kwargs
+from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_groups import (KVCacheGroupSpec, blocks_needed, kv_cache_groups, kv_tensor_of_layer,
+                                             num_kv_tensors)
+from affinity_serve.engine.scheduler import Scheduler
 from tests.unit.engine.helpers import assert_all_blocks_free, make_request, run_to_completion, step
 from tests.unit.engine.tiny_hf import write_tiny_hf
 

@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.errors import InvalidRequestError  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.request import RequestStatus  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_output import StructuredOutputSpec  # noqa: E402
-from engine.structured_output.manager import unpack_bitmask  # noqa: E402
+from affinity_serve.engine.config import EngineConfig  # noqa: E402
+from affinity_serve.engine.errors import InvalidRequestError  # noqa: E402
+from affinity_serve.engine.llm_engine import LLMEngine  # noqa: E402
+from affinity_serve.engine.request import RequestStatus  # noqa: E402
+from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
+from affinity_serve.engine.structured_output.manager import unpack_bitmask  # noqa: E402
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -253,7 +253,7 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
     """The simplest safe rule: a step launched ahead samples before the previous ids reach the host, so before
     a grammar could see them; batches with a constrained row launch none (and use none). Unconstrained requests
     around it keep the in-order tokens; once the constrained one finished, the look-ahead resumes."""
-    from engine import LLM
+    from affinity_serve.engine import LLM
     from tests.unit.engine.test_cuda_graphs import _overlapped
 
     path = checkpoints["llama"]
@@ -299,7 +299,7 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
 def test_with_prefix_caching_and_the_offload_tier(checkpoints):
     """A constrained request whose prefix comes back from the offload tier (after leaving the small pool)
     is admitted as a prefix hit once compiled, and its output still validates."""
-    from engine import LLM
+    from affinity_serve.engine import LLM
     llm = LLM(checkpoints["llama"], cache={"num_blocks": 14, "block_size": 8},
               kv_connector={"type": "offload", "capacity_blocks": 64})
     prefix = list(range(100, 156))                                            # 7 blocks

@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine, StepError  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.structured_output import StructuredOutputSpec  # noqa: E402
+from affinity_serve.engine.config import EngineConfig  # noqa: E402
+from affinity_serve.engine.llm_engine import LLMEngine, StepError  # noqa: E402
+from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
+from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
 from tests.unit.engine.test_structured_output import SCHEMAS, _assert_released  # noqa: E402
 
 

@@ -1,5 +1,5 @@
-from engine.demo import build_tokenizer
-from engine.tokenizer import IncrementalDetokenizer
+from affinity_serve.engine.demo import build_tokenizer
+from affinity_serve.engine.tokenizer import IncrementalDetokenizer
 
 
 class _Tok:

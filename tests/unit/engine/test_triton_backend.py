@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata, select_backend  # noqa: E402
-from engine.attention.torch_paged import TorchPagedAttention, _write_kv  # noqa: E402
-from engine.attention.triton_paged import interpreting  # noqa: E402
+from affinity_serve.engine.attention import build_attention_metadata, select_backend  # noqa: E402
+from affinity_serve.engine.attention.torch_paged import TorchPagedAttention, _write_kv  # noqa: E402
+from affinity_serve.engine.attention.triton_paged import interpreting  # noqa: E402
 
 pytest.importorskip("triton", reason="needs the triton package (pip install -e '.[test]')")
 if torch.cuda.is_available():
@@ -88,7 +88,7 @@ def test_auto_on_cuda_takes_triton_only_after_its_self_test(monkeypatch, caplog)
     """What 'auto' picks on a CUDA device (the device itself is not needed to decide): flash where it is
     installed and the block size allows it, triton once its kernels passed the self-test, else torch with a
     warning that says why."""
-    from engine.attention import _auto, flash, triton_paged
+    from affinity_serve.engine.attention import _auto, flash, triton_paged
 
     monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
     monkeypatch.setattr(triton_paged, "triton_available", lambda: True)
@@ -103,7 +103,7 @@ def test_auto_on_cuda_takes_triton_only_after_its_self_test(monkeypatch, caplog)
 
 
 def test_self_test_passes_here_and_reports_a_failure_in_a_line(monkeypatch):
-    from engine.attention import triton_paged
+    from affinity_serve.engine.attention import triton_paged
 
     assert triton_paged.self_test.__wrapped__("cpu", 16) is None        # the interpreted kernels agree
     assert triton_paged.self_test.__wrapped__("cpu", 5) is None         # an odd block size too
@@ -126,7 +126,7 @@ def _prompts(n, lo, hi, seed):
 def test_engine_on_triton_matches_transformers(checkpoints, hf_reference, name):
     """The whole engine on the interpreted kernels: mixed batches under a tiny token budget (chunked
     prefill after cached context), then a shared prefix (prefix hits)."""
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints[name]
     llm = LLM(path, attention_backend="triton", cache={"num_blocks": 64, "block_size": 8},
@@ -141,7 +141,7 @@ def test_engine_on_triton_matches_transformers(checkpoints, hf_reference, name):
 
 
 def test_engine_on_triton_through_preemption(checkpoints, hf_reference):
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints["llama"]
     prompts = _prompts(4, 10, 20, seed=4)
@@ -156,7 +156,7 @@ def test_engine_on_triton_through_preemption(checkpoints, hf_reference):
 # ---------------------------------------------------------------- cascade decode (a prefix shared by the batch)
 def _launches(monkeypatch):
     """The names of the Triton kernels launched from here on, in order."""
-    from engine.attention import triton_paged
+    from affinity_serve.engine.attention import triton_paged
 
     kernels, calls = triton_paged._kernels(), []
 
@@ -250,7 +250,7 @@ def test_cascade_needs_cascade_min_tokens_of_shared_pages(monkeypatch):
 def test_engine_on_triton_with_cascade_decode_matches_transformers(monkeypatch, checkpoints, hf_reference):
     """Requests that hit a cached 40-token prefix decode together in cascade (eager steps): transformers'
     tokens, and every block back in the pool."""
-    from engine import LLM, SamplingParams
+    from affinity_serve.engine import LLM, SamplingParams
 
     path = checkpoints["llama"]
     llm = LLM(path, attention_backend="triton", cache={"num_blocks": 64, "block_size": 8})

@@ -43,7 +43,7 @@ def write_tiny_hf(path: str | Path, config_class: str, *, seed: int = 0, generat
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from engine.demo import CHAT_TEMPLATE, build_tokenizer
+    from affinity_serve.engine.demo import CHAT_TEMPLATE, build_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

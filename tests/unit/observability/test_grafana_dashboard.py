@@ -12,9 +12,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from observability import names
-from observability.aggregate import render, snapshot_of
-from observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
+from affinity_serve.observability import names
+from affinity_serve.observability.aggregate import render, snapshot_of
+from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
 
 DASHBOARDS = sorted((Path(__file__).resolve().parents[3] / "deploy" / "grafana").glob("*.json"))
 

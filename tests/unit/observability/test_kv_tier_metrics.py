@@ -8,9 +8,9 @@ import re
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from engine.kv_connector import KVConnectorStats
-from observability.aggregate import render, snapshot_of
-from observability.metrics import ReplicaLoadSample, ReplicaMetrics
+from affinity_serve.engine.kv_connector import KVConnectorStats
+from affinity_serve.observability.aggregate import render, snapshot_of
+from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics
 
 _IDLE = ReplicaLoadSample(0, 0, 0.0, 0.0, 0.0, 0, 0, 0)
 

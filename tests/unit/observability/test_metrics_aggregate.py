@@ -9,10 +9,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metrics_hub import MetricsExporter, MetricsHub
-from observability import names
-from observability.aggregate import MetricsAggregate, render, snapshot_of
-from observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
+from affinity_serve.app.metrics_hub import MetricsExporter, MetricsHub
+from affinity_serve.observability import names
+from affinity_serve.observability.aggregate import MetricsAggregate, render, snapshot_of
+from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
 
 
 def _process():

@@ -5,8 +5,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
-from observability.tracing import context_from_carrier, extract_context, inject_carrier
+from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
+from affinity_serve.observability.tracing import context_from_carrier, extract_context, inject_carrier
 
 
 def _points(reader):
@@ -62,7 +62,7 @@ def test_json_logs_carry_request_id():
     import json
     import logging
 
-    from observability.logs import JsonFormatter, request_id_var
+    from affinity_serve.observability.logs import JsonFormatter, request_id_var
     buf = io.StringIO()
     h = logging.StreamHandler(buf)
     h.setFormatter(JsonFormatter())
@@ -84,7 +84,7 @@ def test_json_logs_keep_the_whole_traceback():
     import json
     import logging
 
-    from observability.logs import JsonFormatter
+    from affinity_serve.observability.logs import JsonFormatter
 
     def inner():
         raise ValueError("the real cause")

@@ -15,9 +15,9 @@ import random
 import statistics
 import time
 
-from app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView,
-                         RouteRequest)
-from engine.types import BlockStored
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo,
+                                        ReplicaLoadView, RouteRequest)
+from affinity_serve.engine.types import BlockStored
 
 from .helpers import chain
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
-from engine.types import BlockStored
+from affinity_serve.engine.types import BlockStored
 
 BS = 16
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from app.routing import (AffinityConfig, KVEventBatch, PowerOfTwoCore, Reason, ReplicaInfo, ReplicaLoadView,
-                         RoundRobinCore, RouteRequest, make_core)
-from app.routing import PrefixAffinityRouterCore
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PowerOfTwoCore, Reason, ReplicaInfo,
+                                        ReplicaLoadView, RoundRobinCore, RouteRequest, make_core)
+from affinity_serve.app.routing import PrefixAffinityRouterCore
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SHELL = {"serve_router.py", "serve_compat.py"}

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, Reason, ReplicaInfo,
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, Reason, ReplicaInfo,
                          ReplicaLoadView, RouteRequest)
 
 from .helpers import BS, Clock, chain, stored
@@ -343,7 +343,7 @@ def test_an_internal_error_falls_back_to_load_only_and_logs(monkeypatch, caplog)
         raise RuntimeError("policy bug")
 
     monkeypatch.setattr(core.policy, "decide", boom)
-    with caplog.at_level(logging.ERROR, logger="app.routing.core"):
+    with caplog.at_level(logging.ERROR, logger="affinity_serve.app.routing.core"):
         d = core.route(req("r1"), ["a", "b", "c"])
     assert d.reason == Reason.FALLBACK and sorted(d.ranked) == ["a", "b", "c"] and d.ranked[-1] == "a"
     assert d.chosen == d.ranked[0] and core.counters().num_errors == 1
@@ -373,7 +373,7 @@ def test_membership_changes_drop_state():
 
 
 def test_most_cached_names_the_replicas_holding_most_of_the_prompt_best_first():
-    from app.routing.api import CandidateScores, Decision, Reason
+    from affinity_serve.app.routing.api import CandidateScores, Decision, Reason
     scores = CandidateScores(["a", "b", "c", "d"], [16, 48, 0, 32], [0.1] * 4, [0] * 4, [0] * 4, [0.0] * 4)
     d = Decision("r", ["b", "d", "a", "c"], "b", Reason.AFFINITY, scores, 0.0)
     assert d.most_cached() == [("b", 48), ("d", 32)]

@@ -7,11 +7,12 @@ import random
 
 import pytest
 
-from app.routing import AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView
-from app.routing.api import Reason, RouteRequest
-from app.routing.prefix_index import SPEC_STRIDE
-from app.stats import ReplicaStats
-from engine.types import BlockStored
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo,
+                                        ReplicaLoadView)
+from affinity_serve.app.routing.api import Reason, RouteRequest
+from affinity_serve.app.routing.prefix_index import SPEC_STRIDE
+from affinity_serve.app.stats import ReplicaStats
+from affinity_serve.engine.types import BlockStored
 
 from .helpers import BS, Clock, chain, stored
 
@@ -197,7 +198,7 @@ def test_an_unset_max_tokens_does_not_make_a_group_hot_once_outputs_are_observed
 
 
 def test_expected_output_prefers_the_group_then_the_fleet_then_the_prior():
-    from app.routing.policy import HotGroups
+    from affinity_serve.app.routing.policy import HotGroups
     g = HotGroups(10.0, output_tokens_prior=256.0)
     assert g.expected_output(b"k", 0) == 256.0 and g.expected_output(b"k", 100) == 100
     g.record(b"k", 1.0, 0.0)

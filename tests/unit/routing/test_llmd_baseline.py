@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from app.routing import AffinityConfig, KVEventBatch, ReplicaInfo, RouteRequest, make_core
-from app.routing.api import Reason
-from app.routing.baselines import LlmdPreciseCore
+from affinity_serve.app.routing import AffinityConfig, KVEventBatch, ReplicaInfo, RouteRequest, make_core
+from affinity_serve.app.routing.api import Reason
+from affinity_serve.app.routing.baselines import LlmdPreciseCore
 
 from .helpers import BS, Clock, chain, stored
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.routing.api import KVEventBatch, KVSnapshot
-from app.routing.prefix_index import PrefixIndex
-from engine.types import AllBlocksCleared, BlockRemoved
+from affinity_serve.app.routing.api import KVEventBatch, KVSnapshot
+from affinity_serve.app.routing.prefix_index import PrefixIndex
+from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved
 
 from .helpers import chain, stored
 
@@ -149,7 +149,7 @@ def test_a_removed_block_keeps_a_newer_speculative_hold():
 
 def test_speculative_holds_write_checkpoints_not_every_block():
     """A 32k-token prompt (2,048 blocks) costs ~130 dict writes, and matches to within a stride."""
-    from app.routing.prefix_index import SPEC_STRIDE
+    from affinity_serve.app.routing.prefix_index import SPEC_STRIDE
     ix = index("a", "b")
     p = chain("long", 2048)
     ix.insert_speculative("a", p, now=0.0)

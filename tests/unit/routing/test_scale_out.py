@@ -8,11 +8,11 @@ import asyncio
 import random
 from types import SimpleNamespace
 
-from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, PrefixAffinityRouterCore, Reason, ReplicaInfo,
-                         ReplicaLoadView, RouteRequest)
-from app.routing.warmup import HotPrefixes
-from engine.hashing import hash_block_chain
-from engine.types import BlockRemoved, BlockStored
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, PrefixAffinityRouterCore, Reason,
+                                        ReplicaInfo, ReplicaLoadView, RouteRequest)
+from affinity_serve.app.routing.warmup import HotPrefixes
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.types import BlockRemoved, BlockStored
 
 from .helpers import Clock
 
@@ -166,7 +166,7 @@ def test_hot_prefixes_stay_bounded():
 def _router(monkeypatch, warmed: list, **kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from app.routing import serve_router
+    from affinity_serve.app.routing import serve_router
 
     class FakeClient:
         def __init__(self, replica):

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, PrefixAffinityRouterCore, Reason, ReplicaInfo,
-                         ReplicaLoadView, RouteRequest)
-from app.routing.debug import decision_to_dict, routing_record
-from app.routing.load import ReplicaLoad, TTFTModel
-from app.routing.prefix_index import PrefixIndex
-from engine.hashing import hash_block_chain
-from engine.types import (MEDIUM_OFFLOAD, MEDIUM_SHARED, AllBlocksCleared, BlockRemoved, BlockStored,
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, PrefixAffinityRouterCore, Reason,
+                                        ReplicaInfo, ReplicaLoadView, RouteRequest)
+from affinity_serve.app.routing.debug import decision_to_dict, routing_record
+from affinity_serve.app.routing.load import ReplicaLoad, TTFTModel
+from affinity_serve.app.routing.prefix_index import PrefixIndex
+from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine.types import (MEDIUM_OFFLOAD, MEDIUM_SHARED, AllBlocksCleared, BlockRemoved, BlockStored,
                           KVCacheSnapshot)
 
 from .helpers import BS, Clock, chain
@@ -142,7 +142,7 @@ def test_snapshot_resync_restores_pool_offload_and_the_nodes_store():
 def test_feed_passes_the_engines_tier_snapshot_on(monkeypatch):
     import asyncio
 
-    from app.routing.feed import KVEventFeed
+    from affinity_serve.app.routing.feed import KVEventFeed
     core, _ = make()
     p = chain("p", 5)
 

@@ -14,7 +14,7 @@ from benchmarks.routing.replica import ReplicaSpec
 from benchmarks.routing.routers import ClusterView, SimRequest, TokenText
 from benchmarks.routing.simulator import Simulation, make_router, prepare
 from benchmarks.routing.workload import LONG_TAIL, WorkloadSpec, generate, replica_from_args
-from engine.hashing import hash_block_chain
+from affinity_serve.engine.hashing import hash_block_chain
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel
 from benchmarks.routing.simulator import Simulation, default_routers, make_router, prepare
 from benchmarks.routing.routers import TokenText
-from engine.hashing import hash_block_chain
+from affinity_serve.engine.hashing import hash_block_chain
 
 
 @pytest.fixture(scope="module")
