@@ -34,10 +34,10 @@ once; then the min/max bounds. Rows:
   rule tuned for this workload. Ours runs with the same app delays and windows (`--look-back`,
   `--metrics-interval` change both).
 
-    python benchmarks/autoscale.py --quick                       # 8 replicas, short trace (~1-2 min)
-    python benchmarks/autoscale.py --max-replicas 8 --seed 0,1,2,3           # full trace, four seeds
-    python benchmarks/autoscale.py --max-replicas 32                         # full trace (5-17 min to build here)
-    python benchmarks/autoscale.py --max-replicas 64                         # ~17 min to build, ~12 min to run
+    python -m benchmarks.autoscale --quick                       # 8 replicas, short trace (~1-2 min)
+    python -m benchmarks.autoscale --max-replicas 8 --seed 0,1,2,3           # full trace, four seeds
+    python -m benchmarks.autoscale --max-replicas 32                         # full trace (5-17 min to build here)
+    python -m benchmarks.autoscale --max-replicas 64                         # ~17 min to build, ~12 min to run
 """
 from __future__ import annotations
 
@@ -53,17 +53,14 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo,  # noqa: E402
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, KVSnapshot, ReplicaInfo,
                                         ReplicaLoadView, RouteRequest, make_core)
-from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, decide  # noqa: E402
-from affinity_serve.autoscale.signals import ReplicaSignals, SignalRecorder, refilled_tokens  # noqa: E402
-from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
-from benchmarks.routing.workload import (Trace, TraceRequest, WorkloadSpec, generate, read_trace,  # noqa: E402
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, decide
+from affinity_serve.autoscale.signals import ReplicaSignals, SignalRecorder, refilled_tokens
+from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel
+from benchmarks.routing.workload import (Trace, TraceRequest, WorkloadSpec, generate, read_trace,
                                          write_trace)
-from affinity_serve.engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain
 
 #: (start fraction of the trace, load at start, load at end) — load as a fraction of the burst's peak
 PROFILE = [(0.00, 0.2, 0.2), (0.10, 0.2, 0.5), (0.40, 0.5, 0.5), (0.50, 1.0, 1.0), (0.60, 0.5, 0.5),

@@ -27,8 +27,8 @@ the fleet by the timing model.
 Mix workloads run on a GPU-sized KV pool (64k tokens per replica, `MIX_SPEC`) so an 8k prompt fits many
 times; ours' prior C for it is 48 (`--decode-seqs`), R 20k tokens/s (the timing model's).
 
-    python benchmarks/autoscale_pareto.py --workloads prompt-shift --fleets 8 --duration 240
-    python benchmarks/autoscale_pareto.py                        # all mix workloads, 8 and 32 (about an hour)
+    python -m benchmarks.autoscale_pareto --workloads prompt-shift --fleets 8 --duration 240
+    python -m benchmarks.autoscale_pareto                        # all mix workloads, 8 and 32 (about an hour)
 """
 from __future__ import annotations
 
@@ -43,15 +43,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.autoscale.policy import PolicyConfig  # noqa: E402
-from benchmarks.autoscale import (APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, AutoscaleSim,  # noqa: E402
+from affinity_serve.autoscale.policy import PolicyConfig
+from benchmarks.autoscale import (APP_LOOK_BACK_S, APP_METRICS_INTERVAL_S, AutoscaleSim,
                                   DynamoPlannerPolicy, EnginePolicy, RayDefaultPolicy, RunResult, SimConfig,
                                   read_trace, shaped_trace, write_trace)
-from benchmarks.routing.replica import ReplicaSpec, TimingModel  # noqa: E402
-from benchmarks.routing.workload import Trace, TraceMeta, TraceRequest, WorkloadSpec  # noqa: E402
+from benchmarks.routing.replica import ReplicaSpec, TimingModel
+from benchmarks.routing.workload import Trace, TraceMeta, TraceRequest, WorkloadSpec
 
 MIX_SPEC = ReplicaSpec(num_kv_tokens=65536, max_model_len=16384)
 MIX_WORKLOADS = ("output-shift", "prompt-shift", "reuse-collapse", "diurnal")

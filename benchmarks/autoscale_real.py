@@ -89,8 +89,8 @@ Policies (`--policies`):
 - `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
   false`), to measure whether warming a joining replica pays on a live fleet.
 
-    python benchmarks/autoscale_real.py --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
-    python benchmarks/autoscale_real.py --duration 60 --policies engine     # a smoke run (~4 min)
+    python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
+    python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
 
 Both policies at the default 240 s took 11 minutes here (calibration ~2 min, each policy ~4.5 min with
 deploy, warm-up and drain). Writes nothing unless `--json` / `--png` say where; exits 1 if any request
@@ -116,12 +116,9 @@ from typing import Any
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.autoscale import BIN_S, BURST, SERVE_DEFAULTS, profile  # noqa: E402
-from benchmarks.routing import real  # noqa: E402
-from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest  # noqa: E402
+from benchmarks.autoscale import BIN_S, BURST, SERVE_DEFAULTS, profile
+from benchmarks.routing import real
+from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest
 
 SAMPLE_EVERY_S = 0.5
 SETTLE_S = 12.0       # after the warm-up: longer than a replica's 10 s signal window (autoscale.signals), so

@@ -13,7 +13,7 @@ and `ray.put` in one process + `ray.get` in another on the same node (Ray's obje
 request, for the demo model's layout and for a Llama-3-8B-sized block (32 layers x 8 KV heads x 128 x 16
 tokens, bf16: 2 MiB).
 
-    flock /tmp/affinity-bench.lock .venv/bin/python benchmarks/disagg.py --json out.json --png tpot.png
+    flock /tmp/affinity-bench.lock .venv/bin/python -m benchmarks.disagg --json out.json --png tpot.png
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ and on models of their own (issue 31), ours vs transformers on the same checkpoi
 Prints output tokens/s for both and the ratio; --json writes the rows. Our prefix cache is reset
 before every run so repetitions never see an earlier run's blocks.
 
-    python benchmarks/engine_throughput.py [--reps 3] [--threads 2] [--json out.json] [--ablate]
+    python -m benchmarks.engine_throughput [--reps 3] [--threads 2] [--json out.json] [--ablate]
         [--cases 1,2,3,moe,sliding]
 
 --ablate adds case (1) with our CPU speed-ups switched off (F.linear instead of oneDNN prepacked weights;
@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 NEW = 64
 MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,

@@ -15,9 +15,9 @@ reads them once; without it each request re-reads them, mostly from L2, and the 
 with it off, and with cascade decode the shared-prefix case also runs with it off, interleaved on the same
 engine, as rows of their own.
 
-    python benchmarks/engine_throughput_gpu.py [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
+    python -m benchmarks.engine_throughput_gpu [--backend auto|triton|torch|flash] [--enforce-eager] [--reps 2]
         [--case TEXT] [--json out.json]
-    python benchmarks/engine_throughput_gpu.py --device cpu --tiny          # smoke-tests the script on CPU
+    python -m benchmarks.engine_throughput_gpu --device cpu --tiny          # smoke-tests the script on CPU
 
 Targets (issue 12): >= 2x transformers at batch 32, >= 1.2x at batch 1, decode step at batch 1 within 2x of
 the bandwidth floor.
@@ -43,9 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
                 vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,

@@ -8,7 +8,7 @@ backend, Llama-3.2-1B's heads, bf16) at batch 32 and 128 on a shared 512- or 204
 split-K decode against cascade decode at each count of prefix splits P, to choose P and the threshold.
 The step breakdown in docs/benchmarks/gpu-throughput.md comes from this script.
 
-    python benchmarks/gpu_decode_profile.py [--kernels] [--sweep]
+    python -m benchmarks.gpu_decode_profile [--kernels] [--sweep]
 """
 from __future__ import annotations
 
@@ -18,13 +18,10 @@ import pstats
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from engine_throughput_gpu import LLAMA_1B, prompts  # noqa: E402
+from benchmarks.engine_throughput_gpu import LLAMA_1B, prompts
 
 
 def main() -> None:

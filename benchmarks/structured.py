@@ -13,26 +13,23 @@ ids have no text). Models: `demo` (hidden 256, 4 layers: the test model, a ~4 ms
 cores) and `small` (hidden 768, 12 layers, ~110M parameters: GPT-2-small / SmolLM-135M sized, the smallest
 models one serves). Then compile times of a set of JSON schemas, cold and from the cache.
 
-    python benchmarks/structured.py [--models demo small] [--threads 2] [--steps 20] [--repeats 3] [--json out.json]
-    python benchmarks/structured.py --device cuda --models demo small --json gpu.json     # on a GPU
+    python -m benchmarks.structured [--models demo small] [--threads 2] [--steps 20] [--repeats 3] [--json out.json]
+    python -m benchmarks.structured --device cuda --models demo small --json gpu.json     # on a GPU
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.engine.config import EngineConfig  # noqa: E402
-from affinity_serve.engine.demo import write_demo_model  # noqa: E402
-from affinity_serve.engine.llm_engine import LLMEngine  # noqa: E402
-from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
-from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.demo import write_demo_model
+from affinity_serve.engine.llm_engine import LLMEngine
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.structured_output import StructuredOutputSpec
 
 TARGET_OVERHEAD = 0.05            # at batch 32 on CPU (issue 27)
 MODELS = {
