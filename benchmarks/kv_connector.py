@@ -16,11 +16,12 @@ Four questions, baselines in the same run:
    too) measured in the same run.
 4. Offload store policy: store on evict vs on finish vs no tier, on prefixes revisited under pool pressure.
 
-    python benchmarks/kv_connector.py [--quick] [--reps 3] [--json out.json] [--png out.png]
+    python -m benchmarks.kv_connector [--quick] [--reps 3] [--json out.json] [--png out.png]
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, os.environ.get("KVC_BENCH_ROOT") or str(REPO))
+ENGINE = "affinity_serve.engine"
 
 MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
              vocab_size=32000, max_position_embeddings=4096, init_std=0.02)
@@ -40,19 +41,26 @@ BLOCK = 16
 
 
 # ---------------------------------------------------------------- 1. overhead (runs in a subprocess)
-def _scheduler_step_us(variant: str, steps: int) -> float:
-    from affinity_serve.engine.config import SchedulerConfig
-    from affinity_serve.engine.kv_cache_manager import KVCacheManager
-    from affinity_serve.engine.request import Request
-    from affinity_serve.engine.sampling_params import SamplingParams
-    from affinity_serve.engine.scheduler import Scheduler
-    from affinity_serve.engine.types import ModelRunnerOutput
+def _engine_module(pkg: str, name: str = ""):
+    """`pkg.name` of the engine under test: the installed `affinity_serve.engine`, or for the `before` variant
+    the old top-level `engine` package that `overhead` extracts into the worker's working directory."""
+    return importlib.import_module(f"{pkg}.{name}" if name else pkg)
+
+
+def _scheduler_step_us(pkg: str, variant: str, steps: int) -> float:
+    SchedulerConfig = _engine_module(pkg, "config").SchedulerConfig
+    KVCacheManager = _engine_module(pkg, "kv_cache_manager").KVCacheManager
+    Request = _engine_module(pkg, "request").Request
+    SamplingParams = _engine_module(pkg, "sampling_params").SamplingParams
+    Scheduler = _engine_module(pkg, "scheduler").Scheduler
+    ModelRunnerOutput = _engine_module(pkg, "types").ModelRunnerOutput
 
     n, max_len = 256, 8192
     kv = KVCacheManager(n * 40 + 16, BLOCK, max_len)
     kw = {}
     if variant == "offload-idle":
-        from affinity_serve.engine.kv_connector import KVLayout, OffloadConnectorScheduler
+        kvc = _engine_module(pkg, "kv_connector")
+        KVLayout, OffloadConnectorScheduler = kvc.KVLayout, kvc.OffloadConnectorScheduler
         kw["kv_connector"] = OffloadConnectorScheduler(KVLayout(8, 4, 64, BLOCK, "float32", 4), 4096)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=n + 4096, max_num_seqs=n + 1), kv, max_len, **kw)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0)
@@ -78,9 +86,10 @@ def _scheduler_step_us(variant: str, steps: int) -> float:
     return min(medians) * 1e6
 
 
-def _engine_tokens_per_s(variant: str, model: str, threads: int) -> float:
+def _engine_tokens_per_s(pkg: str, variant: str, model: str, threads: int) -> float:
     import torch
-    from affinity_serve.engine import LLM, SamplingParams
+    engine = _engine_module(pkg)
+    LLM, SamplingParams = engine.LLM, engine.SamplingParams
     torch.manual_seed(0)
     kw = {}
     if variant == "offload-idle":
@@ -102,15 +111,23 @@ def _engine_tokens_per_s(variant: str, model: str, threads: int) -> float:
 
 def _worker_main(args) -> None:
     if args.worker == "sched":
-        print(json.dumps({"step_us": _scheduler_step_us(args.variant, args.steps)}))
+        print(json.dumps({"step_us": _scheduler_step_us(args.engine_package, args.variant, args.steps)}))
     else:
-        print(json.dumps({"tok_s": _engine_tokens_per_s(args.variant, args.model, args.threads)}))
+        print(json.dumps({"tok_s": _engine_tokens_per_s(args.engine_package, args.variant, args.model,
+                                                        args.threads)}))
 
 
-def _run_worker(root: str, kind: str, variant: str, extra: list[str]) -> dict:
-    env = dict(os.environ, KVC_BENCH_ROOT=root, PYTHONPATH=root)
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--variant", variant,
-                          *extra], env=env, capture_output=True, text=True, check=True)
+def _run_worker(before_dir: str | None, kind: str, variant: str, extra: list[str]) -> dict:
+    """One measurement in a fresh process. With `before_dir` the worker runs there (its working directory comes
+    first on sys.path, so the old top-level `engine/` extracted there is the one imported) and finds this
+    module through PYTHONPATH."""
+    cmd = [sys.executable, "-m", "benchmarks.kv_connector", "--worker", kind, "--variant", variant, *extra]
+    if before_dir is None:
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+    else:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        out = subprocess.run([*cmd, "--engine-package", "engine"], cwd=before_dir, env=env, capture_output=True,
+                             text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -118,7 +135,7 @@ def overhead(args, model: str) -> list[dict]:
     before_dir = tempfile.mkdtemp(prefix="kvc-before-")
     tar = subprocess.run(["git", "-C", str(REPO), "archive", args.before, "engine"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", before_dir], input=tar.stdout, check=True)
-    variants = [("before", before_dir, "off"), ("off", str(REPO), "off"), ("offload-idle", str(REPO), "offload-idle")]
+    variants = [("before", before_dir, "off"), ("off", None, "off"), ("offload-idle", None, "offload-idle")]
     rows = {name: {"variant": name, "step_us": [], "tok_s": []} for name, _, _ in variants}
     for _ in range(args.reps):
         for name, root, v in variants:
@@ -312,6 +329,7 @@ def _main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-package", default=ENGINE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         _worker_main(args)

@@ -9,7 +9,7 @@ BlockStored token ids stripped (what a hash-only wire format would save). Then s
 processing `--tokens-per-s` (prefill + decode) and to 8 / 32 / 128 replicas per router, and sizes a
 snapshot. `--ray` also times one actor call returning a reply (starts a local Ray: ~10 s).
 
-    python benchmarks/kv_event_feed.py [--tokens-per-s 5000] [--period-s 0.1] [--ray] [--json out.json]
+    python -m benchmarks.kv_event_feed [--tokens-per-s 5000] [--period-s 0.1] [--ray] [--json out.json]
 """
 from __future__ import annotations
 
@@ -18,20 +18,17 @@ import hashlib
 import json
 import pickle
 import random
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
-from affinity_serve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from affinity_serve.engine.kv_events import KVEventLog  # noqa: E402
-from affinity_serve.engine.request import Request  # noqa: E402
-from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
-from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
-from affinity_serve.engine.types import BlockStored, KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.kv_events import KVEventLog
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.types import BlockStored, KVCacheSnapshot, ModelRunnerOutput
 
 BLOCK = 16
 REPLICA_COUNTS = (8, 32, 128)

@@ -8,7 +8,7 @@ Two baselines in the same run:
 - `bare loop`: the irreducible per-request work of a step (append one token to each request, build the
   step's id -> count dict); the ratio says what our bookkeeping costs on top of it.
 
-    python benchmarks/scheduler_step.py [--steps 300] [--repeats 3] [--json out.json]
+    python -m benchmarks.scheduler_step [--steps 300] [--repeats 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -16,20 +16,17 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
-from affinity_serve.engine.gc_policy import tune_gc_for_serving  # noqa: E402
-from affinity_serve.engine.hashing import hash_block_tokens  # noqa: E402
-from affinity_serve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from affinity_serve.engine.request import Request  # noqa: E402
-from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
-from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
-from affinity_serve.engine.types import ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.gc_policy import tune_gc_for_serving
+from affinity_serve.engine.hashing import hash_block_tokens
+from affinity_serve.engine.kv_cache_manager import KVCacheManager
+from affinity_serve.engine.request import Request
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.types import ModelRunnerOutput
 
 BLOCK = 16
 CASES = [("decode", 64, 0), ("decode", 256, 0), ("decode", 1024, 0), ("mixed", 256, 4)]

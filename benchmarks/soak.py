@@ -21,8 +21,8 @@ growth per 1k requests about the first's: the request rate can change), a platea
 near 0 (below `--flat-mb-per-min`). `--env` and `--linear-backend` change the replicas for an A/B run;
 docs/benchmarks/soak.md has the latest figures and what they showed.
 
-    python benchmarks/soak.py --minutes 8 --json soak.json --png soak.png
-    python benchmarks/soak.py --from-json soak.json          # the table again, no run
+    python -m benchmarks.soak --minutes 8 --json soak.json --png soak.png
+    python -m benchmarks.soak --from-json soak.json          # the table again, no run
 """
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 APP_NAME = "soak"
 MODEL_NAME = "demo"

@@ -8,7 +8,7 @@ One in-process LLMReplica on the demo model (no Ray). Each round empties its pre
 Rounds alternate cold/warm so machine noise hits both alike. Prints a table (TTFT mean/p50/max, cached
 tokens, warm-up time, ratio warm/cold) and optionally writes JSON.
 
-    python benchmarks/warmup.py [--quick] [--prefixes 8] [--prefix-tokens 512] [--rounds 3] [--json out.json]
+    python -m benchmarks.warmup [--quick] [--prefixes 8] [--prefix-tokens 512] [--rounds 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,16 +17,13 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from affinity_serve.app.protocol import GenerateRequest  # noqa: E402
-from affinity_serve.app.replica import LLMReplica  # noqa: E402
-from affinity_serve.engine import SamplingParams, ensure_demo_model  # noqa: E402
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.app.replica import LLMReplica
+from affinity_serve.engine import SamplingParams, ensure_demo_model
 
 
 def _prompts(n: int, prefix_tokens: int, suffix_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -25,15 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore,  # noqa: E402
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore,
                                         ReplicaInfo, ReplicaLoadView, RouteRequest)
-from benchmarks.routing.field import LlmdPrecise  # noqa: E402
-from benchmarks.routing.replica import ReplicaSpec  # noqa: E402
-from benchmarks.routing.routers import ClusterView, SimRequest  # noqa: E402
-from affinity_serve.engine.types import BlockStored  # noqa: E402
+from benchmarks.routing.field import LlmdPrecise
+from benchmarks.routing.replica import ReplicaSpec
+from benchmarks.routing.routers import ClusterView, SimRequest
+from affinity_serve.engine.types import BlockStored
 
 BS = 16
 HASH_OBJECT_BYTES = 65          # a 32-byte bytes object: 33 bytes of header + 32 of digest

@@ -18,8 +18,8 @@ decode step 50 ms + 25 us per context token), so a prefix hit saves what it save
 step and TTFT differences between routers show above the CPU's noise; 4-6 replicas fit on 2 cores. Its
 default policies add the llm-d-style baseline (`llm_d_precise`: sticky to the holder until saturated).
 
-    python benchmarks/routing/real.py --json real.json --png real.png
-    python benchmarks/routing/real.py --emulate --replicas 4 --json real_emulated.json
+    python -m benchmarks.routing.real --json real.json --png real.png
+    python -m benchmarks.routing.real --emulate --replicas 4 --json real_emulated.json
 """
 from __future__ import annotations
 
@@ -40,10 +40,7 @@ from typing import Any
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest  # noqa: E402
+from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest
 
 POLICIES = ("prefix_affinity", "power_of_two", "round_robin")
 EMULATED_POLICIES = ("prefix_affinity", "llm_d_precise", "power_of_two")

@@ -11,10 +11,10 @@ decision is timed around its route() call (for Ray's router: choose_replicas, th
 and its on_request_routed tree insert) with the thread's CPU clock: the work the decision costs, which
 other processes on a shared machine cannot inflate (wall time would count their time slices too).
 
-    python benchmarks/routing/simulator.py --replicas 8 --pressure 0.75 --load 1.0
-    python benchmarks/routing/simulator.py --hot --replicas 8 --json out.json --png out.png
-    python benchmarks/routing/simulator.py --suite headline --out-dir bench-out
-    python benchmarks/routing/simulator.py --suite fleet --out-dir bench-out [--only 1,5]
+    python -m benchmarks.routing.simulator --replicas 8 --pressure 0.75 --load 1.0
+    python -m benchmarks.routing.simulator --hot --replicas 8 --json out.json --png out.png
+    python -m benchmarks.routing.simulator --suite headline --out-dir bench-out
+    python -m benchmarks.routing.simulator --suite fleet --out-dir bench-out [--only 1,5]
 """
 from __future__ import annotations
 
@@ -29,18 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.routing import report  # noqa: E402
-from benchmarks.routing.bounds import (footprint_partition, pinned_lru_hit_rate,  # noqa: E402
+from benchmarks.routing import report
+from benchmarks.routing.bounds import (footprint_partition, pinned_lru_hit_rate,
                                        shared_cache_hit_rate, ttft_floor_s)
-from benchmarks.routing.replica import SimReplica, TimingModel  # noqa: E402
-from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,  # noqa: E402
+from benchmarks.routing.replica import SimReplica, TimingModel
+from benchmarks.routing.routers import (ClusterView, PinnedOracle, PowerOfTwo, RayPrefixAffinity,
                                         RoundRobin, SharedCacheOracle, SimRequest, SimRouter, TokenText)
-from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,  # noqa: E402
+from benchmarks.routing.workload import (Trace, add_spec_args, describe, generate, read_trace,
                                          replica_from_args, spec_from_args)
-from affinity_serve.engine.hashing import BlockHash, hash_block_chain  # noqa: E402
+from affinity_serve.engine.hashing import BlockHash, hash_block_chain
 
 _STEP_END, _RELEASE, _EVENTS, _STATS = 0, 1, 2, 3
 RAY_IMBALANCED_THRESHOLD = 16       # a quarter of max_num_seqs; Ray's docs example uses 10-20

@@ -15,8 +15,8 @@ computed block, shared-medium KV events). Only the store's bytes and the copies 
 The default load cost, 5 us per token, is the simulated 8B-class model's 128 KiB of KV per token over an
 effective 25 GB/s host link: 0.1 x the timing model's 50 us per prefilled token.
 
-    python benchmarks/routing/tiers.py --quick                      # 8 replicas, load 1.0 and 1.5, fewer requests
-    python benchmarks/routing/tiers.py --json tiers.json --png tiers.png        # the full run (~10 min here)
+    python -m benchmarks.routing.tiers --quick                      # 8 replicas, load 1.0 and 1.5, fewer requests
+    python -m benchmarks.routing.tiers --json tiers.json --png tiers.png        # the full run (~10 min here)
 """
 from __future__ import annotations
 
@@ -28,21 +28,18 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from affinity_serve.app.routing import KVSnapshot, ReplicaInfo  # noqa: E402
-from benchmarks.routing.ours import OursRouter  # noqa: E402
-from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel  # noqa: E402
-from benchmarks.routing.routers import ClusterView, PowerOfTwo, SharedCacheOracle  # noqa: E402
-from benchmarks.routing.simulator import PreparedTrace, RunResult, Simulation, prepare  # noqa: E402
-from benchmarks.routing.workload import WorkloadSpec, describe, generate  # noqa: E402
-from affinity_serve.engine.config import SchedulerConfig  # noqa: E402
-from affinity_serve.engine.hashing import BlockHash  # noqa: E402
-from affinity_serve.engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout,  # noqa: E402
+from affinity_serve.app.routing import KVSnapshot, ReplicaInfo
+from benchmarks.routing.ours import OursRouter
+from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel
+from benchmarks.routing.routers import ClusterView, PowerOfTwo, SharedCacheOracle
+from benchmarks.routing.simulator import PreparedTrace, RunResult, Simulation, prepare
+from benchmarks.routing.workload import WorkloadSpec, describe, generate
+from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout,
                                  SharedConnectorScheduler)
-from affinity_serve.engine.scheduler import Scheduler  # noqa: E402
-from affinity_serve.engine.types import KVCacheSnapshot, ModelRunnerOutput  # noqa: E402
+from affinity_serve.engine.scheduler import Scheduler
+from affinity_serve.engine.types import KVCacheSnapshot, ModelRunnerOutput
 
 #: the simulated model's KV layout (8B-class, GQA): 2 x 32 layers x 8 heads x 128 x 2 B = 128 KiB per token
 SIM_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16", element_size=2)

@@ -19,7 +19,7 @@ tokens of all replicas; a block is live from the first request that holds it unt
 whose prompt reuses it (blocks nobody reuses never count). The number of tenants and the sessions'
 think time are scaled until the measured pressure is within 5% of the target (mixed mode only).
 
-    python benchmarks/routing/workload.py --replicas 8 --pressure 0.75 --load 1.0 --out trace.jsonl
+    python -m benchmarks.routing.workload --replicas 8 --pressure 0.75 --load 1.0 --out trace.jsonl
 """
 from __future__ import annotations
 
@@ -32,10 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.routing.replica import ReplicaSpec, TimingModel, measure_saturation_rps  # noqa: E402
+from benchmarks.routing.replica import ReplicaSpec, TimingModel, measure_saturation_rps
 
 # ---------------------------------------------------------------- lengths (tokens): (median, sigma, lo, hi)
 SYSTEM_PROMPT = (1200, 0.5, 300, 4000)
