@@ -43,8 +43,8 @@ test-explore: venv
 
 bench: venv
 	$(PIP) install -q -e ".[bench]" "$(TORCH_PIN)"
-	$(PY) benchmarks/scheduler_step.py
-	$(PY) benchmarks/engine_throughput.py
+	$(PY) -m benchmarks.scheduler_step
+	$(PY) -m benchmarks.engine_throughput
 
 # A GPU machine (issue 12's: CUDA torch, transformers and triton installed, no Ray, no network) runs the GPU
 # tests and the GPU benchmark with its own Python. `make gpu-wheels` (here, with the network) downloads what its
@@ -89,10 +89,10 @@ test-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
 
 bench-gpu: gpu-site
-	$(GPU_ENV) $(GPU_PY) benchmarks/engine_throughput_gpu.py --json gpu-bench.json
+	$(GPU_ENV) $(GPU_PY) -m benchmarks.engine_throughput_gpu --json gpu-bench.json
 
 profile-gpu: gpu-site
-	$(GPU_ENV) $(GPU_PY) benchmarks/gpu_decode_profile.py --kernels --sweep
+	$(GPU_ENV) $(GPU_PY) -m benchmarks.gpu_decode_profile --kernels --sweep
 
 # All three in one go, each one's output (and gpu-bench.json) kept in $(GPU_REPORT): one call on a lent machine,
 # e.g. `make gpu-report GPU_REPORT=$$OUT`. A failing step does not stop the next; the exit code says if any failed.

@@ -9,7 +9,7 @@ step() { local name=$1 limit=$2; shift 2; echo "== $name (limit ${limit}s)"; loc
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 make --no-print-directory gpu-site > "$out/gpu-site.log" 2>&1 || { echo "gpu-site failed"; cat "$out/gpu-site.log"; }
 step test-gpu 270 python3 -m pytest -q -rs -p no:cacheprovider --timeout 240 tests/gpu
-step bench-gpu 110 python3 benchmarks/engine_throughput_gpu.py --json "$out/gpu-bench.json"
-step structured 80 python3 benchmarks/structured.py --device cuda --json "$out/structured-cuda.json"
-step sliding 70 python3 benchmarks/engine_throughput_gpu.py --case sliding --reps 1 --json "$out/gpu-sliding.json"
+step bench-gpu 110 python3 -m benchmarks.engine_throughput_gpu --json "$out/gpu-bench.json"
+step structured 80 python3 -m benchmarks.structured --device cuda --json "$out/structured-cuda.json"
+step sliding 70 python3 -m benchmarks.engine_throughput_gpu --case sliding --reps 1 --json "$out/gpu-sliding.json"
 exit $rc
