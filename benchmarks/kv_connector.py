@@ -216,7 +216,7 @@ def ttft_cases(args, model: str) -> dict:
         cfg = {"model": model, "num_threads": args.threads, "cache": {"num_blocks": num_blocks, "block_size": BLOCK}}
         if kv_connector:
             cfg["kv_connector"] = kv_connector
-        return LLMEngine(EngineConfig(**cfg))
+        return LLMEngine.from_config(EngineConfig(**cfg))
 
     def rand(n):
         return torch.randint(3, 32000, (n,), generator=g).tolist()
@@ -285,7 +285,7 @@ def store_policy(args, model: str) -> list[dict]:
         cfg = {"model": model, "num_threads": args.threads, "cache": {"num_blocks": num_blocks, "block_size": BLOCK}}
         if store_on != "none":
             cfg["kv_connector"] = {"type": "offload", "capacity_blocks": 8 * plen // BLOCK, "store_on": store_on}
-        eng = LLMEngine(EngineConfig(**cfg))
+        eng = LLMEngine.from_config(EngineConfig(**cfg))
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         for i in range(args.policy_requests):

@@ -152,7 +152,7 @@ def compile_times(eng: LLMEngine) -> dict[str, tuple[float, float]]:
 def run_model(name: str, args) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as d:
         write_demo_model(d, vocab_size=32000, **MODELS[name])
-        eng = LLMEngine(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16}, device=args.device,
+        eng = LLMEngine.from_config(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16}, device=args.device,
                                      num_threads=args.threads, scheduler={"max_num_seqs": max(args.batches)}))
         eng.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, structured_output=StructuredOutputSpec(
             regex="[a-z]+")))

@@ -112,7 +112,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kw: Any) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config), **kw)
+        return cls(LLMEngine.from_config(config), **kw)
 
     # ------------------------------------------------------------------ public API
     @property

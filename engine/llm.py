@@ -18,7 +18,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_config: Any):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_config))
+        self.engine = LLMEngine.from_config(EngineConfig(model=str(model), **engine_config))
         self._ids = itertools.count()
 
     @property

@@ -7,44 +7,23 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
-from affinity_serve.engine.attention import select_backend
+from affinity_serve.engine.build import EngineParts, build_engine_parts
 from affinity_serve.engine.config import EngineConfig
-from affinity_serve.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from affinity_serve.engine.errors import EngineError, InvalidRequestError
 from affinity_serve.engine.hashing import BlockHash, check_block_hashes
-from affinity_serve.engine.kv_cache_manager import KVCacheManager
-from affinity_serve.engine.kv_groups import kv_cache_groups, tokens_capacity
-from affinity_serve.engine.kv_connector import (KVLayout, KVTransport, PDConnectorScheduler, RemoteDecode,
-                                                RemotePrefill, build_kv_connector, default_local_transport,
-                                                model_identity, set_pd_transport)
+from affinity_serve.engine.kv_connector import (KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
+                                                default_local_transport, set_pd_transport)
 from affinity_serve.engine.limits import EngineLimits, check_request
-from affinity_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from affinity_serve.engine.models import fused as fused_ops
-from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
-from affinity_serve.engine.models.config import ModelArgs
-from affinity_serve.engine.models.generation_config import GenerationConfig, all_eos_token_ids
-from affinity_serve.engine.models.hub import resolve_model_path
-from affinity_serve.engine.models.linear import HYBRID_PLAIN_ROWS, prepack_supported
-from affinity_serve.engine.models.loader import load_model
 from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
 from affinity_serve.engine.pacing import modelled_step_time_s
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.scheduler import Scheduler
-from affinity_serve.engine.structured_output.manager import GrammarState, StructuredOutputManager
-from affinity_serve.engine.tokenizer import (IncrementalDetokenizer, apply_chat_template, load_tokenizer,
-                                             token_ids_only_error)
+from affinity_serve.engine.structured_output.manager import GrammarState
+from affinity_serve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, token_ids_only_error
 from affinity_serve.engine.types import KVEvent, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
-#: linear_backend auto keeps the plain weights beside the packed ones (hybrid) while that copy costs at most
-#: this much; larger models get onednn alone
-_HYBRID_AUTO_MAX_EXTRA_BYTES = 1 << 30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -76,137 +55,35 @@ class _ParentState:
 class LLMEngine:
     """One engine per replica. Not thread-safe: call add/abort/step from one thread at a time."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = _pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, self.device)
-        # the same checks (and messages) as the CLI's pre-flight, before anything heavy loads
-        #: the checkpoint directory: config.model, or the hub snapshot of an `org/name[@revision]` id
-        self.model_path = resolve_model_path(config.model)
-        self.model_args = validate_checkpoint(self.model_path, need_tokenizer=not config.skip_tokenizer_init)
-        self.max_model_len = _max_model_len(config, self.model_args)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
-        self.generation_config = GenerationConfig.from_dir(self.model_path)
+    def __init__(self, parts: EngineParts):
+        """Run the collaborators `parts` holds (`engine.build.build_engine_parts`); see `from_config`."""
+        self.config = parts.config
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model_path, self.model_args = parts.model_path, parts.model_args
+        self.max_model_len = parts.max_model_len
+        self.tokenizer = parts.tokenizer
+        self.generation_config = parts.generation_config
         #: every EOS id, the primary (the Request's eos_token_id) first; the others stop as stop token ids
-        self.eos_token_ids = all_eos_token_ids(self.tokenizer.eos_token_id if self.tokenizer is not None else None,
-                                               self.model_args.eos_token_ids, self.generation_config)
+        self.eos_token_ids = parts.eos_token_ids
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        torch.manual_seed(config.seed)
-        self.linear_backend = _pick_linear_backend(config.linear_backend, self.device, self.dtype,
-                                                   plain_copy_bytes(self.model_args, self.dtype))
-        model, _ = load_model(self.model_path, self.dtype, self.device, self.max_model_len,
-                              prepack=self.linear_backend in ("onednn", "hybrid"),
-                              plain_rows=HYBRID_PLAIN_ROWS if self.linear_backend == "hybrid" else 0)
-        block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks(block_size)
-        kv_groups = kv_cache_groups(self.model_args.layer_windows)
-        max_chunk = config.scheduler.max_num_batched_tokens          # the most tokens one request computes a step
-        capacity = tokens_capacity(kv_groups, self.num_blocks - 1, block_size, max_chunk)
-        if capacity < self.max_model_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len %d: capping max_model_len so every "
-                           "admitted request can finish (raise cache.num_blocks / memory_budget_bytes to avoid)",
-                           capacity, self.max_model_len)
-            self.max_model_len = capacity
-        backend = select_backend(config.attention_backend, self.device.type, block_size,
-                                 cpu_kernels=config.cpu_kernels, cascade_min_tokens=config.cascade_min_tokens,
-                                 sliding_window=any(g.window is not None for g in kv_groups),
-                                 softcap=self.model_args.attn_logit_softcapping is not None)
-        if backend.name == "triton":   # the per-token ops as Triton kernels too, once they pass a self-test
-            why = fused_ops.self_test(str(self.device))
-            if why is None:
-                model.use_fused_ops()
-            else:
-                logger.warning("fused Triton ops failed their self-test on this device (%s); the model's "
-                               "norms, RoPE and SiLU run as torch ops", why)
-        elif self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_kernels:
-            from affinity_serve.engine.attention.cpu_kernels import load_ops
-            ops = load_ops()                      # None (with a warning) without a C compiler
-            why = fused_ops.self_test("cpu", ops) if ops is not None else "no C kernels"
-            if why is None:
-                model.use_fused_ops(ops=ops)
-            elif ops is not None:
-                logger.warning("the C per-token ops failed their self-test (%s); the model's norms, RoPE and "
-                               "SiLU run as torch ops", why)
-        self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, block_size, self.max_model_len,
-            enable_caching=config.cache.enable_prefix_caching,
-            enable_kv_cache_events=config.cache.enable_kv_cache_events,
-            recent_requests=config.cache.prefix_cache_recent_requests, groups=kv_groups,
-            max_chunk_tokens=max_chunk)
-        connector = self._build_kv_connector(block_size)
-        self.kv_connector = connector[0] if connector is not None else None
-        self._kv_connector_worker = connector[1] if connector is not None else None
+        self.linear_backend = parts.linear_backend
+        self.num_blocks = parts.num_blocks
+        self.kv_cache_manager = parts.kv_cache_manager
+        self.kv_connector = parts.kv_connector
+        self._kv_connector_worker = parts.kv_connector_worker
         #: P/D disaggregation's scheduler side (kv_connector.type pd), else None
         self.pd = self.kv_connector if isinstance(self.kv_connector, PDConnectorScheduler) else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len,
-                                   kv_connector=self.kv_connector)
-        self.runner = ModelRunner(model, self.model_args, backend, self.num_blocks, block_size,
-                                  device=self.device, dtype=self.dtype, seed=config.seed,
-                                  kv_connector=connector[1] if connector is not None else None)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            if backend.name == "triton":
-                try:
-                    self.runner.decode_graphs = DecodeGraphs(
-                        model, self.runner.kv_caches, backend, graph_sizes(config.scheduler.max_num_seqs),
-                        -(-self.max_model_len // block_size), block_size, self.device)
-                    if config.overlap_decode and self.kv_connector is None:
-                        self.runner.overlap_decode = True
-                        self.runner.max_model_len = self.max_model_len
-                        self.scheduler.num_lookahead_tokens = 1
-                except Exception as e:                 # graphs are a speed-up: never the reason a replica is down
-                    logger.warning("CUDA-graph capture failed (%s: %s); decode runs eager (set enforce_eager: "
-                                   "true to skip the attempt)", type(e).__name__, e)
-            else:
-                logger.info("CUDA-graph decode needs attention_backend triton (the %s backend reads Python-side "
-                            "lengths); decode runs eager", backend.name)
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.structured_output = parts.structured_output
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
-        #: grammars for structured output, compiled on its own thread (xgrammar, imported on first use). The
-        #: step's bitmask fill overlaps the forward: on CUDA the runner reads it once the forward is launched
-        #: (the host fills while the device computes); on CPU a worker thread fills it during the forward
-        #: (benchmarks/structured.py: cheaper than filling after it, once the forward is a few ms)
-        cuda = self.device.type == "cuda"
-        self.structured_output = StructuredOutputManager(self.tokenizer, self.model_args.vocab_size,
-                                                         self.eos_token_ids, fill_on_thread=not cuda,
-                                                         pin_memory=cuda)
         self.last_stats = SchedulerStats()
-        cap = (self.num_blocks - 1) * block_size
-        logger.info("engine ready: %s %s on %s, attention=%s, linear=%s, max_model_len=%d, KV cache %d blocks "
-                    "x %d tokens = %d tokens (%.1f MiB)", self.model_args.architecture, self.dtype, self.device,
-                    backend.name, self.linear_backend, self.max_model_len, self.num_blocks, block_size, cap,
-                    self.num_blocks * kv_bytes_per_block(self.model_args, block_size, self.dtype) / 2**20)
 
-    # ------------------------------------------------------------------ sizing
-    def _num_blocks(self, block_size: int) -> int:
-        c = self.config.cache
-        if c.num_blocks is not None:
-            return c.num_blocks
-        per_block = kv_bytes_per_block(self.model_args, block_size, self.dtype)
-        budget = c.memory_budget_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.8)
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
-        n = budget // per_block
-        if n < 2:
-            raise ValueError(f"KV memory budget {budget} bytes holds {n} blocks of {per_block} bytes; "
-                             "raise cache.memory_budget_bytes")
-        return int(n)
-
-    def _build_kv_connector(self, block_size: int):
-        cfg = self.config.kv_connector
-        if cfg.type == "none":
-            return None
-        args = self.model_args
-        layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, block_size,
-                          str(self.dtype).removeprefix("torch."), torch.empty((), dtype=self.dtype).element_size())
-        return build_kv_connector(cfg, layout, model_identity=model_identity(self.model_path, cfg.model_identity),
-                                  device=self.device, dtype=self.dtype,
-                                  enable_events=self.config.cache.enable_kv_cache_events)
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model and build every part (`engine.build`), then the engine over them."""
+        return cls(build_engine_parts(config))
 
     @property
     def limits(self) -> EngineLimits:
@@ -506,47 +383,3 @@ class LLMEngine:
         if self.pd is not None:
             default_local_transport().unregister(self.pd.engine_id)
         self.structured_output.close()
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available; use device: cpu or auto")
-    return torch.device(name)
-
-
-def plain_copy_bytes(args: ModelArgs, dtype: torch.dtype) -> int:
-    """What linear_backend hybrid costs on top of onednn: one plain copy of every Linear weight, the lm_head's
-    included."""
-    q, kv, h = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim, args.hidden_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
-    return (args.num_layers * per_layer + args.vocab_size * h) * torch.empty((), dtype=dtype).element_size()
-
-
-def _pick_linear_backend(name: str, device: torch.device, dtype: torch.dtype, plain_bytes: int = 0) -> str:
-    """`plain_bytes`: what hybrid's plain copies would cost (plain_copy_bytes); auto picks hybrid up to
-    _HYBRID_AUTO_MAX_EXTRA_BYTES, onednn above."""
-    supported = prepack_supported(device, dtype)
-    if name == "auto":                # bf16 prepacking is opt-in: it has not been run on a bf16-native CPU here
-        if not (supported and dtype == torch.float32):
-            return "torch"
-        return "hybrid" if plain_bytes <= _HYBRID_AUTO_MAX_EXTRA_BYTES else "onednn"
-    if name in ("onednn", "hybrid") and not supported:
-        raise ValueError(f"linear_backend {name!r} needs a CPU device, float32 (or bfloat16 on a CPU with native "
-                         f"bf16) and a torch build with oneDNN; got device={device.type}, dtype={dtype}. "
-                         f"Use linear_backend: auto or torch")
-    return name
-
-
-def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = _DTYPES[name]
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
-    return dtype
-
-
-def _max_model_len(config: EngineConfig, args: ModelArgs) -> int:
-    return resolve_context_length(args, config.max_model_len)

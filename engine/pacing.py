@@ -14,10 +14,13 @@ The model, per step (the routing simulator's TimingModel uses the same formula):
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from typing import Any
 
+from affinity_serve.engine.config import PaceConfig
 from affinity_serve.engine.request import Request
-from affinity_serve.engine.types import SchedulerOutput
+from affinity_serve.engine.types import ModelRunnerOutput, SchedulerOutput
 
 
 def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], step_base_s: float,
@@ -33,3 +36,28 @@ def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], s
         else:
             prefill += n
     return step_base_s + prefill * prefill_per_token_s + ctx * decode_per_context_token_s
+
+
+class PacedRunner:
+    """A model runner whose every step lasts at least the modelled device's step time (engine.pace).
+
+    `build_engine_parts` wraps the runner in one only when pacing is enabled, so an unpaced engine's step
+    has no pacing code in it. The time counts from the start of `execute_model`: the scheduling before it is
+    host time a device would not shorten either.
+    """
+
+    def __init__(self, runner: Any, requests: Mapping[str, Request], pace: PaceConfig):
+        self.runner = runner                  # the wrapped ModelRunner
+        self._requests = requests             # the scheduler's requests (read, never changed)
+        self._pace = pace
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        p = self._pace
+        # before the forward: a decoding request's computed tokens already count this step's token
+        modelled = (modelled_step_time_s(so, self._requests, p.step_base_s, p.prefill_per_token_s,
+                                         p.decode_per_context_token_s) if so.num_scheduled_tokens else 0.0)
+        out = self.runner.execute_model(so)
+        if (wait := modelled - (time.perf_counter() - t0)) > 0:
+            time.sleep(wait)
+        return out

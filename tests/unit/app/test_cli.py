@@ -40,7 +40,7 @@ def _copy(checkpoints, tmp_path) -> str:
 def _engine_message(model: str, **kw) -> str:
     from affinity_serve.engine.llm_engine import LLMEngine
     with pytest.raises(ModelLoadError) as ei:
-        LLMEngine(EngineConfig(model=model, **kw))
+        LLMEngine.from_config(EngineConfig(model=model, **kw))
     return str(ei.value)
 
 

@@ -106,7 +106,7 @@ def test_preemption_keeps_outputs_identical(checkpoints, hf_reference):
 
 def test_abort_mid_stream_frees_blocks_others_unaffected(checkpoints, hf_reference):
     path = checkpoints["qwen2"]
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 4}))
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 4}))
     prompts = _prompts(3, lo=8, hi=12, seed=5)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=10, **GREEDY))

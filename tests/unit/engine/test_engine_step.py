@@ -8,7 +8,7 @@ from affinity_serve.engine.sampling_params import SamplingParams
 
 def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):
     # max_num_seqs=1: the step schedules sibling #0 only, sibling #1 is still waiting when it fails
-    eng = LLMEngine(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4},
+    eng = LLMEngine.from_config(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4},
                                  scheduler={"max_num_seqs": 1}))
     real = eng.runner.execute_model
     failures = {"left": 1}
@@ -41,7 +41,7 @@ def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):
 def test_schedule_ahead_with_preemption_keeps_runner_and_scheduler_in_step(checkpoints, hf_reference):
     """schedule() twice before the first output arrives, preempting a request whose token is in flight."""
     path = checkpoints["llama"]
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 5, "block_size": 4},    # 4 usable blocks
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 5, "block_size": 4},    # 4 usable blocks
                                  scheduler={"long_prefill_token_threshold": 4}))
     greedy = dict(temperature=0.0, ignore_eos=True)
     prompts = {"c": [30 + i for i in range(12)], "a": [10, 11, 12, 13]}

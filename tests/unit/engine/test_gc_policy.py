@@ -34,7 +34,7 @@ def test_a_replica_tunes_the_collector_but_a_bare_engine_does_not(checkpoints, r
     gc.unfreeze()
     gc.set_threshold(700, 10, 10)
     cfg = dict(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4})
-    LLMEngine(EngineConfig(**cfg))
+    LLMEngine.from_config(EngineConfig(**cfg))
     assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
     rep = LLMReplica(cfg)
     assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == STEP_GEN0_THRESHOLD

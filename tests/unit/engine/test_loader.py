@@ -62,7 +62,7 @@ def test_max_model_len_capped_by_kv_capacity_and_published(checkpoints):
     from affinity_serve.engine.limits import EngineLimits
     from affinity_serve.engine.llm_engine import LLMEngine
     cfg = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 9, "block_size": 4})
-    eng = LLMEngine(cfg)
+    eng = LLMEngine.from_config(cfg)
     assert eng.max_model_len == 32
     assert eng.limits == EngineLimits(max_model_len=32, vocab_size=eng.model_args.vocab_size, max_kv_tokens=32,
                                       block_size=4)
@@ -72,22 +72,22 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
     import torch
     import torch.nn.functional as F
 
-    from affinity_serve.engine.llm_engine import _pick_linear_backend
+    from affinity_serve.engine.build import pick_linear_backend
     from affinity_serve.engine.models.linear import PackedLinear, prepack_supported
 
     cpu = torch.device("cpu")
-    assert _pick_linear_backend("torch", cpu, torch.float32) == "torch"
-    assert _pick_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    assert pick_linear_backend("torch", cpu, torch.float32) == "torch"
+    assert pick_linear_backend("auto", torch.device("cuda"), torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="linear_backend 'onednn' needs a CPU device"):
-        _pick_linear_backend("onednn", torch.device("cuda"), torch.float16)
+        pick_linear_backend("onednn", torch.device("cuda"), torch.float16)
     if not prepack_supported(cpu, torch.float32):
         pytest.skip("this torch build has no oneDNN")
     # auto: the plain copy beside the packed weights while it costs at most 1 GiB, packed alone above
-    assert _pick_linear_backend("auto", cpu, torch.float32, 1 << 30) == "hybrid"
-    assert _pick_linear_backend("auto", cpu, torch.float32, (1 << 30) + 1) == "onednn"
-    assert _pick_linear_backend("hybrid", cpu, torch.float32, 1 << 40) == "hybrid"
+    assert pick_linear_backend("auto", cpu, torch.float32, 1 << 30) == "hybrid"
+    assert pick_linear_backend("auto", cpu, torch.float32, (1 << 30) + 1) == "onednn"
+    assert pick_linear_backend("hybrid", cpu, torch.float32, 1 << 40) == "hybrid"
     with pytest.raises(ValueError, match="linear_backend 'hybrid' needs a CPU device"):
-        _pick_linear_backend("hybrid", cpu, torch.float16)
+        pick_linear_backend("hybrid", cpu, torch.float16)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     for bias in (None, b):
@@ -109,7 +109,7 @@ def test_linear_backend_choice_and_packed_linear_equals_f_linear():
 def test_plain_copy_bytes_counts_the_linears_hybrid_duplicates(checkpoints):
     import torch
 
-    from affinity_serve.engine.llm_engine import plain_copy_bytes
+    from affinity_serve.engine.build import plain_copy_bytes
     from affinity_serve.engine.models.loader import load_model
     for name in ("llama", "llama_tied_sharded"):
         model, args = load_model(checkpoints[name], torch.float32, torch.device("cpu"), 64)

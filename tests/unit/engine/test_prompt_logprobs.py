@@ -83,7 +83,7 @@ def test_match_transformers_with_chunked_prefill_in_mixed_batch(checkpoints, hf_
 def test_skip_prefix_cache_but_leave_blocks_cacheable(checkpoints, hf_reference):
     path = checkpoints["llama"]
     ids = _prompts(1, lo=37, hi=37, seed=32)[0]
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8}))
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8}))
 
     def run(rid, **kw):
         eng.add_request(rid, ids, SamplingParams(max_tokens=3, **GREEDY, **kw))
@@ -124,7 +124,7 @@ def test_lookup_skipped_only_while_prompt_logprobs_are_owed():
 def test_preemption_during_prefill_delivers_once_and_complete(checkpoints, hf_reference):
     path = checkpoints["llama"]
     prompts = _prompts(5, lo=14, hi=22, seed=33)
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 14, "block_size": 4},   # 52 tokens
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 14, "block_size": 4},   # 52 tokens
                                  scheduler={"max_num_batched_tokens": 64, "long_prefill_token_threshold": 6}))
     victims = []
     preempt = eng.scheduler._preempt
@@ -150,7 +150,7 @@ def test_preemption_during_prefill_delivers_once_and_complete(checkpoints, hf_re
 def test_n2_computes_once_and_reports_on_index_0(checkpoints, hf_reference):
     path = checkpoints["qwen2"]
     ids = _prompts(1, lo=30, hi=30, seed=34)[0]
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8}))
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8}))
     rows = []
     compute_logits = eng.runner.model.compute_logits
     eng.runner.model.compute_logits = lambda h: rows.append(h.shape[0]) or compute_logits(h)
@@ -168,7 +168,7 @@ def test_n2_computes_once_and_reports_on_index_0(checkpoints, hf_reference):
 
 def test_no_extra_logits_without_prompt_logprobs(checkpoints):
     path = checkpoints["llama"]
-    eng = LLMEngine(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8},
+    eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8},
                                  scheduler={"max_num_batched_tokens": 16}))
     rows = []
     compute_logits = eng.runner.model.compute_logits

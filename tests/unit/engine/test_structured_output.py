@@ -37,7 +37,7 @@ SCHEMAS = [
 
 def _engine(checkpoints, **kw) -> LLMEngine:
     cfg = {"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4}, **kw}
-    return LLMEngine(EngineConfig.model_validate(cfg))
+    return LLMEngine.from_config(EngineConfig.model_validate(cfg))
 
 
 def _run(eng: LLMEngine, max_steps: int = 2000) -> dict[tuple[str, int], tuple[str, str]]:

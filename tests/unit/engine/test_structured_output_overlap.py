@@ -24,7 +24,7 @@ from tests.unit.engine.test_structured_output import SCHEMAS, _assert_released  
 
 def _engine(checkpoints, fill_on_thread: bool, **kw) -> LLMEngine:
     cfg = {"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4}, **kw}
-    eng = LLMEngine(EngineConfig.model_validate(cfg))
+    eng = LLMEngine.from_config(EngineConfig.model_validate(cfg))
     eng.structured_output.fill_on_thread = fill_on_thread
     return eng
 
@@ -95,7 +95,7 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     rows: n = 4 here), and the fill is handed to that thread before the step's logits are computed: it
     overlaps the forward instead of following it. (When the thread actually starts is the OS's choice: the
     hand-off is what the engine controls.)"""
-    eng = LLMEngine(EngineConfig.model_validate({"model": checkpoints["llama"],
+    eng = LLMEngine.from_config(EngineConfig.model_validate({"model": checkpoints["llama"],
                                                  "cache": {"num_blocks": 128, "block_size": 4}}))
     assert eng.structured_output.fill_on_thread
     events: list[tuple[str, str]] = []
