@@ -21,7 +21,8 @@ from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.routing.serve_compat import drop_kv_feed_access_logs
 from affinity_serve.app.stats import ReplicaStats, load_sample
 from affinity_serve.autoscale.signals import SignalRecorder, refilled_tokens
-from affinity_serve.engine import AsyncLLMEngine, EngineConfig, EngineLimits, SamplingParams, tune_gc_for_serving
+from affinity_serve.engine import (AsyncLLMEngine, EngineConfig, EngineLimits, EngineLoad, SamplingParams,
+                                  tune_gc_for_serving)
 from affinity_serve.engine.errors import EngineDeadError, InvalidRequestError
 from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
 from affinity_serve.observability import names
@@ -76,6 +77,8 @@ class LLMReplica:
                                                 f"replica:{self.replica_id}", obs.get("metrics_push_interval_s", 1.0))
         self.wedge_timeout_s = wedge_timeout_s
         self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
+        self._last_step_recorded = 0             # the engine's last step the signal recorder was given
+        self._max_num_seqs = config.scheduler.max_num_seqs   # the batch cap bounds the learned decode capacity
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
@@ -103,6 +106,7 @@ class LLMReplica:
                                        **({"kv_transfer": kv_transfer} if kv_transfer is not None else {}))
             async for d in gen:
                 now = time.monotonic()
+                self._record_steps()
                 if first_token is None and d.token_ids:
                     first_token = now
                     self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens,
@@ -200,14 +204,27 @@ class LLMReplica:
         replica's warm-up backlog alone read as most of a replica and scaled the fleet out again). The
         engine counts them apart (background requests). The routing stats keep them: they do delay this
         replica's requests."""
-        load = self.engine.load()
+        load = self._record_steps()
         return self.signals.snapshot(
             time.monotonic(), num_running=load.num_running_reqs - load.num_background_running,
             num_waiting=load.num_waiting_reqs - load.num_background_waiting,
             num_in_flight=self.engine.num_in_flight - self.engine.num_background_in_flight,
             kv_cache_usage=load.kv_cache_usage,
             num_queued_prefill_tokens=load.num_queued_prefill_tokens - load.num_background_queued_prefill_tokens,
-            num_preemptions_total=load.num_preemptions_total).to_metrics()
+            num_preemptions_total=load.num_preemptions_total, max_num_seqs=self._max_num_seqs).to_metrics()
+
+    def _record_steps(self) -> EngineLoad:
+        """Give the signal recorder the engine's steps since the last call (their costs train the replica's
+        capacity model); the streams call it with each delta and the autoscaler's poll with each read, so
+        no more than the engine keeps (RECENT_STEPS) pass between two calls while requests run."""
+        load = self.engine.load()
+        if load.num_steps_total > self._last_step_recorded:
+            for s in load.recent_steps:
+                if s.step > self._last_step_recorded:
+                    self.signals.on_step(s.time, s.step_time_s, s.num_prefill_tokens, s.num_decode_seqs,
+                                         s.num_decode_context_tokens)
+            self._last_step_recorded = load.num_steps_total
+        return load
 
     async def check_health(self) -> None:
         """Unhealthy when the engine is dead, or wedged: requests to run and no step for too long (the

@@ -68,6 +68,7 @@ class StepCostModel:
     kept steps (no prefill in them, say) keeps its last fitted value: it is not observable from them."""
 
     MIN_STEPS = 8
+    TRIM = 0.1
 
     def __init__(self, max_steps: int = 2048):
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=max_steps)   # (prefill, context, step_s)
@@ -81,13 +82,20 @@ class StepCostModel:
             self._ctx.append((now, num_context_tokens / num_decode_seqs))
 
     def fit(self) -> tuple[float, float, float]:
+        """Least squares, refitted without the steps it fits worst (`TRIM` of them, above the fit): a real
+        replica's step stalls now and then (a GC pause, a busy host), and a stall only ever adds time."""
         if len(self._steps) < self.MIN_STEPS:
             return self.coef
         a = np.asarray(self._steps)
         cols = [np.ones(len(a))]
         which = [j for j in (0, 1) if np.ptp(a[:, j]) > 0]
         cols += [a[:, j] for j in which]
-        sol, *_ = np.linalg.lstsq(np.stack(cols, axis=1), a[:, 2], rcond=None)
+        x = np.stack(cols, axis=1)
+        sol, *_ = np.linalg.lstsq(x, a[:, 2], rcond=None)
+        resid = a[:, 2] - x @ sol
+        keep = resid <= np.quantile(resid, 1.0 - self.TRIM)
+        if keep.sum() >= self.MIN_STEPS:
+            sol, *_ = np.linalg.lstsq(x[keep], a[keep, 2], rcond=None)
         coef = list(self.coef)
         coef[0] = max(0.0, float(sol[0]))
         for j, v in zip(which, sol[1:]):

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from affinity_serve.engine.limits import EngineLimits, check_request
 from affinity_serve.engine.llm_engine import LLMEngine, Prompt, StepError
 from affinity_serve.engine.outputs import StreamDelta
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply, StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ class EngineLoad:
     num_background_running: int = 0
     num_background_waiting: int = 0
     num_background_queued_prefill_tokens: int = 0
+    #: the last RECENT_STEPS steps that ran the model, oldest first (numbered: a reader keeps the last number
+    #: it consumed), and how many steps the loop has run: what a replica's capacity model learns from
+    recent_steps: tuple[StepCost, ...] = ()
+    num_steps_total: int = 0
+
+
+#: steps kept in EngineLoad.recent_steps: a reader polling at least every RECENT_STEPS steps sees them all
+RECENT_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +110,7 @@ class AsyncLLMEngine:
         self._consecutive_failures = 0
         self.last_progress_time = time.monotonic()
         self.num_steps = 0
+        self._recent_steps: deque[StepCost] = deque(maxlen=RECENT_STEPS)
         self._step_lock = asyncio.Lock()        # held while a step runs; reset_prefix_cache waits for it
         self._limits = engine.limits            # fixed once the engine is built
         #: names this engine's life in cache epochs: a restarted engine's events never pass for this one's
@@ -318,7 +328,8 @@ class AsyncLLMEngine:
             num_preemptions_total=st.num_preemptions_total,
             cache_epoch=self._cache_epoch(), timestamp=time.monotonic(),
             num_background_running=bg_running, num_background_waiting=bg_waiting,
-            num_background_queued_prefill_tokens=bg_tokens)
+            num_background_queued_prefill_tokens=bg_tokens, recent_steps=tuple(self._recent_steps),
+            num_steps_total=self.num_steps)
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
@@ -349,10 +360,14 @@ class AsyncLLMEngine:
                 self._die(e)
                 return
             self._collect_kv_events()
-            self._load = self._snapshot_load()
-            if out.stats.num_scheduled_tokens:
-                self._consecutive_failures = 0     # only a step that ran the model proves recovery
             self.num_steps += 1
+            st = out.stats
+            if st.num_scheduled_tokens:
+                self._consecutive_failures = 0     # only a step that ran the model proves recovery
+                self._recent_steps.append(StepCost(self.num_steps, time.monotonic(), st.step_time_s,
+                                                   st.num_prefill_tokens, st.num_decode_seqs,
+                                                   st.num_decode_context_tokens))
+            self._load = self._snapshot_load()
             self.last_progress_time = time.monotonic()
             for d in out.deltas:
                 stream = self._streams.get(d.request_id)

@@ -16,7 +16,7 @@ from affinity_serve.engine.kv_connector import (KVTransport, PDConnectorSchedule
                                                 default_local_transport, set_pd_transport)
 from affinity_serve.engine.limits import EngineLimits, check_request
 from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
-from affinity_serve.engine.pacing import modelled_step_time_s
+from affinity_serve.engine.pacing import modelled_step_time_s, step_work
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.structured_output.manager import GrammarState
@@ -290,6 +290,8 @@ class LLMEngine:
         modelled = (modelled_step_time_s(so, self.scheduler.requests, pace.step_base_s, pace.prefill_per_token_s,
                                          pace.decode_per_context_token_s)
                     if pace.enabled and so.num_scheduled_tokens else 0.0)
+        # the step's work before the scheduler updates (SchedulerStats' regressors of the step cost)
+        work = step_work(so, self.scheduler.requests)
         try:
             ro = self.runner.execute_model(so)
         except Exception as e:
@@ -309,6 +311,7 @@ class LLMEngine:
             time.sleep(wait)                  # engine.pace: the step lasts as long as the modelled device's
         out = self.scheduler.update_from_output(so, ro)
         out.stats.step_time_s = time.perf_counter() - t0
+        out.stats.num_prefill_tokens, out.stats.num_decode_seqs, out.stats.num_decode_context_tokens = work
         self.last_stats = out.stats
         return self._process(out.outputs, out.stats)
 

@@ -23,18 +23,25 @@ from affinity_serve.engine.request import Request
 from affinity_serve.engine.types import ModelRunnerOutput, SchedulerOutput
 
 
-def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], step_base_s: float,
-                         prefill_per_token_s: float, decode_per_context_token_s: float) -> float:
-    """The modelled duration of the step `so` schedules (call it after `schedule()`, before the
-    scheduler is updated from the step's output: a decoding request's computed tokens already count this
-    step's token)."""
-    prefill = ctx = 0
+def step_work(so: SchedulerOutput, requests: Mapping[str, Request]) -> tuple[int, int, int]:
+    """(prompt tokens computed, sequences decoding, their context tokens) of the step `so` schedules: the
+    regressors of the step-time model. Call it after `schedule()`, before the scheduler is updated from the
+    step's output (a decoding request's computed tokens then count this step's token)."""
+    prefill = num_decode = ctx = 0
     for req_id, n in so.num_scheduled_tokens.items():
         req = requests.get(req_id)
         if req is not None and n == 1 and req.num_output_tokens > 0:
+            num_decode += 1
             ctx += req.num_computed_tokens
         else:
             prefill += n
+    return prefill, num_decode, ctx
+
+
+def modelled_step_time_s(so: SchedulerOutput, requests: Mapping[str, Request], step_base_s: float,
+                         prefill_per_token_s: float, decode_per_context_token_s: float) -> float:
+    """The modelled duration of the step `so` schedules (when to call it: `step_work`)."""
+    prefill, _, ctx = step_work(so, requests)
     return step_base_s + prefill * prefill_per_token_s + ctx * decode_per_context_token_s
 
 

@@ -126,6 +126,23 @@ class SchedulerStats:
     recent_prefix_cache_hits: int = 0
     num_preemptions_total: int = 0
     step_time_s: float = 0.0
+    #: this step's work, the regressors of its cost (engine/pacing.py's model; an autoscaler learns a
+    #: replica's capacity from them): prompt tokens computed, sequences decoding one token, their context
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_decode_context_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """One engine step that ran the model: how long it took and the work it did (SchedulerStats' fields)."""
+
+    step: int                                 # the engine's step number (AsyncLLMEngine.num_steps), from 1
+    time: float                               # time.monotonic() when it ended
+    step_time_s: float
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_decode_context_tokens: int
 
 
 @dataclass(slots=True)

@@ -44,3 +44,59 @@ async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(c
     span = rep.signals.window_s / 2             # the rates' shortest span: both requests are seconds old
     assert s.refill_tokens_per_s * span == pytest.approx(8.0)
     assert s.prefill_tokens_per_s * span == pytest.approx(12 + 4)
+
+
+async def test_engine_load_carries_each_steps_work_and_time(checkpoints):
+    """The engine's load record numbers its recent steps with their regressors (pacing's model): one
+    prefill of the 8 prompt tokens, then two decode steps over 9 and 10 tokens of context."""
+    from affinity_serve.engine import AsyncLLMEngine, EngineConfig
+    eng = AsyncLLMEngine.from_config(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32,
+                                                                                     "block_size": 4}))
+    assert eng.load().recent_steps == () and eng.load().num_steps_total == 0
+    async for _ in eng.generate(list(range(5, 13)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                "a"):
+        pass
+    load = eng.load()
+    steps = load.recent_steps
+    assert [(s.step, s.num_prefill_tokens, s.num_decode_seqs, s.num_decode_context_tokens) for s in steps] == [
+        (1, 8, 0, 0), (2, 0, 1, 9), (3, 0, 1, 10)]
+    assert load.num_steps_total >= 3 and all(s.step_time_s > 0 for s in steps)
+    assert [s.time for s in steps] == sorted(s.time for s in steps)
+    await eng.shutdown()
+
+
+#: a modelled device slow enough that the tiny model's own compute is a small part of each step
+PACE = {"enabled": True, "step_base_s": 0.04, "prefill_per_token_s": 0.001, "decode_per_context_token_s": 0.0004}
+
+
+async def test_replica_steps_reach_the_recorder_and_learned_capacity_converges(checkpoints):
+    """A real replica on a paced engine: every step it runs reaches its signal recorder once, and the
+    capacity the policy reads from its signals (R, C_tpot) converges to the modelled device's."""
+    import asyncio
+
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.autoscale.policy import PolicyConfig, replica_capacity
+    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4},
+                      "pace": PACE})
+
+    async def one(i: int) -> None:
+        prompt = [5 + (i * 7 + j) % 90 for j in range(6 + 9 * (i % 5))]     # 6-42 tokens, few shared
+        req = GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=4 + 3 * (i % 4), temperature=0,
+                                                              ignore_eos=True))
+        async for _ in rep.generate(req):
+            pass
+
+    for wave in range(3):                               # staggered waves: prefill mixes with decode
+        await asyncio.gather(*(one(10 * wave + i) for i in range(6)))
+    s = ReplicaSignals.from_metrics(rep.record_autoscaling_stats())
+    load = rep.engine.load()
+    assert len(rep.signals.steps._steps) == load.num_steps_total == rep._last_step_recorded
+    assert s.step_base_s == pytest.approx(PACE["step_base_s"], rel=0.15)
+    assert s.prefill_s_per_token == pytest.approx(PACE["prefill_per_token_s"], rel=0.15)
+    assert s.decode_s_per_context_token == pytest.approx(PACE["decode_per_context_token_s"], rel=0.15)
+    cfg = PolicyConfig(tpot_slo_s=0.2)
+    cap = replica_capacity(s, cfg)
+    assert cap.prefill_tokens_per_s == pytest.approx(1 / PACE["prefill_per_token_s"], rel=0.15)
+    want_c = (0.2 - PACE["step_base_s"]) / (PACE["decode_per_context_token_s"] * s.mean_context_tokens)
+    assert cap.tpot_seqs == pytest.approx(min(want_c, s.max_num_seqs or want_c), rel=0.2)
+    await rep.engine.shutdown()
