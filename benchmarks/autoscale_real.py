@@ -92,6 +92,17 @@ Policies (`--policies`):
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
 
+`--workload` (issue 29): `burst` is the trace above. The two shift workloads keep the arrival rate
+(`--peak-rps`) after a ramp from 0.1 to 1 of it over the first 10% of the trace, and change the work per
+request at half the trace, so a request count stops meaning the same load (recovery is then measured from
+the shift):
+- `output-shift`: the output lengths (`--output-tokens`) grow 4x (chat -> long-form);
+- `prompt-shift`: the tenants' cached system prompts give way to unique documents of ~`--doc-tokens`
+  tokens (RAG): each request's uncached prefill grows ~20x while its output stays.
+
+    python -m benchmarks.autoscale_real --emulate --workload prompt-shift --duration 150 --peak-rps 2.2 \
+        --prefill-tokens-per-s 1000 --decode-seqs 21 --policies engine,serve-t2,serve-t4,serve-t8
+
 Both policies at the default 240 s took 11 minutes here (calibration ~2 min, each policy ~4.5 min with
 deploy, warm-up and drain). Writes nothing unless `--json` / `--png` say where; exits 1 if any request
 failed or was not sent.
@@ -158,6 +169,8 @@ class RealSpec:
     ray_worker_niceness: int | None = None   # None: Ray's default (15)
     emulate: bool = False                # replicas paced to an emulated device (EMULATED_PACE)
     max_replicas: int = MAX_REPLICAS
+    workload: str = "burst"              # or one of SHIFT_WORKLOADS
+    doc_tokens: int = 600                # prompt-shift: a document's median length after the shift
 
 
 @dataclass(slots=True)
@@ -260,13 +273,34 @@ class Summary:
 
 
 # ================================================================== trace (pure)
-def arrival_times(duration_s: float, peak_rps: float, seed: int) -> np.ndarray:
+SHIFT_WORKLOADS = ("output-shift", "prompt-shift")
+WORKLOADS = ("burst", *SHIFT_WORKLOADS)
+SHIFT_AT = 0.5                           # a shift workload's change, as a share of the trace
+OUTPUT_SHIFT = 4                         # output-shift: the outputs' growth
+
+
+def shift_profile(x: float) -> float:
+    """A shift workload's rate over the peak at trace fraction x: 0.1 -> 1 over the first 10%, then 1."""
+    return 0.1 + 0.9 * min(1.0, x / 0.1)
+
+
+def workload_profile(workload: str):
+    return profile if workload == "burst" else shift_profile
+
+
+def event_start_s(spec: RealSpec) -> float:
+    """Where recovery is measured from: the burst's start, or the shift."""
+    return (BURST[0] if spec.workload == "burst" else SHIFT_AT) * spec.duration_s
+
+
+def arrival_times(duration_s: float, peak_rps: float, seed: int, workload: str = "burst") -> np.ndarray:
     """Poisson arrivals at rate `peak_rps x profile(t / duration_s)`: a homogeneous process at the peak
     rate, each arrival kept with probability profile(t / duration) (thinning), seeded."""
+    shape = workload_profile(workload)
     rng = np.random.default_rng([seed, 7])
     n = rng.poisson(peak_rps * duration_s)
     t = np.sort(rng.uniform(0.0, duration_s, n))
-    keep = rng.random(n) < np.array([profile(x) for x in t / duration_s])
+    keep = rng.random(n) < np.array([shape(x) for x in t / duration_s])
     return t[keep]
 
 
@@ -278,10 +312,28 @@ def bench_spec(spec: RealSpec, requests: int) -> real.BenchSpec:
 
 
 def load_trace(spec: RealSpec, vocab_size: int, peak_rps: float) -> list[TraceRequest]:
-    """The routing benchmark's tenant requests, one per arrival of `arrival_times`."""
-    times = arrival_times(spec.duration_s, peak_rps, spec.seed)
+    """The routing benchmark's tenant requests, one per arrival of `arrival_times`, shifted from
+    SHIFT_AT of the trace on by `shift_request` for the shift workloads."""
+    times = arrival_times(spec.duration_s, peak_rps, spec.seed, spec.workload)
     reqs = real.build_trace(bench_spec(spec, len(times)), vocab_size)
-    return [replace(r, arrival_s=float(t)) for r, t in zip(reqs, times)]
+    out = [replace(r, arrival_s=float(t)) for r, t in zip(reqs, times)]
+    if spec.workload == "burst":
+        return out
+    rng = np.random.default_rng([spec.seed, 29])
+    cut = SHIFT_AT * spec.duration_s
+    return [shift_request(r, spec, rng, vocab_size) if r.arrival_s >= cut else r for r in out]
+
+
+def shift_request(r: TraceRequest, spec: RealSpec, rng: np.random.Generator, vocab_size: int) -> TraceRequest:
+    """`r` after the shift: OUTPUT_SHIFT x its output (output-shift), or a unique document of ~doc_tokens
+    (0.8-1.2 x) in place of its tenant's system prompt, keeping its question (prompt-shift)."""
+    if spec.workload == "output-shift":
+        return replace(r, output_token_ids=r.output_token_ids * OUTPUT_SHIFT)
+    if spec.workload != "prompt-shift":
+        raise ValueError(f"unknown workload {spec.workload!r}: one of {WORKLOADS}")
+    question = r.prompt_token_ids[-int(rng.integers(8, 33)):]
+    doc = rng.integers(FIRST_TOKEN_ID, vocab_size, int(spec.doc_tokens * rng.uniform(0.8, 1.2))).tolist()
+    return replace(r, group="", component="doc", prompt_token_ids=doc + question)
 
 
 # ================================================================== metrics (pure)
@@ -403,7 +455,7 @@ def summarize(run: PolicyRun, spec: RealSpec, window: tuple[float, float]) -> Su
         replica_seconds=replica_seconds(run.samples, *window),
         tpot_slo_attainment=float((tpots <= spec.tpot_slo_s).mean()) if len(tpots) else math.nan,
         tpot_p90_s=pct(tpots[np.isfinite(tpots)], 90),
-        recover_s=recovery_s(bins, att, BURST[0] * spec.duration_s),
+        recover_s=recovery_s(bins, att, event_start_s(spec)),
         failed=sum(1 for o in run.outcomes if o.sent_s is not None and not o.ok),
         unsent=sum(1 for o in run.outcomes if o.sent_s is None),
         peak_replicas=max((costly_replicas(s.states) for s in run.samples), default=0),
@@ -652,7 +704,8 @@ def run_policy(policy: str, spec: RealSpec, cal: Calibration, model: str, url: s
         warm_up(url, warmup, spec.request_timeout_s, policy)
         counter = [0]
         t0, t0_wall = time.monotonic(), time.time()
-        sampler = Sampler(t0, lambda t: cal.peak_rps * profile(min(t, spec.duration_s) / spec.duration_s)
+        shape = workload_profile(spec.workload)
+        sampler = Sampler(t0, lambda t: cal.peak_rps * shape(min(t, spec.duration_s) / spec.duration_s)
                           if t < spec.duration_s else 0.0, lambda: counter[0])
         sampler.start()
         try:
@@ -846,7 +899,8 @@ def plot(runs: list[PolicyRun], results: list[Summary], spec: RealSpec, cal: Cal
     end = results[0].span_s[1]
     fig, ax = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     t = np.linspace(0, spec.duration_s, 400)
-    ax[0].plot(t, [cal.peak_rps * profile(x / spec.duration_s) for x in t], color="gray", lw=1, label="offered rate")
+    shape = workload_profile(spec.workload)
+    ax[0].plot(t, [cal.peak_rps * shape(x / spec.duration_s) for x in t], color="gray", lw=1, label="offered rate")
     arrivals = np.array([o.arrival_s for o in runs[0].outcomes])
     bins, rate, _, _ = binned(arrivals, np.zeros(len(arrivals)), spec.ttft_slo_s, end)
     ax[0].step(bins, rate, where="post", color="k", label=f"arrivals per {BIN_S:g} s bin")
@@ -873,7 +927,10 @@ def plot(runs: list[PolicyRun], results: list[Summary], spec: RealSpec, cal: Cal
     ax[2].set_xlabel("time since the trace start (s)")
     ax[2].legend(fontsize=8)
     for a in ax:
-        a.axvspan(BURST[0] * spec.duration_s, BURST[1] * spec.duration_s, color="orange", alpha=0.1)
+        if spec.workload == "burst":
+            a.axvspan(BURST[0] * spec.duration_s, BURST[1] * spec.duration_s, color="orange", alpha=0.1)
+        else:
+            a.axvline(event_start_s(spec), color="orange", lw=1)
     fig.suptitle(f"Autoscaling on real local replicas ({_what(spec)}), seed {spec.seed}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -902,8 +959,9 @@ def run(spec: RealSpec, given: dict[str, float | None]) -> tuple[Calibration, li
             cal = calibrate(spec, model, url, vocab, given)
         say(describe(cal, spec))
         trace = load_trace(spec, vocab, cal.peak_rps)
-        say(f"trace: {len(trace)} requests over {spec.duration_s:g} s, peak {cal.peak_rps:.1f} req/s, "
-            f"burst {BURST[0] * spec.duration_s:.0f}-{BURST[1] * spec.duration_s:.0f} s")
+        event = (f"burst {BURST[0] * spec.duration_s:.0f}-{BURST[1] * spec.duration_s:.0f} s"
+                 if spec.workload == "burst" else f"{spec.workload} at {event_start_s(spec):.0f} s")
+        say(f"trace: {len(trace)} requests over {spec.duration_s:g} s, peak {cal.peak_rps:.1f} req/s, {event}")
         warmup = real.warmup_trace(bench_spec(spec, 1), vocab)
         for policy in spec.policies:
             runs.append(run_policy(policy, spec, cal, model, url, trace, warmup))
@@ -959,6 +1017,8 @@ def main() -> None:
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight)
     p.add_argument("--ray-worker-niceness", type=int, help="nice level of Ray's workers (Serve's proxy, ingress, "
                    "replicas); Ray's default 15 makes any other busy process on the machine take their CPU first")
+    p.add_argument("--workload", choices=WORKLOADS, default=d.workload, help="the trace (module docstring)")
+    p.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help="prompt-shift: a document's median length")
     p.add_argument("--json", help="write the calibration, per-policy results, timelines and requests here")
     p.add_argument("--png", help="write the timeline figure here")
     a = p.parse_args()
@@ -969,7 +1029,8 @@ def main() -> None:
                     max_in_flight=a.max_in_flight,
                     num_blocks=a.num_blocks or (EMULATED_NUM_BLOCKS if em else d.num_blocks), calib_concurrency=a.calib_concurrency,
                     calib_s=a.calib_s, policies=tuple(x for x in a.policies.split(",") if x),
-                    ray_worker_niceness=a.ray_worker_niceness, emulate=em,
+                    ray_worker_niceness=a.ray_worker_niceness, emulate=em, workload=a.workload,
+                    doc_tokens=a.doc_tokens,
                     max_replicas=a.max_replicas or (EMULATED_MAX_REPLICAS if em else MAX_REPLICAS),
                     output_tokens=_pair(a.output_tokens) if a.output_tokens
                     else (EMULATED_OUTPUT_TOKENS if em else d.output_tokens))
