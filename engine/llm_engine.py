@@ -19,7 +19,7 @@ from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
 from affinity_serve.engine.pacing import modelled_step_time_s, step_work
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.structured_output.manager import GrammarState
+from affinity_serve.engine.structured_output.grammar import GrammarState
 from affinity_serve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, token_ids_only_error
 from affinity_serve.engine.types import KVEvent, SchedulerStats
 

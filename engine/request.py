@@ -10,7 +10,7 @@ from affinity_serve.engine.hashing import BlockHash, hash_block_chain
 from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from affinity_serve.engine.structured_output.manager import GrammarState
+    from affinity_serve.engine.structured_output.grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):

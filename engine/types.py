@@ -12,8 +12,7 @@ from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput
-    from affinity_serve.engine.structured_output.manager import GrammarBitmask
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask
 
 
 # ---------------------------------------------------------------- scheduler -> runner
@@ -36,6 +35,33 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)   # blocks appended this step (maybe [])
     num_computed_tokens: list[int] = field(default_factory=list)   # before this step
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """Whole-block copies between pool blocks and a tier, one entry per block (parallel lists).
+
+    `tier_slots` address the offload tier's host buffer; a keyed tier (the shared store) uses
+    `block_hashes` instead and leaves `tier_slots` empty.
+    """
+
+    req_id: str | None                 # the loading request (None for stores)
+    block_ids: list[int]               # paged-pool blocks
+    block_hashes: list[BlockHash]
+    tier_slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """One step's copies. The runner does every store, then every load, then the forward pass: a pool
+    block evicted in this step's schedule() is saved before anything overwrites it."""
+
+    stores: list[KVTransfer] = field(default_factory=list)     # pool -> tier
+    loads: list[KVTransfer] = field(default_factory=list)      # tier -> pool (one per request)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.stores and not self.loads
 
 
 @dataclass(slots=True)
@@ -76,6 +102,20 @@ class Logprobs:
     rank: int
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """Transfers that completed in the runner: loads by request id, stores by their position."""
+
+    finished_loads: dict[str, bool] = field(default_factory=dict)       # req_id -> ok
+    #: stores that completed, as (block hashes, ok) per KVTransfer in the order they were issued
+    finished_stores: list[tuple[list[BlockHash], bool]] = field(default_factory=list)
+    #: hashes the tier dropped while making room (a keyed tier whose eviction happens in the runner)
+    tier_evicted: list[BlockHash] = field(default_factory=list)
+    #: why a load in `finished_loads` failed, by req_id: "missing" (a block was gone), "damaged" (a block
+    #: failed verification); a failed load without an entry failed with an error
+    load_failure_causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

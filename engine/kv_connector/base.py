@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.request import RequestStatus
-from affinity_serve.engine.types import KVEvent
+from affinity_serve.engine.types import KVConnectorMetadata, KVConnectorOutput, KVEvent
+from affinity_serve.engine.types import KVTransfer as KVTransfer  # re-exported: connectors name it from here
 
 if TYPE_CHECKING:
     from affinity_serve.engine.request import Request
@@ -66,33 +67,6 @@ class KVLayout:
 
 # ---------------------------------------------------------------- scheduler -> runner
 @dataclass(slots=True)
-class KVTransfer:
-    """Whole-block copies between pool blocks and a tier, one entry per block (parallel lists).
-
-    `tier_slots` address the offload tier's host buffer; a keyed tier (the shared store) uses
-    `block_hashes` instead and leaves `tier_slots` empty.
-    """
-
-    req_id: str | None                 # the loading request (None for stores)
-    block_ids: list[int]               # paged-pool blocks
-    block_hashes: list[BlockHash]
-    tier_slots: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class KVConnectorMetadata:
-    """One step's copies. The runner does every store, then every load, then the forward pass: a pool
-    block evicted in this step's schedule() is saved before anything overwrites it."""
-
-    stores: list[KVTransfer] = field(default_factory=list)     # pool -> tier
-    loads: list[KVTransfer] = field(default_factory=list)      # tier -> pool (one per request)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.stores and not self.loads
-
-
-@dataclass(slots=True)
 class PoolChanges:
     """What the paged pool did since the previous schedule(), as (block id, hash) pairs."""
 
@@ -101,20 +75,6 @@ class PoolChanges:
 
 
 # ---------------------------------------------------------------- runner -> scheduler
-@dataclass(slots=True)
-class KVConnectorOutput:
-    """Transfers that completed in the runner: loads by request id, stores by their position."""
-
-    finished_loads: dict[str, bool] = field(default_factory=dict)       # req_id -> ok
-    #: stores that completed, as (block hashes, ok) per KVTransfer in the order they were issued
-    finished_stores: list[tuple[list[BlockHash], bool]] = field(default_factory=list)
-    #: hashes the tier dropped while making room (a keyed tier whose eviction happens in the runner)
-    tier_evicted: list[BlockHash] = field(default_factory=list)
-    #: why a load in `finished_loads` failed, by req_id: "missing" (a block was gone), "damaged" (a block
-    #: failed verification); a failed load without an entry failed with an error
-    load_failure_causes: dict[str, str] = field(default_factory=dict)
-
-
 @dataclass(slots=True)
 class KVConnectorUpdate:
     """What the scheduler needs from a runner report: loads done, and requests whose saves are done."""

@@ -3,17 +3,16 @@ per sequence, and the token bitmask each step applies to its constrained rows.""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from affinity_serve.engine.structured_output.grammar import GrammarBitmask, GrammarState
 from affinity_serve.engine.structured_output.spec import StructuredOutputSpec, import_xgrammar
 
 if TYPE_CHECKING:
@@ -26,109 +25,6 @@ _CACHE_SIZE = 512
 _BATCH_FILL_MIN_ROWS = 8
 #: from this many, with fill_on_thread, on the worker thread (fewer fill in less than the hand-off costs)
 _THREAD_FILL_MIN_ROWS = 4
-
-
-class GrammarState:
-    """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher."""
-
-    __slots__ = ("spec", "_future", "_matcher")
-
-    def __init__(self, spec: StructuredOutputSpec, future: Future):
-        self.spec = spec
-        self._future = future
-        self._matcher = None
-
-    @property
-    def is_ready(self) -> bool:
-        """Compiled, or failed (see `error`): either way the request leaves WAITING_FOR_GRAMMAR."""
-        return self._future.done()
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
-
-    @property
-    def matcher(self):
-        if self._matcher is None:
-            import xgrammar as xgr
-            self._matcher = xgr.GrammarMatcher(self._future.result())
-        return self._matcher
-
-    def accept(self, token_ids: Iterable[int]) -> bool:
-        """Advance over sampled tokens; False if one is outside the grammar (then the rest are not taken)."""
-        m = self.matcher
-        return all(m.accept_token(t) for t in token_ids)      # False past the grammar's end too
-
-    @property
-    def is_terminated(self) -> bool:
-        return self._matcher is not None and self._matcher.is_terminated()
-
-
-class GrammarBitmask:
-    """The step's allowed tokens for its constrained sampling rows: `req_ids[i]` owns row i of the packed bitmask
-    (int32 words, bit j of word w allows token 32w + j).
-
-    Its fill overlaps the step's forward: started on the manager's worker thread when the step is scheduled
-    (`executor` given), or run when the sampler first reads it, which the runner does after launching the
-    forward, so on a GPU the host fills while the device computes. Either way the sampler masks with this step's
-    exact bitmask: the fill reads matchers that accepted the previous step's tokens, and none advances before
-    this step's tokens are sampled."""
-
-    __slots__ = ("_fill", "_future", "_packed", "_unpacked", "req_ids")
-
-    def __init__(self, req_ids: list[str], fill: Callable[[], torch.Tensor], executor: Executor | None = None,
-                 vocab_size: int | None = None):
-        """`fill` returns the packed bitmask; with `executor` it runs there at once, and with `vocab_size` the
-        thread also unpacks it to the [R, vocab_size] boolean mask a host sampler applies."""
-        self.req_ids = req_ids
-        self._fill: Callable[[], torch.Tensor] | None = fill
-        self._future = (executor.submit(_fill_and_unpack, fill, vocab_size) if executor is not None else None)
-        self._packed: torch.Tensor | None = None
-        self._unpacked: torch.Tensor | None = None
-
-    @property
-    def packed(self) -> torch.Tensor:
-        """[len(req_ids), ceil(vocab / 32)] int32 on the host (filled now, or waited for)."""
-        if self._packed is None:
-            fill, self._fill = self._fill, None        # drops the matchers
-            if self._future is not None:
-                self._packed, self._unpacked = self._future.result()
-            else:
-                self._packed = fill()
-        return self._packed
-
-    def wait(self) -> None:
-        """Until no fill runs (one started on the thread has ended; a lazy one unread never runs), so the
-        matchers may advance or be dropped. Raises nothing: a fill's error is raised where it is read."""
-        self._fill = None
-        if self._future is not None:
-            wait([self._future])
-
-    def token_mask(self, row_req_ids: Sequence[str], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """[len(row_req_ids), vocab_size] bool on `device`, True where allowed (rows without a grammar all True);
-        None if no row is constrained."""
-        index = {r: i for i, r in enumerate(self.req_ids)}
-        hits = [(j, index[r]) for j, r in enumerate(row_req_ids) if r in index]
-        if not hits:
-            return None
-        packed = self.packed
-        same_rows = len(hits) == len(row_req_ids) and all(j == i for j, i in hits)
-        unpacked = self._unpacked
-        if same_rows and device.type == "cpu" and unpacked is not None and unpacked.shape[1] == vocab_size:
-            return unpacked                             # unpacked on the thread, during the forward
-        if not same_rows:
-            rows = torch.full((len(row_req_ids), packed.shape[1]), -1, dtype=torch.int32)   # all allowed
-            rows[[j for j, _ in hits]] = packed[[i for _, i in hits]]
-            packed = rows
-        if device.type == "cuda":          # the packed words cross (32x smaller), the device unpacks them
-            packed = (packed if packed.is_pinned() else packed.pin_memory()).to(device, non_blocking=True)
-        return unpack_bitmask(packed, vocab_size)
-
-
-def _fill_and_unpack(fill: Callable[[], torch.Tensor], vocab_size: int | None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    packed = fill()
-    return packed, (unpack_bitmask(packed, vocab_size) if vocab_size is not None else None)
 
 
 def _no_control_byte_tokens(decoded_vocab: Sequence[bytes], vocab_size: int,
@@ -147,28 +43,6 @@ def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     bits[:allowed.shape[0]] = allowed.long()
     words = (bits.view(-1, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-_BIT_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 -> [R, vocab_size] bool (bit j of word w is token 32w + j), on the bitmask's device.
-
-    Through a byte lookup table: the words' bytes (little-endian: byte k holds bits 8k..8k+7) index a [256, 8]
-    table of their bits; about 25x faster on CPU than shifting every word by 0..31."""
-    assert sys.byteorder == "little", "the packed words are read as little-endian bytes"
-    if bitmask.device.type == "cpu":      # numpy's unpackbits: ~10x faster than the table below on CPU
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, count=vocab_size,
-                             bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool)
-    table = _BIT_TABLES.get(bitmask.device)
-    if table is None:
-        b = torch.arange(256, dtype=torch.int32)
-        table = ((b[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(bitmask.device)   # [256, 8]
-        _BIT_TABLES[bitmask.device] = table
-    as_bytes = bitmask.contiguous().view(torch.uint8)                                   # [R, 4W]
-    return table[as_bytes.long()].reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 class StructuredOutputManager:

@@ -71,7 +71,7 @@ def _check(out) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_constrained_decode_on_cuda_is_valid_and_masks_on_the_device(checkpoints, backend, monkeypatch):
-    from affinity_serve.engine.structured_output.manager import GrammarBitmask
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask
     llm = _llm(checkpoints["llama"], backend)
     eng = llm.engine
     mgr = eng.structured_output

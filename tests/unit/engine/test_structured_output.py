@@ -19,7 +19,7 @@ from affinity_serve.engine.llm_engine import LLMEngine  # noqa: E402
 from affinity_serve.engine.request import RequestStatus  # noqa: E402
 from affinity_serve.engine.sampling_params import SamplingParams  # noqa: E402
 from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
-from affinity_serve.engine.structured_output.manager import unpack_bitmask  # noqa: E402
+from affinity_serve.engine.structured_output.grammar import unpack_bitmask  # noqa: E402
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
