@@ -16,7 +16,7 @@ from affinity_serve.engine.kv_connector import (KVTransport, PDConnectorSchedule
                                                 default_local_transport, set_pd_transport)
 from affinity_serve.engine.limits import EngineLimits, check_request
 from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
-from affinity_serve.engine.pacing import modelled_step_time_s, step_work
+from affinity_serve.engine.pacing import step_work
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.structured_output.grammar import GrammarState
@@ -286,10 +286,6 @@ class LLMEngine:
             self.structured_output.wait_for_compile([r.structured_output for r in compiling], 0.02)
         elif so.is_empty and self.pd is not None and self._kv_connector_worker.has_reads_in_flight():
             time.sleep(0.001)                 # only KV reads to wait for (P/D): poll them, do not spin
-        pace = self.config.pace
-        modelled = (modelled_step_time_s(so, self.scheduler.requests, pace.step_base_s, pace.prefill_per_token_s,
-                                         pace.decode_per_context_token_s)
-                    if pace.enabled and so.num_scheduled_tokens else 0.0)
         # the step's work before the scheduler updates (SchedulerStats' regressors of the step cost)
         work = step_work(so, self.scheduler.requests)
         try:
@@ -307,8 +303,6 @@ class LLMEngine:
         finally:
             if so.grammar_bitmask is not None:     # the fill reads the matchers: done before any advances
                 so.grammar_bitmask.wait()
-        if (wait := modelled - (time.perf_counter() - t0)) > 0:
-            time.sleep(wait)                  # engine.pace: the step lasts as long as the modelled device's
         out = self.scheduler.update_from_output(so, ro)
         out.stats.step_time_s = time.perf_counter() - t0
         out.stats.num_prefill_tokens, out.stats.num_decode_seqs, out.stats.num_decode_context_tokens = work
