@@ -7,7 +7,11 @@ from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
-def cache_key(block_hash: BlockHash, group: int) -> BlockHash | tuple[int, BlockHash]:
+#: a block's key in the pool (and in a KV tier): its hash in group 0, (group, hash) in the others
+CacheKey = BlockHash | tuple[int, BlockHash]
+
+
+def cache_key(block_hash: BlockHash, group: int) -> CacheKey:
     """The key a block is cached under: its hash in group 0 (full attention, or the only group), (group, hash)
     in the others, so a hybrid model's groups never hit each other's blocks (one pool holds them all)."""
     return block_hash if not group else (group, block_hash)
@@ -105,7 +109,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.cached: dict[BlockHash | tuple[int, BlockHash], KVCacheBlock | dict[int, KVCacheBlock]] = {}
         self._events: list[KVEvent] = []
-        #: (block id, hash) logs a KV connector reads (None = not recorded; see track_changes)
+        #: (block id, cache key) logs a KV connector reads (None = not recorded; see track_changes)
         self._newly_cached: list[tuple[int, BlockHash]] | None = None
         self._evicted: list[tuple[int, BlockHash]] | None = None
 
@@ -155,12 +159,10 @@ class BlockPool:
         block.block_hash = None
         if entry is block:
             del self.cached[h]
-            if type(h) is not bytes:            # another group's key: no events, no connector logs
-                return
-            if self.enable_kv_cache_events:     # the last block under `h`: the hash leaves the cache
-                self._events.append(BlockRemoved([h]))
             if self._evicted is not None:       # its KV is still intact until this step's forward pass
                 self._evicted.append((block.block_id, h))
+            if self.enable_kv_cache_events and type(h) is bytes:   # group 0's last block under `h` left
+                self._events.append(BlockRemoved([h]))
         elif type(entry) is dict:
             entry.pop(block.block_id, None)
             if len(entry) == 1:
@@ -188,11 +190,11 @@ class BlockPool:
                           group: int = 0) -> None:
         """Register blocks [num_cached_blocks, num_full_blocks) of a request under their hashes, in KV-cache
         group `group` (null blocks, a sliding-window table's dropped entries, are skipped). Only group 0's
-        hashes emit KV events and reach the connector logs."""
+        hashes emit KV events; the connector logs get every group's, under their `cache_key`."""
         if num_cached_blocks >= num_full_blocks:
             return
         events = self.enable_kv_cache_events and not group
-        newly_cached = self._newly_cached if not group else None
+        newly_cached = self._newly_cached
         run_start: int | None = None          # first block of the current run of hashes new to the cache
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]

@@ -18,7 +18,8 @@ from affinity_serve.engine.attention import AttentionBackend, select_backend
 from affinity_serve.engine.config import EngineConfig
 from affinity_serve.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from affinity_serve.engine.kv_cache_manager import KVCacheManager
-from affinity_serve.engine.kv_connector import KVConnectorScheduler, KVLayout, build_kv_connector, model_identity
+from affinity_serve.engine.kv_connector import (KVConnectorScheduler, build_kv_connector, model_identity,
+                                                model_kv_layout)
 from affinity_serve.engine.kv_groups import KVCacheGroupSpec, kv_cache_groups, tokens_capacity
 from affinity_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from affinity_serve.engine.models import fused as fused_ops
@@ -231,8 +232,8 @@ def _build_kv_connector(config: EngineConfig, model_path: str, args: ModelArgs, 
     cfg = config.kv_connector
     if cfg.type == "none":
         return None, None
-    layout = KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, config.cache.block_size,
-                      str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size())
+    layout = model_kv_layout(args.layer_windows, args.num_kv_heads, args.head_dim, config.cache.block_size,
+                             str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size())
     return build_kv_connector(cfg, layout, model_identity=model_identity(model_path, cfg.model_identity),
                               device=device, dtype=dtype, enable_events=config.cache.enable_kv_cache_events)
 

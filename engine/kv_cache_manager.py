@@ -5,7 +5,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from affinity_serve.engine.block_pool import BlockPool, KVCacheBlock
+from affinity_serve.engine.block_pool import BlockPool, CacheKey, KVCacheBlock, cache_key
 from affinity_serve.engine.kv_groups import KVCacheGroupSpec, blocks_needed, tokens_capacity, window_start_block
 from affinity_serve.engine.request import Request
 from affinity_serve.engine.types import KVEvent
@@ -152,10 +152,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None, *,
+                       external: bool = False) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given hits).
+        `external`: a KV connector fills them (whole blocks) instead of the model, so a sliding-window group
+        gets blocks only from its window at their end (null entries before it: nothing reads them).
 
-        Returns the newly allocated blocks, or None, in which case nothing at all was changed.
+        Returns the newly allocated blocks (group 0's), or None, in which case nothing at all was changed.
         """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be positive")
@@ -166,7 +169,8 @@ class KVCacheManager:
         num_needed = cdiv(min(num_computed + num_new_tokens, self.max_model_len), self.block_size)
         num_new_blocks = num_needed - num_have - len(hits)
         if self.windowed:
-            return self._allocate_windowed(request, num_computed, num_needed, hits)
+            first_read = num_computed + num_new_tokens if external else num_computed
+            return self._allocate_windowed(request, num_computed, num_needed, hits, first_read)
         if num_new_blocks <= 0 and not hits:     # decode fast path: the last block has room
             return []
         # Free-but-cached hit blocks leave the free queue when touched, so they consume capacity too.
@@ -213,6 +217,17 @@ class KVCacheManager:
     def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
         """Free detached blocks, tail first (as `free`)."""
         self.pool.free_blocks(reversed(blocks))
+
+    def block_keys(self, request: Request, start: int, end: int) -> list[tuple[int, CacheKey]]:
+        """(block id, cache key) of every group's blocks [start, end) of `request` (null entries left out)."""
+        tables = self.req_to_group_blocks.get(request.req_id) or [self.req_to_blocks.get(request.req_id, [])]
+        hashes = request.block_hashes
+        return [(t[i].block_id, cache_key(hashes[i], g)) for g, t in enumerate(tables)
+                for i in range(start, min(end, len(t))) if not t[i].is_null]
+
+    def computed_block_keys(self, request: Request) -> list[tuple[int, CacheKey]]:
+        """`block_keys` of the request's computed, registered blocks (a sliding group's window of them)."""
+        return self.block_keys(request, 0, self.num_cached_block.get(request.req_id, 0))
 
     def computed_block_ids(self, req_id: str) -> list[int]:
         """The request's blocks whose KV is computed and registered (block i holds block hash i)."""
@@ -289,9 +304,10 @@ class KVCacheManager:
             self.pool.free_blocks(out)
 
     def _allocate_windowed(self, request: Request, num_computed: int, num_needed: int,
-                           hits: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+                           hits: list[KVCacheBlock], first_read: int) -> list[KVCacheBlock] | None:
         """allocate_slots for a model with sliding-window groups: drop what every window has passed, then
-        give each group its blocks from its window's start to `num_needed`. Returns group 0's new blocks."""
+        give each group its blocks from its window's start at `first_read` (the first position a query
+        will be computed at) to `num_needed`, null entries before that. Returns group 0's new blocks."""
         req_id, bs, pool = request.req_id, self.block_size, self.pool
         tables = self.req_to_group_blocks.get(req_id)
         if tables is not None:
@@ -307,10 +323,11 @@ class KVCacheManager:
                 if any(b is None for b in found):
                     return None
                 group_hits.append(found)
-        num_new = []
+        num_new, num_null = [], []
         for spec in self.groups:
-            first = max(num_have + len(hits), self._window_start(spec, num_computed))
+            first = max(num_have + len(hits), min(self._window_start(spec, first_read), num_needed))
             num_new.append(max(num_needed - first, 0))
+            num_null.append(first - num_have - len(hits))
         evictable = sum(1 for found in group_hits for b in found if b.ref_cnt == 0 and not b.is_null)
         if sum(num_new) + evictable > pool.num_free_blocks:
             return None
@@ -331,6 +348,7 @@ class KVCacheManager:
         new0: list[KVCacheBlock] = []
         for g, table in enumerate(tables):
             new = pool.get_new_blocks(num_new[g]) if num_new[g] > 0 else []
+            table.extend([pool.null_block] * num_null[g])
             table.extend(new)
             if g == 0:
                 new0 = new

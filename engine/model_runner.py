@@ -98,7 +98,9 @@ class ModelRunner:
         self._tokens_copied = torch.cuda.Event() if device.type == "cuda" else None
         if kv_connector is not None:
             from affinity_serve.engine.kv_connector.worker import block_view_permutation
-            kv_connector.register_kv_caches(self.kv_caches, block_view_permutation(backend.kv_cache_shape))
+            # the distinct tensors: a connector copies a block id's page in each (one per layer, or per
+            # layer of a KV-cache group when sliding-window groups share them)
+            kv_connector.register_kv_caches(tensors, block_view_permutation(backend.kv_cache_shape))
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:

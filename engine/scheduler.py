@@ -101,9 +101,10 @@ class Scheduler:
         if kv_connector is not None:
             if not kv_cache_manager.enable_caching:
                 raise ValueError("a KV connector needs prefix caching: loaded blocks are reused as prefix hits")
-            if kv_cache_manager.windowed:
-                raise ValueError("KV connectors store one block table per request; this model has sliding-window "
-                                 "layers (several tables): set kv_connector.type: none")
+            if kv_cache_manager.windowed and not kv_connector.supports_kv_groups:
+                raise ValueError(f"the {kv_connector.medium} KV connector moves one block table per request; this "
+                                 "model has sliding-window layers (a table per KV-cache group): use "
+                                 "kv_connector.type offload, shared or none")
             kv_cache_manager.pool.track_changes(cached=kv_connector.wants_cached, evicted=kv_connector.wants_evicted)
 
     # ================================================================== requests in
@@ -396,7 +397,7 @@ class Scheduler:
         if not is_async:
             raise ValueError("this scheduler supports asynchronous KV loads only (the request waits in "
                              "WAITING_FOR_KV); a synchronous load could not fall back to recomputing")
-        new_blocks = self.kv.allocate_slots(req, num_ext, hits)
+        new_blocks = self.kv.allocate_slots(req, num_ext, hits, external=True)
         if new_blocks is None:
             return None
         self.waiting.pop()
@@ -405,7 +406,12 @@ class Scheduler:
                                           time.monotonic() + self.connector.load_timeout_s, req.status)
         req.status = RequestStatus.WAITING_FOR_KV
         req.num_computed_tokens = num_hit_tokens
-        self.connector.update_state_after_alloc(req, [b.block_id for b in new_blocks], num_ext)
+        if self.kv.windowed:      # every group's blocks, a sliding group's only from its window at the end
+            first = num_hit_tokens // bs
+            self.connector.update_state_after_alloc_keyed(req, self.kv.block_keys(req, first, first + num_ext // bs),
+                                                          num_ext)
+        else:
+            self.connector.update_state_after_alloc(req, [b.block_id for b in new_blocks], num_ext)
         return True
 
     def _end_load(self, load: _Load, ok: bool) -> None:
@@ -596,7 +602,8 @@ class Scheduler:
             self.kv.free(req)
         else:
             self._no_load.discard(req.req_id)
-            if self.connector.request_finished(req, self.kv.computed_block_ids(req.req_id)):
+            if (self.connector.request_finished_keyed(req, self.kv.computed_block_keys(req)) if self.kv.windowed
+                    else self.connector.request_finished(req, self.kv.computed_block_ids(req.req_id))):
                 self._saving[req.req_id] = self.kv.detach(req)
             else:
                 self.kv.free(req)

@@ -10,6 +10,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from affinity_serve.engine.kv_groups import kv_cache_groups, num_kv_tensors
 from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorStats, KVConnectorUpdate, KVConnectorWorker, KVLayout,
                                       KVTransfer, PoolChanges)
@@ -17,7 +18,7 @@ from affinity_serve.engine.kv_connector.offload import OffloadConnectorScheduler
 from affinity_serve.engine.kv_connector.pd import (HeldTransfers, KVTransferError, KVTransport, LocalTransport,
                                     PDConnectorScheduler, RemoteDecode, RemotePrefill, default_local_transport)
 from affinity_serve.engine.kv_connector.shared import SharedConnectorScheduler
-from affinity_serve.engine.kv_connector.shared_store import (SharedKVStore, UnsafeSharedStoreError, check_shared_root,
+from affinity_serve.engine.kv_connector.shared_store import (GroupedSharedStore, SharedKVStore, UnsafeSharedStoreError, check_shared_root,
                                               default_shared_root)
 
 if TYPE_CHECKING:
@@ -25,12 +26,23 @@ if TYPE_CHECKING:
 
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "KVConnectorStats",
            "KVConnectorUpdate", "KVConnectorWorker", "KVLayout", "KVTransfer", "PoolChanges",
-           "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "build_kv_connector",
-           "model_identity", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError",
+           "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "GroupedSharedStore",
+           "build_kv_connector",
+           "model_identity", "model_kv_layout", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError",
            "HeldTransfers", "KVTransferError", "KVTransport", "LocalTransport", "PDConnectorScheduler",
            "RemoteDecode", "RemotePrefill", "default_local_transport", "set_pd_transport"]
 
 _DEFAULT_CAPACITY_BYTES = 1 << 30
+
+
+def model_kv_layout(layer_windows: "list[int | None]", num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: str, element_size: int) -> KVLayout:
+    """A model's block layout: one entry per layer, or for a hybrid model (sliding-window layers) one per
+    shared KV tensor, with each KV-cache group's window (see KVLayout)."""
+    groups = kv_cache_groups(layer_windows)
+    hybrid = any(g.window is not None for g in groups)
+    return KVLayout(num_kv_tensors(groups), num_kv_heads, head_dim, block_size, dtype, element_size,
+                    kv_groups=tuple(g.window for g in groups) if hybrid else ())
 
 
 def capacity_blocks(config: "KVConnectorConfig", layout: KVLayout) -> int:
@@ -77,12 +89,25 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
                                           enable_events=enable_events)
         return sched, OffloadWorker(layout, n, device, dtype)
     if config.type == "shared":
-        store = SharedKVStore(config.shared_dir or default_shared_root(), layout.namespace(model_identity),
-                              layout.block_bytes, n, group=config.shared_group, fsync=config.shared_fsync)
+        store = _shared_store(config, layout, model_identity, n)
         sched = SharedConnectorScheduler(layout, store, load_timeout_s=config.load_timeout_s,
                                          enable_events=enable_events, share_salted=config.share_salted_requests)
         return sched, SharedStoreWorker(layout, store, device, dtype)
     raise ValueError(f"unknown kv_connector.type {config.type!r}; use none, offload or shared")
+
+
+def _shared_store(config: "KVConnectorConfig", layout: KVLayout, identity: str,
+                  capacity: int) -> SharedKVStore | GroupedSharedStore:
+    """The node's store; a hybrid model's has a namespace per KV-cache group, each a share of the capacity."""
+    root = config.shared_dir or default_shared_root()
+    groups = layout.kv_groups
+    if len(groups) <= 1:
+        return SharedKVStore(root, layout.namespace(identity), layout.block_bytes, capacity,
+                             group=config.shared_group, fsync=config.shared_fsync)
+    share = max(1, capacity // len(groups))
+    return GroupedSharedStore([SharedKVStore(root, layout.namespace(f"{identity}|group={g}"), layout.block_bytes,
+                                             share, group=config.shared_group, fsync=config.shared_fsync)
+                               for g in range(len(groups))])
 
 
 def _build_pd(config: "KVConnectorConfig", layout: KVLayout, identity: str, device: Any, dtype: Any

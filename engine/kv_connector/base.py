@@ -24,7 +24,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from affinity_serve.engine.block_pool import CacheKey, cache_key
 from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.kv_groups import window_start_block
 from affinity_serve.engine.request import RequestStatus
 from affinity_serve.engine.types import KVConnectorMetadata, KVConnectorOutput, KVEvent
 from affinity_serve.engine.types import KVTransfer as KVTransfer  # re-exported: connectors name it from here
@@ -41,6 +43,11 @@ class KVLayout:
 
     A tier stores a block as one contiguous `[num_layers, 2 (k, v), num_kv_heads, block_size, head_dim]`
     array of `dtype`, so replicas with different backends (torch on CPU, flash on GPU) can share it.
+
+    A hybrid model (sliding-window KV-cache groups, engine/kv_groups.py) has one block id per group and
+    position, each a page in every shared KV tensor: `num_layers` is then the number of KV tensors, a tier
+    entry is one group's block (keyed by the pool's `cache_key(hash, group)`), and `kv_groups` lists each
+    group's window (None: full attention; empty: one full-attention group, the plain model).
     """
 
     num_layers: int
@@ -49,6 +56,7 @@ class KVLayout:
     block_size: int
     dtype: str                    # torch dtype name without the prefix: "float32", "bfloat16", ...
     element_size: int
+    kv_groups: tuple[int | None, ...] = ()
 
     @property
     def block_bytes(self) -> int:
@@ -61,8 +69,31 @@ class KVLayout:
         """
         text = (f"affinity-kv/v1|model={model_identity}|dtype={self.dtype}|layers={self.num_layers}|"
                 f"kv_heads={self.num_kv_heads}|head_dim={self.head_dim}|block_size={self.block_size}|"
-                "layout=L2HBD")
+                "layout=L2HBD" + (f"|groups={list(self.kv_groups)}" if self.kv_groups else ""))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def tier_hit_end(hashes: "list[BlockHash]", start: int, end: int, windows: "tuple[int | None, ...]", holds,
+                 block_size: int) -> int:
+    """The last block (exclusive, in [start, end]) a tier extends a hit to: group g's block i is
+    `holds(cache_key(hashes[i], g))`; full-attention groups need every block from `start`, sliding ones the
+    blocks their window reads from the end (blocks before `start` are the local hit's)."""
+    n = start
+    full = [g for g, w in enumerate(windows) if w is None]
+    while n < end and all(holds(cache_key(hashes[n], g)) for g in full):
+        n += 1
+    sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
+    while n > start and sliding:     # lower n below the last window block any sliding group lacks, re-check
+        missing = -1
+        for g, w in sliding:
+            for i in range(n - 1, max(start, window_start_block(n * block_size, w, block_size)) - 1, -1):
+                if not holds(cache_key(hashes[i], g)):
+                    missing = max(missing, i)
+                    break
+        if missing < 0:
+            break
+        n = missing
+    return n
 
 
 # ---------------------------------------------------------------- scheduler -> runner
@@ -125,26 +156,50 @@ class KVConnectorScheduler(ABC):
     load_timeout_s: float = 30.0
     #: the `medium` of this connector's KV events ("offload", "shared")
     medium: str = "tier"
+    #: some queued requests' loads start before admission (see `loads_early`)
+    early_loads: bool = False
 
     def __init__(self) -> None:
         self.stats = KVConnectorStats()
         self._load_requests: dict[str, "Request"] = {}      # loads in flight, for timeout accounting
         self._abandoned_loads: set[str] = set()             # timed out or aborted: their late report is not counted
 
+    def loads_early(self, request: "Request") -> bool:
+        """True if `request`'s load should start as soon as it is queued, not when it reaches the head of the
+        queue (P/D: KV another engine computed for it; a tier's cached blocks wait their turn). The Scheduler
+        then asks `get_num_new_matched_tokens` early, and again at admission if the load did not fit."""
+        return False
+
+    #: whether the connector handles hybrid models (several KV-cache groups): the Scheduler then calls the
+    #: `*_keyed` methods with every group's blocks; one that does not is refused for such models
+    supports_kv_groups: bool = False
+
     def _match_after_local(self, request: "Request", num_local_tokens: int, holds) -> tuple[int, bool]:
-        """The tier's share of a lookup: full blocks right after the local hit for which `holds(hash)` is
-        true, never the last prompt token's block (it is always computed), counted in the stats."""
+        """The tier's share of a lookup: full blocks right after the local hit for which `holds(key)` is
+        true, never the last prompt token's block (it is always computed), counted in the stats. With
+        KV-cache groups (`layout.kv_groups`), vLLM's hybrid rule: every full-attention group's blocks up to
+        the hit's end, and of each sliding group only the blocks its window reads from there."""
         self.stats.lookups += 1
         bs, hashes = self.block_size, request.block_hashes
         end = min((request.num_tokens - 1) // bs, len(hashes))
-        n = 0
-        for i in range(num_local_tokens // bs, end):
-            if not holds(hashes[i]):
-                break
-            n += 1
+        start = num_local_tokens // bs
+        layout: KVLayout | None = getattr(self, "layout", None)      # the tiers set it; a test's fake may not
+        windows = (layout.kv_groups if layout is not None else ()) or (None,)
+        n = tier_hit_end(hashes, start, end, windows, holds, bs) - start if end > start else 0
         self.stats.hit_blocks += n
         self.stats.hit_tokens += n * bs
         return n * bs, n > 0
+
+    def update_state_after_alloc_keyed(self, request: "Request", blocks: list[tuple[int, "CacheKey"]],
+                                       num_external_tokens: int) -> None:
+        """A hybrid model's `update_state_after_alloc`: `blocks` are (pool block, cache key) of every group's
+        blocks to fill (a sliding group's only from its window at the load's end)."""
+        raise NotImplementedError(f"{type(self).__name__} does not handle KV-cache groups")
+
+    def request_finished_keyed(self, request: "Request", blocks: list[tuple[int, "CacheKey"]]) -> bool:
+        """A hybrid model's `request_finished`: (pool block, cache key) of every group's computed blocks it
+        still holds (a sliding group's window)."""
+        raise NotImplementedError(f"{type(self).__name__} does not handle KV-cache groups")
 
     # Load accounting shared by the tiers: a subclass calls `_load_started` from update_state_after_alloc,
     # `_note_abandoned_loads` from build_connector_meta (the Scheduler has just expired overdue loads in the

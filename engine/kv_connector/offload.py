@@ -7,12 +7,18 @@ Stores: `store_on="evict"` (default) saves a cached pool block when the pool rea
 holds what the pool just lost (an exclusive level below it, no copy of blocks the pool still has);
 `store_on="finish"` saves a request's computed blocks when it ends (copies that the pool often still
 holds; benchmarks/kv_connector.py measures both). A slot read by an in-flight load is pinned.
+
+Hybrid models (sliding-window KV-cache groups): a slot holds one group's block, keyed by the pool's
+`cache_key`. With `evict`, a sliding group's blocks reach the tier when the pool reuses them (their window
+passed long before); with `finish`, only the blocks a request still holds (a sliding group's last window).
+A load fills every full-attention group's blocks and only the blocks each sliding window reads.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
+from affinity_serve.engine.block_pool import CacheKey
 from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 
 class OffloadConnectorScheduler(KVConnectorScheduler):
     medium = "offload"
+    supports_kv_groups = True
 
     def __init__(self, layout: KVLayout, capacity_blocks: int, *, store_on: Literal["evict", "finish"] = "evict",
                  load_timeout_s: float = 30.0, enable_events: bool = False):
@@ -41,9 +48,9 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         self.wants_cached = False
         self.wants_evicted = store_on == "evict"
         self._enable_events = enable_events
-        self._index: OrderedDict[BlockHash, int] = OrderedDict()     # loadable; first = least recently used
+        self._index: OrderedDict[CacheKey, int] = OrderedDict()     # loadable; first = least recently used
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))
-        self._storing: dict[BlockHash, int] = {}                       # slot reserved, copy not yet reported
+        self._storing: dict[CacheKey, int] = {}                       # slot reserved, copy not yet reported
         self._pins: dict[int, int] = {}                                # slot -> loads reading it
         self._loading: dict[str, list[int]] = {}                       # req_id -> pinned slots
         self._pending_loads: list[KVTransfer] = []
@@ -56,7 +63,13 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size
-        hashes = request.block_hashes[start:start + len(block_ids)]
+        self._plan_load(request, block_ids, request.block_hashes[start:start + len(block_ids)])
+
+    def update_state_after_alloc_keyed(self, request: "Request", blocks: list[tuple[int, CacheKey]],
+                                       num_external_tokens: int) -> None:
+        self._plan_load(request, [b for b, _ in blocks], [k for _, k in blocks])
+
+    def _plan_load(self, request: "Request", block_ids: list[int], hashes: list[CacheKey]) -> None:
         slots = []
         for h in hashes:
             slot = self._index[h]        # nothing evicts between the lookup and this call
@@ -72,6 +85,11 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         if self.store_on == "finish" and block_ids:
             self._finish_candidates.extend(zip(block_ids, request.block_hashes))
         return False        # stores run before the next forward pass: the blocks may be reused right away
+
+    def request_finished_keyed(self, request: "Request", blocks: list[tuple[int, CacheKey]]) -> bool:
+        if self.store_on == "finish":
+            self._finish_candidates.extend(blocks)
+        return False
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput", changes: PoolChanges) -> KVConnectorMetadata:
         self._note_abandoned_loads()
@@ -107,7 +125,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
             if slot not in pins:
                 del self._index[h]
                 self.stats.evicted_blocks += 1
-                if self._enable_events:
+                if self._enable_events and type(h) is bytes:      # group 0's keys only, as the pool's events
                     self._events.append(BlockRemoved([h], medium=self.medium))
                 return slot
         return None
@@ -130,6 +148,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
                 self.stats.stored_bytes += len(stored) * self.layout.block_bytes
             else:
                 self.stats.stores_failed += len(hashes)
+            stored = [h for h in stored if type(h) is bytes]
             if stored and self._enable_events:
                 self._events.append(BlockStored(stored, None, [], self.block_size, medium=self.medium))
         for req_id, ok in output.finished_loads.items():
@@ -152,7 +171,7 @@ class OffloadConnectorScheduler(KVConnectorScheduler):
         return events
 
     def block_hashes(self) -> list[BlockHash]:
-        return list(self._index)
+        return [h for h in self._index if type(h) is bytes]     # group 0's (a hybrid model's other groups: tuples)
 
     def check_accounting(self) -> None:
         """Every slot is exactly one of: free, holding an indexed block, being written (tests call this)."""

@@ -3,16 +3,21 @@
 Every block the pool computes is written to the node's `SharedKVStore` (on the step after it was
 computed, before that step's forward pass), and any replica on the node can load a prefix another one
 computed. Lookups read the store directly (one stat per block); the runner side does the copies.
+
+Hybrid models (sliding-window KV-cache groups): one store namespace per group (`GroupedSharedStore`),
+each holding its group's blocks; a sliding group's blocks are written as they are computed, as a full
+group's are (any position may end a later prompt's hit), and a load reads only its window's.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from affinity_serve.engine.block_pool import CacheKey
 from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
-from affinity_serve.engine.kv_connector.shared_store import SharedKVStore
+from affinity_serve.engine.kv_connector.shared_store import GroupedSharedStore, SharedKVStore
 from affinity_serve.engine.types import BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
@@ -25,8 +30,9 @@ _RECENT_WRITES = 100_000
 
 class SharedConnectorScheduler(KVConnectorScheduler):
     medium = "shared"
+    supports_kv_groups = True
 
-    def __init__(self, layout: KVLayout, store: SharedKVStore, *, load_timeout_s: float = 30.0,
+    def __init__(self, layout: KVLayout, store: SharedKVStore | GroupedSharedStore, *, load_timeout_s: float = 30.0,
                  enable_events: bool = False, share_salted: bool = True):
         super().__init__()
         self.layout = layout
@@ -36,9 +42,9 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         self.wants_cached = True
         self.wants_evicted = False
         self._enable_events = enable_events
-        self._recent: OrderedDict[BlockHash, None] = OrderedDict()
+        self._recent: OrderedDict[CacheKey, None] = OrderedDict()
         self._pending_loads: list[KVTransfer] = []
-        self._loading: dict[str, list[BlockHash]] = {}          # req_id -> hashes being loaded
+        self._loading: dict[str, list[CacheKey]] = {}           # req_id -> hashes being loaded
         self._num_storing = 0
         self._events: list[KVEvent] = []
         self.share_salted = share_salted
@@ -56,10 +62,19 @@ class SharedConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         start = request.num_computed_tokens // self.block_size
-        hashes = request.block_hashes[start:start + len(block_ids)]
-        self._loading[request.req_id] = list(hashes)
+        self._plan_load(request, block_ids, request.block_hashes[start:start + len(block_ids)])
+
+    def update_state_after_alloc_keyed(self, request: "Request", blocks: list[tuple[int, CacheKey]],
+                                       num_external_tokens: int) -> None:
+        self._plan_load(request, [b for b, _ in blocks], [k for _, k in blocks])
+
+    def _plan_load(self, request: "Request", block_ids: list[int], keys: list[CacheKey]) -> None:
+        self._loading[request.req_id] = list(keys)
         self._load_started(request)
-        self._pending_loads.append(KVTransfer(request.req_id, list(block_ids), list(hashes)))
+        self._pending_loads.append(KVTransfer(request.req_id, list(block_ids), list(keys)))
+
+    def request_finished_keyed(self, request: "Request", blocks: list[tuple[int, CacheKey]]) -> bool:
+        return self.request_finished(request, [])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> bool:
         if request.req_id in self._public_requests:
@@ -83,7 +98,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         hashes: list[BlockHash] = []
         recent = self._recent
         for block_id, h in changes.cached:
-            if h in recent or (not self.share_salted and h not in self._public):
+            if h in recent or (not self.share_salted and (h if type(h) is bytes else h[1]) not in self._public):
                 continue
             recent[h] = None
             ids.append(block_id)
@@ -103,8 +118,9 @@ class SharedConnectorScheduler(KVConnectorScheduler):
             if ok:
                 self.stats.stored_blocks += len(hashes)
                 self.stats.stored_bytes += len(hashes) * self.layout.block_bytes
-                if self._enable_events and hashes:
-                    self._events.append(BlockStored(list(hashes), None, [], self.block_size, medium=self.medium))
+                own = [h for h in hashes if type(h) is bytes]      # group 0's keys only, as the pool's events
+                if self._enable_events and own:
+                    self._events.append(BlockStored(own, None, [], self.block_size, medium=self.medium))
             else:
                 self.stats.stores_failed += len(hashes)
                 for h in hashes:
@@ -113,8 +129,9 @@ class SharedConnectorScheduler(KVConnectorScheduler):
             self.stats.evicted_blocks += len(output.tier_evicted)
             for h in output.tier_evicted:
                 self._recent.pop(h, None)
-            if self._enable_events:
-                self._events.append(BlockRemoved(list(output.tier_evicted), medium=self.medium))
+            own = [h for h in output.tier_evicted if type(h) is bytes]
+            if self._enable_events and own:
+                self._events.append(BlockRemoved(own, medium=self.medium))
         for req_id, ok in output.finished_loads.items():
             hashes = self._loading.pop(req_id, [])
             if not ok:       # the request recomputes these blocks: store them again (damaged files are gone)

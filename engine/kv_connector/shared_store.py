@@ -477,3 +477,52 @@ def _hash_of(name: str) -> BlockHash | None:
     except ValueError:
         return None
 
+
+
+class GroupedSharedStore:
+    """A hybrid model's shared store: one `SharedKVStore` (namespace) per KV-cache group, addressed by the
+    pool's cache keys (a hash in group 0, (group, hash) in the others); the same reads and writes as one
+    store. Inspection (`block_hashes`) reports group 0's, as the pool's KV events do."""
+
+    def __init__(self, stores: Sequence[SharedKVStore]):
+        self.stores = list(stores)
+
+    def _split(self, key) -> tuple[SharedKVStore, BlockHash]:
+        if type(key) is tuple:
+            return self.stores[key[0]], key[1]
+        return self.stores[0], key
+
+    def contains(self, key) -> bool:
+        store, h = self._split(key)
+        return store.contains(h)
+
+    def read(self, key, buf: memoryview) -> BlockRead:
+        store, h = self._split(key)
+        return store.read(h, buf)
+
+    def write_many(self, items: Sequence[tuple[object, memoryview]]) -> tuple[list, list]:
+        by_group: dict[int, list[tuple[BlockHash, memoryview]]] = {}
+        for key, data in items:
+            g, h = key if type(key) is tuple else (0, key)
+            by_group.setdefault(g, []).append((h, data))
+        written: list = []
+        evicted: list = []
+        for g, group_items in by_group.items():
+            w, e = self.stores[g].write_many(group_items)
+            written.extend(h if not g else (g, h) for h in w)
+            evicted.extend(h if not g else (g, h) for h in e)
+        return written, evicted
+
+    def block_hashes(self) -> list[BlockHash]:
+        return self.stores[0].block_hashes()
+
+    def num_blocks(self) -> int:
+        return sum(s.num_blocks() for s in self.stores)
+
+    def clear(self) -> None:
+        for s in self.stores:
+            s.clear()
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()

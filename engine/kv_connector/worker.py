@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
-from affinity_serve.engine.kv_connector.shared_store import BlockRead, SharedKVStore
+from affinity_serve.engine.kv_connector.shared_store import BlockRead, GroupedSharedStore, SharedKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ class _Worker(ABC):
         return raw, raw.view(self.dtype).view(n, *_block_shape(self.layout))
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], permutation: tuple[int, ...]) -> None:
+        """kv_caches: the distinct KV tensors, `layout.num_layers` of them (a hybrid model's groups share them)."""
+        if len(kv_caches) != self.layout.num_layers:
+            raise ValueError(f"the KV layout has {self.layout.num_layers} KV tensors, the runner {len(kv_caches)}")
         self.copier = BlockCopier(kv_caches, permutation)
 
     def execute(self, metadata: KVConnectorMetadata) -> KVConnectorOutput:
@@ -197,7 +200,8 @@ class OffloadWorker(_Worker):
 class SharedStoreWorker(_Worker):
     """Copies between the pool and the node's SharedKVStore through a host staging buffer."""
 
-    def __init__(self, layout: KVLayout, store: SharedKVStore, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout: KVLayout, store: SharedKVStore | GroupedSharedStore, device: torch.device,
+                 dtype: torch.dtype):
         super().__init__(layout, device, dtype)
         self.store = store
 
