@@ -113,6 +113,11 @@ def test_bash_block_names_targets_flags_and_scripts_that_exist(where, code):
                 assert (ROOT / w).exists(), f"{where}: {w} does not exist"
             elif w.endswith(".yaml") and w in ("cluster.yaml",):
                 assert (ROOT / w).exists()
+        for flag, module in zip(words, words[1:]):
+            if flag == "-m" and module.startswith("benchmarks."):
+                path = ROOT / module.replace(".", "/")
+                assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), \
+                    f"{where}: no benchmark module {module}"
 
 
 def test_readme_links_resolve():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
@@ -25,9 +25,9 @@ the cache; without cascade the step re-reads them, which the floor must not excu
         pytest.importorskip("triton", reason="needs the triton package")
         extra = ["--case", "shared"]
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
-                        "--tiny", "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out),
-                        *extra], capture_output=True, text=True, timeout=480)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput_gpu", "--device", "cpu", "--tiny",
+                        "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["device"] == "cpu" and doc["backend"] == backend and doc["copy_bandwidth_gb_s"] > 0
@@ -54,7 +54,6 @@ the cache; without cascade the step re-reads them, which the floor must not excu
 
 
 def test_floor_bytes_counts_active_experts_and_windows():
-    sys.path.insert(0, str(ROOT))
     from benchmarks.engine_throughput_gpu import expected_active_experts, floor_bytes
 
     model = torch.nn.Module()
@@ -69,7 +68,6 @@ def test_floor_bytes_counts_active_experts_and_windows():
 
 
 def test_floor_bytes_reads_each_weight_once_and_every_sequences_kv():
-    sys.path.insert(0, str(ROOT))
     from benchmarks.engine_throughput_gpu import floor_bytes
 
     emb = torch.nn.Embedding(10, 4)
@@ -82,6 +80,6 @@ def test_floor_bytes_reads_each_weight_once_and_every_sequences_kv():
 
 
 def test_a_case_filter_that_matches_nothing_is_an_error():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_throughput_gpu.py"), "--device", "cpu",
-                        "--tiny", "--case", "batch 7"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput_gpu", "--device", "cpu", "--tiny",
+                        "--case", "batch 7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--case batch 7 matches none of the cases" in r.stderr

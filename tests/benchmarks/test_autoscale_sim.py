@@ -86,7 +86,7 @@ def test_the_cli_rejects_settings_serve_would_not_take_with_a_usage_error(args, 
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[3]
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "autoscale.py"), *args], capture_output=True,
-                       text=True, cwd=root, timeout=120)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.autoscale", *args], capture_output=True, text=True,
+                       cwd=root, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-500:]

@@ -1,0 +1,1 @@
+"""Tests of the benchmark code in benchmarks/ (its simulators, traces and pure parts; the GPU benchmark on CPU)."""
