@@ -54,7 +54,9 @@ class Scheduler:
     WAITING_FOR_KV (outside the waiting queue, no token budget) until the runner reports the load. A
     loaded request's blocks are registered in the prefix cache and released, and the request goes back to
     the front of the queue, where it is admitted as a prefix hit on them. A failed or timed-out load sends
-    it back to recompute (it asks the connector no more). Blocks a transfer still uses (an aborted or
+    it back to recompute (it asks the connector no more). A connector with `early_loads` (P/D) has its
+    loads started when the request is queued, wherever it stands, if the running requests can spare the
+    blocks. Blocks a transfer still uses (an aborted or
     timed-out load, a save the connector waits for) stay held until the runner reports that transfer.
 
     A request whose grammar (structured output) is still compiling waits in WAITING_FOR_GRAMMAR, outside the
@@ -163,6 +165,8 @@ class Scheduler:
             self._expire_loads()
         if self._awaiting_grammar:
             self._admit_compiled()
+        if self.connector is not None and self.connector.early_loads and len(self.waiting):
+            self._start_early_loads()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -380,9 +384,34 @@ class Scheduler:
         return out
 
     # ================================================================== KV connector
-    def _start_load(self, req: Request, hits: list[KVCacheBlock], num_hit_tokens: int) -> bool | None:
+    def _start_early_loads(self) -> None:
+        """Start the loads of queued requests the connector serves early (P/D: a prefilled request's read)
+        now, wherever they stand in the queue: their KV arrives while they wait and while the running requests
+        decode, instead of after they reach the head (outside the token budget and max_num_seqs, as in
+        WAITING_FOR_KV). A load takes only blocks the running requests can spare (one each for their next
+        token); one that does not fit waits for its turn at admission."""
+        reserve = len(self.running)
+        inflight: set | None = None
+        for req in [r for r in self.waiting if r.status is RequestStatus.WAITING and self.connector.loads_early(r)]:
+            if req.req_id in self._no_load or req.req_id in self._orphans:
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if len(hits) < len(req.block_hashes):
+                if inflight is None:
+                    inflight = self._inflight_block_hashes()
+                if req.block_hashes[len(hits)] in inflight:
+                    continue      # another load brings its next block (n > 1 siblings): it hits that one
+            started = self._start_load(req, hits, num_hit_tokens, reserve=reserve)
+            if started is None:
+                break
+            if started and inflight is not None:
+                inflight.update(req.block_hashes[len(hits):])
+
+    def _start_load(self, req: Request, hits: list[KVCacheBlock], num_hit_tokens: int,
+                    reserve: int | None = None) -> bool | None:
         """Ask the connector for blocks beyond the local hit; True if `req` left the queue to load them,
-        False to go on admitting it normally, None to stop admitting this step."""
+        False to go on admitting it normally, None to stop admitting this step. `reserve`: an early load
+        (`req` anywhere in the queue) that must leave this many blocks free."""
         if req.req_id in self._no_load or req.req_id in self._orphans or not self.kv.reads_cache(req):
             return False
         num_ext, is_async = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)
@@ -397,10 +426,15 @@ class Scheduler:
         if not is_async:
             raise ValueError("this scheduler supports asynchronous KV loads only (the request waits in "
                              "WAITING_FOR_KV); a synchronous load could not fall back to recomputing")
+        if reserve is not None and self.kv.pool.num_free_blocks < num_ext // bs + len(hits) + reserve:
+            return None
         new_blocks = self.kv.allocate_slots(req, num_ext, hits, external=True)
         if new_blocks is None:
             return None
-        self.waiting.pop()
+        if reserve is None:
+            self.waiting.pop()
+        else:
+            self.waiting.remove(req)
         self._leave_waiting(req)
         self._loading[req.req_id] = _Load(req, num_hit_tokens + num_ext,
                                           time.monotonic() + self.connector.load_timeout_s, req.status)

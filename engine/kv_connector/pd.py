@@ -9,9 +9,11 @@ out, when the decode side says it needs none of them, or `transfer_timeout_s` af
 later. An aborted, failed or stopped request holds nothing.
 
 A decode engine (D) takes a request with its `RemotePrefill`: the prompt plus the first token as its first
-output token. At admission the connector offers the held full blocks beyond D's own prefix hit (local hits
-are never transferred again); the request waits in WAITING_FOR_KV (outside the token budget) while the
-runner side reads them through a `KVTransport`; then it is admitted as a prefix hit on them and computes
+output token. As soon as the request is queued (wherever it stands in the queue: `early_loads`), the
+connector offers the held full blocks beyond D's own prefix hit (local hits are never transferred again);
+the request waits in WAITING_FOR_KV (outside the token budget and max_num_seqs) while the runner side reads
+them through a `KVTransport`, beside the steps that decode the others; then it is admitted as a prefix hit
+on them and computes
 the rest of its prompt's last block and the first token (fewer than `block_size + 1` tokens) before it
 decodes. A read that fails, times out (`load_timeout_s`) or meets an incompatible layout falls back to
 recomputing the prompt locally, counted in `KVConnectorStats` (`load_failures_*`).
@@ -214,6 +216,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
     """Both parts of P/D disaggregation (see the module docstring); a request's `kv_transfer` picks one."""
 
     medium = "remote"
+    early_loads = True
 
     def __init__(self, layout: KVLayout, layout_key: str, engine_id: str, held: HeldTransfers, *,
                  load_timeout_s: float = 30.0, transport: KVTransport | None = None):
@@ -232,14 +235,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._finished_params: dict[str, RemotePrefill] = {}
 
     # ------------------------------------------------------------------ decode side
+    def loads_early(self, request: "Request") -> bool:
+        # the read starts when the request arrives, not when it is admitted: it overlaps the queueing
+        return isinstance(request.kv_transfer, RemotePrefill) and request.req_id not in self._settled
+
     def get_num_new_matched_tokens(self, request: "Request", num_local_tokens: int) -> tuple[int | None, bool]:
+        # may be asked again for the same request while no blocks are free for its read: counts only once
+        # the answer is acted on (a read started, or the transfer released)
         remote = request.kv_transfer
         if not isinstance(remote, RemotePrefill) or request.req_id in self._settled:
             return 0, False
         bs = self.block_size
-        self.stats.lookups += 1
-        self.pd_stats.remote_requests += 1
         if remote.layout_key != self.layout_key:
+            self._count_remote()
             self.pd_stats.incompatible += 1
             self.stats.loads_failed += 1
             self.stats.load_failures_error += 1
@@ -249,13 +257,16 @@ class PDConnectorScheduler(KVConnectorScheduler):
         num_remote = min(remote.num_blocks, (request.num_tokens - 1) // bs)
         num_local = num_local_tokens // bs
         if num_local >= num_remote:
+            self._count_remote()
             self.pd_stats.remote_local_blocks += num_remote
             self.pd_stats.remote_released += 1
             self._settle(request, remote, release=True)
             return 0, False
-        self.stats.hit_blocks += num_remote - num_local
-        self.stats.hit_tokens += (num_remote - num_local) * bs
         return (num_remote - num_local) * bs, True
+
+    def _count_remote(self) -> None:
+        self.stats.lookups += 1
+        self.pd_stats.remote_requests += 1
 
     def _settle(self, request: "Request", remote: RemotePrefill, *, release: bool) -> None:
         self._settled.add(request.req_id)
@@ -266,6 +277,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         remote = request.kv_transfer
         assert isinstance(remote, RemotePrefill)
         start = request.num_computed_tokens // self.block_size
+        self._count_remote()
+        self.stats.hit_blocks += len(block_ids)
+        self.stats.hit_tokens += len(block_ids) * self.block_size
         self.pd_stats.remote_local_blocks += start
         self._settled.add(request.req_id)      # one read per request: a failure recomputes
         self._reading[request.req_id] = (len(block_ids), time.monotonic())

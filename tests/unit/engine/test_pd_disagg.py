@@ -153,6 +153,37 @@ def test_n_greater_than_one_reads_once(pair, hf_reference):
     _assert_empty(p, d)
 
 
+def test_read_starts_on_arrival_not_at_admission(checkpoints, hf_reference):
+    """A decode engine full (max_num_seqs 1) with a long decode: a prefilled request that arrives reads its KV
+    at once (WAITING_FOR_KV, outside max_num_seqs) while the other decodes, and is admitted as a prefix hit
+    when the seat frees; its tokens are still exact."""
+    path = checkpoints["llama"]
+    p, d = _engine(path), _engine(path, scheduler={"max_num_seqs": 1})
+    busy, late = _ids(30, 41), _ids(50, 42)
+    d.add_request("busy", busy, SamplingParams(max_tokens=40, **GREEDY))
+    for _ in range(3):
+        d.step()
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first, remotes = _prefill(p, "late", late, params)
+    d.add_request("late", late, params, kv_transfer=remotes)
+    seen_loaded_while_busy = False
+    toks: dict[str, list[int]] = {"busy": [], "late": []}
+    for _ in range(200):
+        for delta in d.step().deltas:
+            toks[delta.request_id].extend(delta.token_ids)
+        if d.pd.stats.loads_ok == 1 and "busy" in d.scheduler.requests:
+            seen_loaded_while_busy = True
+        if not d.has_unfinished_requests():
+            break
+    assert seen_loaded_while_busy, "the read waited for the decode seat"
+    assert d.pd.stats.loaded_blocks == len(late) // BS and d.pd.stats.lookups == 1
+    assert first[0] + toks["late"] == hf_reference(path, late, 6)
+    _settle(p, d)
+    _assert_empty(p, d)
+    p.close()
+    d.close()
+
+
 def test_sampled_first_token_is_continued_not_resampled(pair):
     path, p, d = pair
     prompt = _ids(40, 11)
