@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from affinity_serve.engine.async_engine import AsyncLLMEngine, EngineHealth, EngineLoad
+    from affinity_serve.engine.async_engine import AsyncLLMEngine, EngineHealth
+    from affinity_serve.engine.types import EngineLoad
     from affinity_serve.engine.config import CacheConfig, EngineConfig, KVConnectorConfig, SchedulerConfig
     from affinity_serve.engine.llm import LLM
     from affinity_serve.engine.llm_engine import LLMEngine
@@ -34,7 +35,7 @@ _LAZY = {
     "LLM": "affinity_serve.engine.llm",
     "LLMEngine": "affinity_serve.engine.llm_engine",
     "AsyncLLMEngine": "affinity_serve.engine.async_engine",
-    "EngineLoad": "affinity_serve.engine.async_engine",
+    "EngineLoad": "affinity_serve.engine.types",
     "EngineHealth": "affinity_serve.engine.async_engine",
     "EngineLimits": "affinity_serve.engine.limits",
     "check_request": "affinity_serve.engine.limits",

@@ -9,11 +9,8 @@ step thread mutates them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,44 +23,11 @@ from affinity_serve.engine.limits import EngineLimits, check_request
 from affinity_serve.engine.llm_engine import LLMEngine, Prompt, StepError
 from affinity_serve.engine.outputs import StreamDelta
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply, StepCost
+from affinity_serve.engine.types import EngineLoad, KVCacheSnapshot, KVEventsReply
 
 logger = logging.getLogger(__name__)
 
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The engine's load as of the last step (or the last add/abort/reset between steps)."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_queued_prefill_tokens: int
-    num_free_blocks: int
-    num_blocks: int
-    num_requests: int                     # sequences the scheduler holds (running, waiting, preempted)
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    recent_prefix_cache_queries: int      # over the scheduler's sliding window of recent admissions
-    recent_prefix_cache_hits: int
-    num_preemptions_total: int            # since the engine started
-    cache_epoch: str                      # "<boot id>:<resets>": changes on restart and on every cache reset
-    timestamp: float                      # time.monotonic() when the snapshot was taken
-    #: of the totals above, the requests generated with `background=True` (a cache warm-up): a caller that
-    #: sizes the fleet on this load can leave them out
-    num_background_running: int = 0
-    num_background_waiting: int = 0
-    num_background_queued_prefill_tokens: int = 0
-    #: the last RECENT_STEPS steps that ran the model, oldest first (numbered: a reader keeps the last number
-    #: it consumed), and how many steps the loop has run: what a replica's capacity model learns from
-    recent_steps: tuple[StepCost, ...] = ()
-    num_steps_total: int = 0
-
-
-#: steps kept in EngineLoad.recent_steps: a reader polling at least every RECENT_STEPS steps sees them all
-RECENT_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,16 +73,12 @@ class AsyncLLMEngine:
         self._stopping = False
         self._consecutive_failures = 0
         self.last_progress_time = time.monotonic()
-        self.num_steps = 0
-        self._recent_steps: deque[StepCost] = deque(maxlen=RECENT_STEPS)
         self._step_lock = asyncio.Lock()        # held while a step runs; reset_prefix_cache waits for it
         self._limits = engine.limits            # fixed once the engine is built
-        #: names this engine's life in cache epochs: a restarted engine's events never pass for this one's
-        self.boot_id = uuid.uuid4().hex[:8]
         cache = engine.config.cache
         self._kv_events_enabled = cache.enable_kv_cache_events
-        self._kv_events = KVEventLog(self._cache_epoch(), cache.kv_event_buffer_blocks)
-        self._load = self._snapshot_load()
+        self._kv_events = KVEventLog(engine.cache_epoch, cache.kv_event_buffer_blocks)
+        self._load = self.engine.load(self._background)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kw: Any) -> "AsyncLLMEngine":
@@ -131,8 +91,19 @@ class AsyncLLMEngine:
         return self._limits
 
     def load(self) -> EngineLoad:
-        """The latest load snapshot; safe from any thread."""
+        """The latest load snapshot (`LLMEngine.load`, taken after every step, add and abort); safe from any
+        thread."""
         return self._load
+
+    @property
+    def boot_id(self) -> str:
+        """Names this engine's life in cache epochs (`LLMEngine.boot_id`)."""
+        return self.engine.boot_id
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the engine has run (`LLMEngine.num_steps`)."""
+        return self.engine.num_steps
 
     def health(self) -> EngineHealth:
         """Liveness and progress; safe from any thread (reads values the loop replaces atomically)."""
@@ -146,8 +117,7 @@ class AsyncLLMEngine:
     def kv_connector_stats(self) -> KVConnectorStats | None:
         """A copy of the KV connector's cumulative counters (None without a connector); read while a step
         may run, so the counters can be one step apart from each other."""
-        conn = self.engine.kv_connector
-        return dataclasses.replace(conn.stats) if conn is not None else None
+        return self.engine.kv_connector_stats()
 
     @property
     def num_in_flight(self) -> int:
@@ -238,7 +208,7 @@ class AsyncLLMEngine:
             self._collect_kv_events()           # the old epoch's last events, if any were left
             ok = self.engine.reset_prefix_cache()
             self._collect_kv_events()
-            self._load = self._snapshot_load()
+            self._load = self.engine.load(self._background)
         return ok
 
     def kv_events_since(self, next_seq: int, epoch: str | None = None,
@@ -258,10 +228,7 @@ class AsyncLLMEngine:
         steps, so `block_hashes` plus events `next_seq`.. of the same epoch is exact."""
         async with self._step_lock:
             self._collect_kv_events()
-            log = self._kv_events
-            conn = self.engine.kv_connector
-            tiers = {conn.medium: conn.block_hashes()} if conn is not None else {}
-            return KVCacheSnapshot(log.epoch, log.next_seq, list(self.engine.kv_cache_manager.pool.cached), tiers)
+            return self.engine.kv_snapshot(self._kv_events.next_seq)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -300,42 +267,18 @@ class AsyncLLMEngine:
         if aborts:
             self.engine.abort_request(list(aborts))
         if adds or aborts:
-            self._load = self._snapshot_load()
-
-    def _cache_epoch(self) -> str:
-        return f"{self.boot_id}:{self.engine.kv_cache_manager.cache_epoch}"
+            self._load = self.engine.load(self._background)
 
     def _collect_kv_events(self) -> None:
         """Only between steps: move the KV pool's new events into the numbered log."""
         if self._kv_events_enabled:
-            self._kv_events.append(self._cache_epoch(), self.engine.take_kv_events())
-
-    def _snapshot_load(self) -> EngineLoad:
-        """Only between steps: reads the scheduler and KV pool, which the step thread mutates."""
-        st = self.engine.scheduler.make_stats()
-        kv = self.engine.kv_cache_manager
-        # usually no background requests: only a warm-up's
-        bg_running, bg_waiting, bg_tokens = self.engine.scheduler.load_of(self._background)
-        return EngineLoad(
-            num_running_reqs=st.num_running_reqs, num_waiting_reqs=st.num_waiting_reqs,
-            kv_cache_usage=st.kv_cache_usage, num_queued_prefill_tokens=st.num_queued_prefill_tokens,
-            num_free_blocks=kv.pool.num_free_blocks, num_blocks=kv.pool.num_blocks,
-            num_requests=len(self.engine.scheduler.requests),
-            prefix_cache_queries_total=st.prefix_cache_queries_total,
-            prefix_cache_hits_total=st.prefix_cache_hits_total,
-            recent_prefix_cache_queries=st.recent_prefix_cache_queries,
-            recent_prefix_cache_hits=st.recent_prefix_cache_hits,
-            num_preemptions_total=st.num_preemptions_total,
-            cache_epoch=self._cache_epoch(), timestamp=time.monotonic(),
-            num_background_running=bg_running, num_background_waiting=bg_waiting,
-            num_background_queued_prefill_tokens=bg_tokens, recent_steps=tuple(self._recent_steps),
-            num_steps_total=self.num_steps)
+            self._kv_events.append(self.engine.cache_epoch, self.engine.take_kv_events())
 
     async def _run_loop(self) -> None:
         assert self._wakeup is not None
         while not self._stopping:
             self._apply_pending()
-            if not self.engine.has_unfinished_requests() and not self.engine.scheduler.has_pending_output():
+            if not self.engine.has_work():
                 self.last_progress_time = time.monotonic()
                 self._wakeup.clear()
                 if self._pending_adds or self._pending_aborts:
@@ -353,21 +296,16 @@ class AsyncLLMEngine:
                         out = self.engine.step()
             except StepError as e:
                 self._collect_kv_events()
-                self._load = self._snapshot_load()
+                self._load = self.engine.load(self._background)
                 self._on_step_failure(e, e.req_ids)
                 continue
             except Exception as e:     # a bug outside the runner: nothing is trustworthy any more
                 self._die(e)
                 return
             self._collect_kv_events()
-            self.num_steps += 1
-            st = out.stats
-            if st.num_scheduled_tokens:
+            if out.stats.num_scheduled_tokens:
                 self._consecutive_failures = 0     # only a step that ran the model proves recovery
-                self._recent_steps.append(StepCost(self.num_steps, time.monotonic(), st.step_time_s,
-                                                   st.num_prefill_tokens, st.num_decode_seqs,
-                                                   st.num_decode_context_tokens))
-            self._load = self._snapshot_load()
+            self._load = self.engine.load(self._background)
             self.last_progress_time = time.monotonic()
             for d in out.deltas:
                 stream = self._streams.get(d.request_id)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
+from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +15,7 @@ from affinity_serve.engine.build import EngineParts, build_engine_parts
 from affinity_serve.engine.config import EngineConfig
 from affinity_serve.engine.errors import EngineError, InvalidRequestError
 from affinity_serve.engine.hashing import BlockHash, check_block_hashes
+from affinity_serve.engine.kv_connector.base import KVConnectorStats
 from affinity_serve.engine.kv_connector import (KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
                                                 default_local_transport, set_pd_transport)
 from affinity_serve.engine.limits import EngineLimits, check_request
@@ -21,9 +25,12 @@ from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.structured_output.grammar import GrammarState
 from affinity_serve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, token_ids_only_error
-from affinity_serve.engine.types import KVEvent, SchedulerStats
+from affinity_serve.engine.types import EngineLoad, KVCacheSnapshot, KVEvent, SchedulerStats, StepCost
 
 logger = logging.getLogger(__name__)
+
+#: steps kept in EngineLoad.recent_steps: a reader polling at least every RECENT_STEPS steps sees them all
+RECENT_STEPS = 256
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -79,6 +86,10 @@ class LLMEngine:
         self._seqs: dict[str, _SeqState] = {}
         self._parents: dict[str, _ParentState] = {}
         self.last_stats = SchedulerStats()
+        #: names this engine's life in cache epochs: a restarted engine's events never pass for this one's
+        self.boot_id = uuid.uuid4().hex[:8]
+        self.num_steps = 0                          # steps run (a failed one not counted)
+        self._recent_steps: deque[StepCost] = deque(maxlen=RECENT_STEPS)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -307,6 +318,7 @@ class LLMEngine:
         out.stats.step_time_s = time.perf_counter() - t0
         out.stats.num_prefill_tokens, out.stats.num_decode_seqs, out.stats.num_decode_context_tokens = work
         self.last_stats = out.stats
+        self._count_step(out.stats)
         return self._process(out.outputs, out.stats)
 
     def _process(self, outputs, stats: SchedulerStats) -> EngineStepOutput:
@@ -361,6 +373,57 @@ class LLMEngine:
         for sid in self._seq_ids(request_id):
             self._seqs.pop(sid, None)
         self._parents.pop(request_id, None)
+
+    def _count_step(self, st: SchedulerStats) -> None:
+        self.num_steps += 1
+        if st.num_scheduled_tokens:         # what a replica's capacity model learns from (EngineLoad.recent_steps)
+            self._recent_steps.append(StepCost(self.num_steps, time.monotonic(), st.step_time_s,
+                                               st.num_prefill_tokens, st.num_decode_seqs,
+                                               st.num_decode_context_tokens))
+
+    # ------------------------------------------------------------------ state, read between steps
+    def has_work(self) -> bool:
+        """Requests to run, or outputs the next step reports (aborts, finished ids): step() has work."""
+        return self.has_unfinished_requests() or self.scheduler.has_pending_output()
+
+    @property
+    def cache_epoch(self) -> str:
+        """`<boot id>:<resets>`: changes on restart and on every prefix-cache reset."""
+        return f"{self.boot_id}:{self.kv_cache_manager.cache_epoch}"
+
+    def load(self, background_req_ids: Collection[str] = ()) -> EngineLoad:
+        """The load now (reads the scheduler and the KV pool: not while a step runs). The requests in
+        `background_req_ids` are also counted apart (num_background_*)."""
+        st = self.scheduler.make_stats()
+        pool = self.kv_cache_manager.pool
+        # usually no background requests: only a warm-up's
+        bg_running, bg_waiting, bg_tokens = self.scheduler.load_of(background_req_ids)
+        return EngineLoad(
+            num_running_reqs=st.num_running_reqs, num_waiting_reqs=st.num_waiting_reqs,
+            kv_cache_usage=st.kv_cache_usage, num_queued_prefill_tokens=st.num_queued_prefill_tokens,
+            num_free_blocks=pool.num_free_blocks, num_blocks=pool.num_blocks,
+            num_requests=len(self.scheduler.requests),
+            prefix_cache_queries_total=st.prefix_cache_queries_total,
+            prefix_cache_hits_total=st.prefix_cache_hits_total,
+            recent_prefix_cache_queries=st.recent_prefix_cache_queries,
+            recent_prefix_cache_hits=st.recent_prefix_cache_hits,
+            num_preemptions_total=st.num_preemptions_total,
+            cache_epoch=self.cache_epoch, timestamp=time.monotonic(),
+            num_background_running=bg_running, num_background_waiting=bg_waiting,
+            num_background_queued_prefill_tokens=bg_tokens, recent_steps=tuple(self._recent_steps),
+            num_steps_total=self.num_steps)
+
+    def kv_snapshot(self, next_seq: int) -> KVCacheSnapshot:
+        """Every block hash in the prefix cache, and the KV connector's tier's by medium (not while a step
+        runs); `next_seq`: the number the caller gives the next KV event (see KVCacheSnapshot)."""
+        conn = self.kv_connector
+        tiers = {conn.medium: conn.block_hashes()} if conn is not None else {}
+        return KVCacheSnapshot(self.cache_epoch, next_seq, list(self.kv_cache_manager.pool.cached), tiers)
+
+    def kv_connector_stats(self) -> KVConnectorStats | None:
+        """A copy of the KV connector's cumulative counters (None without a connector)."""
+        conn = self.kv_connector
+        return dataclasses.replace(conn.stats) if conn is not None else None
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

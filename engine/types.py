@@ -177,12 +177,45 @@ class SchedulerStats:
 class StepCost:
     """One engine step that ran the model: how long it took and the work it did (SchedulerStats' fields)."""
 
-    step: int                                 # the engine's step number (AsyncLLMEngine.num_steps), from 1
+    step: int                                 # the engine's step number (LLMEngine.num_steps), from 1
     time: float                               # time.monotonic() when it ended
     step_time_s: float
     num_prefill_tokens: int
     num_decode_seqs: int
     num_decode_context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """An engine's load, taken between steps (`LLMEngine.load`; `AsyncLLMEngine.load` hands out the latest).
+
+    The one load record: a replica reports it (app.stats.ReplicaStats is its wire form for Serve), the
+    router reads it (app.routing.ReplicaLoadView.from_stats) and the autoscaler's signals start from it.
+    """
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_queued_prefill_tokens: int
+    num_free_blocks: int
+    num_blocks: int
+    num_requests: int                     # sequences the scheduler holds (running, waiting, preempted)
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    recent_prefix_cache_queries: int      # over the scheduler's sliding window of recent admissions
+    recent_prefix_cache_hits: int
+    num_preemptions_total: int            # since the engine started
+    cache_epoch: str                      # "<boot id>:<resets>": changes on restart and on every cache reset
+    timestamp: float                      # time.monotonic() when the snapshot was taken
+    #: of the totals above, the requests generated with `background=True` (a cache warm-up): a caller that
+    #: sizes the fleet on this load can leave them out
+    num_background_running: int = 0
+    num_background_waiting: int = 0
+    num_background_queued_prefill_tokens: int = 0
+    #: the last RECENT_STEPS steps that ran the model, oldest first (numbered: a reader keeps the last number
+    #: it consumed), and how many steps the loop has run: what a replica's capacity model learns from
+    recent_steps: tuple[StepCost, ...] = ()
+    num_steps_total: int = 0
 
 
 @dataclass(slots=True)
