@@ -166,6 +166,12 @@ class AutoscalingSection(_Strict):
     online_capacity: bool = Field(True, description="learn each replica's prefill rate and decode capacity from "
                                   "its own step costs and sequence lengths where it reports them (the two priors "
                                   "above stand in until then); false: the priors only")
+    queued_cost_projection: bool = Field(True, description="size prefill for the arrivals at the uncached tokens "
+                                         "per waiting request where that is more than the recent served rate, "
+                                         "so a jump in the work per request (longer prompts, a cache that stops "
+                                         "hitting) counts as soon as such requests queue")
+    overload_skips_delay: bool = Field(True, description="an up step whose load already exceeds the current "
+                                       "replicas' capacity acts without upscale_delay_s")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":

@@ -10,13 +10,16 @@ The rule (docs/autoscaling.md writes it out):
    (`replica_capacity`, `decode_capacity`), the configured priors otherwise.
    KV usage adds a floor: the fleet's held KV (grown to its sequences' life's mean) over the KV target. A rising load is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
+   A jump in the work per request (longer prompts, a cache that stops hitting) is read from the requests
+   waiting as soon as they queue (`queued_cost_projection`), not only as the served rate catches up.
 2. Scale up when that needs more replicas at `target_utilization` or leaves less spare capacity than
    `headroom_z` standard deviations of the arrivals expected within one TTFT SLO, or (reactively) when the observed
    TTFT / TPOT p90 passes its SLO (by how far it is past it) or replicas preempt above
    `preemption_rate_threshold` per replica for `preemption_persist_s` (one more replica). Scale down only
    when the load inflated by target / downscale utilization fits in fewer replicas by the up rule and
    nothing breaches its SLO: that inflation is the hysteresis band. Each direction must hold for its delay
-   before it acts.
+   before it acts, except an up step whose load already exceeds the current replicas' capacity
+   (`overload_skips_delay`): a new replica's start-up is then the only wait left.
 3. Scale to zero only with `min_replicas: 0`, after `downscale_to_zero_delay_s` with nothing in flight and
    no request started within the replicas' signal window.
    From zero, any queued request starts the replicas its load needs at once.
@@ -72,6 +75,12 @@ class PolicyConfig:
     #: R and C from each replica's own step costs and sequence lengths (`replica_capacity`) where it reports
     #: them; the two priors above stand in for a replica that does not (yet)
     online_capacity: bool = True
+    #: a jump in the work per request reads at once: prefill is sized for the arrivals at the uncached tokens
+    #: per *queued* request where that is more than the recent served rate (`incoming_prefill_tokens_per_s`)
+    queued_cost_projection: bool = True
+    #: an up decision whose load already exceeds the current replicas' whole capacity acts without
+    #: upscale_delay_s (they are overloaded now: a new replica's start-up is the only wait left)
+    overload_skips_delay: bool = True
 
     def __post_init__(self):
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -213,7 +222,8 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     # A refill is a one-off cost of a prefix moving to a replica (a new replica's first requests), but it is
     # work the new replicas do while a burst lasts: counted in full by default (docs/autoscaling.md).
     refill_rate = sum(min(s.refill_tokens_per_s, s.prefill_tokens_per_s) for s in signals)
-    prefill_rate = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
+    prefill_rate = (sum(incoming_prefill_tokens_per_s(s, cfg) for s in signals)
+                    - (1.0 - cfg.refill_weight) * refill_rate)
     backlog = sum(s.num_queued_prefill_tokens for s in signals)
     recent = sum(s.num_recent_requests for s in signals)
     # The fleet's work over the mean replica's capacity: replicas of different speeds (heterogeneous devices,
@@ -236,6 +246,22 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
         num_recent_requests=recent, num_replicas=len(signals),
         requests_per_s=sum(s.requests_per_s for s in signals))
+
+
+#: fewer requests waiting than this (Serve's look-back mean) say too little about their cost
+MIN_QUEUED_FOR_COST = 0.5
+
+
+def incoming_prefill_tokens_per_s(s: ReplicaSignals, cfg: PolicyConfig) -> float:
+    """The replica's prefill work per second: its recent served rate (uncached tokens of first tokens over
+    the window), or, with `queued_cost_projection`, its arrival rate x the uncached tokens per waiting
+    request if that is more. The served rate lags a jump in the cost per request (longer prompts, a cache
+    that stops hitting) by the replica's window; the waiting requests show the new cost as soon as they
+    queue. Both queue numbers are look-back means, so their ratio is not diluted by the window."""
+    served = s.prefill_tokens_per_s
+    if not cfg.queued_cost_projection or s.num_waiting < MIN_QUEUED_FOR_COST:
+        return served
+    return max(served, s.requests_per_s * s.num_queued_prefill_tokens / s.num_waiting)
 
 
 TREND_POINTS = 32
@@ -364,7 +390,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     if want_up > current and current < cfg.max_replicas:
         up_since = state.up_since if state.up_since is not None else now
         st = replace(state, up_since=up_since, down_since=None, down_history=())
-        if now - up_since + 1e-9 < cfg.upscale_delay_s:
+        overloaded = cfg.overload_skips_delay and load.load_units > current
+        if now - up_since + 1e-9 < cfg.upscale_delay_s and not overloaded:
             return done(current, Reason.UP_PENDING, st)
         reason = Reason.UP_SLO if slo_target > up_target else Reason.UP_PREDICTED
         return done(want_up, reason, replace(st, up_since=None, last_up_time=now))

@@ -8,7 +8,8 @@ For each workload and fleet size it runs
   0.625 x it, the default's ratio) and each `--zs` value of `headroom_z` (the spare capacity for arrival
   noise, which sizes small fleets more than the utilization does), the first of each being the operating
   point (the defaults: 0.8, 2);
-- ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom;
+- ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom, no
+  queued-cost projection, no overload skip of the up delay, and neither of those two (the policy before them);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 and reports, at our operating point, the replica-seconds Serve's best tuning needs for the same TTFT SLO
 attainment, linearly interpolated along Serve's Pareto frontier (its non-dominated points), and our
@@ -181,7 +182,11 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
     if a.ablations:
         u = a.utils[0]
         for label, over in (("priors only (no online R/C)", dict(online_capacity=False)),
-                            ("no trend", dict(trend_lead_s=0.0)), ("no headroom", dict(headroom_z=0.0))):
+                            ("no trend", dict(trend_lead_s=0.0)), ("no headroom", dict(headroom_z=0.0)),
+                            ("no queued-cost projection", dict(queued_cost_projection=False)),
+                            ("no overload skip of the up delay", dict(overload_skips_delay=False)),
+                            ("neither (the policy before)", dict(queued_cost_projection=False,
+                                                                 overload_skips_delay=False))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
