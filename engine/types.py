@@ -6,13 +6,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from affinity_serve.engine.structured_output.grammar import GrammarBitmask
+
+
+# ---------------------------------------------------------------- what a request carries for P/D
+@dataclass(slots=True, frozen=True)
+class RemoteDecode:
+    """Marks a request for a prefill engine: prefill, sample the first token, hold the KV for a decode engine.
+    (vLLM: kv_transfer_params with do_remote_decode.) Give the request max_tokens=1."""
+
+
+@dataclass(slots=True, frozen=True)
+class RemotePrefill:
+    """One sequence's prefilled KV, held by a prefill engine: what a decode engine needs to read it.
+    (vLLM: kv_transfer_params with do_remote_prefill, remote_engine_id, remote_block_ids, remote_host.)"""
+
+    engine_id: str           # the prefill engine holding the blocks
+    transfer_id: str         # the sequence's id there
+    layout_key: str          # KVLayout.namespace(model identity): a reader with another one cannot use them
+    num_tokens: int          # prompt tokens whose KV was computed
+    num_blocks: int          # full blocks held (num_tokens // block_size): the prompt's last partial one is not
+    first_token_id: int      # the token the prefill sampled: the decode engine continues after it
+    #: transport-specific address of the prefill engine (the Ray transport: its replica's actor handle)
+    address: Any = None
 
 
 # ---------------------------------------------------------------- scheduler -> runner

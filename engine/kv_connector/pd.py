@@ -32,34 +32,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
                                       KVConnectorUpdate, KVLayout, KVTransfer, PoolChanges)
 from affinity_serve.engine.request import RequestStatus
+from affinity_serve.engine.types import RemoteDecode as RemoteDecode  # re-exported: P/D callers name them here
+from affinity_serve.engine.types import RemotePrefill as RemotePrefill
 
 if TYPE_CHECKING:
     from affinity_serve.engine.request import Request
     from affinity_serve.engine.types import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- what a request carries
-@dataclass(slots=True, frozen=True)
-class RemoteDecode:
-    """Marks a request for a prefill engine: prefill, sample the first token, hold the KV for a decode engine.
-    (vLLM: kv_transfer_params with do_remote_decode.) Give the request max_tokens=1."""
-
-
-@dataclass(slots=True, frozen=True)
-class RemotePrefill:
-    """One sequence's prefilled KV, held by a prefill engine: what a decode engine needs to read it.
-    (vLLM: kv_transfer_params with do_remote_prefill, remote_engine_id, remote_block_ids, remote_host.)"""
-
-    engine_id: str           # the prefill engine holding the blocks
-    transfer_id: str         # the sequence's id there
-    layout_key: str          # KVLayout.namespace(model identity): a reader with another one cannot use them
-    num_tokens: int          # prompt tokens whose KV was computed
-    num_blocks: int          # full blocks held (num_tokens // block_size): the prompt's last partial one is not
-    first_token_id: int      # the token the prefill sampled: the decode engine continues after it
-    #: transport-specific address of the prefill engine (the Ray transport: its replica's actor handle)
-    address: Any = None
 
 
 class KVTransferError(RuntimeError):
