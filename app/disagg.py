@@ -84,24 +84,22 @@ class PrefillReplica(LLMReplica):
         """Each sequence's first token; where the request goes on, its KV beyond the first `skip_blocks` blocks
         (the decode replica holds those) copied into Ray's object store."""
         import ray
-        params = dataclasses.replace(req.params, max_tokens=1)
+        prefill = dataclasses.replace(req, sampling_params=dataclasses.replace(req.sampling_params, max_tokens=1),
+                                      kv_transfer=RemoteDecode())
         out: dict[int, PrefillResult] = {}
         held: list[str] = []
         arrival = time.monotonic()
         try:
-            gen = self.engine.generate(req.prompt_token_ids, params, req.request_id, priority=req.priority,
-                                       cache_salt=req.cache_salt, trace_context=req.trace_context or None,
-                                       block_hashes=req.block_hashes, kv_transfer=RemoteDecode())
-            async for d in gen:
+            async for d in self.engine.generate(prefill):
                 if d.finish_reason == "error":
                     raise APIError("prefill failed inside the engine", 500, "server_error", None, "engine_error")
                 prev = out.get(d.index)
-                chunk = ReplicaChunk(d.index, (prev.chunk.text if prev else "") + d.text,
-                                     (prev.chunk.token_ids if prev else []) + d.token_ids, d.finish_reason,
-                                     d.stop_reason, d.logprobs, prompt_logprobs=d.prompt_logprobs or
-                                     (prev.chunk.prompt_logprobs if prev else None),
-                                     num_prompt_tokens=d.num_prompt_tokens, num_cached_tokens=d.num_cached_tokens,
-                                     replica_id=self.replica_id)
+                chunk = ReplicaChunk.of(d, self.replica_id)
+                chunk.kv_transfer = None                  # travels as the PrefillResult's remote, published
+                if prev is not None:                      # the sequence so far, in one chunk
+                    chunk.text = prev.chunk.text + d.text
+                    chunk.token_ids = prev.chunk.token_ids + d.token_ids
+                    chunk.prompt_logprobs = d.prompt_logprobs or prev.chunk.prompt_logprobs
                 out[d.index] = PrefillResult(chunk, None)
                 if d.finished and d.kv_transfer is not None:
                     held.append(d.kv_transfer.transfer_id)
@@ -159,7 +157,7 @@ class DecodeReplica(LLMReplica):
 
     def _route(self, req: GenerateRequest) -> int | None:
         """Blocks held here if the prefill pool should prefill `req`, else None (served here)."""
-        p = req.params
+        p = req.sampling_params
         if p.max_tokens <= 1 or p.structured_output is not None or self.prefill_handle is None:
             self.disagg.local_ineligible += 1
             return None
@@ -217,9 +215,9 @@ class DecodeReplica(LLMReplica):
             yield c
         if not cont:
             return
-        params = dataclasses.replace(req.params, n=len(cont), prompt_logprobs=None,
-                                     seed=None if req.params.seed is None else req.params.seed + 1)
-        d_req = dataclasses.replace(req, params=params)
-        async for c in super().generate(d_req, kv_transfer=[r for _, r in cont]):
+        p = req.sampling_params
+        params = dataclasses.replace(p, n=len(cont), prompt_logprobs=None, seed=None if p.seed is None else p.seed + 1)
+        d_req = dataclasses.replace(req, sampling_params=params, kv_transfer=[r for _, r in cont])
+        async for c in super().generate(d_req):
             c.index = cont[c.index][0]
             yield c

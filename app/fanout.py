@@ -22,10 +22,10 @@ from affinity_serve.observability.requests import RequestRecord, RoutingRecord
 def replica_requests(p: PreparedRequest, carrier: dict[str, str]) -> list[GenerateRequest]:
     """One GenerateRequest per prompt, each keyed by a fresh id: a client's x-request-id may be reused
     (by retries, proxies, or concurrent calls), so it only labels logs and spans."""
-    now = time.time()
     hashes = p.block_hashes or [None] * len(p.prompts)
-    return [GenerateRequest(uuid.uuid4().hex, ids, p.params, p.priority, p.cache_salt, carrier, now, p.request_id,
-                            h) for ids, h in zip(p.prompts, hashes)]
+    return [GenerateRequest(uuid.uuid4().hex, ids, p.params, p.priority, p.cache_salt, carrier, block_hashes=h,
+                            checked_limits=p.checked_limits, request_id=p.request_id)
+            for ids, h in zip(p.prompts, hashes)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,7 +96,7 @@ async def merged_chunks(replica: Any, reqs: list[GenerateRequest],
         try:
             gen = unfinished[i] = own_serve_call(lambda: handle.generate.remote(req))
             async for c in _with_first_timeout(gen, wait):
-                await queue.put((i * req.params.n + c.index, c))
+                await queue.put((i * req.sampling_params.n + c.index, c))
             del unfinished[i]
             await queue.put((i, None))
         except BaseException as e:   # noqa: BLE001 - delivered to the consumer

@@ -14,7 +14,7 @@ from typing import Any
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from affinity_serve.app.tool_calls import ToolCallMode, tool_call_grammar
-from affinity_serve.engine import EngineLimits, apply_chat_template, check_request_fits_context, token_ids_only_error
+from affinity_serve.engine import EngineLimits, apply_chat_template, token_ids_only_error
 from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
 from affinity_serve.engine.hashing import BlockHash, hash_block_chain
 from affinity_serve.engine.sampling_params import SamplingParams
@@ -50,6 +50,9 @@ class PreparedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     #: chat with tools and tool_choice "required" or a named function: how the output reads back as tool calls
     tool_mode: ToolCallMode | None = None
+    #: the limits every prompt was checked against (`EngineLimits.check_fits_context`): an engine with these
+    #: limits does not check them again (EngineRequest.checked_limits)
+    checked_limits: EngineLimits | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,7 +108,8 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
                            getattr(req, "prompt_logprobs", None), echo, max_tokens == 0,
                            bool(req.stream_options and req.stream_options.include_usage), req.priority,
                            req.cache_salt, req.return_token_ids,
-                           prompt_block_hashes(prompts, limits.block_size, req.cache_salt), tool_mode=tool_mode)
+                           prompt_block_hashes(prompts, limits.block_size, req.cache_salt), tool_mode=tool_mode,
+                           checked_limits=limits)
 
 
 def structured_output_spec(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any | None = None
@@ -232,9 +236,9 @@ def completion_prompt_ids(prompt: Any, tokenizer: Any | None) -> tuple[list[list
             raise token_ids_only_error("prompt")
         return [tokenizer.encode(t) for t in texts], list(texts)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return [list(p) for p in prompt], [None] * len(prompt)
+        return prompt, [None] * len(prompt)       # the parsed body's own lists: the engine takes them as they are
     if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)], [None]
+        return [prompt], [None]
     raise APIError("prompt must be a string, a list of strings, or token ids", 400, "invalid_request_error",
                    "prompt", "invalid_value")
 
@@ -298,7 +302,7 @@ def _num_seqs(req: CompletionRequest | ChatCompletionRequest) -> int:
 def _check_limits(kind: RequestKind, limits: EngineLimits, prompts: list[list[int]], max_tokens: int) -> None:
     try:
         for ids in prompts:
-            check_request_fits_context(limits, ids, max_tokens)
+            limits.check_fits_context(ids, max_tokens)
     except InvalidRequestError as e:
         if kind is RequestKind.CHAT and e.param == "prompt":       # the chat API has no `prompt`
             raise APIError(e.message, 400, "invalid_request_error", "messages", e.code) from None

@@ -10,7 +10,7 @@ from affinity_serve.app.errors import APIError
 
 from affinity_serve.app.stats import ReplicaStats
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.types import Logprobs
+from affinity_serve.engine.types import EngineRequest, RequestDelta
 
 
 #: The engine's integer ranges: token counts and ids are 32-bit, seeds 64-bit. A larger number is a 400 here,
@@ -314,24 +314,15 @@ class LocalOnly:
 
 
 @dataclass(slots=True)
-class GenerateRequest:
-    """What the ingress sends a replica: token ids (so routers can see them), params, tracing.
+class GenerateRequest(EngineRequest):
+    """What the ingress sends a replica: the EngineRequest itself (built once, per prompt; the replica's
+    engine takes it as it is), plus what the app adds for logs, spans and routing.
 
-    `request_id` is unique per call (the engine's key); `client_request_id` is the caller's id
-    (x-request-id), which clients may reuse: it only labels logs and spans.
+    `req_id` is unique per call (the engine's key); `request_id` is the caller's id (x-request-id), which
+    clients may reuse: it only labels logs and spans.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
-    trace_context: dict[str, str] = field(default_factory=dict)
-    arrival_time: float = 0.0
-    client_request_id: str | None = None
-    #: the prompt's full-block hashes (engine.hashing.hash_block_chain, the engine's block size and this
-    #: cache_salt), computed once at the ingress for routing; the engine uses them instead of rehashing
-    block_hashes: list[bytes] | None = None
+    request_id: str | None = None
     #: set by the router when it places the request: the (at most two) replicas its index predicts hold most
     #: of the prompt, with their cached tokens, best first (Decision.most_cached); the replica reports the part
     #: of its prefill that recomputes what another of them holds apart (the autoscaler's
@@ -343,20 +334,10 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
-class ReplicaChunk:
-    """One step's output for one sequence, as streamed back by a replica."""
+class ReplicaChunk(RequestDelta):
+    """One step's output for one sequence, as streamed back by a replica: the engine's RequestDelta plus
+    what the replica adds."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[Logprobs] | None = None
-    #: asked for with params.prompt_logprobs: once per prompt, on sequence 0's chunk with its first token;
-    #: one entry per prompt token, the first None
-    prompt_logprobs: list[Logprobs | None] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
     replica_id: str = ""
     #: set on a sequence's last chunk: monotonic timings measured in the replica (seconds)
     timings: dict[str, float] | None = None
@@ -365,3 +346,10 @@ class ReplicaChunk:
     trace_id: str | None = None
     #: set on a sequence's last chunk when the replica has a KV connector: (tier, its cumulative counters)
     kv_tier: tuple[str, dict[str, int]] | None = None
+
+    @classmethod
+    def of(cls, d: RequestDelta, replica_id: str) -> ReplicaChunk:
+        """The engine's delta `d` with this replica's id (its other fields are set on a sequence's last chunk)."""
+        return cls(d.req_id, d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
+                   d.prompt_logprobs, d.num_prompt_tokens, d.num_cached_tokens, d.first_scheduled_time,
+                   d.kv_transfer, replica_id)

@@ -24,7 +24,7 @@ from affinity_serve.autoscale.signals import SignalRecorder, refilled_tokens
 from affinity_serve.engine import (AsyncLLMEngine, EngineConfig, EngineLimits, EngineLoad, SamplingParams,
                                   tune_gc_for_serving)
 from affinity_serve.engine.errors import EngineDeadError, InvalidRequestError
-from affinity_serve.engine.types import KVCacheSnapshot, KVEventsReply
+from affinity_serve.engine.types import EngineRequest, KVCacheSnapshot, KVEventsReply
 from affinity_serve.observability import names
 from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics
 
@@ -83,14 +83,14 @@ class LLMReplica:
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
                     limits.max_model_len, limits.max_kv_tokens)
 
-    async def generate(self, req: GenerateRequest, kv_transfer: list[Any] | None = None
-                       ) -> AsyncIterator[ReplicaChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[ReplicaChunk]:
         """Stream chunks; the last chunk of each sequence carries finish_reason, timings and stats.
 
-        `kv_transfer` (P/D disaggregation, app/disagg.py): the RemotePrefill of each sequence, continued here."""
+        `req` is the engine's request as the ingress built it (P/D disaggregation, app/disagg.py: with the
+        RemotePrefill of each sequence in `kv_transfer`, continued here)."""
         from affinity_serve.observability.tracing import context_from_carrier, trace_id_hex
 
-        ids = {"request_id": req.client_request_id or req.request_id, "engine_req_id": req.request_id}
+        ids = {"request_id": req.request_id or req.req_id, "req_id": req.req_id}
         arrival = time.monotonic()
         first_token: float | None = None
         num_output_tokens: dict[int, int] = {}   # per sequence index, for the autoscaler's TPOT
@@ -100,11 +100,7 @@ class LLMReplica:
         span = self.tracer.start_span(names.SPAN_ENGINE, context=context_from_carrier(req.trace_context),
                                       attributes={"replica": self.replica_id, **ids})
         try:
-            gen = self.engine.generate(req.prompt_token_ids, req.params, req.request_id, priority=req.priority,
-                                       cache_salt=req.cache_salt, trace_context=req.trace_context or None,
-                                       block_hashes=req.block_hashes,
-                                       **({"kv_transfer": kv_transfer} if kv_transfer is not None else {}))
-            async for d in gen:
+            async for d in self.engine.generate(req):
                 now = time.monotonic()
                 self._record_steps()
                 if first_token is None and d.token_ids:
@@ -113,9 +109,7 @@ class LLMReplica:
                                                 refilled_tokens(d.num_prompt_tokens, d.num_cached_tokens,
                                                                 req.cached_on, self.replica_id))
                 num_output_tokens[d.index] = num_output_tokens.get(d.index, 0) + len(d.token_ids)
-                chunk = ReplicaChunk(d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
-                                     prompt_logprobs=d.prompt_logprobs, num_prompt_tokens=d.num_prompt_tokens,
-                                     num_cached_tokens=d.num_cached_tokens, replica_id=self.replica_id)
+                chunk = ReplicaChunk.of(d, self.replica_id)
                 if d.finished:
                     if d.finish_reason == "error":     # the engine logged the failed step's traceback
                         raise APIError("generation failed inside the engine", 500, "server_error", None,
@@ -145,7 +139,7 @@ class LLMReplica:
         finally:
             span.end()
             if ended_as is not None:             # cancelled (the client left) or failed: count what did not end
-                for _ in range(max(0, req.params.n - num_finished)):
+                for _ in range(max(0, req.sampling_params.n - num_finished)):
                     self.metrics.record_sequence(finish_reason=ended_as)
 
     async def warm(self, prompts: list[list[int]]) -> dict[str, Any]:
@@ -155,8 +149,9 @@ class LLMReplica:
         share of the steps."""
         async def one(ids: list[int]) -> int:
             try:
-                async for _ in self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0),
-                                                    f"warmup-{uuid.uuid4().hex}", background=True):
+                warm = EngineRequest(f"warmup-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                                     background=True)
+                async for _ in self.engine.generate(warm):
                     pass
                 return len(ids)
             except InvalidRequestError:

@@ -298,18 +298,18 @@ class OpenAIServing:
                 prompt = idx // p.params.n
                 if c.token_ids and prompt not in started:
                     started.add(prompt)
-                    self._report_first_token(reqs[prompt].request_id, c.num_cached_tokens)
+                    self._report_first_token(reqs[prompt].req_id, c.num_cached_tokens)
                     self._take_decision(run, reqs[prompt], c)
                 yield idx, c
         finally:
             await chunks.aclose()      # leaving early cancels the replica streams now, not at GC
 
-    def _report_first_token(self, engine_req_id: str, num_cached_tokens: int) -> None:
+    def _report_first_token(self, req_id: str, num_cached_tokens: int) -> None:
         try:
             for router in routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name):
-                router.call_soon(router.on_first_token, engine_req_id, num_cached_tokens)
+                router.call_soon(router.on_first_token, req_id, num_cached_tokens)
         except Exception:      # no router here (a test double for the handle), or it is gone: routing only
-            logger.debug("no router to report the first token of %s to", engine_req_id, exc_info=True)
+            logger.debug("no router to report the first token of %s to", req_id, exc_info=True)
 
     @staticmethod
     def _take_decision(run: RequestRun, req: GenerateRequest, c: ReplicaChunk) -> None:

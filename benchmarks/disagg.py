@@ -61,7 +61,7 @@ class Worker(threading.Thread):
                     rid, prompt, params, kv = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                e.add_request(rid, prompt, params, kv_transfer=kv)
+                e.add_request(e.make_request(prompt, params, kv_transfer=kv, req_id=rid))
             if not e.has_unfinished_requests():
                 time.sleep(0.0005)
                 continue
@@ -106,7 +106,7 @@ def run(model, args, num_prefill: int | None):
         return min(pool, key=lambda w: w.in_flight)
 
     def on_unified(w, d):
-        r = reqs[d.request_id]
+        r = reqs[d.req_id]
         now = time.monotonic()
         if d.token_ids:
             r.token_times.extend([now] * len(d.token_ids))
@@ -117,7 +117,7 @@ def run(model, args, num_prefill: int | None):
                 w.in_flight -= 1
 
     def on_prefill(w, d):
-        r = reqs[d.request_id]
+        r = reqs[d.req_id]
         now = time.monotonic()
         r.token_times.extend([now] * len(d.token_ids))
         if d.finished:
@@ -128,7 +128,7 @@ def run(model, args, num_prefill: int | None):
             if d.kv_transfer is None:
                 r.failed, r.done = True, now
                 return
-            target.inbox.put((d.request_id, r.prompt, _params(r.max_tokens), [d.kv_transfer]))
+            target.inbox.put((d.req_id, r.prompt, _params(r.max_tokens), [d.kv_transfer]))
 
     if num_prefill:
         prefills = [Worker(f"P{i}", _engine(model, args, sched_p, transport), on_prefill) for i in range(num_prefill)]
@@ -214,7 +214,7 @@ def transfer_cost(model, nblocks_list, repeats=5):
         times = []
         for k in range(repeats):
             prompt = [random.Random(nb * 100 + k).randrange(10, 700) for _ in range(nb * 16 + 1)]
-            p.add_request(f"t{nb}-{k}", prompt, _params(1), kv_transfer=RemoteDecode())
+            p.add_request(p.make_request(prompt, _params(1), kv_transfer=RemoteDecode(), req_id=f"t{nb}-{k}"))
             remote = None
             while remote is None:
                 for dd in p.step().deltas:

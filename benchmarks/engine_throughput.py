@@ -99,7 +99,7 @@ def blocks_held(llm, ps: list[list[int]], new: int) -> dict:
     assert eng.reset_prefix_cache()
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
     for i, p in enumerate(ps):
-        eng.add_request(f"h{i}", p, params)
+        eng.add_request(eng.make_request(p, params, req_id=f"h{i}"))
     peak = [0] * len(kv.groups)
     while eng.has_unfinished_requests():
         eng.step()

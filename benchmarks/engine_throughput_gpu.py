@@ -138,7 +138,7 @@ def run_ours(llm, ps: list[list[int]], new: int) -> tuple[float, float, int]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, detokenize=False)
     t0 = time.perf_counter()
     for i, p in enumerate(ps):
-        eng.add_request(f"b{i}", p, params)
+        eng.add_request(eng.make_request(p, params, req_id=f"b{i}"))
     produced = {f"b{i}": 0 for i in range(len(ps))}
     decode_t, decode_steps = 0.0, 0
     while eng.has_unfinished_requests():
@@ -147,7 +147,7 @@ def run_ours(llm, ps: list[list[int]], new: int) -> tuple[float, float, int]:
         out = eng.step()
         dt = time.perf_counter() - t                        # the step returns sampled ids to the host: synced
         for d in out.deltas:
-            produced[d.request_id] += len(d.token_ids)
+            produced[d.req_id] += len(d.token_ids)
         if all_decoding and out.deltas and all(len(d.token_ids) == 1 for d in out.deltas):
             decode_t += dt
             decode_steps += 1

@@ -46,7 +46,7 @@ def main() -> None:
                   scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 64})
         eng = llm.engine
         for i, p in enumerate(prompts(batch, 32 if prefix else 512, prefix, LLAMA_1B["vocab_size"])):
-            eng.add_request(f"r{i}", p, params)
+            eng.add_request(eng.make_request(p, params, req_id=f"r{i}"))
         for _ in range(12):                     # the prefill and a few decode steps
             eng.step()
         torch.cuda.synchronize()

@@ -157,11 +157,12 @@ def overhead(args, model: str) -> list[dict]:
 def _ttft(engine, rid: str, prompt: list[int]) -> tuple[float, int]:
     from affinity_serve.engine import SamplingParams
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                           req_id=rid))
     ttft, cached = None, 0
     while engine.has_unfinished_requests():
         for d in engine.step().deltas:
-            if d.request_id == rid and d.token_ids and ttft is None:
+            if d.req_id == rid and d.token_ids and ttft is None:
                 ttft, cached = time.perf_counter() - t0, d.num_cached_tokens
     assert ttft is not None
     return ttft, cached
@@ -289,7 +290,8 @@ def store_policy(args, model: str) -> list[dict]:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
         for i in range(args.policy_requests):
-            eng.add_request(f"p{i}", rng.choice(prefixes) + [rng.randrange(3, 32000) for _ in range(8)], params)
+            prompt = rng.choice(prefixes) + [rng.randrange(3, 32000) for _ in range(8)]
+            eng.add_request(eng.make_request(prompt, params, req_id=f"p{i}"))
             while eng.has_unfinished_requests():
                 eng.step()
         wall = time.perf_counter() - t0

@@ -57,9 +57,9 @@ def decode_step_s(eng: LLMEngine, batch: int, steps: int, mode: str, seed: int, 
     eng.structured_output.fill_on_thread = mode == "thread"
     no_eos = {t: -100.0 for t in eng.eos_token_ids}
     for i in range(batch):
-        eng.add_request(f"{seed}-{i}", [10 + i % 500, 11, 12, 13],
-                        SamplingParams(max_tokens=steps + 4, temperature=temperature, ignore_eos=True,
-                                       logit_bias=no_eos, structured_output=spec, detokenize=False))
+        params = SamplingParams(max_tokens=steps + 4, temperature=temperature, ignore_eos=True, logit_bias=no_eos,
+                                structured_output=spec, detokenize=False)
+        eng.add_request(eng.make_request([10 + i % 500, 11, 12, 13], params, req_id=f"{seed}-{i}"))
     times = []
     while eng.has_unfinished_requests():
         t = time.perf_counter()
@@ -154,8 +154,8 @@ def run_model(name: str, args) -> tuple[list[dict], dict]:
         write_demo_model(d, vocab_size=32000, **MODELS[name])
         eng = LLMEngine.from_config(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16}, device=args.device,
                                      num_threads=args.threads, scheduler={"max_num_seqs": max(args.batches)}))
-        eng.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, structured_output=StructuredOutputSpec(
-            regex="[a-z]+")))
+        eng.add_request(eng.make_request([1, 2, 3], SamplingParams(max_tokens=2, structured_output=StructuredOutputSpec(
+            regex="[a-z]+")), req_id="warm"))
         while eng.has_unfinished_requests():
             eng.step()
         rows = []

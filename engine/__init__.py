@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from affinity_serve.engine.llm_engine import LLMEngine
     from affinity_serve.engine.demo import ensure_demo_model, write_demo_model
     from affinity_serve.engine.gc_policy import tune_gc_for_serving
-    from affinity_serve.engine.limits import EngineLimits, check_request, check_request_fits_context
+    from affinity_serve.engine.limits import EngineLimits
+    from affinity_serve.engine.types import EngineRequest, RequestDelta
     from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
     from affinity_serve.engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
     from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
@@ -38,8 +39,8 @@ _LAZY = {
     "EngineLoad": "affinity_serve.engine.types",
     "EngineHealth": "affinity_serve.engine.async_engine",
     "EngineLimits": "affinity_serve.engine.limits",
-    "check_request": "affinity_serve.engine.limits",
-    "check_request_fits_context": "affinity_serve.engine.limits",
+    "EngineRequest": "affinity_serve.engine.types",
+    "RequestDelta": "affinity_serve.engine.types",
     "load_tokenizer": "affinity_serve.engine.tokenizer",
     "apply_chat_template": "affinity_serve.engine.tokenizer",
     "token_ids_only_error": "affinity_serve.engine.tokenizer",
@@ -70,7 +71,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
-           "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "check_request", "check_request_fits_context",
+           "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "EngineRequest", "RequestDelta",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
            "validate_checkpoint", "resolve_context_length", "tune_gc_for_serving", "check_shared_root",
            "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode", "RemotePrefill", "KVTransferError"]

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from affinity_serve.engine.config import EngineConfig
-from affinity_serve.engine.errors import EngineDeadError, EngineError, InvalidRequestError
+from affinity_serve.engine.errors import DuplicateRequestError, EngineDeadError, EngineError
 from affinity_serve.engine.kv_connector.base import KVConnectorStats
 from affinity_serve.engine.kv_events import KVEventLog
-from affinity_serve.engine.limits import EngineLimits, check_request
+from affinity_serve.engine.limits import EngineLimits
 from affinity_serve.engine.llm_engine import LLMEngine, Prompt, StepError
-from affinity_serve.engine.outputs import StreamDelta
 from affinity_serve.engine.sampling_params import SamplingParams
-from affinity_serve.engine.types import EngineLoad, KVCacheSnapshot, KVEventsReply
+from affinity_serve.engine.types import EngineLoad, EngineRequest, KVCacheSnapshot, KVEventsReply, RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -51,21 +50,13 @@ class _Stream:
     finished: bool = False
 
 
-@dataclass
-class _PendingAdd:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kwargs: dict[str, Any]
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, step_in_thread: bool = True):
         self.engine = engine
         self._step_in_thread = step_in_thread
         self._streams: dict[str, _Stream] = {}
         self._background: set[str] = set()           # request ids of streams generated with background=True
-        self._pending_adds: list[_PendingAdd] = []
+        self._pending_adds: list[tuple[EngineRequest, SamplingParams]] = []   # checked, for the next step
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -119,6 +110,10 @@ class AsyncLLMEngine:
         may run, so the counters can be one step apart from each other."""
         return self.engine.kv_connector_stats()
 
+    def take_pd_transfer_stats(self):
+        """`LLMEngine.take_pd_transfer_stats`; safe from any thread (the times are taken, the counters copied)."""
+        return self.engine.take_pd_transfer_stats()
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -128,28 +123,28 @@ class AsyncLLMEngine:
         """Of num_in_flight, the streams generated with `background=True`."""
         return len(self._background)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       **kwargs: Any) -> AsyncIterator[StreamDelta]:
-        """Stream deltas for one request. Validation errors raise before anything is queued.
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, *, req_id: str | None = None,
+                     **fields: Any) -> EngineRequest:
+        """An EngineRequest for a text prompt, token ids or chat messages: `LLMEngine.make_request`."""
+        return self.engine.make_request(prompt, params, req_id=req_id, **fields)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """Stream deltas for one request. Invalid requests raise InvalidRequestError (DuplicateRequestError
+        for an id whose stream is open) before anything is queued.
 
         Closing or cancelling the consumer aborts the request; its KV blocks are freed by the next step.
-        kwargs: priority, cache_salt, trace_context, block_hashes (see LLMEngine.add_request), and
-        `background` (default False): the request is work the caller does for the engine's own sake (a cache
-        warm-up); it runs like any other and is also counted apart in `load()` (num_background_*).
+        `request.background`: counted apart in `load()` (num_background_*).
         """
-        background = bool(kwargs.pop("background", False))
         self._ensure_alive()
-        params = params or SamplingParams()
-        request_id = request_id or f"req-{time.monotonic_ns()}"
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
-        ids = self.engine.tokenize_prompt(prompt)
-        check_request(self._limits, ids, params.max_tokens)
+        req_id = request.req_id
+        if req_id in self._streams:
+            raise DuplicateRequestError(req_id)
+        params = self.engine.check_request(request)          # pure: safe while a step runs
         stream = _Stream(num_seqs=params.n)
-        self._streams[request_id] = stream
-        if background:
-            self._background.add(request_id)
-        self._pending_adds.append(_PendingAdd(request_id, ids, params, kwargs))
+        self._streams[req_id] = stream
+        if request.background:
+            self._background.add(req_id)
+        self._pending_adds.append((request, params))
         self._kick()
         finished_seqs = 0
         try:
@@ -165,10 +160,10 @@ class AsyncLLMEngine:
                         return
         finally:
             if not stream.finished:
-                self._pending_aborts.add(request_id)
+                self._pending_aborts.add(req_id)
                 self._kick()
-            self._streams.pop(request_id, None)
-            self._background.discard(request_id)
+            self._streams.pop(req_id, None)
+            self._background.discard(req_id)
 
     async def read_held_kv(self, transfer_id: str, start_block: int, num_blocks: int):
         """P/D (kv_connector.type pd): copy blocks of a prefill's held KV out, on a thread beside the steps
@@ -188,9 +183,9 @@ class AsyncLLMEngine:
         """Run a step now if there is anything to do (P/D: free held KV whose timeout has passed)."""
         self._kick()
 
-    async def abort(self, request_id: str) -> None:
-        if request_id in self._streams:
-            self._pending_aborts.add(request_id)
+    async def abort(self, req_id: str) -> None:
+        if req_id in self._streams:
+            self._pending_aborts.add(req_id)
             self._kick()
 
     def check_health(self) -> None:
@@ -255,14 +250,14 @@ class AsyncLLMEngine:
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
-        for add in adds:
-            if add.request_id in self._pending_aborts:      # cancelled before it was ever queued
-                self._pending_aborts.discard(add.request_id)
+        for request, params in adds:
+            if request.req_id in self._pending_aborts:      # cancelled before it was ever queued
+                self._pending_aborts.discard(request.req_id)
                 continue
             try:
-                self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, **add.kwargs)
+                self.engine.add_checked_request(request, params)
             except Exception as e:      # validated already; anything here fails just this request
-                self._fail(add.request_id, e)
+                self._fail(request.req_id, e)
         aborts, self._pending_aborts = self._pending_aborts, set()
         if aborts:
             self.engine.abort_request(list(aborts))
@@ -308,7 +303,7 @@ class AsyncLLMEngine:
             self._load = self.engine.load(self._background)
             self.last_progress_time = time.monotonic()
             for d in out.deltas:
-                stream = self._streams.get(d.request_id)
+                stream = self._streams.get(d.req_id)
                 if stream is not None:
                     stream.queue.put_nowait(d)
             await asyncio.sleep(0)
@@ -323,8 +318,8 @@ class AsyncLLMEngine:
         if self._consecutive_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
             self._die(e)
 
-    def _fail(self, request_id: str, e: BaseException) -> None:
-        stream = self._streams.get(request_id)
+    def _fail(self, req_id: str, e: BaseException) -> None:
+        stream = self._streams.get(req_id)
         if stream is not None:
             stream.queue.put_nowait(e)
 

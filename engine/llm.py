@@ -39,18 +39,19 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, params in zip(prompts, params_list):
-            rid = f"offline-{next(self._ids)}"
-            ids = self.engine.add_request(rid, prompt, params)
-            results[rid] = RequestOutput(rid, ids, [CompletionOutput(i) for i in range(params.n)])
+            request = self.engine.make_request(prompt, params, req_id=f"offline-{next(self._ids)}")
+            self.engine.add_request(request)
+            rid = request.req_id
+            results[rid] = RequestOutput(rid, request.prompt_token_ids, [CompletionOutput(i) for i in range(params.n)])
             order.append(rid)
         bar = _progress(len(order), use_tqdm)
         pending = set(order)
         while pending:
             step = self.engine.step()
             for d in step.deltas:
-                if d.request_id in results:
-                    results[d.request_id].add(d)
-            done = step.finished_request_ids & pending
+                if d.req_id in results:
+                    results[d.req_id].add(d)
+            done = step.finished_req_ids & pending
             pending -= done
             if bar is not None and done:
                 bar.update(len(done))

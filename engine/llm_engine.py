@@ -13,19 +13,20 @@ from typing import Any
 
 from affinity_serve.engine.build import EngineParts, build_engine_parts
 from affinity_serve.engine.config import EngineConfig
-from affinity_serve.engine.errors import EngineError, InvalidRequestError
+from affinity_serve.engine.errors import DuplicateRequestError, EngineError, InvalidRequestError
 from affinity_serve.engine.hashing import BlockHash, check_block_hashes
 from affinity_serve.engine.kv_connector.base import KVConnectorStats
 from affinity_serve.engine.kv_connector import (KVTransport, PDConnectorScheduler, RemoteDecode, RemotePrefill,
                                                 default_local_transport, set_pd_transport)
-from affinity_serve.engine.limits import EngineLimits, check_request
-from affinity_serve.engine.outputs import EngineStepOutput, StreamDelta
+from affinity_serve.engine.limits import EngineLimits
+from affinity_serve.engine.outputs import EngineStepOutput
 from affinity_serve.engine.pacing import step_work
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.structured_output.grammar import GrammarState
 from affinity_serve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, token_ids_only_error
-from affinity_serve.engine.types import EngineLoad, KVCacheSnapshot, KVEvent, SchedulerStats, StepCost
+from affinity_serve.engine.types import (EngineLoad, EngineRequest, KVCacheSnapshot, KVEvent, RequestDelta, SchedulerStats,
+                                         StepCost)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ class _SeqState:
 
 @dataclass(slots=True)
 class _ParentState:
-    prompt_token_ids: list[int]
     num_seqs: int
     num_finished: int = 0
 
@@ -98,7 +98,7 @@ class LLMEngine:
 
     @property
     def limits(self) -> EngineLimits:
-        """The limits requests are checked against (`engine.limits.check_request`), after the KV cap."""
+        """The limits requests are checked against (`check_request`), after the KV cap."""
         return EngineLimits(self.max_model_len, self.model_args.vocab_size,
                             self.kv_cache_manager.max_tokens_capacity(), self.config.cache.block_size)
 
@@ -118,7 +118,7 @@ class LLMEngine:
         if is_chat:
             return apply_chat_template(self.tokenizer, prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return prompt                     # taken as it is: EngineRequest's contract, not copied
         raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of chat messages",
                                   param="prompt")
 
@@ -159,70 +159,88 @@ class LLMEngine:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                                       include_stop_str_in_output=p.include_stop_str_in_output)
 
-    def validate_prompt_ids(self, ids: list[int]) -> None:
-        """Token ids inside the vocabulary and a prompt that fits (max_tokens: see validate_request)."""
-        check_request(self.limits, ids, 1)
+    def make_request(self, prompt: Prompt, params: SamplingParams | None = None, *, req_id: str | None = None,
+                     **fields: Any) -> EngineRequest:
+        """An EngineRequest for a text prompt, token ids or chat messages (tokenized here); `fields` are
+        EngineRequest's (priority, cache_salt, ...). `req_id` None draws a fresh one."""
+        return EngineRequest(req_id or f"req-{uuid.uuid4().hex}", self.tokenize_prompt(prompt),
+                             params or SamplingParams(), **fields)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    trace_context: dict[str, str] | None = None,
-                    block_hashes: list[BlockHash] | None = None,
-                    kv_transfer: RemoteDecode | list[RemotePrefill] | None = None) -> list[int]:
-        """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError, changing nothing.
+    def check_request(self, request: EngineRequest) -> SamplingParams:
+        """Everything `add_request` refuses except an id in flight, as InvalidRequestError; pure, so a caller
+        may check before it queues the request. Returns the parameters the engine runs (`resolve_params`).
 
-        `kv_transfer` (P/D disaggregation, kv_connector.type pd): `RemoteDecode()` makes this a prefill for a
-        decode engine (max_tokens must be 1; each sequence's finishing delta carries its RemotePrefill), and
-        a list of RemotePrefill, one per sequence, continues those prefills here after their first tokens.
-
-        `block_hashes`: the prompt's full-block hashes, computed by the caller with `hash_block_chain` (the
-        ingress does, once, for routing); used instead of hashing the prompt again when they pass
-        `check_block_hashes`, else recomputed (logged at debug).
-        """
-        params = self.resolve_params(params or SamplingParams())
-        if request_id in self._parents:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
-        ids = self.tokenize_prompt(prompt)
-        self.validate_prompt_ids(ids)
+        The limits are checked here, once per request, unless the caller checked them against these very
+        limits (`request.checked_limits`): its n sequences share prompt and max_tokens."""
+        params = self.resolve_params(request.sampling_params)
+        limits = self.limits
+        if request.checked_limits != limits:
+            limits.check(request.prompt_token_ids, params.max_tokens)
         self._check_stop_strings(params)
         self._check_structured_output(params)
+        self._check_kv_transfer(request.kv_transfer, request.prompt_token_ids, params)
+        return params
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (n sequences if params.n > 1). Raises InvalidRequestError (DuplicateRequestError
+        for an id in flight), changing nothing.
+
+        `request.kv_transfer` (P/D disaggregation, kv_connector.type pd): `RemoteDecode()` makes this a prefill
+        for a decode engine (max_tokens must be 1; each sequence's finishing delta carries its RemotePrefill),
+        and a list of RemotePrefill, one per sequence, continues those prefills here after their first tokens.
+
+        `request.block_hashes` are used instead of hashing the prompt again when they pass
+        `check_block_hashes`, else recomputed (logged at debug).
+        """
+        self.add_checked_request(request, self.check_request(request))
+
+    def add_checked_request(self, request: EngineRequest, params: SamplingParams) -> None:
+        """`add_request` for a request `check_request` passed (`params`: what it returned), checked only for
+        its id: the engine's one duplicate-id check (between steps: it reads what the step changes)."""
+        req_id, ids = request.req_id, request.prompt_token_ids
+        seq_ids = [req_id] if params.n == 1 else [f"{req_id}#{i}" for i in range(params.n)]
+        if req_id in self._parents or any(sid in self._seqs for sid in seq_ids):
+            raise DuplicateRequestError(req_id)
+        block_hashes = request.block_hashes
         if block_hashes is not None:
-            problem = check_block_hashes(block_hashes, ids, self.config.cache.block_size, cache_salt)
+            problem = check_block_hashes(block_hashes, ids, self.config.cache.block_size, request.cache_salt)
             if problem is not None:
                 logger.debug("request %s: rehashing its prompt, the block hashes it brought are wrong: %s",
-                             request_id, problem)
+                             req_id, problem)
                 block_hashes = None
-        self._check_kv_transfer(kv_transfer, ids, params)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        reqs = []
-        for i, sid in enumerate(seq_ids):
-            # siblings share the prompt: only the first computes its logprobs, the others may hit the cache
-            p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
-                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            reqs.append(Request(sid, ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
-                                priority=priority, cache_salt=cache_salt,
-                                block_size=self.config.cache.block_size, trace_context=trace_context,
-                                block_hashes=reqs[0].block_hashes if reqs else block_hashes))
-        for i, req in enumerate(reqs):
-            if isinstance(kv_transfer, list):        # continues after the prefill's first token
-                req.kv_transfer = kv_transfer[i]
-                req.append_output_token(kv_transfer[i].first_token_id)
-            else:
-                req.kv_transfer = kv_transfer
-        for req in reqs:          # each sequence its own matcher over one (cached) compile
-            if params.structured_output is not None:
-                req.structured_output = self.structured_output.new_state(params.structured_output)
-        for req in reqs:          # all sequences share prompt and limits: validate before adding any
-            self.scheduler.validate_request(req)
+        reqs = self._sequences(request, params, seq_ids, block_hashes)
         for i, req in enumerate(reqs):
             self.scheduler.add_request(req)
             detok = self._new_detokenizer(req.sampling_params)
             if detok is not None and req.num_output_tokens:
                 detok.skip(req.output_token_ids)     # the prefill engine sent the first token's text
-            self._seqs[req.req_id] = _SeqState(request_id, i, detok, req.structured_output)
-        self._parents[request_id] = _ParentState(ids, len(seq_ids))
-        return ids
+            self._seqs[req.req_id] = _SeqState(req_id, i, detok, req.structured_output)
+        self._parents[req_id] = _ParentState(len(seq_ids))
+
+    def _sequences(self, request: EngineRequest, params: SamplingParams, seq_ids: list[str],
+                   block_hashes: list[BlockHash] | None) -> list[Request]:
+        """The scheduler's Request of each sequence: one prompt list and one hashing shared by all."""
+        arrival = time.monotonic() if request.arrival_time is None else request.arrival_time
+        kv_transfer = request.kv_transfer
+        reqs: list[Request] = []
+        for i, sid in enumerate(seq_ids):
+            # siblings share the prompt: only the first computes its logprobs, the others may hit the cache
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            req = Request(sid, request.prompt_token_ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
+                          priority=request.priority, cache_salt=request.cache_salt,
+                          block_size=self.config.cache.block_size, trace_context=request.trace_context,
+                          block_hashes=reqs[0].block_hashes if reqs else block_hashes)
+            if isinstance(kv_transfer, list):        # continues after the prefill's first token
+                req.kv_transfer = kv_transfer[i]
+                req.append_output_token(kv_transfer[i].first_token_id)
+            else:
+                req.kv_transfer = kv_transfer
+            if params.structured_output is not None:     # each sequence its own matcher over one (cached) compile
+                req.structured_output = self.structured_output.new_state(params.structured_output)
+            reqs.append(req)
+        return reqs
 
     def _check_kv_transfer(self, kv_transfer, ids: list[int], params: SamplingParams) -> None:
         if kv_transfer is None:
@@ -268,16 +286,16 @@ class LLMEngine:
             raise ValueError("kv_source needs kv_connector.type pd")
         return self._kv_connector_worker
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        self.scheduler.abort_requests([sid for rid in request_ids for sid in self._seq_ids(rid)])
+    def abort_request(self, req_ids: str | list[str]) -> None:
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        self.scheduler.abort_requests([sid for rid in req_ids for sid in self._seq_ids(rid)])
 
-    def _seq_ids(self, request_id: str) -> list[str]:
-        parent = self._parents.get(request_id)
+    def _seq_ids(self, req_id: str) -> list[str]:
+        parent = self._parents.get(req_id)
         if parent is None:
             return []
-        return [request_id] if parent.num_seqs == 1 else [f"{request_id}#{i}" for i in range(parent.num_seqs)]
+        return [req_id] if parent.num_seqs == 1 else [f"{req_id}#{i}" for i in range(parent.num_seqs)]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or self.scheduler.has_unfinished_requests()
@@ -321,58 +339,59 @@ class LLMEngine:
         self._count_step(out.stats)
         return self._process(out.outputs, out.stats)
 
-    def _process(self, outputs, stats: SchedulerStats) -> EngineStepOutput:
-        deltas: list[StreamDelta] = []
+    def _process(self, outputs: list[RequestDelta], stats: SchedulerStats) -> EngineStepOutput:
+        """The scheduler's deltas, filled in for the caller in place: keyed by request and sequence index,
+        with their text, and ended by a stop string or a finished grammar."""
+        deltas: list[RequestDelta] = []
         finished_parents: set[str] = set()
         for d in outputs:
-            seq = self._seqs.get(d.req_id)
+            seq_id = d.req_id
+            seq = self._seqs.get(seq_id)
             if seq is None:
                 continue            # already reported finished (stop string) or dropped
-            finished, reason, stop_reason = d.finished, d.finish_reason, d.stop_reason
-            if seq.grammar is not None and d.new_token_ids and not finished:
-                finished, reason = self._advance_grammar(d.req_id, seq.grammar, d.new_token_ids)
-            text = ""
+            if seq.grammar is not None and d.token_ids and not d.finished:
+                d.finish_reason = self._advance_grammar(seq_id, seq.grammar, d.token_ids)
             if seq.detok is not None:
-                text = seq.detok.update(d.new_token_ids, finished)
-                if seq.detok.stop_hit is not None and not finished:
-                    self.scheduler.finish_requests(d.req_id, RequestStatus.FINISHED_STOPPED)
-                    finished, reason, stop_reason = True, "stop", seq.detok.stop_hit
-                elif seq.detok.stop_hit is not None:
-                    reason, stop_reason = "stop", seq.detok.stop_hit
-            deltas.append(StreamDelta(seq.parent_id, seq.index, text, d.new_token_ids, finished, reason,
-                                      stop_reason, d.new_logprobs, d.num_prompt_tokens, d.num_cached_tokens,
-                                      d.first_scheduled_time, d.prompt_logprobs))
-            if finished and self.pd is not None:
-                remote = self.pd.take_transfer_params(d.req_id)
-                if remote is not None and reason != "length":     # a stop string on the first token: done
+                d.text = seq.detok.update(d.token_ids, d.finished)
+                if seq.detok.stop_hit is not None:
+                    if not d.finished:
+                        self.scheduler.finish_requests(seq_id, RequestStatus.FINISHED_STOPPED)
+                    d.finish_reason, d.stop_reason = "stop", seq.detok.stop_hit
+            d.req_id, d.index = seq.parent_id, seq.index
+            deltas.append(d)
+            if not d.finished:
+                continue
+            if self.pd is not None:
+                remote = self.pd.take_transfer_params(seq_id)
+                if remote is not None and d.finish_reason != "length":     # a stop string on the first token
                     self._kv_connector_worker.release_held(remote.transfer_id)
                     remote = None
-                deltas[-1].kv_transfer = remote
-            if finished:
-                del self._seqs[d.req_id]
-                parent = self._parents[seq.parent_id]
-                parent.num_finished += 1
-                if parent.num_finished == parent.num_seqs:
-                    del self._parents[seq.parent_id]
-                    finished_parents.add(seq.parent_id)
+                d.kv_transfer = remote
+            del self._seqs[seq_id]
+            parent = self._parents[seq.parent_id]
+            parent.num_finished += 1
+            if parent.num_finished == parent.num_seqs:
+                del self._parents[seq.parent_id]
+                finished_parents.add(seq.parent_id)
         return EngineStepOutput(deltas, finished_parents, stats)
 
-    def _advance_grammar(self, req_id: str, grammar: GrammarState, token_ids: list[int]) -> tuple[bool, str | None]:
-        """Feed a sequence's new tokens to its matcher; a grammar that has ended ends the sequence ("stop", as
-        when ignore_eos kept it going), a token outside it (a bug: the mask allows none) fails it."""
+    def _advance_grammar(self, req_id: str, grammar: GrammarState, token_ids: list[int]) -> str | None:
+        """Feed a sequence's new tokens to its matcher; the finish reason it ends with, if any: a grammar that
+        has ended ends the sequence ("stop", as when ignore_eos kept it going), a token outside it (a bug: the
+        mask allows none) fails it ("error")."""
         if not grammar.accept(token_ids):
             logger.error("request %s: sampled token(s) %s outside its grammar", req_id, token_ids)
             self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
-            return True, "error"
+            return "error"
         if grammar.is_terminated:
             self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED)
-            return True, "stop"
-        return False, None
+            return "stop"
+        return None
 
-    def _drop_parent(self, request_id: str) -> None:
-        for sid in self._seq_ids(request_id):
+    def _drop_parent(self, req_id: str) -> None:
+        for sid in self._seq_ids(req_id):
             self._seqs.pop(sid, None)
-        self._parents.pop(request_id, None)
+        self._parents.pop(req_id, None)
 
     def _count_step(self, st: SchedulerStats) -> None:
         self.num_steps += 1
@@ -424,6 +443,11 @@ class LLMEngine:
         """A copy of the KV connector's cumulative counters (None without a connector)."""
         conn = self.kv_connector
         return dataclasses.replace(conn.stats) if conn is not None else None
+
+    def take_pd_transfer_stats(self):
+        """P/D only (else None): the connector's transfer counters, the blocks held for decode engines now, and
+        the read and hold times since the last call (`PDConnectorScheduler.take_transfer_stats`; one reader)."""
+        return self.pd.take_transfer_stats() if self.pd is not None else None
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

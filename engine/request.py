@@ -73,14 +73,15 @@ class Request:
                  priority: int = 0, cache_salt: str | None = None, block_size: int = 16,
                  trace_context: dict[str, str] | None = None, block_hashes: list[BlockHash] | None = None):
         self.req_id = req_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # kept by reference (EngineRequest's contract: the caller no longer changes it); all_token_ids grows
+        self.prompt_token_ids = prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
         self.trace_context = trace_context
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         #: prompt + output tokens so far (kept as a field: read on every step's hot path)
         self.num_tokens = self.num_prompt_tokens

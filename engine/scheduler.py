@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 from affinity_serve.engine.block_pool import KVCacheBlock
 from affinity_serve.engine.config import SchedulerConfig
-from affinity_serve.engine.errors import DuplicateRequestError
 from affinity_serve.engine.kv_cache_manager import KVCacheManager
 from affinity_serve.engine.kv_connector.base import KVConnectorOutput, KVConnectorScheduler, PoolChanges
-from affinity_serve.engine.limits import EngineLimits, check_request
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.request_queue import make_queue
 from affinity_serve.engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
@@ -111,12 +109,13 @@ class Scheduler:
 
     # ================================================================== requests in
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise InvalidRequestError without changing anything."""
+        """Queue a request the engine has checked (`EngineLimits.check`, its id unique)."""
         if request.block_size != self.block_size:
             # its block hashes would never match a cached block: a silent 0% prefix-cache hit rate
             raise ValueError(f"request {request.req_id!r} has block_size {request.block_size} but the KV "
                              f"cache's block size is {self.block_size}; build requests with the cache's")
-        self.validate_request(request)
+        # the engine checked the request (limits, a unique id) before it built it: LLMEngine.add_request
+        assert request.req_id not in self.requests, f"request id {request.req_id!r} is already scheduled"
         self.requests[request.req_id] = request
         grammar = request.structured_output
         if grammar is not None and (not grammar.is_ready or grammar.error is not None):
@@ -150,14 +149,6 @@ class Scheduler:
     def _leave_waiting(self, req: Request) -> None:
         self._waiting_prefill_tokens -= req.num_tokens
         self._waiting_hit_tokens -= self._waiting_hits.pop(req.req_id, 0)
-
-    def validate_request(self, request: Request) -> None:
-        """Raise InvalidRequestError if `request` can never be served; pure (changes nothing)."""
-        if request.req_id in self.requests:
-            raise DuplicateRequestError(request.req_id)
-        # the one limits check, shared with the ingress (vocabulary ids are checked where they arrive)
-        limits = EngineLimits(self.max_model_len, None, self.kv.max_tokens_capacity())
-        check_request(limits, request.num_prompt_tokens, request.sampling_params.max_tokens)
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:
@@ -553,19 +544,19 @@ class Scheduler:
                     req.num_tokens += 1
                     if req.num_tokens % block_size == 0:
                         req.hash_new_full_blocks()
-                    deltas.append(RequestDelta(req_id, sampled, False, None, None, req.num_prompt_tokens,
-                                               req.num_cached_tokens or 0, None, req.first_scheduled_time))
+                    deltas.append(RequestDelta(req_id, 0, "", sampled, None, None, None, None, req.num_prompt_tokens,
+                                               req.num_cached_tokens or 0, req.first_scheduled_time))
                     if logprobs is not None and req_id in logprobs:
-                        deltas[-1].new_logprobs = logprobs[req_id][:1]
+                        deltas[-1].logprobs = logprobs[req_id][:1]
                     if prompt_logprobs is not None:
                         deltas[-1].prompt_logprobs = prompt_logprobs.get(req_id)
                     continue
             new_tokens = self._append_and_check_stop(req, sampled)
             finished = req.status is not running_status
-            delta = RequestDelta(req_id, new_tokens, finished, None, None, req.num_prompt_tokens,
-                                 req.num_cached_tokens or 0, None, req.first_scheduled_time)
+            delta = RequestDelta(req_id, 0, "", new_tokens, None, None, None, None, req.num_prompt_tokens,
+                                 req.num_cached_tokens or 0, req.first_scheduled_time)
             if logprobs is not None and req_id in logprobs:
-                delta.new_logprobs = logprobs[req_id][:len(new_tokens)]
+                delta.logprobs = logprobs[req_id][:len(new_tokens)]
             if prompt_logprobs is not None:
                 delta.prompt_logprobs = prompt_logprobs.get(req_id)
             if finished:
@@ -595,12 +586,11 @@ class Scheduler:
         num_before = req.num_tokens
         new_tokens = self._append_and_check_stop(req, sampled)
         self._waiting_prefill_tokens += req.num_tokens - num_before
-        delta = RequestDelta(req.req_id, new_tokens, False, None, None, req.num_prompt_tokens,
-                             req.num_cached_tokens or 0, None, req.first_scheduled_time)
+        delta = RequestDelta(req.req_id, 0, "", new_tokens, None, None, None, None, req.num_prompt_tokens,
+                             req.num_cached_tokens or 0, req.first_scheduled_time)
         if logprobs is not None and req.req_id in logprobs:
-            delta.new_logprobs = logprobs[req.req_id][:len(new_tokens)]
+            delta.logprobs = logprobs[req.req_id][:len(new_tokens)]
         if req.status.is_finished:
-            delta.finished = True
             delta.finish_reason = req.status.finish_reason.value
             delta.stop_reason = req.stop_reason
             self.waiting.remove(req)
@@ -667,7 +657,7 @@ class Scheduler:
                 self._leave_waiting(req)
             req.status = status
             self._pending_deltas.append(RequestDelta(
-                req_id, [], True, finish_reason=status.finish_reason.value,
+                req_id, 0, "", [], finish_reason=status.finish_reason.value,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens or 0))
             self._finish(req, was_running)
 

@@ -1,4 +1,4 @@
-"""Typed hand-offs between engine parts: scheduler -> runner -> scheduler -> front end.
+"""Typed hand-offs between engine parts: caller -> engine, scheduler -> runner -> scheduler -> caller.
 
 Small slotted dataclasses built every step; plain lists, never tensors.
 """
@@ -9,10 +9,44 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from affinity_serve.engine.hashing import BlockHash
+from affinity_serve.engine.limits import EngineLimits
 from affinity_serve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from affinity_serve.engine.structured_output.grammar import GrammarBitmask
+
+
+# ---------------------------------------------------------------- caller -> engine
+@dataclass(slots=True)
+class EngineRequest:
+    """One request as the engine takes it (`LLMEngine.add_request`, `AsyncLLMEngine.generate`).
+
+    Built once by its caller (the ingress for a served request, `make_request` for text prompts) and read,
+    not re-shaped, down to the scheduler's `Request`. The engine keeps `prompt_token_ids` by reference:
+    the caller must not change the list once it handed the request over.
+    """
+
+    req_id: str                                  # the engine's key, unique among requests in flight
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams              # params.n sequences; structured_output: their grammar
+    priority: int = 0                            # lower runs first under the priority policy
+    cache_salt: str | None = None                # isolates this tenant's prefix-cache blocks
+    #: the caller's W3C trace context; the engine's span continues that trace
+    trace_context: dict[str, str] | None = None
+    #: time.monotonic() in the engine's process when the request arrived; None: when it is added
+    arrival_time: float | None = None
+    #: the prompt's full-block hashes (`hash_block_chain`, the engine's block size and `cache_salt`), computed
+    #: once by the caller for routing; used instead of hashing the prompt again when they check out
+    block_hashes: list[BlockHash] | None = None
+    #: P/D disaggregation (kv_connector.type pd): `RemoteDecode()` (prefill here, hold the KV for a decode
+    #: engine) or one `RemotePrefill` per sequence (continue those prefills here)
+    kv_transfer: RemoteDecode | list[RemotePrefill] | None = None
+    #: the limits the caller already checked this request against (`EngineLimits.check`; the ingress, with
+    #: the limits a replica published): an engine whose own limits are these does not check them again
+    checked_limits: EngineLimits | None = None
+    #: work the caller does for the engine's own sake (a cache warm-up): runs like any other request and is
+    #: counted apart in `AsyncLLMEngine.load()` (num_background_*)
+    background: bool = False
 
 
 # ---------------------------------------------------------------- what a request carries for P/D
@@ -157,19 +191,32 @@ class ModelRunnerOutput:
 # ---------------------------------------------------------------- scheduler -> front end
 @dataclass(slots=True)
 class RequestDelta:
-    """What changed for one request in one step."""
+    """What one step produced for one sequence: the one output type from the scheduler to the caller.
+
+    The scheduler builds it keyed by the sequence's own id (`req_id`, `index` 0, no text); `LLMEngine` fills
+    the same object in for its caller: `req_id` becomes the request's, `index` the sequence's (< n), `text`
+    the new detokenized text, and a stop string or grammar may end it. The app's `ReplicaChunk` is this plus
+    replica metadata. `prompt_logprobs` (with `SamplingParams.prompt_logprobs`) is set once per request: on
+    index 0's delta that carries its first output token, one entry per prompt token, the first None.
+    """
 
     req_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None       # the stop token id when one ended the request
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None           # "stop" | "length" | "abort" | "error"; None while it runs
+    stop_reason: int | str | None = None       # the stop token id or stop string that ended it
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    new_logprobs: list[Logprobs] | None = None
     first_scheduled_time: float | None = None  # time.monotonic() of first admission
-    #: the whole prompt's logprobs (see ModelRunnerOutput), on the delta carrying the first output token
-    prompt_logprobs: list[Logprobs | None] | None = None
+    #: P/D: a prefill sequence's RemotePrefill (engine.kv_connector.pd), on its finishing delta
+    kv_transfer: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -172,8 +172,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         if req is None or not candidates:
             return self._load_only(candidates)
         by_key = {_replica_key(r.replica_id): r for r in candidates}
-        params = req.params
-        route = RouteRequest(req.request_id, list(req.block_hashes or []), len(req.prompt_token_ids),
+        params = req.sampling_params
+        route = RouteRequest(req.req_id, list(req.block_hashes or []), len(req.prompt_token_ids),
                              (params.max_tokens or 0) * max(1, params.n), self._self_node_id)
         decision = self.core.route(route, list(by_key))
         # Serve pickles the request's args when it sends them to the chosen replica, after this returns: the
@@ -198,7 +198,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
                 req.cached_on = None
             ids = [_replica_key(r.replica_id) for rank in ranks for r in rank]
             if req is not None and ids:
-                req.routing.value = Decision(req.request_id, ids, ids[0], Reason.FALLBACK, CandidateScores.empty(),
+                req.routing.value = Decision(req.req_id, ids, ids[0], Reason.FALLBACK, CandidateScores.empty(),
                                              0.0)
         except Exception:
             logger.exception("routing: recording the fallback decision failed")
@@ -219,10 +219,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             if req is None:
                 return
             key = _replica_key(replica_id)
-            self.core.on_routed(req.request_id, key)
+            self.core.on_routed(req.req_id, key)
             if len(self._calls) >= _MAX_TRACKED_CALLS:
                 self._calls.pop(next(iter(self._calls)))
-            self._calls.setdefault((internal_request_id(pending_request), key), []).append(req.request_id)
+            self._calls.setdefault((internal_request_id(pending_request), key), []).append(req.req_id)
         except Exception:
             logger.exception("routing: on_request_routed failed")
 

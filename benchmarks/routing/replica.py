@@ -175,7 +175,7 @@ class SimReplica:
         out = self.scheduler.update_from_output(so, self._runner_output(req_ids, sampled))
         result = StepResult()
         for delta in out.outputs:
-            if delta.new_token_ids and delta.req_id not in self._started:
+            if delta.token_ids and delta.req_id not in self._started:
                 self._started.add(delta.req_id)
                 result.first_token_ids.append(delta.req_id)
                 result.num_cached_tokens[delta.req_id] = delta.num_cached_tokens

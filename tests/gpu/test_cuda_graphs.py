@@ -79,15 +79,15 @@ def test_overlapped_decode_with_stop_tokens_and_arrivals(checkpoints, hf_referen
     params = [SamplingParams(max_tokens=30, stop_token_ids=[r[7 + i]], **GREEDY) for i, r in enumerate(refs)]
     got = {i: [] for i in range(6)}
     for i in range(3):
-        eng.add_request(str(i), prompts[i], params[i])
+        eng.add_request(eng.make_request(prompts[i], params[i], req_id=str(i)))
     steps = 0
     while eng.has_unfinished_requests():
         for d in eng.step().deltas:
-            got[int(d.request_id)].extend(d.token_ids)
+            got[int(d.req_id)].extend(d.token_ids)
         steps += 1
         if steps in (4, 9, 13):
             i = 3 + (4, 9, 13).index(steps)
-            eng.add_request(str(i), prompts[i], params[i])
+            eng.add_request(eng.make_request(prompts[i], params[i], req_id=str(i)))
     for i, r in enumerate(refs):
         stop = r[7 + i]
         assert got[i] == r[:r.index(stop) + 1], i

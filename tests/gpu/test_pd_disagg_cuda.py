@@ -27,7 +27,7 @@ def _engine(path, device, backend="torch"):
 
 
 def _run(engine, rid, prompt, params, kv):
-    engine.add_request(rid, prompt, params, kv_transfer=kv)
+    engine.add_request(engine.make_request(prompt, params, kv_transfer=kv, req_id=rid))
     toks, final = [], None
     deadline = time.monotonic() + 60
     while final is None and time.monotonic() < deadline:

@@ -39,8 +39,8 @@ def _run(eng) -> dict:
     out: dict = {}
     while eng.has_unfinished_requests():
         for d in eng.step().deltas:
-            ids, text, _ = out.get((d.request_id, d.index), ([], "", None))
-            out[(d.request_id, d.index)] = (ids + d.token_ids, text + d.text, d.finish_reason if d.finished else None)
+            ids, text, _ = out.get((d.req_id, d.index), ([], "", None))
+            out[(d.req_id, d.index)] = (ids + d.token_ids, text + d.text, d.finish_reason if d.finished else None)
     return out
 
 
@@ -49,14 +49,14 @@ def _workload(eng) -> None:
     from affinity_serve.engine.structured_output import StructuredOutputSpec
     for i, schema in enumerate(SCHEMAS):
         spec = StructuredOutputSpec.from_schema(schema)
-        eng.add_request(f"greedy{i}", f"Item {i}", SamplingParams(max_tokens=120, temperature=0.0,
-                                                                  structured_output=spec))
-        eng.add_request(f"sampled{i}", f"Item {i}", SamplingParams(n=3, max_tokens=120, temperature=1.0,
-                                                                   seed=i, structured_output=spec))
-    eng.add_request("regex", "Code:", SamplingParams(max_tokens=12, temperature=0.0, structured_output=(
-        StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}"))))
+        eng.add_request(eng.make_request(f"Item {i}", SamplingParams(max_tokens=120, temperature=0.0,
+                                                                  structured_output=spec), req_id=f"greedy{i}"))
+        eng.add_request(eng.make_request(f"Item {i}", SamplingParams(n=3, max_tokens=120, temperature=1.0,
+                                                                   seed=i, structured_output=spec), req_id=f"sampled{i}"))
+    eng.add_request(eng.make_request("Code:", SamplingParams(max_tokens=12, temperature=0.0, structured_output=(
+        StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}"))), req_id="regex"))
     for i in range(3):
-        eng.add_request(f"free{i}", [5 + i, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        eng.add_request(eng.make_request([5 + i, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), req_id=f"free{i}"))
 
 
 def _check(out) -> None:
@@ -117,18 +117,18 @@ def test_overlap_decode_launches_nothing_ahead_for_constrained_rows_on_cuda(chec
     eng, runner = llm.engine, llm.engine.runner
     if not runner.overlap_decode:
         pytest.skip("CUDA graphs were not captured here")
-    eng.add_request("json", "x", SamplingParams(max_tokens=120, temperature=0.0, structured_output=(
-        StructuredOutputSpec.from_schema(SCHEMAS[1]))))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=120, temperature=0.0, structured_output=(
+        StructuredOutputSpec.from_schema(SCHEMAS[1]))), req_id="json"))
     for i in range(4):
-        eng.add_request(f"free{i}", [9 + i, 10, 11], SamplingParams(max_tokens=200, temperature=0.0,
-                                                                   ignore_eos=True))
+        eng.add_request(eng.make_request([9 + i, 10, 11], SamplingParams(max_tokens=200, temperature=0.0,
+                                                                   ignore_eos=True), req_id=f"free{i}"))
     launched_while_constrained, text = 0, ""
     while eng.has_unfinished_requests():
         req = eng.scheduler.requests.get("json")
         constrained = req is not None and req.status is RequestStatus.RUNNING
         before = runner.num_launched_ahead
         for d in eng.step().deltas:
-            text += d.text if d.request_id == "json" else ""
+            text += d.text if d.req_id == "json" else ""
         if constrained:
             launched_while_constrained += runner.num_launched_ahead - before
     assert launched_while_constrained == 0 and runner.num_ahead_used > 0

@@ -34,7 +34,7 @@ class Replica:
 
     async def generate(self, req):
         self.calls += 1
-        yield ReplicaChunk(0, "", [7], "length", num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
+        yield ReplicaChunk("", 0, "", [7], "length", num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
 
 
 class FakeRouter:

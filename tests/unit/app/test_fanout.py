@@ -33,16 +33,16 @@ class _Streams:
         self.delays = delays
 
     async def generate(self, req):
-        for i in range(req.params.n):
+        for i in range(req.sampling_params.n):
             await asyncio.sleep(self.delays[req.prompt_token_ids[0]])
-            yield ReplicaChunk(i, f"p{req.prompt_token_ids[0]}s{i}", [1], "length", replica_id="r")
+            yield ReplicaChunk("", i, f"p{req.prompt_token_ids[0]}s{i}", [1], "length", replica_id="r")
 
 
 def test_every_prompt_gets_its_own_engine_id_and_keeps_the_client_id():
     reqs = replica_requests(_prepared(num_prompts=3), {"traceparent": "x"})
-    assert len({r.request_id for r in reqs}) == 3 and "client-id" not in {r.request_id for r in reqs}
-    assert {r.client_request_id for r in reqs} == {"client-id"} and reqs[0].trace_context == {"traceparent": "x"}
-    assert len({r.request_id for r in replica_requests(_prepared(), {})} | {reqs[0].request_id}) == 2
+    assert len({r.req_id for r in reqs}) == 3 and "client-id" not in {r.req_id for r in reqs}
+    assert {r.request_id for r in reqs} == {"client-id"} and reqs[0].trace_context == {"traceparent": "x"}
+    assert len({r.req_id for r in replica_requests(_prepared(), {})} | {reqs[0].req_id}) == 2
 
 
 async def test_merged_chunks_number_sequences_prompt_major_as_they_arrive():
@@ -69,7 +69,7 @@ async def test_a_silent_replica_is_a_503_and_its_stream_is_cancelled():
 def test_best_of_keeps_the_highest_cumulative_logprob_per_prompt():
     run = RequestRun(_prepared(num_prompts=2, n=3, num_choices=1))
     for idx, score in enumerate([-1.0, -0.2, -3.0, -5.0, -4.0, -0.1]):
-        run.add(idx, ReplicaChunk(idx % 3, f"s{idx}", [1, 2], "length",
+        run.add(idx, ReplicaChunk("", idx % 3, f"s{idx}", [1, 2], "length",
                                   logprobs=[Logprobs(1, score, 1, [], []), Logprobs(2, 0.0, 1, [], [])]))
     assert [s.text for s in run.choices()] == ["s1", "s5"]
     assert run.num_output_tokens == 12
@@ -83,7 +83,7 @@ def test_tpot_is_recorded_per_sequence_not_over_all_choices(monkeypatch):
     monkeypatch.setattr(app.fanout.time, "time_ns", lambda: now["ns"])
     for t_s, idx in [(1.0, 0), (1.0, 1), (1.1, 0), (1.2, 0), (1.3, 0), (1.3, 1), (1.4, 0)]:
         now["ns"] = int(t_s * 1e9)
-        run.add(idx, ReplicaChunk(idx, "x", [7], replica_id="r1"))
+        run.add(idx, ReplicaChunk("", idx, "x", [7], replica_id="r1"))
     record = run.record()
     assert [round(t, 6) for t in record.tpot_s] == [0.1, 0.3]
     reader = InMemoryMetricReader()

@@ -26,9 +26,9 @@ class FakeReplica:
 
     async def generate(self, req):
         self.generated.append(req)
-        for i in range(req.params.n):
+        for i in range(req.sampling_params.n):
             for t in range(self.n_tokens):
-                yield ReplicaChunk(i, "ab"[t % 2], [10 + t], "length" if t == self.n_tokens - 1 else None,
+                yield ReplicaChunk("", i, "ab"[t % 2], [10 + t], "length" if t == self.n_tokens - 1 else None,
                                    num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
 
     async def limits(self):
@@ -352,7 +352,7 @@ async def test_drain_refuses_new_requests_counts_streams_and_ends_them_on_reques
         async def generate(self, req):
             for t in range(1000):
                 await asyncio.sleep(0.01)
-                yield ReplicaChunk(0, "a", [10 + t % 5], None, replica_id="r1")
+                yield ReplicaChunk("", 0, "a", [10 + t % 5], None, replica_id="r1")
 
     ing, _ = ingress(checkpoints, Slow(), first_token_timeout_s=5)
     body = json.dumps({"prompt": [[1, 2]], "max_tokens": 60, "stream": True}).encode()

@@ -45,9 +45,9 @@ def _ingress(checkpoints, behaviour, engine=None, **serve):
 def _tokens(req, n_tokens=2, text="ab"):
     """A well-behaved replica stream: every sequence yields n_tokens tokens, then finishes."""
     async def gen():
-        for i in range(req.params.n):
+        for i in range(req.sampling_params.n):
             for t in range(n_tokens):
-                yield ReplicaChunk(i, text[t % len(text)], [10 + t], "length" if t == n_tokens - 1 else None,
+                yield ReplicaChunk("", i, text[t % len(text)], [10 + t], "length" if t == n_tokens - 1 else None,
                                    num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
     return gen()
 
@@ -112,7 +112,7 @@ async def test_failure_after_stream_started_is_an_sse_error_then_done(checkpoint
     from affinity_serve.app.http import sse
 
     async def dies(req):
-        yield ReplicaChunk(0, "Hel", [5], replica_id="r1")
+        yield ReplicaChunk("", 0, "Hel", [5], replica_id="r1")
         raise APIError("generation failed inside the engine", 500, "server_error", None, "engine_error")
 
     ing, _ = _ingress(checkpoints, dies)
@@ -167,8 +167,8 @@ async def test_reused_client_request_id_never_becomes_the_engine_key(checkpoints
                                   for _ in range(4)])
     multi = await ing.completions({"prompt": ["a", "b"], "max_tokens": 2, "request_id": "body-id"})
     assert all(o["id"] == "same" for o in outs) and multi["id"] == "body-id"
-    assert [r.client_request_id for r in seen] == ["same"] * 4 + ["body-id"] * 2
-    assert len({r.request_id for r in seen}) == 6 and not {r.request_id for r in seen} & {"same", "body-id"}
+    assert [r.request_id for r in seen] == ["same"] * 4 + ["body-id"] * 2
+    assert len({r.req_id for r in seen}) == 6 and not {r.req_id for r in seen} & {"same", "body-id"}
 
 
 async def test_same_client_id_concurrently_on_one_real_replica(checkpoints):
@@ -229,14 +229,14 @@ async def test_best_of_returns_the_n_most_likely_of_best_of_and_bills_them_all(c
 
     async def scored(req):
         seen.append(req)
-        for i in range(req.params.n):
+        for i in range(req.sampling_params.n):
             lp = Logprobs(7, scores[i] / 2, 1, [], [])
-            yield ReplicaChunk(i, f"s{i}", [7], None, logprobs=[lp], replica_id="r1")
-            yield ReplicaChunk(i, "!", [7], "length", logprobs=[lp], replica_id="r1")
+            yield ReplicaChunk("", i, f"s{i}", [7], None, logprobs=[lp], replica_id="r1")
+            yield ReplicaChunk("", i, "!", [7], "length", logprobs=[lp], replica_id="r1")
 
     ing, _ = _ingress(checkpoints, scored)
     out = await ing.completions({"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 4})
-    assert seen[0].params.n == 4 and seen[0].params.logprobs == 0       # ranking needs each token's logprob
+    assert seen[0].sampling_params.n == 4 and seen[0].sampling_params.logprobs == 0       # ranking needs each token's logprob
     assert [c["text"] for c in out["choices"]] == ["s1!", "s3!"] and [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["logprobs"] is None for c in out["choices"])           # not asked for
     assert out["usage"]["completion_tokens"] == 8                       # all best_of sequences
@@ -249,11 +249,11 @@ async def test_stream_holds_a_siblings_chunks_until_its_prompts_logprobs_arrive(
     """The engine scores a prompt once, on sequence 0 with its first token: sequence 1 may come first."""
     async def sibling_first(req):
         prompt_lps = [None] + [Logprobs(t, -1.0, 1, [], []) for t in req.prompt_token_ids[1:]]
-        yield ReplicaChunk(1, "x", [7], None, logprobs=[Logprobs(7, -0.5, 1, [], [])], replica_id="r1")
-        yield ReplicaChunk(0, "y", [8], None, logprobs=[Logprobs(8, -0.5, 1, [], [])], prompt_logprobs=prompt_lps,
+        yield ReplicaChunk("", 1, "x", [7], None, logprobs=[Logprobs(7, -0.5, 1, [], [])], replica_id="r1")
+        yield ReplicaChunk("", 0, "y", [8], None, logprobs=[Logprobs(8, -0.5, 1, [], [])], prompt_logprobs=prompt_lps,
                            replica_id="r1")
-        yield ReplicaChunk(1, "z", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
-        yield ReplicaChunk(0, "w", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
+        yield ReplicaChunk("", 1, "z", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
+        yield ReplicaChunk("", 0, "w", [9], "length", logprobs=[Logprobs(9, -0.5, 1, [], [])], replica_id="r1")
 
     ing, _ = _ingress(checkpoints, sibling_first)
     body = {"prompt": [5, 6], "n": 2, "max_tokens": 2, "echo": True, "logprobs": 0, "stream": True}
@@ -285,9 +285,9 @@ async def test_token_ids_only_mode_loads_no_tokenizer_and_refuses_text(checkpoin
 
     async def with_logprobs(req):
         lp = Logprobs(11, -0.1, 1, [11, 12], [-0.1, -2.0])
-        assert req.params.prompt_logprobs == 1        # echo + logprobs: the prompt is scored too
+        assert req.sampling_params.prompt_logprobs == 1        # echo + logprobs: the prompt is scored too
         prompt_lps = [None] + [Logprobs(t, -1.0, 2, [12], [-0.5]) for t in req.prompt_token_ids[1:]]
-        yield ReplicaChunk(0, "", [11], "length", logprobs=[lp], prompt_logprobs=prompt_lps, replica_id="r1")
+        yield ReplicaChunk("", 0, "", [11], "length", logprobs=[lp], prompt_logprobs=prompt_lps, replica_id="r1")
 
     ing, _ = _ingress(checkpoints, with_logprobs, engine={"skip_tokenizer_init": True})
     for call, body, param in [(ing.completions, {"prompt": "text"}, "prompt"),
@@ -367,7 +367,7 @@ async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(rep.engine.engine.runner, "execute_model", boom)
-    req = GenerateRequest("engine-key-1", [5, 6, 7], SamplingParams(max_tokens=3), client_request_id="client-1")
+    req = GenerateRequest("engine-key-1", [5, 6, 7], SamplingParams(max_tokens=3), request_id="client-1")
     with pytest.raises(APIError) as e:
         async for _ in rep.generate(req):
             pass
@@ -376,7 +376,7 @@ async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(
     assert len(with_trace) == 1 and "engine-key-1" in with_trace[0].getMessage()
     failed = next(rec for rec in app_logs.records if rec.getMessage() == "sequence failed")
     assert failed.levelno == logging.ERROR and not failed.exc_info
-    assert (failed.request_id, failed.engine_req_id) == ("client-1", "engine-key-1")
+    assert (failed.request_id, failed.req_id) == ("client-1", "engine-key-1")
     await rep.engine.shutdown()
 
 

@@ -35,7 +35,7 @@ async def test_replica_serves_its_kv_feed_as_plain_values_with_events_always_on(
 
 async def test_the_ingress_sends_each_prompts_engine_hashes():
     async def behaviour(req):
-        yield ReplicaChunk(0, "x", [1], "length", num_prompt_tokens=len(req.prompt_token_ids))
+        yield ReplicaChunk("", 0, "x", [1], "length", num_prompt_tokens=len(req.prompt_token_ids))
 
     class Fake:
         async def generate(self, req):

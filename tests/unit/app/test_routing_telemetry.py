@@ -39,11 +39,11 @@ class RoutedReplica:
         return LIMITS
 
     async def generate(self, req):
-        req.routing.value = _decision(req.request_id)
+        req.routing.value = _decision(req.req_id)
         if self.fail:
             raise RuntimeError("replica died")
         for t in range(2):
-            yield ReplicaChunk(0, "", [10 + t], "length" if t else None, num_prompt_tokens=len(req.prompt_token_ids),
+            yield ReplicaChunk("", 0, "", [10 + t], "length" if t else None, num_prompt_tokens=len(req.prompt_token_ids),
                                num_cached_tokens=self.cached, replica_id=self.ran_on)
 
 
@@ -106,7 +106,7 @@ async def test_a_request_run_elsewhere_is_scored_where_it_ran_and_each_prompt_is
 async def test_without_a_router_the_span_has_no_routing_attributes():
     class Unrouted(RoutedReplica):
         async def generate(self, req):
-            yield ReplicaChunk(0, "", [1], "length", num_prompt_tokens=4, replica_id="r1")
+            yield ReplicaChunk("", 0, "", [1], "length", num_prompt_tokens=4, replica_id="r1")
 
     serving, spans, reader = _serving(Unrouted())
     await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3, 4], max_tokens=1), "c", {})
@@ -117,8 +117,8 @@ async def test_without_a_router_the_span_has_no_routing_attributes():
 async def test_a_fallback_decision_has_empty_candidate_lists_and_no_ttft():
     class Fallback(RoutedReplica):
         async def generate(self, req):
-            req.routing.value = Decision(req.request_id, ["r1"], "r1", Reason.FALLBACK, CandidateScores.empty(), 0.0)
-            yield ReplicaChunk(0, "", [1], "length", num_prompt_tokens=4, num_cached_tokens=4, replica_id="r1")
+            req.routing.value = Decision(req.req_id, ["r1"], "r1", Reason.FALLBACK, CandidateScores.empty(), 0.0)
+            yield ReplicaChunk("", 0, "", [1], "length", num_prompt_tokens=4, num_cached_tokens=4, replica_id="r1")
 
     serving, spans, _ = _serving(Fallback())
     await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3, 4], max_tokens=1), "c", {})

@@ -44,7 +44,7 @@ class TextReplica:
         self.prompts.append(req.prompt_token_ids)
         pieces = [self.text[i:i + 4] for i in range(0, len(self.text), 4)] or [""]
         for n, piece in enumerate(pieces):
-            yield ReplicaChunk(0, piece, [10], "stop" if n == len(pieces) - 1 else None,
+            yield ReplicaChunk("", 0, piece, [10], "stop" if n == len(pieces) - 1 else None,
                                num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
 
     async def limits(self):

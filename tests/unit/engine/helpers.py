@@ -58,7 +58,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000, **kw) -> dict[s
             break
         _, out = step(sched, **kw)
         for d in out.outputs:
-            outputs.setdefault(d.req_id, []).extend(d.new_token_ids)
+            outputs.setdefault(d.req_id, []).extend(d.token_ids)
     assert not sched.has_unfinished_requests(), "scheduler did not drain"
     return outputs
 

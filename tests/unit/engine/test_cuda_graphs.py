@@ -242,19 +242,19 @@ def test_arrivals_aborts_and_preemption_between_overlapped_steps(checkpoints, hf
     want = {f"r{i}": hf_reference(path, p, 16) for i, p in enumerate(prompts)}
     got: dict[str, list[int]] = {r: [] for r in want}
     params = SamplingParams(max_tokens=16, **GREEDY)
-    eng.add_request("r0", prompts[0], params)
-    eng.add_request("r1", prompts[1], params)
+    eng.add_request(eng.make_request(prompts[0], params, req_id="r0"))
+    eng.add_request(eng.make_request(prompts[1], params, req_id="r1"))
     steps = 0
     aborted = False
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
         for d in out.deltas:
-            got[d.request_id].extend(d.token_ids)
+            got[d.req_id].extend(d.token_ids)
         if steps == 5:
-            eng.add_request("r2", prompts[2], params)               # arrives mid-decode
+            eng.add_request(eng.make_request(prompts[2], params, req_id="r2"))               # arrives mid-decode
         if steps == 8:
-            eng.add_request("r3", prompts[3], params)
+            eng.add_request(eng.make_request(prompts[3], params, req_id="r3"))
         if not aborted and len(got["r3"]) >= 3:
             eng.abort_request("r3")
             aborted = True

@@ -109,14 +109,14 @@ def test_abort_mid_stream_frees_blocks_others_unaffected(checkpoints, hf_referen
     eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 4}))
     prompts = _prompts(3, lo=8, hi=12, seed=5)
     for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=10, **GREEDY))
+        eng.add_request(eng.make_request(p, SamplingParams(max_tokens=10, **GREEDY), req_id=f"r{i}"))
     got = {f"r{i}": [] for i in range(3)}
     steps = 0
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
         for d in out.deltas:
-            got[d.request_id] += d.token_ids
+            got[d.req_id] += d.token_ids
         if steps == 3:
             eng.abort_request("r1")
     assert got["r0"] == hf_reference(path, prompts[0], 10)

@@ -20,8 +20,8 @@ def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):
         return real(so)
 
     monkeypatch.setattr(eng.runner, "execute_model", flaky)
-    eng.add_request("a", [5, 6, 7, 8, 9], SamplingParams(n=2, max_tokens=50, temperature=1.0, seed=1,
-                                                        ignore_eos=True))
+    eng.add_request(eng.make_request([5, 6, 7, 8, 9], SamplingParams(n=2, max_tokens=50, temperature=1.0, seed=1,
+                                                        ignore_eos=True), req_id="a"))
     with pytest.raises(StepError) as e:
         eng.step()
     assert e.value.req_ids == {"a"}
@@ -30,10 +30,10 @@ def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):
     pool = eng.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
     # the engine keeps serving: a later request runs to completion and nothing of "a" comes back
-    eng.add_request("b", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    eng.add_request(eng.make_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), req_id="b"))
     seen = set()
     while eng.has_unfinished_requests():
-        seen |= {d.request_id for d in eng.step().deltas}
+        seen |= {d.req_id for d in eng.step().deltas}
     assert seen == {"b"}
     assert pool.num_free_blocks == pool.num_blocks - 1
 
@@ -45,13 +45,13 @@ def test_schedule_ahead_with_preemption_keeps_runner_and_scheduler_in_step(check
                                  scheduler={"long_prefill_token_threshold": 4}))
     greedy = dict(temperature=0.0, ignore_eos=True)
     prompts = {"c": [30 + i for i in range(12)], "a": [10, 11, 12, 13]}
-    eng.add_request("c", prompts["c"], SamplingParams(max_tokens=1, **greedy))
-    eng.add_request("a", prompts["a"], SamplingParams(max_tokens=3, **greedy))
+    eng.add_request(eng.make_request(prompts["c"], SamplingParams(max_tokens=1, **greedy), req_id="c"))
+    eng.add_request(eng.make_request(prompts["a"], SamplingParams(max_tokens=3, **greedy), req_id="a"))
     got = {"a": [], "c": []}
 
     def collect(step_output):
         for d in step_output.deltas:
-            got[d.request_id] += d.token_ids
+            got[d.req_id] += d.token_ids
 
     collect(eng.step())
     sched, runner = eng.scheduler, eng.runner

@@ -123,7 +123,7 @@ def _drain(sched, conn, max_steps=2000):
             break
         _, out = _step(sched, conn)
         for d in out.outputs:
-            outs.setdefault(d.req_id, []).extend(d.new_token_ids)
+            outs.setdefault(d.req_id, []).extend(d.token_ids)
     assert not sched.has_unfinished_requests(), "scheduler did not drain"
     return outs
 
@@ -405,7 +405,7 @@ def test_a_load_in_flight_survives_preemption_of_running_requests():
 
     def collect(out):
         for d in out.outputs:
-            outs.setdefault(d.req_id, []).extend(d.new_token_ids)
+            outs.setdefault(d.req_id, []).extend(d.token_ids)
     collect(_step(sched, conn)[1])
     conn.max_delay = 6
     sched.add_request(make_request("c", prompt + [1], block_size=BS, max_tokens=2))

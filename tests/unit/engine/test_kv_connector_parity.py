@@ -115,7 +115,7 @@ def test_shared_store_isolation_model_dtype_and_salt(checkpoints, hf_reference, 
     assert cached == [0]
     same = _llm(checkpoints["llama"], cfg, num_blocks=32)
     eng = same.engine
-    eng.add_request("salted", p, SamplingParams(max_tokens=2, **GREEDY), cache_salt="tenant-b")
+    eng.add_request(eng.make_request(p, SamplingParams(max_tokens=2, **GREEDY), cache_salt="tenant-b", req_id="salted"))
     cached_salted = []
     while eng.has_unfinished_requests():
         cached_salted += [d.num_cached_tokens for d in eng.step().deltas]

@@ -2,7 +2,7 @@
 import pytest
 
 from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
-from affinity_serve.engine.limits import EngineLimits, check_request, check_request_fits_context
+from affinity_serve.engine.limits import EngineLimits
 
 LIMITS = EngineLimits(max_model_len=16, vocab_size=100, max_kv_tokens=32)
 
@@ -16,27 +16,27 @@ LIMITS = EngineLimits(max_model_len=16, vocab_size=100, max_kv_tokens=32)
     ([1, -1], 4, InvalidRequestError, "prompt"),
     ([1, 2], 0, InvalidRequestError, "max_tokens"),
 ])
-def test_check_request_rejects(prompt, max_tokens, err, param):
+def test_check_rejects(prompt, max_tokens, err, param):
     with pytest.raises(err) as e:
-        check_request(LIMITS, prompt, max_tokens)
+        LIMITS.check(prompt, max_tokens)
     assert e.value.param == param and e.value.code and e.value.message
 
 
-def test_check_request_accepts_and_caps_output_at_the_context():
-    check_request(LIMITS, [1, 99], 1000)             # stops at max_model_len with finish_reason "length"
-    check_request(EngineLimits(16, None, 32), [10**6], 4)   # no vocabulary known: ids are not range-checked
+def test_check_accepts_and_caps_output_at_the_context():
+    LIMITS.check([1, 99], 1000)             # stops at max_model_len with finish_reason "length"
+    EngineLimits(16, None, 32).check([10**6], 4)   # no vocabulary known: ids are not range-checked
     with pytest.raises(ContextLengthExceededError) as e:
-        check_request(EngineLimits(max_model_len=64, vocab_size=None, max_kv_tokens=32), 10, 100)
+        EngineLimits(max_model_len=64, vocab_size=None, max_kv_tokens=32).check(10, 100)
     assert e.value.param == "max_tokens" and "KV cache" in e.value.message
 
 
 def test_the_api_contract_also_needs_prompt_plus_max_tokens_in_the_context():
-    check_request_fits_context(LIMITS, [1] * 10, 6)
+    LIMITS.check_fits_context([1] * 10, 6)
     with pytest.raises(ContextLengthExceededError) as e:
-        check_request_fits_context(LIMITS, [1] * 10, 7)
+        LIMITS.check_fits_context([1] * 10, 7)
     assert e.value.param == "max_tokens" and "16" in e.value.message
     with pytest.raises(ContextLengthExceededError) as e:
-        check_request_fits_context(LIMITS, [1] * 20, 1)
+        LIMITS.check_fits_context([1] * 20, 1)
     assert e.value.param == "prompt"
 
 

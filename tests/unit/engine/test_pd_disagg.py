@@ -31,13 +31,13 @@ def _engine(path, num_blocks=64, transfer_timeout_s=30.0, load_timeout_s=30.0, *
 
 def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0):
     """Add one request and step until it finishes: (token ids per sequence, finishing deltas by index)."""
-    engine.add_request(rid, prompt, params, kv_transfer=kv_transfer)
+    engine.add_request(engine.make_request(prompt, params, kv_transfer=kv_transfer, req_id=rid))
     toks: dict[int, list[int]] = {}
     final = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for d in engine.step().deltas:
-            if d.request_id != rid:
+            if d.req_id != rid:
                 continue
             toks.setdefault(d.index, []).extend(d.token_ids)
             if d.finished:
@@ -160,17 +160,17 @@ def test_read_starts_on_arrival_not_at_admission(checkpoints, hf_reference):
     path = checkpoints["llama"]
     p, d = _engine(path), _engine(path, scheduler={"max_num_seqs": 1})
     busy, late = _ids(30, 41), _ids(50, 42)
-    d.add_request("busy", busy, SamplingParams(max_tokens=40, **GREEDY))
+    d.add_request(d.make_request(busy, SamplingParams(max_tokens=40, **GREEDY), req_id="busy"))
     for _ in range(3):
         d.step()
     params = SamplingParams(max_tokens=6, **GREEDY)
     first, remotes = _prefill(p, "late", late, params)
-    d.add_request("late", late, params, kv_transfer=remotes)
+    d.add_request(d.make_request(late, params, kv_transfer=remotes, req_id="late"))
     seen_loaded_while_busy = False
     toks: dict[str, list[int]] = {"busy": [], "late": []}
     for _ in range(200):
         for delta in d.step().deltas:
-            toks[delta.request_id].extend(delta.token_ids)
+            toks[delta.req_id].extend(delta.token_ids)
         if d.pd.stats.loads_ok == 1 and "busy" in d.scheduler.requests:
             seen_loaded_while_busy = True
         if not d.has_unfinished_requests():
@@ -275,15 +275,15 @@ def test_abort_storm_leaks_nothing_on_either_side(checkpoints):
     prompts = [_ids(rng.randrange(5, 90), 300 + i) for i in range(24)]
     remotes = {}
     for i, prompt in enumerate(prompts):
-        p.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, **GREEDY), kv_transfer=RemoteDecode())
+        p.add_request(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY), kv_transfer=RemoteDecode(), req_id=f"p{i}"))
     live_p = {f"p{i}" for i in range(len(prompts))}
     live_d: set[str] = set()
     for step in range(400):
         for d_ in p.step().deltas:
             if d_.finished:
-                live_p.discard(d_.request_id)
+                live_p.discard(d_.req_id)
                 if d_.kv_transfer is not None:
-                    remotes[d_.request_id] = d_.kv_transfer
+                    remotes[d_.req_id] = d_.kv_transfer
         if step % 3 == 0 and live_p:                         # abort prefills mid-flight
             victim = rng.choice(sorted(live_p))
             p.abort_request(victim)
@@ -293,11 +293,11 @@ def test_abort_storm_leaks_nothing_on_either_side(checkpoints):
             r = remotes.pop(rid)
             if rng.random() < 0.2:
                 continue                                     # this decode never comes: P's timeout frees it
-            d.add_request(f"d{i}", prompts[i], SamplingParams(max_tokens=12, **GREEDY), kv_transfer=[r])
+            d.add_request(d.make_request(prompts[i], SamplingParams(max_tokens=12, **GREEDY), kv_transfer=[r], req_id=f"d{i}"))
             live_d.add(f"d{i}")
         for d_ in d.step().deltas:
             if d_.finished:
-                live_d.discard(d_.request_id)
+                live_d.discard(d_.req_id)
         if step % 2 == 0 and live_d:                         # abort decodes waiting for KV or running
             victim = rng.choice(sorted(live_d))
             d.abort_request(victim)
@@ -316,17 +316,17 @@ def test_bad_kv_transfer_requests_are_rejected(pair):
     path, p, d = pair
     prompt = _ids(20, 1)
     with pytest.raises(InvalidRequestError, match="exactly one token"):
-        p.add_request("a", prompt, SamplingParams(max_tokens=4), kv_transfer=RemoteDecode())
+        p.add_request(p.make_request(prompt, SamplingParams(max_tokens=4), kv_transfer=RemoteDecode(), req_id="a"))
     remote = RemotePrefill("x", "y", d.pd.layout_key, 20, 2, 5)
     with pytest.raises(InvalidRequestError, match="n=2"):
-        d.add_request("b", prompt, SamplingParams(max_tokens=4, n=2), kv_transfer=[remote])
+        d.add_request(d.make_request(prompt, SamplingParams(max_tokens=4, n=2), kv_transfer=[remote], req_id="b"))
     with pytest.raises(InvalidRequestError, match="another length"):
-        d.add_request("c", prompt[:-1], SamplingParams(max_tokens=4), kv_transfer=[remote])
+        d.add_request(d.make_request(prompt[:-1], SamplingParams(max_tokens=4), kv_transfer=[remote], req_id="c"))
     with pytest.raises(InvalidRequestError, match="only token"):
-        d.add_request("d", prompt, SamplingParams(max_tokens=1), kv_transfer=[remote])
+        d.add_request(d.make_request(prompt, SamplingParams(max_tokens=1), kv_transfer=[remote], req_id="d"))
     plain = LLM(path, cache={"num_blocks": 16, "block_size": BS}).engine
     with pytest.raises(InvalidRequestError, match="kv_connector.type pd"):
-        plain.add_request("e", prompt, SamplingParams(max_tokens=1), kv_transfer=RemoteDecode())
+        plain.add_request(plain.make_request(prompt, SamplingParams(max_tokens=1), kv_transfer=RemoteDecode(), req_id="e"))
     assert not p.scheduler.requests and not d.scheduler.requests
 
 

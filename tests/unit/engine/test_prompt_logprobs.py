@@ -45,7 +45,7 @@ def _run(engine: LLMEngine) -> dict[str, list]:
     while engine.has_unfinished_requests():
         for d in engine.step().deltas:
             if d.prompt_logprobs is not None:
-                seen.setdefault(d.request_id, []).append((d.index, d.prompt_logprobs))
+                seen.setdefault(d.req_id, []).append((d.index, d.prompt_logprobs))
     return seen
 
 
@@ -86,7 +86,7 @@ def test_skip_prefix_cache_but_leave_blocks_cacheable(checkpoints, hf_reference)
     eng = LLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": 8}))
 
     def run(rid, **kw):
-        eng.add_request(rid, ids, SamplingParams(max_tokens=3, **GREEDY, **kw))
+        eng.add_request(eng.make_request(ids, SamplingParams(max_tokens=3, **GREEDY, **kw), req_id=rid))
         out = {"plp": [], "cached": None}
         while eng.has_unfinished_requests():
             for d in eng.step().deltas:
@@ -135,7 +135,7 @@ def test_preemption_during_prefill_delivers_once_and_complete(checkpoints, hf_re
 
     eng.scheduler._preempt = spy
     for i, ids in enumerate(prompts):
-        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=16, prompt_logprobs=1, **GREEDY))
+        eng.add_request(eng.make_request(ids, SamplingParams(max_tokens=16, prompt_logprobs=1, **GREEDY), req_id=f"r{i}"))
     seen = _run(eng)
     assert any(n_out == 0 for _, n_out in victims), "no request was preempted during its prefill"
     assert any(n_out > 0 for _, n_out in victims), "no request was preempted after its prompt"
@@ -154,7 +154,7 @@ def test_n2_computes_once_and_reports_on_index_0(checkpoints, hf_reference):
     rows = []
     compute_logits = eng.runner.model.compute_logits
     eng.runner.model.compute_logits = lambda h: rows.append(h.shape[0]) or compute_logits(h)
-    eng.add_request("p", ids, SamplingParams(n=2, max_tokens=4, prompt_logprobs=4, temperature=1.0, seed=3))
+    eng.add_request(eng.make_request(ids, SamplingParams(n=2, max_tokens=4, prompt_logprobs=4, temperature=1.0, seed=3), req_id="p"))
     seen = _run(eng)
     assert [index for index, _ in seen["p"]] == [0]
     _check(hf_reference, path, ids, seen["p"][0][1], 4)
@@ -174,7 +174,7 @@ def test_no_extra_logits_without_prompt_logprobs(checkpoints):
     compute_logits = eng.runner.model.compute_logits
     eng.runner.model.compute_logits = lambda h: rows.append(h.shape[0]) or compute_logits(h)
     for i, ids in enumerate(_prompts(3, lo=20, hi=40, seed=35)):
-        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=5, logprobs=2, **GREEDY))
+        eng.add_request(eng.make_request(ids, SamplingParams(max_tokens=5, logprobs=2, **GREEDY), req_id=f"r{i}"))
     assert _run(eng) == {}
     assert sum(rows) == 3 * 5                           # one logits row per sampled token, nothing else
 
@@ -192,7 +192,7 @@ def test_kept_for_a_request_preempted_before_its_first_token_arrived():
     assert so1.num_scheduled_tokens == {"c": 4, "a": 4} and so2.preempted_req_ids == {"a"}
     plp = [None] + [Logprobs(11 + i, -1.0, 1, [], []) for i in range(7)]
     out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]], None, {"a": plp}))
-    assert [(d.req_id, d.new_token_ids, d.prompt_logprobs) for d in out.outputs] == [("a", [61], plp)]
+    assert [(d.req_id, d.token_ids, d.prompt_logprobs) for d in out.outputs] == [("a", [61], plp)]
     assert s.kv.get_computed_blocks(s.requests["a"])[1] == 4       # owes nothing now: reads the cache
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from affinity_serve.engine.errors import ContextLengthExceededError, DuplicateRequestError, InvalidRequestError
+from affinity_serve.engine.errors import ContextLengthExceededError, InvalidRequestError
+from affinity_serve.engine.limits import EngineLimits
 from affinity_serve.engine.request import RequestStatus
 from affinity_serve.engine.types import ModelRunnerOutput
 
@@ -19,7 +20,7 @@ def test_chunked_prefill_splits_prompt_across_steps():
     assert so.num_scheduled_tokens == {"a": 8} and so.scheduled_cached_reqs.num_computed_tokens == [8]
     so, out = step(s)
     assert so.num_scheduled_tokens == {"a": 4}
-    assert len(out.outputs) == 1 and len(out.outputs[0].new_token_ids) == 1   # first token sampled
+    assert len(out.outputs) == 1 and len(out.outputs[0].token_ids) == 1   # first token sampled
     so, out = step(s)
     assert so.num_scheduled_tokens == {"a": 1} and out.outputs[0].finish_reason == "length"
     assert_all_blocks_free(s)
@@ -186,7 +187,7 @@ def test_fcfs_preempts_newest_and_resumes_identically():
         so, out = step(s, token_fn=_greedy)
         preempted += sorted(so.preempted_req_ids)
         for d in out.outputs:
-            outs.setdefault(d.req_id, []).extend(d.new_token_ids)
+            outs.setdefault(d.req_id, []).extend(d.token_ids)
     assert preempted and preempted[0] == "c"          # the most recently admitted goes first
     assert outs == expected
     assert s.make_stats().num_preemptions_total == len(preempted)
@@ -246,7 +247,7 @@ def _run_one(s, req, tokens):
     while s.has_unfinished_requests():
         _, out = step(s, token_fn=lambda rid, n: next(it))
         for d in out.outputs:
-            got += d.new_token_ids
+            got += d.token_ids
             reason, stop_reason = d.finish_reason, d.stop_reason
     assert_all_blocks_free(s)
     return got, reason, stop_reason
@@ -290,7 +291,7 @@ def test_tokens_after_stop_in_one_step_are_dropped():
     so = s.schedule()
     from affinity_serve.engine.types import ModelRunnerOutput
     out = s.update_from_output(so, ModelRunnerOutput(["a"], [[4, 7, 8, 9]]))
-    assert out.outputs[0].new_token_ids == [4, 7] and out.outputs[0].finished
+    assert out.outputs[0].token_ids == [4, 7] and out.outputs[0].finished
 
 
 # ---------------------------------------------------------------- abort
@@ -336,7 +337,7 @@ def test_output_for_aborted_request_is_dropped():
     s.abort_requests("a")
     from affinity_serve.engine.types import ModelRunnerOutput
     out = s.update_from_output(so, ModelRunnerOutput(["a"], [[5]]))
-    assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in out.outputs] == [("a", [], "abort")]
+    assert [(d.req_id, d.token_ids, d.finish_reason) for d in out.outputs] == [("a", [], "abort")]
     assert_all_blocks_free(s)
 
 
@@ -347,23 +348,19 @@ def test_output_for_aborted_request_is_dropped():
     (dict(prompt=10, max_tokens=100), ContextLengthExceededError, "max_tokens"),
 ])
 def test_bad_requests_rejected_without_side_effects(kwargs, err, param):
+    """The engine checks a request against its limits (here: this scheduler's) before the scheduler sees it:
+    a request that could never be served is refused whole (test_request_contract pins where)."""
     s = make_scheduler(num_blocks=9, max_model_len=64)     # KV holds 32 tokens
-    s.add_request(make_request("ok", 4))
-    step(s)
-    before = (dict(s.requests), list(s.running), len(s.waiting), s.kv.pool.num_free_blocks)
+    limits = EngineLimits(s.max_model_len, None, s.kv.max_tokens_capacity(), s.block_size)
+    prompt = kwargs["prompt"]
     with pytest.raises(err) as e:
-        s.add_request(make_request("bad", kwargs.pop("prompt"), **kwargs))
+        limits.check(prompt if isinstance(prompt, int) else len(prompt), kwargs.get("max_tokens", 8))
     assert e.value.param == param and str(e.value)
-    assert (dict(s.requests), list(s.running), len(s.waiting), s.kv.pool.num_free_blocks) == before
-    run_to_completion(s)
-    assert_all_blocks_free(s)
 
 
-def test_duplicate_id_and_bad_max_tokens():
+def test_bad_max_tokens_and_ids_reused_once_finished():
     s = make_scheduler()
     s.add_request(make_request("a", 3))
-    with pytest.raises(DuplicateRequestError):
-        s.add_request(make_request("a", 3))
     with pytest.raises(InvalidRequestError) as e:
         make_request("b", 3, max_tokens=0)
     assert e.value.param == "max_tokens"
@@ -426,7 +423,7 @@ def test_schedule_twice_without_update_skips_requests_in_flight():
     assert so1.num_scheduled_tokens == {"a": 512} and so2.num_scheduled_tokens == {"b": 512}
     out1 = s.update_from_output(so1, ModelRunnerOutput(["a"], [[7]]))
     out2 = s.update_from_output(so2, ModelRunnerOutput(["b"], [[8]]))
-    assert [(d.req_id, d.new_token_ids) for d in out1.outputs + out2.outputs] == [("a", [7]), ("b", [8])]
+    assert [(d.req_id, d.token_ids) for d in out1.outputs + out2.outputs] == [("a", [7]), ("b", [8])]
     assert run_to_completion(s) == {"a": [50 + 513, 50 + 514], "b": [50 + 513, 50 + 514]}
     assert_all_blocks_free(s)
 
@@ -449,7 +446,7 @@ def test_token_for_request_preempted_before_its_output_arrives_is_kept():
     a = s.requests["a"]
     out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [61]]))
     # computed from valid KV before the preemption: appended, reported, recomputed on resumption
-    assert [(d.req_id, d.new_token_ids, d.finished) for d in out.outputs] == [("a", [61], False)]
+    assert [(d.req_id, d.token_ids, d.finished) for d in out.outputs] == [("a", [61], False)]
     assert a.status is RequestStatus.PREEMPTED and a.num_computed_tokens == 0
     assert a.all_token_ids == [10, 11, 12, 13, 50 + 4, 61] and a.num_tokens == 6
     assert s.kv.num_cached_block["c"] == 2        # so1 computed c's blocks 0-1; block 2 is still in flight
@@ -466,7 +463,7 @@ def test_token_for_request_preempted_before_its_output_arrives_is_kept():
 def test_stop_token_for_preempted_request_finishes_it():
     s, so1, so2 = _preempted_while_in_flight()
     out = s.update_from_output(so1, ModelRunnerOutput(["c", "a"], [[], [EOS]]))
-    assert [(d.req_id, d.new_token_ids, d.finish_reason) for d in out.outputs] == [("a", [EOS], "stop")]
+    assert [(d.req_id, d.token_ids, d.finish_reason) for d in out.outputs] == [("a", [EOS], "stop")]
     assert out.finished_req_ids == {"a"} and "a" not in s.requests and len(s.waiting) == 0
     s.update_from_output(so2, ModelRunnerOutput(["c"], [[71]]))
     assert s.make_stats().num_queued_prefill_tokens == 0

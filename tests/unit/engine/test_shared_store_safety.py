@@ -45,7 +45,7 @@ def _gen(llm, prompt, n=6, salt=None):
         out = llm.generate([prompt], SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)[0]
         return out.outputs[0].token_ids, out.num_cached_tokens
     eng = llm.engine
-    eng.add_request("salted", prompt, SamplingParams(max_tokens=n, **GREEDY), cache_salt=salt)
+    eng.add_request(eng.make_request(prompt, SamplingParams(max_tokens=n, **GREEDY), cache_salt=salt, req_id="salted"))
     toks, cached = [], None
     while eng.has_unfinished_requests():
         for d in eng.step().deltas:

@@ -43,7 +43,7 @@ def test_text_prompts_chat_and_stop_strings_are_rejected_clearly(ids_only):
     for prompt, params, param in cases:
         with pytest.raises(InvalidRequestError, match="token-ids-only mode.*send the prompt as a list of "
                                                       "token ids.*or turn skip_tokenizer_init off") as ei:
-            engine.add_request("r", prompt, params)
+            engine.add_request(engine.make_request(prompt, params, req_id="r"))
         assert ei.value.param == param
         assert not engine.has_unfinished_requests()
 

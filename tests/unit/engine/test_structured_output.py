@@ -48,9 +48,9 @@ def _run(eng: LLMEngine, max_steps: int = 2000) -> dict[tuple[str, int], tuple[s
         if not eng.has_unfinished_requests():
             break
         for d in eng.step().deltas:
-            texts[(d.request_id, d.index)] = texts.get((d.request_id, d.index), "") + d.text
+            texts[(d.req_id, d.index)] = texts.get((d.req_id, d.index), "") + d.text
             if d.finished:
-                reasons[(d.request_id, d.index)] = d.finish_reason
+                reasons[(d.req_id, d.index)] = d.finish_reason
     assert not eng.has_unfinished_requests()
     return {k: (texts[k], reasons[k]) for k in texts}
 
@@ -66,9 +66,9 @@ def test_every_output_parses_and_validates_against_its_schema(checkpoints, sampl
     eng = _engine(checkpoints)
     sampling = dict(temperature=1.0, seed=5) if sampled else dict(temperature=0.0)
     for i, schema in enumerate(SCHEMAS):
-        eng.add_request(f"r{i}", f"Give me JSON number {i}", SamplingParams(
+        eng.add_request(eng.make_request(f"Give me JSON number {i}", SamplingParams(
             n=3 if sampled else 1, max_tokens=120, structured_output=StructuredOutputSpec.from_schema(schema),
-            **sampling))
+            **sampling), req_id=f"r{i}"))
     out = _run(eng)
     assert len(out) == (9 if sampled else 3)
     for (rid, _), (text, reason) in out.items():
@@ -86,9 +86,9 @@ def test_regex_choice_json_object_and_ebnf(checkpoints):
     # a random model rarely closes a free-form string: a bias on '"' lets json_object's keys end
     quote = eng.tokenizer.convert_tokens_to_ids('"')
     for rid, spec in specs.items():
-        eng.add_request(rid, "hello there", SamplingParams(
+        eng.add_request(eng.make_request("hello there", SamplingParams(
             max_tokens=60, temperature=1.0, seed=3, n=2, structured_output=spec,
-            logit_bias={quote: 6.0} if rid == "obj" else None))
+            logit_bias={quote: 6.0} if rid == "obj" else None), req_id=rid))
     out = _run(eng)
     for i in range(2):
         assert re.fullmatch(r"[a-z]{2,5}-\d{3}", out[("re", i)][0])
@@ -100,8 +100,8 @@ def test_regex_choice_json_object_and_ebnf(checkpoints):
 
 def test_max_tokens_cutting_the_json_short_is_length(checkpoints):
     eng = _engine(checkpoints)
-    eng.add_request("a", "x", SamplingParams(max_tokens=3, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=3, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="a"))
     (text, reason), = _run(eng).values()
     assert reason == "length" and text.startswith("{")
     _assert_released(eng)
@@ -109,8 +109,8 @@ def test_max_tokens_cutting_the_json_short_is_length(checkpoints):
 
 def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(checkpoints):
     eng = _engine(checkpoints)
-    eng.add_request("a", "x", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True,
-                                             structured_output=StructuredOutputSpec(choice=("alpha", "beta"))))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True,
+                                             structured_output=StructuredOutputSpec(choice=("alpha", "beta"))), req_id="a"))
     (text, reason), = _run(eng).values()
     assert reason == "stop" and text in ("alpha", "beta")
     _assert_released(eng)
@@ -122,8 +122,8 @@ def test_valid_under_preemption_and_chunked_prefill(checkpoints):
     eng = _engine(checkpoints, cache={"num_blocks": 24, "block_size": 4},
                   scheduler={"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16})
     for i in range(6):
-        eng.add_request(f"r{i}", f"Tell me about item {i} please, in JSON", SamplingParams(
-            max_tokens=40, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])))
+        eng.add_request(eng.make_request(f"Tell me about item {i} please, in JSON", SamplingParams(
+            max_tokens=40, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])), req_id=f"r{i}"))
     out = _run(eng)
     assert eng.last_stats.num_preemptions_total > 0
     for text, reason in out.values():
@@ -142,9 +142,9 @@ def test_a_slow_compile_waits_outside_the_batch_and_never_delays_others(checkpoi
         return real(key)
 
     monkeypatch.setattr(mgr, "_compile_now", slow)
-    eng.add_request("json", "x", SamplingParams(max_tokens=60, temperature=0.0,
-                                                structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
-    eng.add_request("free", "y", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=60, temperature=0.0,
+                                                structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="json"))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), req_id="free"))
     assert eng.scheduler.requests["json"].status is RequestStatus.WAITING_FOR_GRAMMAR
     assert eng.scheduler.make_stats().num_waiting_reqs == 2
     t0 = time.monotonic()
@@ -154,9 +154,9 @@ def test_a_slow_compile_waits_outside_the_batch_and_never_delays_others(checkpoi
         out = eng.step()
         steps.append(time.monotonic() - s)
         for d in out.deltas:
-            assert d.request_id != "json" or time.monotonic() - t0 > 1.0, "scheduled before it compiled"
+            assert d.req_id != "json" or time.monotonic() - t0 > 1.0, "scheduled before it compiled"
             if d.finished:
-                done_at[d.request_id] = time.monotonic() - t0
+                done_at[d.req_id] = time.monotonic() - t0
     assert done_at["free"] < 1.0 < done_at["json"]       # the other request ran to its end meanwhile
     assert max(steps) < 0.5                              # no step waited for the compile
     _assert_released(eng)
@@ -166,11 +166,11 @@ def test_the_compile_cache_serves_a_second_request_with_the_same_schema(checkpoi
     eng = _engine(checkpoints)
     mgr = eng.structured_output
     spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
-    eng.add_request("a", "x", SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec), req_id="a"))
     _run(eng)
     assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 0)
-    eng.add_request("b", "y", SamplingParams(max_tokens=80, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[1])))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=80, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[1])), req_id="b"))
     assert eng.scheduler.requests["b"].status is RequestStatus.WAITING     # compiled: queued at once
     _run(eng)
     assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 1)
@@ -184,7 +184,7 @@ def test_the_compile_cache_serves_a_second_request_with_the_same_schema(checkpoi
 def test_an_invalid_grammar_is_refused_at_add_request_and_nothing_is_queued(checkpoints, spec):
     eng = _engine(checkpoints)
     with pytest.raises(InvalidRequestError) as e:
-        eng.add_request("a", "x", SamplingParams(max_tokens=5, structured_output=spec))
+        eng.add_request(eng.make_request("x", SamplingParams(max_tokens=5, structured_output=spec), req_id="a"))
     assert e.value.param == "structured_outputs" and e.value.code == "invalid_grammar"
     assert not eng.has_unfinished_requests() and eng.structured_output.num_compiles == 0
 
@@ -193,8 +193,8 @@ def test_min_tokens_with_a_grammar_is_refused(checkpoints):
     """A finished grammar allows only a stop token, which min_tokens masks: the row would have no token left."""
     eng = _engine(checkpoints)
     with pytest.raises(InvalidRequestError) as e:
-        eng.add_request("a", "x", SamplingParams(max_tokens=5, min_tokens=2,
-                                                 structured_output=StructuredOutputSpec(choice=("a",))))
+        eng.add_request(eng.make_request("x", SamplingParams(max_tokens=5, min_tokens=2,
+                                                 structured_output=StructuredOutputSpec(choice=("a",))), req_id="a"))
     assert e.value.param == "min_tokens" and not eng.has_unfinished_requests()
 
 
@@ -216,8 +216,8 @@ def test_a_compile_that_fails_later_ends_only_its_request_with_an_error(checkpoi
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(eng.structured_output, "_compile_now", boom)
-    eng.add_request("bad", "x", SamplingParams(max_tokens=5, structured_output=StructuredOutputSpec(regex="a+")))
-    eng.add_request("ok", "y", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=5, structured_output=StructuredOutputSpec(regex="a+")), req_id="bad"))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), req_id="ok"))
     out = _run(eng)
     assert out[("bad", 0)][1] == "error" and out[("ok", 0)][1] == "length"
     _assert_released(eng)
@@ -226,13 +226,13 @@ def test_a_compile_that_fails_later_ends_only_its_request_with_an_error(checkpoi
 def test_aborts_while_compiling_or_running_release_everything(checkpoints, monkeypatch):
     eng = _engine(checkpoints)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
-    eng.add_request("running", "x", SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec), req_id="running"))
     for _ in range(6):
         eng.step()
     real = eng.structured_output._compile_now
     monkeypatch.setattr(eng.structured_output, "_compile_now", lambda key: (time.sleep(0.5), real(key))[1])
-    eng.add_request("compiling", "y", SamplingParams(max_tokens=60, structured_output=StructuredOutputSpec(
-        regex="[0-9]+")))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=60, structured_output=StructuredOutputSpec(
+        regex="[0-9]+")), req_id="compiling"))
     assert eng.scheduler.requests["compiling"].status is RequestStatus.WAITING_FOR_GRAMMAR
     eng.abort_request(["running", "compiling"])
     eng.step()
@@ -266,10 +266,10 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
     free_prompts = [[11, 12, 13, 14, 15], [21, 22, 23]]
     want = [o.outputs[0].token_ids for o in ref.generate(free_prompts, SamplingParams(max_tokens=40, **greedy),
                                                           use_tqdm=False)]
-    eng.add_request("json", "Give JSON", SamplingParams(max_tokens=40, temperature=0.0,
-                                                        structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])))
+    eng.add_request(eng.make_request("Give JSON", SamplingParams(max_tokens=40, temperature=0.0,
+                                                        structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])), req_id="json"))
     for i, p in enumerate(free_prompts):
-        eng.add_request(f"free{i}", p, SamplingParams(max_tokens=40, **greedy))
+        eng.add_request(eng.make_request(p, SamplingParams(max_tokens=40, **greedy), req_id=f"free{i}"))
     got = {"json": [], "free0": [], "free1": []}
     text = ""
     launched_while_constrained = 0
@@ -283,8 +283,8 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
         constrained = in_batch()
         before = runner.num_launched_ahead
         for d in eng.step().deltas:
-            got[d.request_id] += d.token_ids
-            if d.request_id == "json":
+            got[d.req_id] += d.token_ids
+            if d.req_id == "json":
                 text += d.text
         if constrained or in_batch():
             launched_while_constrained += runner.num_launched_ahead - before
@@ -312,3 +312,55 @@ def test_with_prefix_caching_and_the_offload_tier(checkpoints):
     assert second[0].num_cached_tokens == 56 and llm.engine.kv_connector.stats.loads_ok >= 1
     for o in first + second:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMAS[2])
+
+
+def test_padded_logits_fill_only_the_tokenizers_ids_with_the_same_mask(tmp_path):
+    """Logits wider than the tokenizer (a padded vocabulary): the manager fills the tokenizer's ids only, and
+    its bitmask is the one xgrammar gives over the whole width (padding never allowed), in every state."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from affinity_serve.engine.demo import write_demo_model
+    from affinity_serve.engine.structured_output.manager import StructuredOutputManager
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    num_ids = max(tok.get_vocab().values()) + 1
+    vocab = num_ids + 300                         # not a multiple of 32 either side
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    mgr = StructuredOutputManager(tok, vocab, [eos])
+    full = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[eos]))
+    specs = [(StructuredOutputSpec(regex="[a-z ]+"), full.compile_regex("[a-z ]+"), ["", "ab", "ab c"]),
+             (StructuredOutputSpec(choice=["yes", "no"]), full.compile_regex("(yes|no)"), ["", "y", "yes"])]
+    for spec, reference, prefixes in specs:
+        for prefix in prefixes:
+            states = [mgr.new_state(spec) for _ in range(9)]     # 9 rows: the batch fill
+            ref = xgr.GrammarMatcher(reference)
+            for st in states:
+                st._future.result()
+                assert st.matcher.accept_string(prefix)
+            assert ref.accept_string(prefix)
+            expected = torch.zeros((1, -(-vocab // 32)), dtype=torch.int32)
+            ref.fill_next_token_bitmask(expected, 0)
+            got = mgr._fill([st.matcher for st in states], [])
+            assert got.shape == (9, -(-vocab // 32))
+            allowed = unpack_bitmask(got, vocab)
+            assert allowed.any(dim=1).all(), (spec, prefix)
+            assert not allowed[:, num_ids:].any(), "a padded id was allowed"
+            assert (allowed == unpack_bitmask(expected, vocab)).all(), (spec, prefix)
+    mgr.close()
+
+
+def test_a_padded_vocabulary_still_gives_valid_outputs(tmp_path):
+    from affinity_serve.engine.demo import write_demo_model
+    path = write_demo_model(tmp_path / "m", vocab_size=1000, seed=3)
+    eng = LLMEngine.from_config(EngineConfig.model_validate(
+        {"model": str(path), "cache": {"num_blocks": 128, "block_size": 4}}))
+    for i, schema in enumerate(SCHEMAS):
+        eng.add_request(f"r{i}", "Give me JSON:", SamplingParams(
+            max_tokens=120, n=2, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(schema)))
+    outputs = _run(eng)
+    for (req_id, _), (text, reason) in outputs.items():
+        assert reason == "stop", (req_id, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[int(req_id[1:])])
+    _assert_released(eng)
+    eng.close()

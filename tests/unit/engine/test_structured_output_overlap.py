@@ -32,22 +32,22 @@ def _engine(checkpoints, fill_on_thread: bool, **kw) -> LLMEngine:
 def _workload(eng: LLMEngine) -> None:
     """Constrained rows of every kind beside unconstrained ones, greedy and seeded-sampled, n = 2 and 3."""
     for i, schema in enumerate(SCHEMAS):
-        eng.add_request(f"json{i}", f"Item {i} as JSON", SamplingParams(
+        eng.add_request(eng.make_request(f"Item {i} as JSON", SamplingParams(
             n=2, max_tokens=120, temperature=1.0, seed=10 + i,
-            structured_output=StructuredOutputSpec.from_schema(schema)))
-    eng.add_request("regex", "Code:", SamplingParams(max_tokens=12, temperature=0.0,
-                                                     structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")))
-    eng.add_request("choice", "Mood:", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3,
-                                                      structured_output=StructuredOutputSpec(choice=("good", "bad"))))
+            structured_output=StructuredOutputSpec.from_schema(schema)), req_id=f"json{i}"))
+    eng.add_request(eng.make_request("Code:", SamplingParams(max_tokens=12, temperature=0.0,
+                                                     structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")), req_id="regex"))
+    eng.add_request(eng.make_request("Mood:", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3,
+                                                      structured_output=StructuredOutputSpec(choice=("good", "bad"))), req_id="choice"))
     for i in range(3):
-        eng.add_request(f"free{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0,
-                                                                    ignore_eos=True))
+        eng.add_request(eng.make_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                    ignore_eos=True), req_id=f"free{i}"))
 
 
 def _step(eng: LLMEngine, out: dict[tuple[str, int], list]) -> None:
     for d in eng.step().deltas:
-        ids, text, _ = out.setdefault((d.request_id, d.index), [[], "", None])
-        out[(d.request_id, d.index)] = [ids + d.token_ids, text + d.text, d.finish_reason if d.finished else None]
+        ids, text, _ = out.setdefault((d.req_id, d.index), [[], "", None])
+        out[(d.req_id, d.index)] = [ids + d.token_ids, text + d.text, d.finish_reason if d.finished else None]
 
 
 def _run(eng: LLMEngine, out: dict | None = None) -> dict[tuple[str, int], tuple[list[int], str, str]]:
@@ -118,8 +118,8 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     model = eng.runner.model
     logits = model.compute_logits
     monkeypatch.setattr(model, "compute_logits", lambda h: (events.append(("logits", "")), logits(h))[1])
-    eng.add_request("j", "x", SamplingParams(n=4, max_tokens=30, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])))
+    eng.add_request(eng.make_request("x", SamplingParams(n=4, max_tokens=30, temperature=0.0,
+                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="j"))
     out = _run(eng)
     for i in range(4):
         jsonschema.validate(json.loads(out[("j", i)][1]), SCHEMAS[0])
@@ -139,8 +139,8 @@ def test_aborts_mid_grammar_release_the_matchers(checkpoints, fill_on_thread):
     validates, every KV block returns."""
     eng = _engine(checkpoints, fill_on_thread)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
-    eng.add_request("gone", "a", SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=1, structured_output=spec))
-    eng.add_request("kept", "b", SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured_output=spec))
+    eng.add_request(eng.make_request("a", SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=1, structured_output=spec), req_id="gone"))
+    eng.add_request(eng.make_request("b", SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured_output=spec), req_id="kept"))
     refs, seen = [], {}
     while len(refs) < 4:
         _step(eng, seen)
@@ -164,7 +164,7 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
     requests' matchers are dropped, and the engine serves the next request."""
     eng = _engine(checkpoints, fill_on_thread=True)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
-    eng.add_request("a", "x", SamplingParams(n=4, max_tokens=40, temperature=0.0, structured_output=spec))
+    eng.add_request(eng.make_request("x", SamplingParams(n=4, max_tokens=40, temperature=0.0, structured_output=spec), req_id="a"))
     while not eng.scheduler.requests["a#0"].output_token_ids:
         eng.step()
     fill_done = threading.Event()
@@ -181,7 +181,7 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
         eng.step()
     assert fill_done.is_set()
     monkeypatch.setattr(model, "compute_logits", real)
-    eng.add_request("b", "y", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec), req_id="b"))
     out = _run(eng)
     jsonschema.validate(json.loads(out[("b", 0)][1]), SCHEMAS[0])
     _assert_released(eng)
