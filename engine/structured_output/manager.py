@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
 
 #: compiled grammars kept (least recently used dropped first)
 _CACHE_SIZE = 512
-#: from this many constrained rows a step fills the bitmask with xgrammar's batch matcher (threads)
+#: from this many constrained rows a step fills the bitmask in one call of xgrammar's batch matcher
 _BATCH_FILL_MIN_ROWS = 8
+#: a batch fill expected to take longer than this (the last fill's time a row x rows) uses xgrammar's threads
+_THREADED_FILL_MIN_S = 200e-6
 #: from this many, with fill_on_thread, on the worker thread (fewer fill in less than the hand-off costs)
 _THREAD_FILL_MIN_ROWS = 4
 
@@ -34,6 +37,17 @@ def _no_control_byte_tokens(decoded_vocab: Sequence[bytes], vocab_size: int,
     ok[[i for i, b in enumerate(decoded_vocab[:vocab_size]) if not any(c < 0x20 for c in b)]] = True
     ok[[t for t in stop_token_ids if t < vocab_size]] = True
     return ok
+
+
+def _tokenizer_size(tokenizer: Any) -> int:
+    """One more than the tokenizer's largest id (added tokens included)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def _low_bits(n: int) -> int:
+    """An int32 word with bits 0..n-1 set (all 32 for n == 0: a full last word)."""
+    word = (1 << n) - 1 if n else 0xFFFFFFFF
+    return word - 2**32 if word >= 2**31 else word
 
 
 def _pack_bits(allowed: torch.Tensor) -> torch.Tensor:
@@ -64,11 +78,19 @@ class StructuredOutputManager:
         self._executor: ThreadPoolExecutor | None = None
         self._fill_executor: ThreadPoolExecutor | None = None
         self._compiler = None                       # built on the worker thread by the first compile
+        #: the ids xgrammar's matchers cover: the tokenizer's (and the stop ids). A model's logits are often
+        #: wider (padded to a multiple of 64 or more; the demo benchmark's 32,000 over 730 tokens); xgrammar
+        #: would count the padding as special tokens and clear each one's bit every fill (~1 us per 1,000 ids a
+        #: row), while they are simply never allowed: their words stay 0 (see _fill)
+        self._fill_vocab_size = min(vocab_size, max([_tokenizer_size(tokenizer) - 1, *stop_token_ids]) + 1)
         #: [ceil(vocab / 32)] int32: every token but those holding a control byte (see _compile_now)
         self._no_control_bytes: torch.Tensor | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._batch_matcher = None
+        self._batch_matchers: dict[int, Any] = {}  # xgrammar's BatchGrammarMatcher by its thread count
+        self._fill_s_per_row = 0.0                  # the last fill's time a row
+        #: the last filled word's bits for ids below _fill_vocab_size (xgrammar may set the others)
+        self._tail_word = _low_bits(self._fill_vocab_size % 32)
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -97,7 +119,7 @@ class StructuredOutputManager:
         """On the worker thread: the token-level compile (xgrammar's adaptive token mask cache)."""
         if self._compiler is None:
             xgr = import_xgrammar()
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             self._no_control_bytes = _pack_bits(_no_control_byte_tokens(info.decoded_vocab, self.vocab_size,
@@ -143,21 +165,40 @@ class StructuredOutputManager:
 
     def _fill(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens."""
-        import xgrammar as xgr
-        bitmask = torch.full((len(matchers), -(-self.vocab_size // 32)), -1, dtype=torch.int32,
+        num_words = -(-self.vocab_size // 32)
+        fill_words = -(-self._fill_vocab_size // 32)
+        padded = self._fill_vocab_size < self.vocab_size
+        bitmask = torch.full((len(matchers), num_words), 0 if padded else -1, dtype=torch.int32,
                              pin_memory=self.pin_memory)
-        if len(matchers) >= _BATCH_FILL_MIN_ROWS:          # xgrammar's threads fill the rows in parallel
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        # xgrammar wants exactly its vocabulary's width: a narrower buffer where the logits are padded
+        target = torch.empty((len(matchers), fill_words), dtype=torch.int32) if padded else bitmask
+        t0 = time.perf_counter()
+        if len(matchers) >= _BATCH_FILL_MIN_ROWS:
+            # one call for the batch; xgrammar's threads only once a fill is slow enough to pay their wake-up
+            # (~70 us for 32 rows on 2 cores: more than a whole fill of most grammars on a real vocabulary)
+            threaded = self._fill_s_per_row * len(matchers) > _THREADED_FILL_MIN_S
+            self._batch_matcher(threaded).batch_fill_next_token_bitmask(matchers, target)
         else:
             for i, m in enumerate(matchers):
-                m.fill_next_token_bitmask(bitmask, i)
+                m.fill_next_token_bitmask(target, i)
+        self._fill_s_per_row = (time.perf_counter() - t0) / len(matchers)
+        if padded:
+            target[:, -1] &= self._tail_word
+            bitmask[:, :fill_words] = target
         if json_rows:
             # xgrammar (0.2.8) lets raw control characters into length-bounded strings, which JSON forbids
             # (json.loads refuses them); compact JSON needs none anywhere, so none are allowed
             bitmask[json_rows] &= self._no_control_bytes
         return bitmask
+
+    def _batch_matcher(self, threaded: bool):
+        """xgrammar's batch matcher: with its threads (up to 8), or filling on the calling thread."""
+        import xgrammar as xgr
+        num_threads = min(8, os.cpu_count() or 1) if threaded else 1
+        m = self._batch_matchers.get(num_threads)
+        if m is None:
+            m = self._batch_matchers[num_threads] = xgr.BatchGrammarMatcher(max_threads=num_threads)
+        return m
 
     def close(self) -> None:
         for ex in (self._executor, self._fill_executor):

@@ -356,8 +356,9 @@ def test_a_padded_vocabulary_still_gives_valid_outputs(tmp_path):
     eng = LLMEngine.from_config(EngineConfig.model_validate(
         {"model": str(path), "cache": {"num_blocks": 128, "block_size": 4}}))
     for i, schema in enumerate(SCHEMAS):
-        eng.add_request(f"r{i}", "Give me JSON:", SamplingParams(
-            max_tokens=120, n=2, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(schema)))
+        eng.add_request(eng.make_request("Give me JSON:", SamplingParams(
+            max_tokens=120, n=2, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(schema)),
+            req_id=f"r{i}"))
     outputs = _run(eng)
     for (req_id, _), (text, reason) in outputs.items():
         assert reason == "stop", (req_id, text)
