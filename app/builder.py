@@ -13,6 +13,7 @@ from affinity_serve.app.http import APIKeyDigest
 from affinity_serve.app.ingress import IngressServer
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.app.routing.serve_router import AffinityRequestRouter
+from affinity_serve.engine import EngineConfig
 
 
 def resolve_model(config: AppConfig) -> AppConfig:
@@ -100,7 +101,7 @@ def replica_deployment(config: AppConfig):
     return serve.deployment(LLMReplica).options(**opts)
 
 
-def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
+def disagg_deployments(config: AppConfig, engine: EngineConfig):
     """P/D disaggregation (app/disagg.py): the decode pool, bound to a handle on the prefill pool. Each pool is an
     LLMReplica deployment with its own router (prefix affinity on its own replicas' caches); the decode one keeps
     the name LLMReplica, as the ingress's target."""
@@ -108,7 +109,7 @@ def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
     from affinity_serve.app.disagg_config import pool_engine_config
     d = config.disaggregation
     base = replica_deployment(config)
-    obs = config.observability.model_dump()
+    obs = config.observability
 
     def pool_options(pool) -> dict[str, Any]:
         placement = replica_placement(config)["ray_actor_options"]
@@ -117,17 +118,17 @@ def disagg_deployments(config: AppConfig, engine_cfg: dict[str, Any]):
         return {"num_replicas": pool.num_replicas, "ray_actor_options": placement}
 
     prefill = base.options(func_or_class=PrefillReplica, name="PrefillReplica", **pool_options(d.prefill))
-    prefill_app = prefill.bind(pool_engine_config(engine_cfg, d.prefill, d), config.serve.wedge_timeout_s, obs)
+    prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs)
     decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options(d.decode))
-    return decode.bind(pool_engine_config(engine_cfg, d.decode, d), config.serve.wedge_timeout_s, obs,
-                       prefill_app, d.min_remote_prefill_tokens)
+    return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d)
 
 
 def engine_policy_kwargs(config: AppConfig) -> dict[str, Any]:
-    """autoscale.policy.PolicyConfig's fields from the autoscaling section (JSON: Serve ships them)."""
+    """The autoscaling section's PolicyConfig part as EngineAwarePolicy's kwargs: the one place the policy's
+    config crosses as a dict, because Serve takes a custom policy's kwargs as JSON only (AutoscalingPolicy
+    checks); the controller validates them back into a PolicyConfig (autoscale/serve_policy.py)."""
     from affinity_serve.autoscale.policy import PolicyConfig
-    a = config.autoscaling.model_dump()
-    return {k: a[k] for k in PolicyConfig.__dataclass_fields__}
+    return config.autoscaling.model_dump(mode="json", include=set(PolicyConfig.model_fields))
 
 
 def autoscaling_config(config: AppConfig) -> dict[str, Any]:
@@ -165,17 +166,18 @@ def build_app(config: AppConfig | dict | None = None):
     elif isinstance(config, dict):
         config = AppConfig.model_validate(config)
     config = resolve_model(config)
-    engine_cfg = config.engine.to_engine_config().model_dump()
-    if config.disaggregation.enabled:
-        replica = disagg_deployments(config, engine_cfg)
-    else:
-        replica = replica_deployment(config).bind(engine_cfg, config.serve.wedge_timeout_s,
-                                                  config.observability.model_dump())
-    # Serve keeps deployment arguments in its controller and Ray's GCS: the API key goes as a digest only
+    # The sections themselves are the deployments' arguments (pickled by Serve, as Ray Serve LLM binds its
+    # LLMConfig): validated once, here. Serve keeps deployment arguments in its controller and Ray's GCS:
+    # the API key goes as a digest only, so no bound section carries it.
     key = config.serve.api_key
-    without_key = config.model_copy(update={"serve": config.serve.model_copy(update={"api_key": None})})
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={"api_key": None})})
     digest = APIKeyDigest.of(key.get_secret_value()) if key is not None else None
-    return ingress_deployment(config).bind(replica, without_key.model_dump(), digest)
+    engine = config.engine.to_engine_config()
+    if config.disaggregation.enabled:
+        replica = disagg_deployments(config, engine)
+    else:
+        replica = replica_deployment(config).bind(engine, config.serve, config.observability)
+    return ingress_deployment(config).bind(replica, config, digest)
 
 
 def app_builder(args: dict[str, Any]):

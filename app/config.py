@@ -13,6 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, Va
 
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
+from affinity_serve.autoscale.policy import PolicyConfig
 from affinity_serve.engine.config import EngineConfig
 
 
@@ -115,15 +116,13 @@ class RoutingSection(_Strict):
     affinity: AffinityConfig = AffinityConfig()
 
 
-class AutoscalingSection(_Strict):
-    """How many model replicas run (autoscale/; docs/autoscaling.md)."""
+class _ServeAutoscaling(_Strict):
+    """The autoscaling options that are Serve's own (builder.autoscaling_config), not the engine policy's."""
 
     enabled: bool = Field(False, description="false: serve.num_replicas, fixed")
     policy: Literal["engine", "requests"] = Field(
         "engine", description="engine: autoscale/policy.py on the engines' signals; requests: Serve's default "
         "(replicas = ongoing requests / target_ongoing_requests)")
-    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
-    max_replicas: int = Field(2, ge=1, description="the most model replicas the autoscaler starts")
     initial_replicas: int | None = Field(None, ge=0, description="replicas at start, as Serve's initial_replicas "
                                          "(null: serve.num_replicas, kept within min_replicas..max_replicas)")
     upscaling_factor: float | None = Field(None, gt=0, description="requests policy: Serve's upscaling_factor, "
@@ -131,52 +130,21 @@ class AutoscalingSection(_Strict):
                                            "with max_upscale_factor)")
     downscaling_factor: float | None = Field(None, gt=0, description="requests policy: Serve's "
                                              "downscaling_factor, scaling each downscaling decision")
-    upscale_delay_s: float = Field(2.0, ge=0, description="an up condition must hold this long")
-    downscale_delay_s: float = Field(30.0, ge=0, description="a down condition must hold this long")
-    downscale_to_zero_delay_s: float = Field(60.0, ge=0, description="idle this long before 1 -> 0")
     metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas push their metrics")
     look_back_period_s: float = Field(5.0, gt=0, description="Serve averages the metrics over this window")
-    # policy: requests
     target_ongoing_requests: float = Field(8.0, gt=0, description="requests policy: ongoing requests per replica")
-    # policy: engine (autoscale.policy.PolicyConfig)
-    ttft_slo_s: float = Field(2.0, gt=0, description="p90 time to first token to hold")
-    tpot_slo_s: float = Field(0.2, gt=0, description="p90 time per output token to hold")
-    prefill_tokens_per_s: float = Field(2000.0, gt=0, description="one replica's uncached prefill rate "
-                                        "(calibrate per model and device)")
-    decode_seqs_per_replica: float = Field(32.0, gt=0, description="sequences one replica decodes within "
-                                           "tpot_slo_s")
-    kv_usage_target: float = Field(0.85, gt=0, le=1, description="held KV per replica to stay under")
-    target_utilization: float = Field(0.8, gt=0, le=1, description="scale up above this predicted load "
-                                      "per replica")
-    downscale_utilization: float = Field(0.5, gt=0, lt=1, description="scale down only if fewer replicas "
-                                         "stay under this")
-    slo_cooldown_s: float = Field(10.0, ge=0, description="after a scale-up, SLO breaches wait this long")
-    max_upscale_factor: float = Field(2.0, ge=1, description="one SLO-driven step at most multiplies by this")
-    preemption_rate_threshold: float = Field(0.02, ge=0, description="preemptions/s per replica above which "
-                                             "they ask for one more replica")
-    preemption_persist_s: float = Field(0.0, ge=0, description="preemptions must stay above the threshold "
-                                        "this long")
-    headroom_z: float = Field(2.0, ge=0, description="spare capacity for this many standard deviations of "
-                              "the arrivals expected within one TTFT SLO (0: off)")
-    trend_lead_s: float = Field(10.0, ge=0, description="size the fleet for the load this far ahead on its "
-                                "rising trend (about a replica's start-up time; 0: off)")
-    trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")
-    refill_weight: float = Field(1.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
-                                 "cached on another replica counts as load (a one-off cost of moving them)")
-    online_capacity: bool = Field(True, description="learn each replica's prefill rate and decode capacity from "
-                                  "its own step costs and sequence lengths where it reports them (the two priors "
-                                  "above stand in until then); false: the priors only")
-    queued_cost_projection: bool = Field(True, description="size prefill for the arrivals at the uncached tokens "
-                                         "per waiting request where that is more than the recent served rate, "
-                                         "so a jump in the work per request (longer prompts, a cache that stops "
-                                         "hitting) counts as soon as such requests queue")
-    overload_skips_delay: bool = Field(True, description="an up step whose load already exceeds the current "
-                                       "replicas' capacity acts without upscale_delay_s")
+
+
+class AutoscalingSection(PolicyConfig, _ServeAutoscaling):
+    """How many model replicas run (autoscale/; docs/autoscaling.md): Serve's options, then the engine policy's
+    own config (`autoscale.policy.PolicyConfig`, its fields defined there only; min/max replicas and the
+    delays are the policy's and Serve's alike). Serve's names are these; the other names Serve's
+    autoscaling_config uses are refused with what to write instead (`_SERVE_AUTOSCALING_NAMES`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas ({self.initial_replicas}) must be within min_replicas "
                              f"({self.min_replicas}) and max_replicas ({self.max_replicas})")
@@ -185,9 +153,6 @@ class AutoscalingSection(_Strict):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to policy: requests (Serve's own rule); the engine policy "
                                      "bounds a scale-up step with max_upscale_factor")
-        if self.downscale_utilization >= self.target_utilization:
-            raise ValueError(f"downscale_utilization ({self.downscale_utilization}) must be below "
-                             f"target_utilization ({self.target_utilization})")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be greater than "
                              f"metrics_interval_s ({self.metrics_interval_s})")
@@ -233,7 +198,7 @@ class AppConfig(_Strict):
             raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
                              "admitted as prefix hits)")
         from affinity_serve.app.disagg_config import pool_engine_config
-        base = {**self.engine.model_dump(), "model": self.engine.model or "unresolved"}
+        base = EngineConfig.model_validate({**self.engine.model_dump(), "model": self.engine.model or "unresolved"})
         for name in ("prefill", "decode"):
             try:
                 pool_engine_config(base, getattr(d, name), d)

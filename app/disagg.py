@@ -23,10 +23,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from affinity_serve.app.config import ObservabilitySection, ServeSection
+from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.replica import LLMReplica
-from affinity_serve.engine import KVTransferError, RemoteDecode, RemotePrefill
+from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
+from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
 logger = logging.getLogger("affinity.disagg")
 
@@ -68,6 +71,34 @@ class RayObjectTransport:
         pass                          # the prefill side freed its blocks when it copied them out
 
 
+# ---------------------------------------------------------------- metrics (both pools)
+def pd_sample(stats: Any, kv: Any, fallback_prefill_failed: int = 0) -> PDSample:
+    """The metrics' P/D sample from the engine's `take_pd_transfer_stats` and `kv_connector_stats` (the
+    decode side's reads are the P/D connector's loads)."""
+    pd = stats.pd
+    counters = {"reads_ok": kv.loads_ok, "reads_local": pd.remote_released, "reads_failed": kv.loads_failed,
+                "read_blocks": kv.loaded_blocks, "read_bytes": kv.loaded_bytes,
+                "holds_read": pd.holds_read, "holds_released": pd.holds_released, "holds_expired": pd.holds_expired,
+                "fallback_prefill_failed": fallback_prefill_failed}
+    for cause in PD_FALLBACK_CAUSES[:-1]:
+        counters[f"fallback_{cause}"] = getattr(kv, f"load_failures_{cause}")
+    return PDSample(counters, stats.num_held_blocks, stats.read_times_s, stats.hold_times_s)
+
+
+class _PDMetrics(LLMReplica):
+    """Both pools' replicas export the P/D metrics (observability: affinity_pd_*), read at every collection
+    of the meter, as the load gauges are."""
+
+    def _load_sample(self):
+        stats = self.engine.take_pd_transfer_stats()
+        if stats is not None:
+            self.metrics.record_pd(pd_sample(stats, self.engine.kv_connector_stats(), self._prefill_failed()))
+        return super()._load_sample()
+
+    def _prefill_failed(self) -> int:
+        return 0
+
+
 # ---------------------------------------------------------------- the prefill pool
 @dataclass
 class PrefillResult:
@@ -77,7 +108,7 @@ class PrefillResult:
     remote: RemotePrefill | None
 
 
-class PrefillReplica(LLMReplica):
+class PrefillReplica(_PDMetrics):
     """A replica of the prefill pool: `prefill` runs a prompt and its first token for a decode replica."""
 
     async def prefill(self, req: GenerateRequest, skip_blocks: int = 0) -> list[PrefillResult]:
@@ -130,20 +161,22 @@ class DisaggCounters:
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
 
 
-class DecodeReplica(LLMReplica):
+class DecodeReplica(_PDMetrics):
     """A replica of the decode pool: takes the ingress's requests, has the prefill pool prefill them."""
 
-    def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
-                 observability: dict[str, Any] | None = None, prefill: Any = None,
-                 min_remote_prefill_tokens: int = 0):
-        super().__init__(engine_config, wedge_timeout_s, observability)
+    def __init__(self, engine: EngineConfig, serve: ServeSection, observability: ObservabilitySection,
+                 prefill: Any, disaggregation: DisaggregationSection):
+        super().__init__(engine, serve, observability)
         self.prefill_handle = prefill
-        self.min_remote_prefill_tokens = min_remote_prefill_tokens
+        self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.engine.engine.set_kv_transport(RayObjectTransport())
         self.disagg = DisaggCounters()
 
     async def debug_state(self) -> dict[str, Any]:
         return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg)}
+
+    def _prefill_failed(self) -> int:
+        return self.disagg.prefill_failed
 
     def _local_hit_blocks(self, req: GenerateRequest) -> int:
         """Leading prompt blocks this replica's pool holds now (a hint: the engine decides at admission)."""

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
+from affinity_serve.engine.config import EngineConfig
+
 
 class PoolSection(BaseModel):
     """One pool's size and its engine settings over the `engine` section."""
@@ -46,10 +48,8 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pool_engine_config(engine: dict[str, Any], pool: PoolSection, section: DisaggregationSection) -> dict[str, Any]:
-    """A pool's engine config (a dict, as replicas take it): the engine section, the pool's settings, and the
-    P/D connector."""
-    from affinity_serve.engine.config import EngineConfig
-    cfg = merge(engine, pool.engine)
-    kv = {**cfg.get("kv_connector", {}), "type": "pd", "transfer_timeout_s": section.transfer_timeout_s}
-    return EngineConfig.model_validate({**cfg, "kv_connector": kv}).model_dump()
+def pool_engine_config(engine: EngineConfig, pool: PoolSection, section: DisaggregationSection) -> EngineConfig:
+    """A pool's engine config: the engine section, the pool's settings, and the P/D connector."""
+    cfg = merge(engine.model_dump(), pool.engine)
+    kv = {**cfg["kv_connector"], "type": "pd", "transfer_timeout_s": section.transfer_timeout_s}
+    return EngineConfig.model_validate({**cfg, "kv_connector": kv})

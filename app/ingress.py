@@ -51,10 +51,13 @@ async def _http_exc(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 class Ingress:
-    def __init__(self, replica: Any, config: dict[str, Any], api_key: APIKeyDigest | None = None):
-        """`api_key`: the digest of the key inference routes require (builder.build_app); a key still in
+    def __init__(self, replica: Any, config: AppConfig, api_key: APIKeyDigest | None = None):
+        """`config`: the app's validated AppConfig, as builder.build_app binds it (no second validation here).
+        `api_key`: the digest of the key inference routes require (builder.build_app); a key still in
         `config` (a caller that built the Ingress directly) is digested here and dropped."""
-        self.cfg = AppConfig.model_validate(config)
+        if not isinstance(config, AppConfig):
+            raise TypeError(f"Ingress takes an AppConfig (AppConfig.model_validate(...)), not {type(config).__name__}")
+        self.cfg = config
         if self.cfg.serve.api_key is not None:
             api_key = api_key or APIKeyDigest.of(self.cfg.serve.api_key.get_secret_value())
             self.cfg = self.cfg.model_copy(update={"serve": self.cfg.serve.model_copy(update={"api_key": None})})

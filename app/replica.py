@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from affinity_serve.app.config import ObservabilitySection, ServeSection
 from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
@@ -39,33 +40,39 @@ def _replica_id() -> str:
         return f"local-{uuid.uuid4().hex[:6]}"
 
 
-def serving_engine_config(engine_config: dict[str, Any]) -> EngineConfig:
+def serving_engine_config(engine: EngineConfig) -> EngineConfig:
     """The engine config a serving replica runs: the given one with KV cache events on, which the
     prefix-affinity router needs (they cost a list append per completed block; unread ones are bounded)."""
-    cache = {**engine_config.get("cache", {}), "enable_kv_cache_events": True}
-    return EngineConfig.model_validate({**engine_config, "cache": cache})
+    return engine.model_copy(update={"cache": engine.cache.model_copy(update={"enable_kv_cache_events": True})})
 
 
 class LLMReplica:
-    """Takes its engine as configuration; can be built synchronously in tests without Serve."""
+    """Takes its engine as configuration; can be built synchronously in tests without Serve.
 
-    def __init__(self, engine_config: dict[str, Any], wedge_timeout_s: float = 30.0,
-                 observability: dict[str, Any] | None = None):
+    `engine`, `serve`, `observability`: the app config's validated sections, as builder.build_app binds them
+    (Serve pickles them; nothing is validated again here). A section left out is that section's defaults:
+    the replica has no defaults of its own."""
+
+    def __init__(self, engine: EngineConfig, serve: ServeSection | None = None,
+                 observability: ObservabilitySection | None = None):
         from affinity_serve.observability.logs import configure_json_logging
         from affinity_serve.observability.setup import setup_telemetry
 
-        obs = observability or {}
-        configure_json_logging(obs.get("log_level", "INFO"))
+        if not isinstance(engine, EngineConfig):
+            raise TypeError(f"LLMReplica takes an EngineConfig (EngineConfig.model_validate(...)), not "
+                            f"{type(engine).__name__}")
+        serve = serve or ServeSection()
+        obs = observability or ObservabilitySection()
+        configure_json_logging(obs.log_level)
         drop_serve_duplicate_logs()
         drop_kv_feed_access_logs()
-        config = serving_engine_config(engine_config)
+        config = serving_engine_config(engine)
         self.kv_tier = config.kv_connector.type          # "none", "offload" or "shared"
         self.engine = AsyncLLMEngine.from_config(config)
         # The start-up heap (model, tokenizer, block pool) is built: keep the collector out of the step
         # loop's tail latency. Process-wide, so it belongs to the serving process, not to every engine.
         tune_gc_for_serving()
-        telemetry = setup_telemetry(obs.get("service_name", "affinity-serve"), obs.get("traces", "none"),
-                                    obs.get("otlp_endpoint"), obs.get("max_spans_kept", 2000))
+        telemetry = setup_telemetry(obs.service_name, obs.traces, obs.otlp_endpoint, obs.max_spans_kept)
         self.tracer = telemetry.tracer
         self.replica_id = _replica_id()
         # Gauges read the engine's load at every collection: the exporter's timer pushes them to the app's
@@ -74,8 +81,8 @@ class LLMReplica:
                                       self.kv_tier_stats)
         serve_ctx = serve_app_and_replica()
         self.metrics_exporter = MetricsExporter(telemetry.snapshot_reader, serve_ctx and serve_ctx[0],
-                                                f"replica:{self.replica_id}", obs.get("metrics_push_interval_s", 1.0))
-        self.wedge_timeout_s = wedge_timeout_s
+                                                f"replica:{self.replica_id}", obs.metrics_push_interval_s)
+        self.wedge_timeout_s = serve.wedge_timeout_s
         self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
         self._last_step_recorded = 0             # the engine's last step the signal recorder was given
         self._max_num_seqs = config.scheduler.max_num_seqs   # the batch cap bounds the learned decode capacity

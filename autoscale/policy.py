@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from affinity_serve.autoscale.signals import ReplicaSignals
 
 
@@ -48,57 +50,62 @@ class Reason(str, Enum):
     TO_ZERO_PENDING = "to_zero_pending"
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """The rule's knobs (app/config.py AutoscalingSection documents the same defaults)."""
+class PolicyConfig(BaseModel):
+    """The rule's knobs, defined once: app/config.py's `autoscaling` section is this model plus Serve's own
+    autoscaling options (AutoscalingSection subclasses it), so YAML keys, defaults, limits and descriptions
+    are these. Crosses to Serve's controller as `model_dump(mode="json")` (builder.engine_policy_kwargs), the
+    one place it travels as a dict: Serve takes a custom policy's kwargs as JSON only."""
 
-    min_replicas: int = 1
-    max_replicas: int = 2
-    ttft_slo_s: float = 2.0                # p90 time to first token the fleet should hold
-    tpot_slo_s: float = 0.2                # p90 time per output token
-    prefill_tokens_per_s: float = 2000.0   # one replica's uncached prefill rate (calibrate per model/GPU)
-    decode_seqs_per_replica: float = 32.0  # sequences one replica decodes within tpot_slo_s
-    kv_usage_target: float = 0.85          # held KV per replica the fleet should stay under
-    target_utilization: float = 0.8        # scale up when the predicted load passes this per replica
-    downscale_utilization: float = 0.5     # scale down only if fewer replicas stay under this
-    upscale_delay_s: float = 2.0
-    downscale_delay_s: float = 30.0
-    downscale_to_zero_delay_s: float = 60.0
-    slo_cooldown_s: float = 10.0           # after an up scale, SLO breaches wait this long (they lag)
-    max_upscale_factor: float = 2.0        # an SLO breach at most multiplies the count by this
-    preemption_rate_threshold: float = 0.02  # preemptions/s per replica above which they ask for a replica ...
-    preemption_persist_s: float = 0.0      # ... once above it this long (on top of the look-back mean)
-    headroom_z: float = 2.0                # spare capacity for this many std. deviations of the arrivals per TTFT SLO
-    trend_lead_s: float = 10.0             # size the fleet for the load this far ahead on its rising trend
-    trend_window_s: float = 30.0           # ... the trend being the load's slope over this window (0: off)
-    refill_weight: float = 1.0             # how much prefill of prefixes another replica held counts as load
-    #: R and C from each replica's own step costs and sequence lengths (`replica_capacity`) where it reports
-    #: them; the two priors above stand in for a replica that does not (yet)
-    online_capacity: bool = True
-    #: a jump in the work per request reads at once: prefill is sized for the arrivals at the uncached tokens
-    #: per *queued* request where that is more than the recent served rate (`incoming_prefill_tokens_per_s`)
-    queued_cost_projection: bool = True
-    #: an up decision whose load already exceeds the current replicas' whole capacity acts without
-    #: upscale_delay_s (they are overloaded now: a new replica's start-up is the only wait left)
-    overload_skips_delay: bool = True
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self):
-        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError(f"need 0 <= min_replicas <= max_replicas >= 1 (got {self.min_replicas}, "
-                             f"{self.max_replicas})")
-        if not 0 < self.downscale_utilization < self.target_utilization <= 1:
-            raise ValueError("need 0 < downscale_utilization < target_utilization <= 1 (got "
-                             f"{self.downscale_utilization}, {self.target_utilization})")
-        for name in ("ttft_slo_s", "tpot_slo_s", "prefill_tokens_per_s", "decode_seqs_per_replica",
-                     "kv_usage_target"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
-        for name in ("preemption_rate_threshold", "preemption_persist_s", "trend_lead_s", "trend_window_s",
-                     "headroom_z"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
-        if not 0 <= self.refill_weight <= 1:
-            raise ValueError(f"refill_weight must be within [0, 1] (got {self.refill_weight})")
+    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
+    max_replicas: int = Field(2, ge=1, description="the most model replicas the autoscaler starts")
+    upscale_delay_s: float = Field(2.0, ge=0, description="an up condition must hold this long")
+    downscale_delay_s: float = Field(30.0, ge=0, description="a down condition must hold this long")
+    downscale_to_zero_delay_s: float = Field(60.0, ge=0, description="idle this long before 1 -> 0")
+    ttft_slo_s: float = Field(2.0, gt=0, description="p90 time to first token to hold")
+    tpot_slo_s: float = Field(0.2, gt=0, description="p90 time per output token to hold")
+    prefill_tokens_per_s: float = Field(2000.0, gt=0, description="one replica's uncached prefill rate "
+                                        "(calibrate per model and device)")
+    decode_seqs_per_replica: float = Field(32.0, gt=0, description="sequences one replica decodes within "
+                                           "tpot_slo_s")
+    kv_usage_target: float = Field(0.85, gt=0, le=1, description="held KV per replica to stay under")
+    target_utilization: float = Field(0.8, gt=0, le=1, description="scale up above this predicted load "
+                                      "per replica")
+    downscale_utilization: float = Field(0.5, gt=0, lt=1, description="scale down only if fewer replicas "
+                                         "stay under this")
+    slo_cooldown_s: float = Field(10.0, ge=0, description="after a scale-up, SLO breaches wait this long "
+                                  "(they lag)")
+    max_upscale_factor: float = Field(2.0, ge=1, description="one SLO-driven step at most multiplies by this")
+    preemption_rate_threshold: float = Field(0.02, ge=0, description="preemptions/s per replica above which "
+                                             "they ask for one more replica")
+    preemption_persist_s: float = Field(0.0, ge=0, description="preemptions must stay above the threshold "
+                                        "this long (on top of the look-back mean)")
+    headroom_z: float = Field(2.0, ge=0, description="spare capacity for this many standard deviations of "
+                              "the arrivals expected within one TTFT SLO (0: off)")
+    trend_lead_s: float = Field(10.0, ge=0, description="size the fleet for the load this far ahead on its "
+                                "rising trend (about a replica's start-up time; 0: off)")
+    trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")
+    refill_weight: float = Field(1.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
+                                 "cached on another replica counts as load (a one-off cost of moving them)")
+    online_capacity: bool = Field(True, description="learn each replica's prefill rate and decode capacity from "
+                                  "its own step costs and sequence lengths where it reports them (the two priors "
+                                  "above stand in until then); false: the priors only")
+    queued_cost_projection: bool = Field(True, description="size prefill for the arrivals at the uncached tokens "
+                                         "per waiting request where that is more than the recent served rate, "
+                                         "so a jump in the work per request (longer prompts, a cache that stops "
+                                         "hitting) counts as soon as such requests queue")
+    overload_skips_delay: bool = Field(True, description="an up step whose load already exceeds the current "
+                                       "replicas' capacity acts without upscale_delay_s")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PolicyConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.downscale_utilization >= self.target_utilization:
+            raise ValueError(f"downscale_utilization ({self.downscale_utilization}) must be below "
+                             f"target_utilization ({self.target_utilization})")
+        return self
 
 
 @dataclass(frozen=True, slots=True)

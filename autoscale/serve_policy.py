@@ -2,7 +2,7 @@
 
 Serve instantiates the class once in its controller (`AutoscalingPolicy(policy_function=
 "affinity_serve.autoscale.serve_policy:EngineAwarePolicy", policy_kwargs={...})`, the kwargs being `PolicyConfig`'s
-fields) and calls it about every 0.1 s with an `AutoscalingContext`; it returns (target, policy_state).
+fields as JSON, as Serve requires) and calls it about every 0.1 s with an `AutoscalingContext`; it returns (target, policy_state).
 The replicas' `record_autoscaling_stats()` dicts (autoscale.signals.METRIC_KEYS) arrive averaged over
 `look_back_period_s` in `ctx.aggregated_metrics[key][replica_id]`.
 
@@ -39,7 +39,8 @@ class EngineAwarePolicy:
     """Keeps the policy's hysteresis state between ticks; logs each change of decision reason."""
 
     def __init__(self, **policy_kwargs: Any):
-        self.config = PolicyConfig(**policy_kwargs)
+        # Serve hands over the JSON the builder dumped (builder.engine_policy_kwargs): validated back here
+        self.config = PolicyConfig.model_validate(policy_kwargs)
         self.state = PolicyState()
         self.last: ScalingDecision | None = None
 

@@ -38,7 +38,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -163,11 +163,11 @@ def cost_at(points: list[tuple[float, float]], attainment: float) -> tuple[float
 
 # ================================================================== runs
 def ours_config(n: int, a, util: float, **over) -> PolicyConfig:
-    cfg = PolicyConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, tpot_slo_s=a.tpot_slo,
-                       prefill_tokens_per_s=1.0 / TimingModel().prefill_per_token_s, decode_seqs_per_replica=a.c_prior,
-                       upscale_delay_s=2.0, downscale_delay_s=30.0, downscale_to_zero_delay_s=60.0,
-                       target_utilization=util, downscale_utilization=0.625 * util)
-    return replace(cfg, **over)
+    return PolicyConfig(**{"min_replicas": 1, "max_replicas": n, "ttft_slo_s": a.ttft_slo, "tpot_slo_s": a.tpot_slo,
+                           "prefill_tokens_per_s": 1.0 / TimingModel().prefill_per_token_s,
+                           "decode_seqs_per_replica": a.c_prior, "upscale_delay_s": 2.0, "downscale_delay_s": 30.0,
+                           "downscale_to_zero_delay_s": 60.0, "target_utilization": util,
+                           "downscale_utilization": 0.625 * util, **over})
 
 
 def policies(n: int, spec: ReplicaSpec, a) -> list:

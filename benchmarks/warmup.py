@@ -24,6 +24,7 @@ from pathlib import Path
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.engine import SamplingParams, ensure_demo_model
+from affinity_serve.engine import EngineConfig
 
 
 def _prompts(n: int, prefix_tokens: int, suffix_tokens: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -79,8 +80,8 @@ async def main() -> None:
     if args.quick:
         args.prefixes, args.prefix_tokens, args.rounds = 4, 256, 1
     prefixes, requests = _prompts(args.prefixes, args.prefix_tokens, args.suffix_tokens, seed=0)
-    rep = LLMReplica({"model": str(ensure_demo_model()), "num_threads": args.threads,
-                      "cache": {"block_size": 16, "num_blocks": 2 * args.prefixes * (args.prefix_tokens // 16 + 4)}})
+    rep = LLMReplica(EngineConfig(model=str(ensure_demo_model()), num_threads=args.threads,
+                      cache={"block_size": 16, "num_blocks": 2 * args.prefixes * (args.prefix_tokens // 16 + 4)}))
     await _round(rep, True, prefixes[:1], requests[:1])             # warm the process (kernels, allocator)
     rounds = []
     for i in range(args.rounds):

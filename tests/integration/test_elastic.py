@@ -42,9 +42,9 @@ def _deploy(cfg: dict, app: str, prefix: str, *, external_scaler: bool = True, r
         return
     # build_app's graph, with Serve options the config cannot express (initial_replicas 0)
     c = resolve_model(AppConfig.model_validate(cfg))
-    replica = replica_deployment(c).options(**replica_options).bind(
-        c.engine.to_engine_config().model_dump(), c.serve.wedge_timeout_s, c.observability.model_dump())
-    serve.run(ingress_deployment(c).bind(replica, c.model_dump()), name=app, route_prefix=prefix)
+    replica = replica_deployment(c).options(**replica_options).bind(c.engine.to_engine_config(), c.serve,
+                                                                     c.observability)
+    serve.run(ingress_deployment(c).bind(replica, c), name=app, route_prefix=prefix)
 
 
 def _prompt(group: int, j: int) -> list[int]:

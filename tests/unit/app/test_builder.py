@@ -49,3 +49,56 @@ def test_replicas_are_routed_by_the_affinity_router_with_json_kwargs_from_the_co
     assert json.loads(json.dumps(kw)) == kw == rc.request_router_kwargs
     assert kw["policy"] == "round_robin" and kw["block_size"] == 8 and kw["kv_events_period_s"] == 0.5
     assert kw["affinity"]["release_slack"] == 0.5
+
+
+def test_build_app_binds_the_validated_config_sections_themselves():
+    """The typed hand-off (docs/architecture.md): the deployments receive the pydantic sections, not dicts
+    validated again on the other side, and they survive Ray's pickling unchanged; the API key is bound
+    nowhere (the ingress gets its digest)."""
+    import inspect
+
+    from ray import cloudpickle
+
+    from affinity_serve.app.builder import build_app
+    from affinity_serve.app.config import ObservabilitySection, ServeSection
+    from affinity_serve.app.http import APIKeyDigest
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.engine import EngineConfig
+    cfg = _cfg(serve={"api_key": "sk-test", "wedge_timeout_s": 7.0}, observability={"traces": "none"})
+    ingress = build_app(cfg)._bound_deployment
+    replica_app, app_config, digest = ingress.init_args
+    assert type(app_config) is AppConfig and app_config.serve.api_key is None
+    assert isinstance(digest, APIKeyDigest)
+    engine, serve_section, obs = replica_app._bound_deployment.init_args
+    assert type(engine) is EngineConfig and engine == cfg.engine.to_engine_config()
+    assert type(serve_section) is ServeSection and serve_section.wedge_timeout_s == 7.0
+    assert serve_section.api_key is None and serve_section == app_config.serve
+    assert type(obs) is ObservabilitySection and obs.traces == "none"
+    for arg in (engine, serve_section, obs, app_config):
+        assert cloudpickle.loads(cloudpickle.dumps(arg)) == arg
+    # the replica keeps no defaults of its own: a section left out is that section's defaults
+    defaults = [p.default for p in inspect.signature(LLMReplica).parameters.values()]
+    assert defaults == [inspect.Parameter.empty, None, None]
+
+
+def test_the_engine_policys_config_is_defined_once_and_embedded_by_the_autoscaling_section():
+    """autoscale.policy.PolicyConfig is the pydantic model the autoscaling section extends (its fields are
+    declared there only); it crosses to Serve's controller as JSON kwargs and comes back equal."""
+    import json
+
+    from affinity_serve.app.builder import engine_policy_kwargs
+    from affinity_serve.app.config import AutoscalingSection
+    from affinity_serve.autoscale.policy import PolicyConfig
+    from affinity_serve.autoscale.serve_policy import EngineAwarePolicy
+    assert issubclass(AutoscalingSection, PolicyConfig)
+    assert AppConfig.model_fields["autoscaling"].annotation is AutoscalingSection
+    declared_elsewhere = {name for klass in AutoscalingSection.__mro__ if klass is not PolicyConfig
+                          for name in vars(klass).get("__annotations__", {})}
+    assert "enabled" in declared_elsewhere and not declared_elsewhere & set(PolicyConfig.model_fields)
+    cfg = _cfg(autoscaling={"enabled": True, "max_replicas": 6, "ttft_slo_s": 1.5, "refill_weight": 0.25})
+    kwargs = engine_policy_kwargs(cfg)
+    assert json.loads(json.dumps(kwargs)) == kwargs and set(kwargs) == set(PolicyConfig.model_fields)
+    policy = EngineAwarePolicy(**kwargs)
+    assert type(policy.config) is PolicyConfig
+    assert policy.config == PolicyConfig.model_validate(cfg.autoscaling.model_dump(include=set(kwargs)))
+    assert (policy.config.max_replicas, policy.config.ttft_slo_s, policy.config.refill_weight) == (6, 1.5, 0.25)

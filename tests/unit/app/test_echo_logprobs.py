@@ -6,6 +6,7 @@ import torch
 
 from affinity_serve.app.config import AppConfig
 from affinity_serve.app.errors import APIError
+from affinity_serve.engine import EngineConfig
 from tests.unit.app.conftest import LocalHandle
 
 TEXT = "The quick brown fox jumps over the lazy dog."
@@ -19,8 +20,8 @@ async def served(checkpoints):
     from affinity_serve.app.replica import LLMReplica
 
     path = checkpoints["llama"]
-    rep = LLMReplica({"model": path, "cache": {"num_blocks": 128, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())
+    rep = LLMReplica(EngineConfig(model=path, cache={"num_blocks": 128, "block_size": 4}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}))
     yield ing, path
     await rep.engine.shutdown()
 

@@ -43,7 +43,7 @@ def ingress(checkpoints, replica=None, **serve):
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
                                     "serve": {"first_token_timeout_s": 0.5, **serve}})
     handle = LocalHandle(replica or FakeReplica())
-    return Ingress(handle, cfg.model_dump()), handle
+    return Ingress(handle, cfg), handle
 
 
 def http_request(body: bytes, path: str = "/v1/completions", headers: dict[str, str] | None = None,

@@ -11,6 +11,8 @@ from affinity_serve.app.prompts import RequestKind
 from affinity_serve.app.protocol import CompletionRequest, GenerateRequest, ReplicaChunk
 from affinity_serve.engine import EngineLimits, SamplingParams
 from affinity_serve.engine.types import Logprobs
+from affinity_serve.engine import EngineConfig
+from affinity_serve.app.config import ServeSection
 from tests.unit.app.conftest import LocalHandle
 
 LIMITS = EngineLimits(max_model_len=64, vocab_size=10**6, max_kv_tokens=64)
@@ -39,7 +41,7 @@ def _ingress(checkpoints, behaviour, engine=None, **serve):
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"], **(engine or {})},
                                     "serve": {"first_token_timeout_s": 0.3, **serve}})
     handle = LocalHandle(FakeReplica(behaviour))
-    return Ingress(handle, cfg.model_dump()), handle
+    return Ingress(handle, cfg), handle
 
 
 def _tokens(req, n_tokens=2, text="ab"):
@@ -75,7 +77,7 @@ async def test_no_replica_answering_for_limits_is_a_503_not_a_hang(checkpoints):
 
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
                                     "serve": {"first_token_timeout_s": 0.2, "retry_after_s": 7}})
-    ing = Ingress(LocalHandle(NoLimits(_tokens)), cfg.model_dump())
+    ing = Ingress(LocalHandle(NoLimits(_tokens)), cfg)
     t = asyncio.get_running_loop().time()
     for r in [await ing.http_models(_http_request(b"", None)),
               await ing._http(RequestKind.COMPLETION, _http_request(b'{"prompt": "hi"}', None))]:
@@ -148,7 +150,7 @@ async def test_limit_and_model_checks_use_the_replicas_limits_before_any_generat
 async def test_vocabulary_check_comes_from_the_published_limits(checkpoints):
     from affinity_serve.app.ingress import Ingress
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
-    ing = Ingress(LocalHandle(FakeReplica(_tokens, EngineLimits(64, 100, 64))), cfg.model_dump())
+    ing = Ingress(LocalHandle(FakeReplica(_tokens, EngineLimits(64, 100, 64))), cfg)
     with pytest.raises(APIError) as e:
         await ing.completions({"prompt": [5, 100]})
     assert (e.value.status_code, e.value.param, e.value.code) == (400, "prompt", "invalid_value")
@@ -175,9 +177,9 @@ async def test_same_client_id_concurrently_on_one_real_replica(checkpoints):
     """The defect end to end: one replica, 8 concurrent requests carrying one id -> all succeed."""
     from affinity_serve.app.ingress import Ingress
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4}))
     cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}})
-    ing = Ingress(LocalHandle(rep), cfg.model_dump())
+    ing = Ingress(LocalHandle(rep), cfg)
     outs = await asyncio.gather(*[ing.completions({"prompt": f"hello {i}", "max_tokens": 6, "ignore_eos": True},
                                                   request_id="dup") for i in range(8)])
     assert all(o["id"] == "dup" and o["usage"]["completion_tokens"] == 6 for o in outs)
@@ -361,7 +363,7 @@ async def test_unexpected_ingress_error_logs_its_traceback_once_and_4xx_without(
 async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(checkpoints, app_logs,
                                                                                monkeypatch):
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4}))
 
     def boom(so):
         raise RuntimeError("kernel exploded")
@@ -384,8 +386,8 @@ async def test_engine_step_failure_traceback_logged_once_by_the_engine_with_ids(
 async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoints):
     from affinity_serve.app.replica import LLMReplica
     from affinity_serve.app.stats import ReplicaStats
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
-                     wedge_timeout_s=0.05)
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4}),
+                     serve=ServeSection(wedge_timeout_s=0.05))
     chunks = [c async for c in rep.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=3,
                                                                                          temperature=0)))]
     last = chunks[-1]
@@ -418,8 +420,8 @@ async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
 
     from affinity_serve.app.replica import LLMReplica
     from affinity_serve.engine.errors import EngineDeadError
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}},
-                     wedge_timeout_s=0.1)
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4}),
+                     serve=ServeSection(wedge_timeout_s=0.1))
     release = threading.Event()
     real_step = rep.engine.engine.step
 

@@ -11,13 +11,14 @@ from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.engine import EngineLimits, SamplingParams
 from affinity_serve.engine.hashing import hash_block_chain
+from affinity_serve.engine import EngineConfig
 from tests.unit.app.conftest import LocalHandle
 from tests.unit.engine.test_kv_events import replay
 
 
 async def test_replica_serves_its_kv_feed_as_plain_values_with_events_always_on(checkpoints):
-    rep = LLMReplica({"model": checkpoints["llama"],
-                      "cache": {"num_blocks": 32, "block_size": 4, "enable_kv_cache_events": False}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"],
+                                  cache={"num_blocks": 32, "block_size": 4, "enable_kv_cache_events": False}))
     assert (await rep.limits()).block_size == 4
     [c async for c in rep.generate(GenerateRequest("a", list(range(10, 31)), SamplingParams(max_tokens=2)))]
     epoch = rep.stats().cache_epoch
@@ -47,7 +48,7 @@ async def test_the_ingress_sends_each_prompts_engine_hashes():
 
     cfg = AppConfig.model_validate({"engine": {"model": "unused", "skip_tokenizer_init": True}})
     handle = LocalHandle(Fake())
-    ing = Ingress(handle, cfg.model_dump())
+    ing = Ingress(handle, cfg)
     prompts = [list(range(10, 19)), list(range(50, 53))]      # 2 full blocks; none
     await ing.completions({"prompt": prompts, "max_tokens": 1, "cache_salt": "t"})
     sent = [args[0] for name, args in handle.calls if name == "generate"]
@@ -55,8 +56,8 @@ async def test_the_ingress_sends_each_prompts_engine_hashes():
 
 
 async def test_a_prompt_hashed_at_the_ingress_is_not_hashed_again_by_the_engine(checkpoints, monkeypatch):
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}}).model_dump())
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": checkpoints["llama"]}}))
     calls = []
     real = engine.request.hash_block_chain
     monkeypatch.setattr(engine.request, "hash_block_chain", lambda *a, **k: calls.append(a) or real(*a, **k))

@@ -4,13 +4,14 @@ import dataclasses
 
 from affinity_serve.engine import SamplingParams
 from affinity_serve.engine.kv_connector import KVConnectorStats
+from affinity_serve.engine import EngineConfig
 
 
 async def test_the_replica_reports_its_tier_and_counters(checkpoints, tmp_path):
     from affinity_serve.app.protocol import GenerateRequest
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4},
-                      "kv_connector": {"type": "shared", "shared_dir": str(tmp_path / "kv"), "capacity_blocks": 64}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4},
+                      kv_connector={"type": "shared", "shared_dir": str(tmp_path / "kv"), "capacity_blocks": 64}))
     prompt = list(range(10, 31))
     async for _ in rep.generate(GenerateRequest("r1", prompt, SamplingParams(max_tokens=2, ignore_eos=True))):
         pass
@@ -20,6 +21,6 @@ async def test_the_replica_reports_its_tier_and_counters(checkpoints, tmp_path):
     state = await rep.debug_state()
     assert state["kv_tier"] == "shared" and set(state["kv_connector"]) == set(stats)
     await rep.engine.shutdown()
-    plain = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
+    plain = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4}))
     assert plain.kv_tier_stats() is None and (await plain.debug_state())["kv_tier"] == "none"
     await plain.engine.shutdown()

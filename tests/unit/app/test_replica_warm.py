@@ -2,11 +2,12 @@
 shares one finds it cached (what the router's warm-up on join relies on)."""
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.engine import SamplingParams
+from affinity_serve.engine import EngineConfig
 
 
 async def test_warm_caches_the_prefixes_and_skips_prompts_the_engine_refuses(checkpoints):
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 64, "block_size": 4}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": 4}))
     prefix = list(range(10, 42))                                   # 8 full blocks
     out = await rep.warm([prefix, list(range(5, 9)), [7] * 10_000])
     assert out["num_prompts"] == 2 and out["num_tokens"] == len(prefix) + 4
@@ -25,8 +26,8 @@ async def test_a_warm_up_is_not_load_for_the_autoscaler_but_delays_requests_for_
 
     from affinity_serve.app.replica import LLMReplica
     from affinity_serve.autoscale.signals import ReplicaSignals
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 256, "block_size": 4},
-                      "scheduler": {"max_num_batched_tokens": 16}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 256, "block_size": 4},
+                                  scheduler={"max_num_batched_tokens": 16}))
     task = asyncio.create_task(rep.warm([[11 + i] + list(range(20, 115)) for i in range(6)]))
     routed, scaled = [], []
     while not task.done():

@@ -5,6 +5,7 @@ import pytest
 from affinity_serve.app.config import AppConfig
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.engine import SamplingParams
+from affinity_serve.engine import EngineConfig
 from tests.unit.app.conftest import LocalHandle
 
 PROMPT = [1, 415, 293, 606, 285, 114]
@@ -18,8 +19,8 @@ async def served(request, checkpoints):
     from affinity_serve.app.replica import LLMReplica
 
     engine = {"model": checkpoints["llama"], "skip_tokenizer_init": request.param}
-    rep = LLMReplica({**engine, "cache": {"num_blocks": 128, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": engine}).model_dump())
+    rep = LLMReplica(EngineConfig.model_validate({**engine, "cache": {"num_blocks": 128, "block_size": 4}}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": engine}))
     yield ing, rep
     await rep.engine.shutdown()
 
@@ -83,8 +84,8 @@ async def test_chat_returns_the_templated_prompt_ids_on_the_body_and_ids_per_cho
     from affinity_serve.engine import apply_chat_template
 
     engine = {"model": checkpoints["llama"]}
-    rep = LLMReplica({**engine, "cache": {"num_blocks": 128, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": engine}).model_dump())
+    rep = LLMReplica(EngineConfig.model_validate({**engine, "cache": {"num_blocks": 128, "block_size": 4}}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": engine}))
     messages = [{"role": "user", "content": "Say something."}]
     prompt = apply_chat_template(ing.serving.tokenizer, messages)
     expected = await _engine_greedy_ids(rep, prompt, 5)

@@ -16,6 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from affinity_serve.app.config import AppConfig  # noqa: E402
 from affinity_serve.app.prompts import RequestKind  # noqa: E402
+from affinity_serve.engine import EngineConfig  # noqa: E402
 from tests.unit.app.conftest import LocalHandle  # noqa: E402
 from tests.unit.app.test_hostile_inputs import http_request  # noqa: E402
 
@@ -39,8 +40,8 @@ async def app(checkpoints):
     from affinity_serve.app.ingress import Ingress
     from affinity_serve.app.replica import LLMReplica
     path = checkpoints["llama"]
-    rep = LLMReplica({"model": path, "cache": {"num_blocks": 256, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())
+    rep = LLMReplica(EngineConfig(model=path, cache={"num_blocks": 256, "block_size": 4}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}))
 
     async def handler(request: httpx.Request) -> httpx.Response:
         kind = RequestKind.CHAT if request.url.path.endswith("/chat/completions") else RequestKind.COMPLETION
@@ -190,8 +191,8 @@ async def test_the_python_handle_api_takes_the_same_fields(checkpoints):
     from affinity_serve.app.ingress import Ingress
     from affinity_serve.app.replica import LLMReplica
     path = checkpoints["llama"]
-    rep = LLMReplica({"model": path, "cache": {"num_blocks": 128, "block_size": 4}})
-    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}).model_dump())
+    rep = LLMReplica(EngineConfig(model=path, cache={"num_blocks": 128, "block_size": 4}))
+    ing = Ingress(LocalHandle(rep), AppConfig.model_validate({"engine": {"model": path}}))
     out = await ing.chat({"messages": MSGS, "max_tokens": 60, "temperature": 0.0, "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     call = out["choices"][0]["message"]["tool_calls"][0]

@@ -26,7 +26,7 @@ def test_engine_policy_is_our_class_with_serves_delays_at_zero():
     kwargs = ac.policy.policy_kwargs
     json.dumps(kwargs)                                   # Serve requires JSON kwargs
     policy = EngineAwarePolicy(**kwargs)                 # what the controller builds from them
-    assert policy.config == PolicyConfig(**kwargs)
+    assert policy.config == PolicyConfig.model_validate(kwargs)
     assert (policy.config.ttft_slo_s, policy.config.downscale_delay_s, policy.config.min_replicas) == (1.5, 45, 0)
 
 

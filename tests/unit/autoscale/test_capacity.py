@@ -68,7 +68,7 @@ def test_no_step_reports_means_the_priors_and_online_off_ignores_reports():
     assert (cap.prefill_tokens_per_s, cap.tpot_seqs, cap.kv_growth) == (5000.0, 16.0, 1.0)
     learned = replace(quiet, prefill_s_per_token=1e-4, step_base_s=0.01, decode_s_per_context_token=1e-7,
                       mean_context_tokens=1000)
-    assert replica_capacity(learned, replace(CFG, online_capacity=False)).prefill_tokens_per_s == 5000.0
+    assert replica_capacity(learned, CFG.model_copy(update=dict(online_capacity=False))).prefill_tokens_per_s == 5000.0
     assert replica_capacity(learned, CFG).prefill_tokens_per_s == pytest.approx(10_000)
 
 
@@ -85,8 +85,8 @@ def test_replicas_of_different_speeds_size_the_fleet_by_the_mean_replica():
     assert homogeneous.prefill_units == pytest.approx(16_000 / 20_000)
     assert mixed.prefill_units == pytest.approx(16_000 / 12_500)     # mean R of the four
     # the priors (5000 tokens/s) would take every replica for a slow one
-    assert fleet_load([fast] * 4, replace(CFG, online_capacity=False)).prefill_units == pytest.approx(3.2)
-    cfg = replace(CFG, target_utilization=0.4, downscale_utilization=0.2)
+    assert fleet_load([fast] * 4, CFG.model_copy(update=dict(online_capacity=False))).prefill_units == pytest.approx(3.2)
+    cfg = CFG.model_copy(update=dict(target_utilization=0.4, downscale_utilization=0.2))
     same, diff = (decide(f, 4, 0.0, PolicyState(), cfg) for f in ([fast] * 4, [fast, fast, slow, slow]))
     assert diff.load.decode_units == same.load.decode_units    # the same sequences, the same C
     assert same.target_replicas == 4 < diff.target_replicas == 5     # ceil((1.28 + 0.47) / 0.4)
@@ -116,7 +116,7 @@ def test_a_prompt_length_shift_scales_ours_out_and_not_the_request_count_rule():
                                mean_context_tokens=800, max_num_seqs=64, num_recent_requests=20,
                                ttft_p90_s=0.3, tpot_p90_s=0.03, requests_per_s=3.0)] * 2
     short, long = fleet(3 * 500), fleet(3 * 8000)
-    cfg = replace(CFG, headroom_z=2.0)
+    cfg = CFG.model_copy(update=dict(headroom_z=2.0))
     ours = [decide(f, 2, 0.0, PolicyState(), cfg).target_replicas for f in (short, long)]
     assert ours[0] <= 2 < ours[1]
     for target in (2, 4, 8):

@@ -88,14 +88,14 @@ CASES = [
 @pytest.mark.parametrize("signals,current,state,overrides,queued,target,reason",
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_decision_table(signals, current, state, overrides, queued, target, reason):
-    d = decide(signals, current, NOW, state, replace(CFG, **overrides), num_queued_at_callers=queued)
+    d = decide(signals, current, NOW, state, CFG.model_copy(update=dict(**overrides)), num_queued_at_callers=queued)
     assert (d.target_replicas, d.reason) == (target, reason), d.describe()
 
 
 def test_the_idle_clock_starts_when_a_replica_first_reports_not_at_deploy():
     """min_replicas 0, one replica starting for 60 s with no traffic (no signals: NO_METRICS). Its first
     report starts the idle clock: to zero only downscale_to_zero_delay_s (20 s) later, not at once."""
-    cfg = replace(CFG, min_replicas=0)
+    cfg = CFG.model_copy(update=dict(min_replicas=0))
     st = FRESH
     for t in range(0, 61, 10):
         d = decide([], 1, float(t), st, cfg)
@@ -118,7 +118,7 @@ def test_a_request_no_in_flight_sample_saw_still_keeps_the_fleet_up():
     replicas' recent-request count (first tokens in their signal window) still shows them. A fleet whose
     replica reports such requests but never one in flight, for longer than downscale_to_zero_delay_s (20 s),
     stays up; the idle clock starts once the window holds no request."""
-    cfg = replace(CFG, min_replicas=0)
+    cfg = CFG.model_copy(update=dict(min_replicas=0))
     quiet_but_served = S(num_recent_requests=1, ttft_p90_s=0.05)
     d = decide([IDLE], 1, 0.0, FRESH, cfg)
     st = d.state
@@ -150,20 +150,20 @@ def test_refill_weight_sets_how_much_of_a_moving_prefix_counts_as_load():
     counted = decide([old, new], 2, NOW, FRESH, CFG)
     assert counted.load.prefill_units == pytest.approx(1.9) and counted.load.refill_units == pytest.approx(0.9)
     assert (counted.target_replicas, counted.reason) == (3, Reason.UP_PREDICTED)
-    left_out = decide([old, new], 2, NOW, FRESH, replace(CFG, refill_weight=0.0))
+    left_out = decide([old, new], 2, NOW, FRESH, CFG.model_copy(update=dict(refill_weight=0.0)))
     assert left_out.load.prefill_units == pytest.approx(1.0) and left_out.load.refill_units == pytest.approx(0.9)
     assert (left_out.target_replicas, left_out.reason) == (2, Reason.HOLD), left_out.describe()
-    half = fleet_load([old, new], replace(CFG, refill_weight=0.5))
+    half = fleet_load([old, new], CFG.model_copy(update=dict(refill_weight=0.5)))
     assert (half.prefill_units, half.refill_units) == (pytest.approx(1.45), pytest.approx(0.9))
-    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], replace(CFG, refill_weight=0.0))   # capped
+    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], CFG.model_copy(update=dict(refill_weight=0.0)))   # capped
     assert odd.prefill_units == pytest.approx(0.0)
     # the backlog is work due within the SLO wherever it came from: always counted
-    assert fleet_load([busy(queued_tokens=500, rate=0)], replace(CFG, refill_weight=0.0)).prefill_units == \
+    assert fleet_load([busy(queued_tokens=500, rate=0)], CFG.model_copy(update=dict(refill_weight=0.0))).prefill_units == \
         pytest.approx(0.5)
 
 
 def test_upscale_delay_must_hold_and_resets_when_the_condition_goes():
-    cfg = replace(CFG, upscale_delay_s=3.0)
+    cfg = CFG.model_copy(update=dict(upscale_delay_s=3.0))
     hot, cool = [busy(9), busy(9)], [busy(5), busy(5)]
     d = decide(hot, 2, 0.0, FRESH, cfg)
     assert (d.target_replicas, d.reason) == (2, Reason.UP_PENDING)
@@ -191,7 +191,7 @@ def test_downscale_goes_to_the_largest_target_seen_during_the_wait():
 def test_no_flapping_a_steady_load_settles_without_reversing(total_running, start, headroom):
     """Hysteresis: under a steady load the count moves in one direction only, then stays (with and without
     the arrival headroom, and with the trend term on: a steady load has no rising trend)."""
-    cfg = replace(CFG, headroom_z=headroom, trend_lead_s=10.0, trend_window_s=30.0)
+    cfg = CFG.model_copy(update=dict(headroom_z=headroom, trend_lead_s=10.0, trend_window_s=30.0))
     rate = 0.3 * total_running             # 3 requests/s per unit of load (10 running sequences)
     n, s, t, counts = start, FRESH, 0.0, [start]
     for _ in range(200):
@@ -267,7 +267,7 @@ def test_a_lasting_breach_doubles_per_replica_start_not_per_cooldown():
     (0.1, 3.0, 0.1 + 1.5 * 0.1),                   # under one request per SLO: at most z x units spare
 ])
 def test_replicas_needed_is_the_larger_of_utilization_and_arrival_headroom(units, per_unit, expected):
-    assert replicas_needed(units, replace(CFG, headroom_z=1.5), per_unit) == pytest.approx(expected)
+    assert replicas_needed(units, CFG.model_copy(update=dict(headroom_z=1.5)), per_unit) == pytest.approx(expected)
 
 
 HEADROOM_CASES = [
@@ -283,7 +283,7 @@ HEADROOM_CASES = [
 @pytest.mark.parametrize("running,rps,current,headroom,target,reason", [c[1:] for c in HEADROOM_CASES],
                          ids=[c[0] for c in HEADROOM_CASES])
 def test_arrival_headroom_table(running, rps, current, headroom, target, reason):
-    cfg = replace(CFG, headroom_z=headroom, max_replicas=40)
+    cfg = CFG.model_copy(update=dict(headroom_z=headroom, max_replicas=40))
     d = decide([busy(running, requests_per_s=rps)] * current, current, NOW, LONG_DOWN, cfg)
     assert (d.target_replicas, d.reason) == (target, reason), d.describe()
 
@@ -300,17 +300,17 @@ def _ramp(slope_units_per_s: float, cfg: PolicyConfig, seconds: float = 40.0, cu
 
 def test_a_rising_load_is_projected_over_the_lead_time():
     """A load rising 0.1 units/s: with a 10 s lead the fleet is sized for 1 more unit than today's."""
-    cfg = replace(CFG, trend_lead_s=10.0, trend_window_s=30.0)
+    cfg = CFG.model_copy(update=dict(trend_lead_s=10.0, trend_window_s=30.0))
     d = _ramp(0.1, cfg)
     assert d.load.trend_units == pytest.approx(1.0, rel=1e-6)
     assert d.load.projected_units == pytest.approx(d.load.load_units + 1.0)
-    no_trend = _ramp(0.1, replace(cfg, trend_lead_s=0.0))
+    no_trend = _ramp(0.1, cfg.model_copy(update=dict(trend_lead_s=0.0)))
     assert no_trend.load.trend_units == 0.0
     assert (no_trend.up_target, d.up_target) == (7, 8)          # ceil(4.95 / 0.8) vs ceil(5.95 / 0.8)
 
 
 def test_a_falling_or_flat_load_has_no_trend_and_a_short_history_none_yet():
-    cfg = replace(CFG, trend_lead_s=10.0, trend_window_s=30.0)
+    cfg = CFG.model_copy(update=dict(trend_lead_s=10.0, trend_window_s=30.0))
     assert _ramp(-0.02, cfg).load.trend_units == 0.0
     assert _ramp(0.0, cfg).load.trend_units == 0.0
     assert _ramp(0.1, cfg, seconds=10.0).load.trend_units == 0.0     # 10 s of samples < half the window
@@ -319,7 +319,7 @@ def test_a_falling_or_flat_load_has_no_trend_and_a_short_history_none_yet():
 def test_a_rising_trend_holds_off_a_scale_in():
     """10 replicas for a load of ~2.5 units that rises 0.05 units/s: without the trend the down rule would
     take the fleet down; with a 30 s lead it keeps more, as the load will need them."""
-    cfg = replace(CFG, trend_lead_s=30.0, trend_window_s=30.0, downscale_delay_s=0.0)
+    cfg = CFG.model_copy(update=dict(trend_lead_s=30.0, trend_window_s=30.0, downscale_delay_s=0.0))
     with_trend = _ramp(0.05, cfg, seconds=30.0, current=10)
-    without = _ramp(0.05, replace(cfg, trend_lead_s=0.0), seconds=30.0, current=10)
+    without = _ramp(0.05, cfg.model_copy(update=dict(trend_lead_s=0.0)), seconds=30.0, current=10)
     assert with_trend.down_target > without.down_target

@@ -6,11 +6,12 @@ import pytest
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.autoscale.signals import METRIC_KEYS, ReplicaSignals
 from affinity_serve.engine import SamplingParams
+from affinity_serve.engine import EngineConfig
 
 
 async def test_replica_reports_recent_ttft_tpot_and_prefill_tokens(checkpoints):
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4}))
     before = rep.record_autoscaling_stats()
     assert set(before) == set(METRIC_KEYS) and all(isinstance(v, float) for v in before.values())
     assert before["num_recent_requests"] == 0.0
@@ -33,7 +34,7 @@ async def test_replica_reports_refills_of_what_the_router_saw_cached_elsewhere(c
     (empty) replica recomputes all 12, 8 of them a refill; a repeat here hits its own cache and refills
     nothing."""
     from affinity_serve.app.replica import LLMReplica
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 32, "block_size": 4}})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4}))
     prompt = list(range(30, 42))
     for rid in ("moved", "repeat"):
         req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=2, temperature=0),
@@ -75,8 +76,8 @@ async def test_replica_steps_reach_the_recorder_and_learned_capacity_converges(c
 
     from affinity_serve.app.replica import LLMReplica
     from affinity_serve.autoscale.policy import PolicyConfig, replica_capacity
-    rep = LLMReplica({"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4},
-                      "pace": PACE})
+    rep = LLMReplica(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 128, "block_size": 4},
+                                  pace=PACE))
 
     async def one(i: int) -> None:
         prompt = [5 + (i * 7 + j) % 90 for j in range(6 + 9 * (i % 5))]     # 6-42 tokens, few shared

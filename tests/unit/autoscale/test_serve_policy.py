@@ -94,7 +94,7 @@ def test_serve_wrapper_passes_our_decision_through_when_its_delays_are_zero(serv
 
 
 def test_bad_kwargs_fail_at_construction():
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="no_such_knob"):      # PolicyConfig forbids unknown keys
         EngineAwarePolicy(no_such_knob=1)
     with pytest.raises(ValueError, match="min_replicas"):
         EngineAwarePolicy(min_replicas=5, max_replicas=2)

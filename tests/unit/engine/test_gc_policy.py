@@ -36,7 +36,7 @@ def test_a_replica_tunes_the_collector_but_a_bare_engine_does_not(checkpoints, r
     cfg = dict(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4})
     LLMEngine.from_config(EngineConfig(**cfg))
     assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] == 700
-    rep = LLMReplica(cfg)
+    rep = LLMReplica(EngineConfig(**cfg))
     assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == STEP_GEN0_THRESHOLD
     # the engine was frozen with the rest of start-up: get_objects() lists only the collected generations
     assert not any(o is rep.engine.engine for o in gc.get_objects())
