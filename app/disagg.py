@@ -243,7 +243,6 @@ class DecodeReplica(_PDMetrics):
                 c.finish_reason = c.stop_reason = None        # it goes on here
                 cont.append((c.index, r.remote))
             elif c.finish_reason is not None:
-                c.replica_stats = self.stats()
                 c.timings = {"queue_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
             yield c
         if not cont:

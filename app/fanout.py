@@ -14,7 +14,6 @@ from typing import Any
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.prompts import PreparedRequest
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
-from affinity_serve.app.stats import ReplicaStats
 from affinity_serve.engine.types import Logprobs
 from affinity_serve.observability.requests import RequestRecord, RoutingRecord
 
@@ -193,7 +192,6 @@ class RequestRun:
         #: per prompt, when asked for (params.prompt_logprobs): computed once, on the prompt's sequence 0
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(p.prompts)
         self.replica_ids: set[str] = set()
-        self.replica_stats: dict[str, ReplicaStats] = {}
         self.kv_tiers: dict[str, tuple[str, dict[str, int]]] = {}   # replica -> (tier, counters), latest
         self.replica_trace_ids: set[str] = set()
         self.timings: dict[str, float] | None = None
@@ -224,8 +222,6 @@ class RequestRun:
             self.replica_ids.add(c.replica_id)
         if c.timings and self.timings is None:
             self.timings = c.timings
-        if c.replica_stats is not None:
-            self.replica_stats[c.replica_id] = c.replica_stats
         if c.kv_tier is not None:
             self.kv_tiers[c.replica_id] = c.kv_tier
         if c.trace_id:

@@ -8,7 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from affinity_serve.app.errors import APIError
 
-from affinity_serve.app.stats import ReplicaStats
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.types import EngineRequest, RequestDelta
 
@@ -341,8 +340,7 @@ class ReplicaChunk(RequestDelta):
     replica_id: str = ""
     #: set on a sequence's last chunk: monotonic timings measured in the replica (seconds)
     timings: dict[str, float] | None = None
-    #: set on a sequence's last chunk: the replica's stats at that moment, and its engine span's trace id
-    replica_stats: ReplicaStats | None = None
+    #: set on a sequence's last chunk: its engine span's trace id
     trace_id: str | None = None
     #: set on a sequence's last chunk when the replica has a KV connector: (tier, its cumulative counters)
     kv_tier: tuple[str, dict[str, int]] | None = None

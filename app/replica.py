@@ -20,7 +20,7 @@ from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_f
 from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.routing.serve_compat import drop_kv_feed_access_logs
-from affinity_serve.app.stats import ReplicaStats, load_sample
+from affinity_serve.app.stats import load_sample, routing_stats
 from affinity_serve.autoscale.signals import SignalRecorder, refilled_tokens
 from affinity_serve.engine import (AsyncLLMEngine, EngineConfig, EngineLimits, EngineLoad, SamplingParams,
                                   tune_gc_for_serving)
@@ -91,7 +91,7 @@ class LLMReplica:
                     limits.max_model_len, limits.max_kv_tokens)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[ReplicaChunk]:
-        """Stream chunks; the last chunk of each sequence carries finish_reason, timings and stats.
+        """Stream chunks; the last chunk of each sequence carries finish_reason and timings.
 
         `req` is the engine's request as the ingress built it (P/D disaggregation, app/disagg.py: with the
         RemotePrefill of each sequence in `kv_transfer`, continued here)."""
@@ -125,7 +125,6 @@ class LLMReplica:
                     ft = first_token or now
                     chunk.timings = {"queue_s": max(0.0, sched - arrival), "prefill_s": max(0.0, ft - sched),
                                      "decode_s": max(0.0, now - ft)}
-                    chunk.replica_stats = self.stats()
                     num_finished += 1
                     self.metrics.record_sequence(finish_reason=d.finish_reason or "stop", **chunk.timings)
                     self.signals.on_finished(now, chunk.timings["decode_s"], num_output_tokens.get(d.index, 0),
@@ -172,8 +171,9 @@ class LLMReplica:
         """The engine's request limits (the ingress checks requests against these before routing)."""
         return self.engine.limits
 
-    def stats(self) -> ReplicaStats:
-        return ReplicaStats.from_load(self.engine.load())
+    def stats(self) -> EngineLoad:
+        """The engine's latest load (taken after its last step)."""
+        return self.engine.load()
 
     def _load_sample(self) -> ReplicaLoadSample:
         """What the replica's gauges read (observability.metrics.ReplicaMetrics), at each collection."""
@@ -194,8 +194,8 @@ class LLMReplica:
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
-        """ReplicaStats as the dict Serve carries (`RunningReplica.routing_stats`); see ReplicaStats."""
-        return self.stats().to_dict()
+        """The engine's load as the dict Serve carries (`RunningReplica.routing_stats`): app.stats.routing_stats."""
+        return routing_stats(self.engine.load())
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaler's signals (autoscale.signals.METRIC_KEYS), numbers only: the engine's load, the

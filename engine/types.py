@@ -258,8 +258,8 @@ class StepCost:
 class EngineLoad:
     """An engine's load, taken between steps (`LLMEngine.load`; `AsyncLLMEngine.load` hands out the latest).
 
-    The one load record: a replica reports it (app.stats.ReplicaStats is its wire form for Serve), the
-    router reads it (app.routing.ReplicaLoadView.from_stats) and the autoscaler's signals start from it.
+    The one load record: a replica reports it (app.stats.routing_stats: its fields Serve carries, by their
+    names), the router reads that (app.routing.ReplicaLoadView.from_stats) and the autoscaler's signals start from it.
     """
 
     num_running_reqs: int
@@ -285,6 +285,18 @@ class EngineLoad:
     #: it consumed), and how many steps the loop has run: what a replica's capacity model learns from
     recent_steps: tuple[StepCost, ...] = ()
     num_steps_total: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Lifetime prefix-cache hit rate (0-1)."""
+        q = self.prefix_cache_queries_total
+        return self.prefix_cache_hits_total / q if q else 0.0
+
+    @property
+    def recent_prefix_hit_rate(self) -> float:
+        """Hit rate over the recent admissions (0-1): what routers and operators should look at."""
+        q = self.recent_prefix_cache_queries
+        return self.recent_prefix_cache_hits / q if q else 0.0
 
 
 @dataclass(slots=True)

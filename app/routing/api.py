@@ -40,7 +40,7 @@ class ReplicaInfo:
 
 @dataclass(slots=True, frozen=True)
 class ReplicaLoadView:
-    """The part of a replica's stats snapshot (app.stats.ReplicaStats) the core reads.
+    """The part of a replica's `EngineLoad` the core reads (`from_stats`; the core's own short names).
 
     `num_queued_prefill_tokens`: uncached prompt tokens admitted but not yet computed (waiting + chunked).
     `num_blocks` (KV pool size in blocks) is optional: with it, new-group placement weighs how much of the
@@ -59,14 +59,16 @@ class ReplicaLoadView:
 
     @classmethod
     def from_stats(cls, stats: Any, now_wall: float | None = None) -> ReplicaLoadView:
-        """From a ReplicaStats (or anything with its attribute names) or the dict Serve carries; its
-        `taken_at` (wall clock, seconds) gives `age_s` against `now_wall` (default: time.time())."""
+        """From the routing stats Serve carries (app.stats.routing_stats: EngineLoad's field names) or an
+        EngineLoad itself; `taken_at` (wall clock, seconds), when present, gives `age_s` against `now_wall`
+        (default: time.time())."""
         get = stats.get if isinstance(stats, Mapping) else (lambda k, d=None: getattr(stats, k, d))
         taken_at = float(get("taken_at", 0.0) or 0.0)
         age = 0.0
         if taken_at > 0.0:
             age = min(60.0, max(0.0, (time.time() if now_wall is None else now_wall) - taken_at))
-        return cls(num_running=int(get("num_running", 0) or 0), num_waiting=int(get("num_waiting", 0) or 0),
+        return cls(num_running=int(get("num_running_reqs", 0) or 0),
+                   num_waiting=int(get("num_waiting_reqs", 0) or 0),
                    kv_cache_usage=float(get("kv_cache_usage", 0.0) or 0.0),
                    num_queued_prefill_tokens=int(get("num_queued_prefill_tokens", 0) or 0),
                    cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None),

@@ -4,7 +4,7 @@ over HTTP under each routing policy in turn, in one run.
 Per policy the app is deployed fresh (new engines: empty prefix caches, counters from zero, a new router),
 warmed up with a few requests that share nothing with the trace, driven with the same seeded trace at a
 bounded concurrency (streaming completions), measured, and deleted. Token hit rate comes from the engines'
-own counters (each replica's `ReplicaStats.prefix_cache_hits / prefix_cache_queries`, deltas over the
+own counters (each replica's `prefix_cache_hits_total / prefix_cache_queries_total` (EngineLoad), deltas over the
 trace); TTFT is the time to the first chunk carrying text; throughput is output tokens per second of wall
 time. `power_of_two` (Serve's default behaviour) and `round_robin` are the baselines.
 
@@ -247,7 +247,8 @@ def replica_counters(num_replicas: int, max_calls: int = 100) -> dict[str, tuple
     seen: dict[str, tuple[int, int]] = {}
     for _ in range(max_calls):
         st = h.debug_state.remote().result(timeout_s=30)
-        seen[st["replica_id"]] = (st["stats"]["prefix_cache_queries"], st["stats"]["prefix_cache_hits"])
+        seen[st["replica_id"]] = (st["stats"]["prefix_cache_queries_total"],
+                                      st["stats"]["prefix_cache_hits_total"])
         if len(seen) == num_replicas:
             return seen
     raise RuntimeError(f"only {len(seen)} of {num_replicas} replicas answered debug_state in {max_calls} calls")

@@ -195,9 +195,9 @@ class SimReplica:
 
     # ------------------------------------------------------------------ what the router may pull
     def load_view(self) -> dict:
-        """The ReplicaStats fields a router reads (app.stats.ReplicaStats names)."""
+        """The routing stats a router reads (app.stats.routing_stats: EngineLoad's names)."""
         st = self.scheduler.make_stats()
-        return {"num_running": st.num_running_reqs, "num_waiting": st.num_waiting_reqs,
+        return {"num_running_reqs": st.num_running_reqs, "num_waiting_reqs": st.num_waiting_reqs,
                 "kv_cache_usage": st.kv_cache_usage, "num_queued_prefill_tokens": st.num_queued_prefill_tokens,
                 "cache_epoch": self._epoch(), "num_blocks": self.kv.pool.num_blocks}
 

@@ -11,7 +11,7 @@ from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffi
                                         ReplicaLoadView)
 from affinity_serve.app.routing.api import Reason, RouteRequest
 from affinity_serve.app.routing.prefix_index import SPEC_STRIDE
-from affinity_serve.app.stats import ReplicaStats
+from affinity_serve.app.stats import ROUTING_STATS_FIELDS
 from affinity_serve.engine.types import BlockStored
 
 from .helpers import BS, Clock, chain, stored
@@ -163,10 +163,10 @@ def test_a_snapshot_taken_before_a_request_started_retires_it_once():
 
 
 def test_replica_stats_carry_their_wall_time_and_the_view_its_age():
-    view = ReplicaLoadView.from_stats({"num_running": 1, "taken_at": 1000.0}, now_wall=1000.75)
+    view = ReplicaLoadView.from_stats({"num_running_reqs": 1, "taken_at": 1000.0}, now_wall=1000.75)
     assert view.age_s == pytest.approx(0.75)
-    assert ReplicaLoadView.from_stats({"num_running": 1}).age_s == 0.0
-    assert "taken_at" in ReplicaStats().to_dict()
+    assert ReplicaLoadView.from_stats({"num_running_reqs": 1}).age_s == 0.0
+    assert "num_running_reqs" in ROUTING_STATS_FIELDS      # the view reads EngineLoad's names
 
 
 # ---------------------------------------------------------------- 6. demand from observed output lengths
