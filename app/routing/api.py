@@ -108,7 +108,7 @@ class KVSnapshot:
 class RouteRequest:
     """A request to place. `block_hashes`: the engine's chained hashes of the prompt's full blocks."""
 
-    request_id: str
+    req_id: str
     block_hashes: list[BlockHash]
     num_prompt_tokens: int
     max_tokens: int = 0
@@ -186,7 +186,7 @@ class CandidateScores:
 class Decision:
     """One routing decision: candidates ranked best first, the choice, why, and the scores behind it."""
 
-    request_id: str
+    req_id: str
     ranked: list[str]
     chosen: str
     reason: Reason
@@ -273,17 +273,17 @@ class RouterCore(Protocol):
         load-only FALLBACK decision and logs. Records the decision (in-flight load, speculative index
         entries on the chosen replica) as if the request was sent to `chosen`."""
 
-    def on_routed(self, request_id: str, replica_id: str) -> None:
+    def on_routed(self, req_id: str, replica_id: str) -> None:
         """The request actually went to `replica_id` (call only if it differs from the decision)."""
 
-    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
         """The request's first token arrived: its prefill left the replica's queue. `num_cached_tokens`
         (what the engine found cached) feeds index-accuracy counters, as on_actual_cached."""
 
-    def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
+    def on_actual_cached(self, req_id: str, num_cached_tokens: int) -> None:
         """The engine's cached-token count for the request (predicted vs actual counters)."""
 
-    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
+    def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
         """The request ended (success, error or cancel): it stops counting as load anywhere.
         `num_output_tokens` (if known) feeds the observed output lengths that a group's demand uses."""
 

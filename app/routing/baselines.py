@@ -50,7 +50,7 @@ class _LoadOnlyCore(ABC):
         start = time.perf_counter()
         if not candidate_ids:
             self._counters.num_errors += 1
-            return Decision(request.request_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
+            return Decision(request.req_id, [], "", Reason.FALLBACK, CandidateScores.empty(),
                             time.perf_counter() - start)
         now = self.clock()
         self._expire(now)
@@ -77,25 +77,25 @@ class _LoadOnlyCore(ABC):
     def _decide(self, request: RouteRequest, ids: list[str], now: float, start: float) -> Decision:
         """The policy's decision over `ids` (non-empty), its request recorded as in flight."""
 
-    def on_routed(self, request_id: str, replica_id: str) -> None:
-        f = self.loads.in_flight(request_id)
+    def on_routed(self, req_id: str, replica_id: str) -> None:
+        f = self.loads.in_flight(req_id)
         if f is not None and f.replica_id != replica_id:
-            self.loads.move(request_id, replica_id, uncached_tokens=f.num_prompt_tokens, predicted_cached_tokens=0,
+            self.loads.move(req_id, replica_id, uncached_tokens=f.num_prompt_tokens, predicted_cached_tokens=0,
                             now=self.clock())
             self._counters.num_rerouted += 1
 
-    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
         if num_cached_tokens is not None:
-            self.on_actual_cached(request_id, num_cached_tokens)
-        self.loads.start(request_id, self.clock())
+            self.on_actual_cached(req_id, num_cached_tokens)
+        self.loads.start(req_id, self.clock())
 
-    def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
-        if self.loads.in_flight(request_id) is not None:
+    def on_actual_cached(self, req_id: str, num_cached_tokens: int) -> None:
+        if self.loads.in_flight(req_id) is not None:
             self._counters.actual_cached_tokens += num_cached_tokens
             self._counters.num_accuracy_samples += 1
 
-    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
-        self.loads.finish(request_id, self.clock())
+    def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
+        self.loads.finish(req_id, self.clock())
 
     def recent_decisions(self, n: int) -> list[Decision]:
         return list(self._decisions)[-n:] if n > 0 else []
@@ -111,14 +111,14 @@ class _RankingCore(_LoadOnlyCore):
 
     def _decide(self, request: RouteRequest, ids: list[str], now: float, start: float) -> Decision:
         ranked = self._rank(ids)
-        self.loads.add(request.request_id, ranked[0], uncached_tokens=request.num_prompt_tokens,
+        self.loads.add(request.req_id, ranked[0], uncached_tokens=request.num_prompt_tokens,
                        predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=[], now=now)
         loads = [self.loads.get(rid) for rid in ids]
         scores = CandidateScores(ids, [0] * len(loads), [0.0] * len(loads),
                                  [c.queued_prefill_tokens for c in loads], [c.decode_load for c in loads],
                                  [c.kv_usage for c in loads])
-        return Decision(request.request_id, ranked, ranked[0], Reason.LOAD, scores, time.perf_counter() - start)
+        return Decision(request.req_id, ranked, ranked[0], Reason.LOAD, scores, time.perf_counter() - start)
 
     @abstractmethod
     def _rank(self, ids: list[str]) -> list[str]:
@@ -225,9 +225,9 @@ class LlmdPreciseCore(_LoadOnlyCore):
         chosen = self.rng.choice([i for i in pool if score[i] == best])
         rid = ids[chosen]
         self._tokens[rid] = self._tokens.get(rid, 0) + uncached[chosen]
-        self._sent[request.request_id] = (rid, uncached[chosen])
+        self._sent[request.req_id] = (rid, uncached[chosen])
         self.index.insert_speculative(rid, hashes, now, start=blocks[chosen])
-        self.loads.add(request.request_id, rid, uncached_tokens=uncached[chosen],
+        self.loads.add(request.req_id, rid, uncached_tokens=uncached[chosen],
                        predicted_cached_tokens=prompt - uncached[chosen], num_prompt_tokens=prompt,
                        block_hashes=[], now=now)
         order = sorted(everyone, key=score.__getitem__)
@@ -236,27 +236,27 @@ class LlmdPreciseCore(_LoadOnlyCore):
         scores = CandidateScores(ids, [p - u for p, u in zip([prompt] * len(ids), uncached)],
                                  [s / self.peak_tokens_per_s for s in score], inflight,
                                  [c.decode_load for c in loads], [c.kv_usage for c in loads])
-        return Decision(request.request_id, ranked, rid, reason, scores, time.perf_counter() - start)
+        return Decision(request.req_id, ranked, rid, reason, scores, time.perf_counter() - start)
 
-    def _retire(self, request_id: str) -> None:
-        sent = self._sent.pop(request_id, None)
+    def _retire(self, req_id: str) -> None:
+        sent = self._sent.pop(req_id, None)
         if sent is not None:
             rid, tokens = sent
             if rid in self._tokens:
                 self._tokens[rid] = max(0, self._tokens[rid] - tokens)
 
-    def on_routed(self, request_id: str, replica_id: str) -> None:
-        sent = self._sent.get(request_id)
+    def on_routed(self, req_id: str, replica_id: str) -> None:
+        sent = self._sent.get(req_id)
         if sent is not None and sent[0] != replica_id:
-            self._retire(request_id)
+            self._retire(req_id)
             self._tokens[replica_id] = self._tokens.get(replica_id, 0) + sent[1]
-            self._sent[request_id] = (replica_id, sent[1])
-        super().on_routed(request_id, replica_id)
+            self._sent[req_id] = (replica_id, sent[1])
+        super().on_routed(req_id, replica_id)
 
-    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
-        self._retire(request_id)
-        super().on_first_token(request_id, num_cached_tokens)
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
+        self._retire(req_id)
+        super().on_first_token(req_id, num_cached_tokens)
 
-    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
-        self._retire(request_id)
-        super().on_finished(request_id, num_output_tokens)
+    def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
+        self._retire(req_id)
+        super().on_finished(req_id, num_output_tokens)

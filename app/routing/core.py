@@ -85,7 +85,7 @@ class PrefixAffinityRouterCore:
         try:
             decision = self._route(request, candidate_ids, start)
         except Exception:
-            logger.exception("routing %s failed; falling back to load-only ranking", request.request_id)
+            logger.exception("routing %s failed; falling back to load-only ranking", request.req_id)
             self._counters.num_errors += 1
             decision = self._fallback(request, candidate_ids, start)
         self._record(decision)
@@ -107,14 +107,14 @@ class PrefixAffinityRouterCore:
         result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now, tier)
         chosen = cands[result.chosen_index].replica_id
         cached = result.scores.predicted_cached_tokens[result.chosen_index]
-        self.loads.add(request.request_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
+        self.loads.add(request.req_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=request.block_hashes, now=now,
                        tier_tokens=result.scores.tier_cached(result.chosen_index),
                        kv_blocks=-(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size))
         self.index.insert_speculative(chosen, request.block_hashes, now, start=matched.get(chosen, 0))
         self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
-        return Decision(request.request_id, result.ranked, chosen, result.reason, result.scores,
+        return Decision(request.req_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
     def predict_wait(self, request: RouteRequest, candidate_ids: list[str]) -> float | None:
@@ -151,12 +151,12 @@ class PrefixAffinityRouterCore:
         try:
             ids.sort(key=lambda rid: (self.loads.get(rid).queued_prefill_tokens, self.loads.get(rid).decode_load))
             if ids:
-                self.loads.add(request.request_id, ids[0], uncached_tokens=request.num_prompt_tokens,
+                self.loads.add(request.req_id, ids[0], uncached_tokens=request.num_prompt_tokens,
                                predicted_cached_tokens=0, num_prompt_tokens=request.num_prompt_tokens,
                                block_hashes=request.block_hashes, now=self.clock())
         except Exception:
             logger.exception("load-only fallback ranking failed too; candidates in random order")
-        return Decision(request.request_id, ids, ids[0] if ids else "", Reason.FALLBACK, CandidateScores.empty(),
+        return Decision(request.req_id, ids, ids[0] if ids else "", Reason.FALLBACK, CandidateScores.empty(),
                         time.perf_counter() - start)
 
     def _record(self, decision: Decision) -> None:
@@ -173,8 +173,8 @@ class PrefixAffinityRouterCore:
         self._size_index()
 
     # ------------------------------------------------------------ request lifecycle
-    def on_routed(self, request_id: str, replica_id: str) -> None:
-        f = self.loads.in_flight(request_id)
+    def on_routed(self, req_id: str, replica_id: str) -> None:
+        f = self.loads.in_flight(req_id)
         if f is None or f.replica_id == replica_id:
             return
         if replica_id not in self._nodes:
@@ -186,16 +186,16 @@ class PrefixAffinityRouterCore:
         max_blocks = max(0, f.num_prompt_tokens - 1) // self.block_size
         pool_cached = min(matched, max_blocks) * self.block_size
         cached = min(matched + loadable, max_blocks) * self.block_size
-        self.loads.move(request_id, replica_id, uncached_tokens=f.num_prompt_tokens - cached,
+        self.loads.move(req_id, replica_id, uncached_tokens=f.num_prompt_tokens - cached,
                         predicted_cached_tokens=cached, now=now, tier_tokens=cached - pool_cached)
         self.index.insert_speculative(replica_id, f.block_hashes, now, start=matched)
         self._counters.num_rerouted += 1
 
-    def on_first_token(self, request_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
         if num_cached_tokens is not None:
-            self.on_actual_cached(request_id, num_cached_tokens)
+            self.on_actual_cached(req_id, num_cached_tokens)
         now = self.clock()
-        f = self.loads.start(request_id, now)
+        f = self.loads.start(req_id, now)
         if f is None:
             return
         ttft = now - f.routed_at
@@ -208,8 +208,8 @@ class PrefixAffinityRouterCore:
             loaded = min(f.tier_tokens, max(0, num_cached_tokens - pool_predicted))
         self.model.observe(f.work_ahead_tokens + uncached, f.running_ahead, ttft, loaded)
 
-    def on_actual_cached(self, request_id: str, num_cached_tokens: int) -> None:
-        f = self.loads.in_flight(request_id)
+    def on_actual_cached(self, req_id: str, num_cached_tokens: int) -> None:
+        f = self.loads.in_flight(req_id)
         if f is None:
             return
         c = self._counters
@@ -217,8 +217,8 @@ class PrefixAffinityRouterCore:
         c.actual_cached_tokens += num_cached_tokens
         c.num_accuracy_samples += 1
 
-    def on_finished(self, request_id: str, num_output_tokens: int | None = None) -> None:
-        f = self.loads.finish(request_id, self.clock())
+    def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
+        f = self.loads.finish(req_id, self.clock())
         if f is not None and num_output_tokens is not None:
             self.policy.groups.observe_output(self.policy.group_key_of(f.block_hashes), num_output_tokens)
 

@@ -30,7 +30,7 @@ def routers_for(app_name: str, deployment_name: str) -> list[Any]:
 
 
 def decision_to_dict(d: Decision) -> dict[str, Any]:
-    return {"request_id": d.request_id, "chosen": d.chosen, "ranked": list(d.ranked), "reason": d.reason.value,
+    return {"req_id": d.req_id, "chosen": d.chosen, "ranked": list(d.ranked), "reason": d.reason.value,
             "affinity_replica_id": d.affinity_replica_id, "num_hot_replicas": d.num_hot_replicas,
             "decision_time_s": d.decision_time_s,
             "candidates": [{"replica_id": c.replica_id, "predicted_cached_tokens": c.predicted_cached_tokens,

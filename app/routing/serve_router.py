@@ -134,14 +134,14 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         """Replicas this router can send to now (Serve drops a stopping replica at once); any thread."""
         return len(self._replicas)
 
-    def predicted_wait_s(self, request_id: str, prompt_token_ids: list[int], block_hashes: list | None,
+    def predicted_wait_s(self, req_id: str, prompt_token_ids: list[int], block_hashes: list | None,
                          max_tokens: int) -> float | None:
         """The best predicted TTFT over this router's replicas for such a request, recording nothing (run it
         on the router loop: `run_on_loop`); None when the policy predicts none (load-only policies)."""
         predict = getattr(self.core, "predict_wait", None)
         if predict is None:
             return None
-        route = RouteRequest(request_id, list(block_hashes or []), len(prompt_token_ids), max_tokens,
+        route = RouteRequest(req_id, list(block_hashes or []), len(prompt_token_ids), max_tokens,
                              self._self_node_id)
         return predict(route, list(self._clients))
 
@@ -240,10 +240,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         except Exception:
             logger.exception("routing: on_request_completed failed")
 
-    def on_first_token(self, request_id: str, num_cached_tokens: int) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int) -> None:
         """The ingress saw the request's first token (run on the router loop via call_soon)."""
         try:
-            self.core.on_first_token(request_id, num_cached_tokens)
+            self.core.on_first_token(req_id, num_cached_tokens)
         except Exception:
             logger.exception("routing: on_first_token failed")
 

@@ -48,8 +48,8 @@ def run(num_replicas: int, num_requests: int, seed: int = 0) -> tuple[list[float
         decision = core.route(request, ids)
         wall.append(time.perf_counter() - start)
         cpu.append(time.thread_time() - start_cpu)
-        core.on_first_token(decision.request_id, num_cached_tokens=0)
-        core.on_finished(decision.request_id)
+        core.on_first_token(decision.req_id, num_cached_tokens=0)
+        core.on_finished(decision.req_id)
     return wall, cpu
 
 

@@ -240,7 +240,7 @@ def test_a_busy_group_spreads_by_its_share_even_when_prefill_is_cheap():
         else:
             d = core.route(req(f"h{i}"), ["a", "b", "c"])
             late.append(d) if i >= 60 else None
-        done(core, d.request_id)
+        done(core, d.req_id)
     assert {d.num_hot_replicas for d in late} == {3}
     assert set(Counter(d.chosen for d in late)) == {"a", "b", "c"}
 
@@ -310,8 +310,8 @@ def test_the_prefill_rate_and_step_cost_are_calibrated_from_observed_ttfts():
         r = req(f"r{i}", prefix=chain(f"c{i}", 4), extra_blocks=rng.randrange(1, 100))
         core.route(r, ["a"])
         clock.t += (q + r.num_prompt_tokens) / 4000.0 + running * 0.01
-        core.on_first_token(r.request_id, num_cached_tokens=0)
-        core.on_finished(r.request_id)
+        core.on_first_token(r.req_id, num_cached_tokens=0)
+        core.on_finished(r.req_id)
     c = core.counters()
     assert c.prefill_tokens_per_s == pytest.approx(4000, rel=0.05)
     assert c.decode_step_s == pytest.approx(0.01, rel=0.1)
@@ -322,7 +322,7 @@ def test_recent_decisions_and_counters():
     core, _ = make(recent_decisions=3)
     hold(core, "a", PREFIX)
     ds = [core.route(req(f"r{i}"), ["a", "b"]) for i in range(5)]
-    assert [d.request_id for d in core.recent_decisions(10)] == ["r2", "r3", "r4"]
+    assert [d.req_id for d in core.recent_decisions(10)] == ["r2", "r3", "r4"]
     assert core.recent_decisions(1) == [ds[-1]] and core.recent_decisions(0) == []
     core.on_first_token("r0", num_cached_tokens=1024)
     core.on_actual_cached("r1", 512)

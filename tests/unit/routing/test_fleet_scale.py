@@ -83,8 +83,8 @@ def test_decisions_on_32k_token_prompts_never_evict_and_write_a_bounded_number_o
         before = core.index.num_spec_entries
         d = core.route(RouteRequest(f"q{i}", chain(f"long{i}", 2048), 2048 * BS + 5, 64), ids)
         per_decision.append(core.index.num_spec_entries - before)
-        core.on_first_token(d.request_id, 0)
-        core.on_finished(d.request_id, 64)
+        core.on_first_token(d.req_id, 0)
+        core.on_finished(d.req_id, 64)
     assert core.index.num_evictions == 0 and core.index.num_entries == 500
     assert max(per_decision) <= 2048 // SPEC_STRIDE + 5
     assert core.index.num_spec_entries <= core.index.bound // 4 + 2048 // SPEC_STRIDE + 5
@@ -182,8 +182,8 @@ def test_an_unset_max_tokens_does_not_make_a_group_hot_once_outputs_are_observed
             clock.t += 0.2
             d = core.route(RouteRequest(f"h{i}", prefix + chain(f"u{i}", 2), 66 * BS + 3, 30_000), ids)
             out.append(d)
-            core.on_first_token(d.request_id, 64 * BS)
-            core.on_finished(d.request_id, 20 if report_outputs else None)
+            core.on_first_token(d.req_id, 64 * BS)
+            core.on_finished(d.req_id, 20 if report_outputs else None)
         return out
     observed = drive(True)
     assert all(d.num_hot_replicas == 1 for d in observed)

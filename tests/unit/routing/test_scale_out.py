@@ -69,7 +69,7 @@ def test_a_joining_empty_replica_does_not_take_warm_affinity_traffic():
     for i in range(5):
         d = core.route(_request(f"r{i}", _tokens(10 + i)), ["a", "b", "n"])
         assert (d.chosen, d.reason) == ("a", Reason.AFFINITY), d
-        core.on_finished(d.request_id)
+        core.on_finished(d.req_id)
         # the empty replica is faster for this request by the prefix's prefill, but not by the release slack
         assert d.score_of("n").predicted_ttft_s < d.score_of("a").predicted_ttft_s
 
@@ -94,7 +94,7 @@ def test_a_joining_empty_replica_gets_the_spill_over_of_an_overloaded_one():
 def test_a_warmed_replica_takes_affinity_traffic_with_cache_hits():
     core, _ = _warm_fleet()
     for i in range(4):                                          # the system prompt is hot on this router
-        core.on_finished(core.route(_request(f"h{i}", _tokens(20 + i)), ["a", "b"]).request_id)
+        core.on_finished(core.route(_request(f"h{i}", _tokens(20 + i)), ["a", "b"]).req_id)
     _join(core)
     prompts = core.hot_prefixes(8)
     assert prompts[0] == SYSTEM                                 # the shared part, rebuilt from a's events
@@ -200,7 +200,7 @@ async def test_the_router_warms_only_a_replica_that_joins_with_its_hottest_prefi
     router._sync_members([a])                                  # the first view: nothing joined
     for i in range(3):
         req = _request(f"r{i}", _tokens(i))
-        router.core.on_finished(router.core.route(req, ["a"]).request_id)
+        router.core.on_finished(router.core.route(req, ["a"]).req_id)
     router.core.on_kv_events(KVEventBatch("a", "e0", 0, [_stored(_tokens(0))]))
     router._sync_members([a, _replica("n")])
     await asyncio.sleep(0.01)
