@@ -176,7 +176,8 @@ class DecodeReplica(_PDMetrics):
         return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg)}
 
     def _prefill_failed(self) -> int:
-        return self.disagg.prefill_failed
+        counters = getattr(self, "disagg", None)      # a collection may come before __init__ has set it
+        return counters.prefill_failed if counters is not None else 0
 
     def _local_hit_blocks(self, req: GenerateRequest) -> int:
         """Leading prompt blocks this replica's pool holds now (a hint: the engine decides at admission)."""

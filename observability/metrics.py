@@ -31,6 +31,20 @@ _KV_TIER_COUNTERS: list[tuple[str, list[tuple[str, dict[str, str]]]]] = [
     (names.M_KV_TIER_BYTES, [("loaded_bytes", {"direction": "loaded"}), ("stored_bytes", {"direction": "stored"})]),
 ]
 
+#: the fallback causes of M_PD_FALLBACKS (a KV read's failure causes, then the prefill pool's call failing)
+PD_FALLBACK_CAUSES = ("missing", "damaged", "timed_out", "error", "prefill_failed")
+
+# P/D counters: (metric name, [(key in PDSample.counters, extra attributes)])
+_PD_COUNTERS: list[tuple[str, list[tuple[str, dict[str, str]]]]] = [
+    (names.M_PD_TRANSFERS, [("reads_ok", {"outcome": "read"}), ("reads_local", {"outcome": "local"}),
+                            ("reads_failed", {"outcome": "failed"})]),
+    (names.M_PD_TRANSFER_BLOCKS, [("read_blocks", {})]),
+    (names.M_PD_TRANSFER_BYTES, [("read_bytes", {})]),
+    (names.M_PD_FALLBACKS, [(f"fallback_{c}", {"cause": c}) for c in PD_FALLBACK_CAUSES]),
+    (names.M_PD_HOLDS, [("holds_read", {"outcome": "read"}), ("holds_released", {"outcome": "released"}),
+                        ("holds_expired", {"outcome": "expired"})]),
+]
+
 
 def _histogram(meter: metrics.Meter, name: str, buckets: list[float]):
     spec = METRICS[name]
@@ -93,6 +107,18 @@ class ServingMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class PDSample:
+    """A P/D replica's transfer numbers at one read (plain values: the replica builds it from the engine's
+    `take_pd_transfer_stats`): cumulative `counters` (the keys of _PD_COUNTERS), the blocks held now, and
+    the read and hold times since its previous sample."""
+
+    counters: Mapping[str, float]
+    num_held_blocks: int
+    read_times_s: Sequence[float] = ()
+    hold_times_s: Sequence[tuple[float, str]] = ()     # (seconds, outcome)
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaLoadSample:
     """What a replica's gauges and load counters read at one collection (plain numbers: the replica builds
     it from the engine's load, so this module needs no engine import)."""
@@ -136,6 +162,23 @@ class ReplicaMetrics:
         for name, series in _KV_TIER_COUNTERS:
             meter.create_observable_counter(name, callbacks=[self._kv_tier_callback(series)],
                                             description=METRICS[name].description)
+        # P/D (a replica that never calls record_pd exports none of these series)
+        self._pd: PDSample | None = None
+        self.pd_transfer_time = _histogram(meter, names.M_PD_TRANSFER_TIME, _LATENCY_BUCKETS)
+        self.pd_hold_time = _histogram(meter, names.M_PD_HOLD_TIME, _LATENCY_BUCKETS)
+        for name, series in _PD_COUNTERS:
+            meter.create_observable_counter(name, callbacks=[self._pd_callback(series)],
+                                            description=METRICS[name].description)
+        meter.create_observable_gauge(names.M_PD_HELD_BLOCKS, callbacks=[self._pd_held_callback],
+                                      description=METRICS[names.M_PD_HELD_BLOCKS].description)
+
+    def record_pd(self, sample: PDSample) -> None:
+        """A P/D replica's transfer numbers: the counters and gauge export its latest, the times are recorded."""
+        self._pd = sample
+        for secs in sample.read_times_s:
+            self.pd_transfer_time.record(secs, self.attrs)
+        for secs, outcome in sample.hold_times_s:
+            self.pd_hold_time.record(secs, {**self.attrs, "outcome": outcome})
 
     def record_sequence(self, *, finish_reason: str, queue_s: float | None = None, prefill_s: float | None = None,
                         decode_s: float | None = None) -> None:
@@ -151,6 +194,20 @@ class ReplicaMetrics:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             yield Observation(getattr(self._read_load(), field), self.attrs)
         return observe
+
+    def _pd_callback(self, series: list[tuple[str, dict[str, str]]]
+                     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            pd = self._pd
+            if pd is None:
+                return
+            for key, extra in series:
+                yield Observation(int(pd.counters.get(key, 0)), {**self.attrs, **extra})
+        return observe
+
+    def _pd_held_callback(self, options: CallbackOptions) -> Iterable[Observation]:
+        if self._pd is not None:
+            yield Observation(self._pd.num_held_blocks, self.attrs)
 
     def _kv_tier_callback(self, series: list[tuple[str, dict[str, str]]]
                           ) -> Callable[[CallbackOptions], Iterable[Observation]]:

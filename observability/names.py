@@ -55,6 +55,17 @@ M_KV_TIER_STORE_FAILURES = "affinity_kv_tier_store_failures"
 M_KV_TIER_EVICTED_BLOCKS = "affinity_kv_tier_evicted_blocks"
 M_KV_TIER_BYTES = "affinity_kv_tier_bytes"
 
+# P/D disaggregation (engine/kv_connector/pd.py, app/disagg.py), per replica: the decode side's KV reads and
+# fallbacks, the prefill side's holds
+M_PD_TRANSFERS = "affinity_pd_transfers"
+M_PD_TRANSFER_BLOCKS = "affinity_pd_transfer_blocks"
+M_PD_TRANSFER_BYTES = "affinity_pd_transfer_bytes"
+M_PD_TRANSFER_TIME = "affinity_pd_transfer_time"
+M_PD_FALLBACKS = "affinity_pd_fallbacks"
+M_PD_HOLDS = "affinity_pd_holds"
+M_PD_HOLD_TIME = "affinity_pd_hold_time"
+M_PD_HELD_BLOCKS = "affinity_pd_held_blocks"
+
 #: labels renamed on the vLLM aliases (vLLM's dashboards filter on `model_name`)
 VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
 
@@ -144,6 +155,18 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _c(M_KV_TIER_STORE_FAILURES, "KV blocks whose write to the tier failed"),
     _c(M_KV_TIER_EVICTED_BLOCKS, "KV blocks the tier evicted"),
     _c(M_KV_TIER_BYTES, "bytes moved between the pool and the tier, by direction"),
+    _c(M_PD_TRANSFERS, "P/D, decode side: prefilled requests by outcome (read: KV read from the prefill side; "
+       "local: every block was cached here, nothing read; failed: the read failed, recomputed here)"),
+    _c(M_PD_TRANSFER_BLOCKS, "P/D, decode side: KV blocks read from the prefill side"),
+    _c(M_PD_TRANSFER_BYTES, "P/D, decode side: bytes of KV read from the prefill side"),
+    _h(M_PD_TRANSFER_TIME, "P/D, decode side: a KV read's start to its blocks in the pool (reads that succeeded)",
+       "s"),
+    _c(M_PD_FALLBACKS, "P/D, decode side: requests recomputed here instead of continuing a remote prefill, by cause "
+       "(missing, damaged, timed_out, error: the KV read; prefill_failed: the prefill pool's call)"),
+    _c(M_PD_HOLDS, "P/D, prefill side: holds of prefilled KV ended, by outcome (read, released: the decode side "
+       "needed none, expired: unread at transfer_timeout_s)"),
+    _h(M_PD_HOLD_TIME, "P/D, prefill side: first token to the hold's blocks freed, by outcome", "s"),
+    _g(M_PD_HELD_BLOCKS, "P/D, prefill side: KV blocks held now for decode replicas to read"),
 ]}
 
 

@@ -23,10 +23,12 @@ backends. One engine may play both parts (a request chooses by the value it brin
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from affinity_serve.engine.kv_connector.base import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
@@ -165,6 +167,11 @@ class HeldTransfers:
         with self._lock:
             return len(self._holds)
 
+    def num_blocks(self) -> int:
+        """Pool blocks held now for readers (freed ones included until the next report frees them)."""
+        with self._lock:
+            return sum(len(h.block_ids) for h in self._holds.values())
+
 
 # ---------------------------------------------------------------- stats
 @dataclass(slots=True)
@@ -181,6 +188,22 @@ class PDStats:
     remote_released: int = 0       # ... transfers they needed nothing from
     incompatible: int = 0          # ... whose layout key did not match (they recompute; counted as failed loads)
     read_seconds_total: float = 0.0     # ... from the read's start to its report, reads that succeeded
+
+
+#: the most transfer and hold times kept for a metrics reader between two `take_transfer_stats` calls
+MAX_TIME_SAMPLES = 4096
+
+
+@dataclass(slots=True)
+class PDTransferStats:
+    """What the P/D metrics export (observability: affinity_pd_*), from `take_transfer_stats`."""
+
+    pd: PDStats                    # cumulative counters (a copy)
+    num_held_blocks: int           # prefill side: pool blocks held for decode engines now
+    #: decode side: seconds from a read's start to its report, reads that succeeded since the last take
+    read_times_s: list[float] = field(default_factory=list)
+    #: prefill side: (seconds held, "read" | "released" | "expired"), holds freed since the last take
+    hold_times_s: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -213,6 +236,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self._reading: dict[str, tuple[int, float]] = {}    # req_id -> (blocks being read, since)
         self._settled: set[str] = set()                     # decode requests whose transfer was read or released
         self._finished_params: dict[str, RemotePrefill] = {}
+        # times for a metrics reader on another thread (deque appends and pops are atomic); oldest dropped
+        self._read_times: deque[float] = deque(maxlen=MAX_TIME_SAMPLES)
+        self._hold_times: deque[tuple[float, str]] = deque(maxlen=MAX_TIME_SAMPLES)
 
     # ------------------------------------------------------------------ decode side
     def loads_early(self, request: "Request") -> bool:
@@ -307,7 +333,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         for req_id, ok in output.finished_loads.items():
             num_blocks, started = self._reading.pop(req_id, (0, None))
             if ok and started is not None and req_id not in self._abandoned_loads:
-                self.pd_stats.read_seconds_total += time.monotonic() - started
+                secs = time.monotonic() - started
+                self.pd_stats.read_seconds_total += secs
+                self._read_times.append(secs)
             self._load_finished(req_id, ok, num_blocks, output.load_failure_causes.get(req_id),
                                 self.layout.block_bytes)
         done, expired = self.held.take_finished()
@@ -318,14 +346,31 @@ class PDConnectorScheduler(KVConnectorScheduler):
             else:
                 st.holds_released += 1
             st.held_seconds_total += secs
+            self._hold_times.append((secs, "read" if was_read else "released"))
         for secs, _ in expired.values():
             st.holds_expired += 1
             st.held_seconds_total += secs
+            self._hold_times.append((secs, "expired"))
         return KVConnectorUpdate(dict(output.finished_loads), set(done) | set(expired))
+
+    def take_transfer_stats(self) -> PDTransferStats:
+        """The counters, the blocks held now, and the read and hold times since the last call (taken: one
+        reader). Safe from another thread while the engine steps (the counters may be a step apart)."""
+        return PDTransferStats(dataclasses.replace(self.pd_stats), self.held.num_blocks(), _drain(self._read_times),
+                               _drain(self._hold_times))
 
     def has_pending_work(self) -> bool:
         # held blocks waiting for a reader need no steps; finished holds do (to free them)
         return bool(self._pending_loads or self._reading or self.held.has_finished())
+
+
+def _drain(q: deque) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.popleft())
+        except IndexError:        # empty (another reader may have taken the rest)
+            return out
 
 
 # ---------------------------------------------------------------- the in-process transport
