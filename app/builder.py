@@ -26,12 +26,9 @@ def resolve_model(config: AppConfig) -> AppConfig:
 
 
 def router_kwargs(config: AppConfig) -> dict[str, Any]:
-    """AffinityRequestRouter.initialize_state's kwargs (JSON: Serve ships them to every handle)."""
-    r = config.routing
-    return {"policy": r.policy, "block_size": config.engine.cache.block_size,
-            "affinity": r.affinity.model_dump(mode="json"), "kv_events_period_s": r.kv_events_period_s,
-            "kv_events_timeout_s": r.kv_events_timeout_s, "warmup_on_join": r.warmup_on_join,
-            "warmup_num_prefixes": r.warmup_num_prefixes}
+    """AffinityRequestRouter.initialize_state's kwargs: the routing section as JSON (Serve ships a router's
+    kwargs to every handle as JSON only; the router validates it back) and the engine's KV block size."""
+    return {"routing": config.routing.model_dump(mode="json"), "block_size": config.engine.cache.block_size}
 
 
 def replica_placement(config: AppConfig) -> dict[str, Any]:

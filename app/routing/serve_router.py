@@ -20,11 +20,12 @@ from typing import Any
 from ray.serve.request_router import (LocalityMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter,
                                       RunningReplica)
 
+from affinity_serve.app.config import RoutingSection
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.app.routing import debug
 from affinity_serve.app.routing.api import (CandidateScores, Decision, Reason, ReplicaInfo, ReplicaLoadView,
                              RouteRequest)
-from affinity_serve.app.routing.config import KV_EVENT_POLICIES, AffinityConfig
+from affinity_serve.app.routing.config import KV_EVENT_POLICIES
 from affinity_serve.app.routing.core import make_core
 from affinity_serve.app.routing.feed import KVEventFeed, ReplicaFeedClient
 from affinity_serve.app.routing.serve_compat import ReplicaMethodClient, internal_request_id, pending_args
@@ -46,29 +47,28 @@ def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest
 
 class AffinityRequestRouter(LocalityMixin, RequestRouter):
     """Serve's RequestRouter for LLMReplica; kwargs (RequestRouterConfig.request_router_kwargs, built by
-    app/builder.py from `routing`): policy, block_size, affinity (AffinityConfig fields),
-    kv_events_period_s, kv_events_timeout_s, warmup_on_join, warmup_num_prefixes, warmup_timeout_s."""
+    builder.router_kwargs): the app's `routing` section as JSON and the engine's KV block size."""
 
     method_client: Callable[[RunningReplica], ReplicaMethodClient] = ReplicaMethodClient   # tests swap it
 
-    def initialize_state(self, policy: str = "prefix_affinity", block_size: int = 16,
-                         affinity: dict[str, Any] | None = None, kv_events_period_s: float = 0.25,
-                         kv_events_timeout_s: float = 1.0, warmup_on_join: bool = False,
-                         warmup_num_prefixes: int = 8, warmup_timeout_s: float = 30.0) -> None:
-        self.policy = policy
-        self.warmup_num_prefixes = warmup_num_prefixes if warmup_on_join else 0
+    def initialize_state(self, routing: dict[str, Any], block_size: int, warmup_timeout_s: float = 30.0) -> None:
+        """`routing`: the `routing` section (RoutingSection) as JSON, the one place it crosses as a dict:
+        Serve takes a router's kwargs as JSON only; validated back here, so its defaults are the config's."""
+        r = RoutingSection.model_validate(routing)
+        self.policy = r.policy
+        self.warmup_num_prefixes = r.warmup_num_prefixes if r.warmup_on_join else 0
         self.warmup_timeout_s = warmup_timeout_s
         self._warm_tasks: set[asyncio.Task] = set()
         self.num_warmups = 0
-        self.core = make_core(policy, AffinityConfig(**(affinity or {})), block_size)  # type: ignore[arg-type]
+        self.core = make_core(r.policy, r.affinity, block_size)
         self._clients: dict[str, ReplicaMethodClient] = {}
         self._last_stats: dict[str, Mapping[str, Any]] = {}
         self._calls: dict[tuple[str, str], list[str]] = {}
         self._rng = random.Random()
         self.num_shell_errors = 0
         self._inject_errors = 0
-        self.feed = (KVEventFeed(self.core, self._feed_clients, kv_events_period_s, kv_events_timeout_s)
-                     if policy in KV_EVENT_POLICIES else None)
+        self.feed = (KVEventFeed(self.core, self._feed_clients, r.kv_events_period_s, r.kv_events_timeout_s)
+                     if r.policy in KV_EVENT_POLICIES else None)
         self._feed_task: asyncio.Task | None = None
         debug.register(self._deployment_id.app_name, self._deployment_id.name, self)
 

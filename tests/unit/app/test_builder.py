@@ -41,14 +41,15 @@ def test_replicas_are_routed_by_the_affinity_router_with_json_kwargs_from_the_co
     import json
 
     from affinity_serve.app.builder import router_kwargs
+    from affinity_serve.app.config import RoutingSection
     cfg = _cfg(engine={"cache": {"block_size": 8}},
                routing={"policy": "round_robin", "kv_events_period_s": 0.5, "affinity": {"release_slack": 0.5}})
     rc = replica_deployment(cfg)._deployment_config.request_router_config
     assert rc.request_router_class.endswith("serve_router.AffinityRequestRouter")
     kw = router_kwargs(cfg)
     assert json.loads(json.dumps(kw)) == kw == rc.request_router_kwargs
-    assert kw["policy"] == "round_robin" and kw["block_size"] == 8 and kw["kv_events_period_s"] == 0.5
-    assert kw["affinity"]["release_slack"] == 0.5
+    assert kw["block_size"] == 8 and RoutingSection.model_validate(kw["routing"]) == cfg.routing
+    assert kw["routing"]["policy"] == "round_robin" and kw["routing"]["affinity"]["release_slack"] == 0.5
 
 
 def test_build_app_binds_the_validated_config_sections_themselves():

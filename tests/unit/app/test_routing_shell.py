@@ -109,13 +109,13 @@ async def test_feed_drops_replicas_that_left():
 
 
 # ---------------------------------------------------------------- AffinityRequestRouter with stand-ins
-def _router(**kwargs):
+def _router(routing: dict | None = None, block_size: int = 4):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from affinity_serve.app.routing.serve_router import AffinityRequestRouter
     r = AffinityRequestRouter(deployment_id=DeploymentID(name="LLMReplica", app_name="t"),
                               handle_source=DeploymentHandleSource.UNKNOWN, self_node_id="node-1")
-    r.initialize_state(**kwargs)
+    r.initialize_state(routing or {}, block_size)
     return r
 
 
@@ -154,7 +154,7 @@ async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_
 
 
 async def test_router_never_raises_and_routes_other_calls_load_only():
-    router = _router(policy="prefix_affinity", block_size=4)
+    router = _router({"policy": "prefix_affinity"})
     reps = [_replica(k) for k in "abc"]
     router._sync_members(reps)
     router.inject_errors(1)
@@ -172,7 +172,7 @@ async def test_router_never_raises_and_routes_other_calls_load_only():
 
 
 async def test_stats_are_fed_only_when_a_replica_reports_new_ones():
-    router = _router(policy="power_of_two", block_size=4)
+    router = _router({"policy": "power_of_two"})
     seen = []
     router.core.on_stats = lambda rid, view: seen.append((rid, view.num_running))
     router._sync_members([_replica("a", {"num_running": 1}), _replica("b")])

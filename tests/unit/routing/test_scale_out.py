@@ -180,7 +180,7 @@ def _router(monkeypatch, warmed: list, **kwargs):
     monkeypatch.setattr(serve_router.AffinityRequestRouter, "_event_loop", property(lambda self: loop))
     r = serve_router.AffinityRequestRouter(deployment_id=DeploymentID(name="LLMReplica", app_name="t"),
                                            handle_source=DeploymentHandleSource.UNKNOWN, self_node_id="node-1")
-    r.initialize_state(policy="prefix_affinity", block_size=BS, **kwargs)
+    r.initialize_state({"policy": "prefix_affinity", **kwargs}, BS)
     # On the instance, not the module: once Serve has run in this process (the integration tests), the
     # router class's functions can resolve module globals other than `serve_router`'s attribute dict.
     r.method_client = FakeClient
