@@ -83,6 +83,11 @@ class ServeSection(_Strict):
     max_connections: int = Field(1024, ge=1, description="HTTP requests in flight at the proxy; beyond it 503")
     max_connections_per_client: int = Field(256, ge=1, description="HTTP requests in flight per client address; "
                                             "beyond it 429")
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="how tool_choice 'auto' reads a chat's tool calls back (vLLM's --tool-call-parser): "
+                            "auto = the format the chat template writes (else such requests get 400); hermes "
+                            "(Hermes/Qwen <tool_call>), llama3_json, mistral ([TOOL_CALLS], old and v11 forms) "
+                            "for every model; none = tool_choice 'auto' gets 400")
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod

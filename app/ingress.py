@@ -83,7 +83,7 @@ class Ingress:
             cold_start_timeout_s=self.cfg.serve.cold_start_timeout_s,
             observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
             max_prompts_per_request=self.cfg.serve.max_prompts_per_request,
-            max_queue_wait_s=self.cfg.serve.max_queue_wait_s)
+            max_queue_wait_s=self.cfg.serve.max_queue_wait_s, tool_call_parser=self.cfg.serve.tool_call_parser)
         self._limits_task: asyncio.Future | None = None
         self.draining = False
         self.num_in_flight = 0           # HTTP inference requests, streams until their last event

@@ -61,12 +61,14 @@ class PreparedRequest:
 
 def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRequest, request_id: str, *,
                     model_name: str, limits: EngineLimits, tokenizer: Any | None,
-                    max_prompts: int | None = None, max_token_chars: int | None = None) -> PreparedRequest:
+                    max_prompts: int | None = None, max_token_chars: int | None = None,
+                    tool_call_parser: str = "auto") -> PreparedRequest:
     """Raise APIError or InvalidRequestError (-> 400/404) for anything the engine would refuse.
 
     `tokenizer` is None in token-ids-only mode: only token-id prompts are accepted then. `max_prompts`
     (serve.max_prompts_per_request) bounds a completion's prompts, and `max_token_chars` (the tokenizer's
     longest token, max_token_chars()) a text's length, both checked before anything is tokenized.
+    `tool_call_parser` (serve.tool_call_parser) reads tool_choice "auto" calls back (resolve_tool_parser).
     """
     if req.model is not None and req.model != model_name:
         raise APIError(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
@@ -93,7 +95,7 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     # ranking best_of sequences needs each sampled token's logprob, even when the client asked for none
     engine_logprobs = logprobs if logprobs is not None or num_seqs == req.n else 0
     params = req.sampling_params(engine_max_tokens, engine_logprobs, num_seqs, _engine_prompt_logprobs(req))
-    spec, tool_mode = structured_output_spec(req, tokenizer)
+    spec, tool_mode = structured_output_spec(req, tokenizer, tool_call_parser)
     if spec is not None:
         if tokenizer is None:
             raise token_ids_only_error(spec.param)
@@ -112,12 +114,12 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
                            checked_limits=limits)
 
 
-def structured_output_spec(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any | None = None
-                           ) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
+def structured_output_spec(req: CompletionRequest | ChatCompletionRequest, tokenizer: Any | None = None,
+                           tool_call_parser: str = "auto") -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
     """The grammar the request asks for (response_format, vLLM's structured_outputs / guided_*, or a chat's
     tools) and, for tools, how its output reads back; at most one of them may be given (else a 400)."""
-    tool_spec, tool_mode = (tool_call_grammar(req, tokenizer) if isinstance(req, ChatCompletionRequest)
-                            else (None, None))
+    tool_spec, tool_mode = (tool_call_grammar(req, tokenizer, tool_call_parser)
+                            if isinstance(req, ChatCompletionRequest) else (None, None))
     specs = {"tools": tool_spec} if tool_spec is not None else {}
     rf = req.response_format
     if rf is not None and rf.type == "json_object":

@@ -35,14 +35,17 @@ OpenAIRequest = CompletionRequest | ChatCompletionRequest
 class OpenAIServing:
     def __init__(self, replica: Any, *, model_name: str, tokenizer: Any | None, first_output_timeout_s: float,
                  observer: RequestObserver, metrics: ServingMetrics, cold_start_timeout_s: float | None = None,
-                 max_prompts_per_request: int | None = None, max_queue_wait_s: float | None = None):
+                 max_prompts_per_request: int | None = None, max_queue_wait_s: float | None = None,
+                 tool_call_parser: str = "auto"):
         """`tokenizer` None: token-ids-only mode (no text in, empty text out, `token_id:<id>` token strings).
         `cold_start_timeout_s` (default: the first-output timeout): how long a request waits for a model
         replica to start while none is running (fanout.ReplicaWait). `max_prompts_per_request`: a
-        completion's batch of prompts beyond it is a 400 (None: no bound)."""
+        completion's batch of prompts beyond it is a 400 (None: no bound). `tool_call_parser`: how tool_choice
+        "auto" calls are read back (serve.tool_call_parser: "auto" from the chat template, a parser, "none")."""
         self.replica = replica
         self.max_prompts_per_request = max_prompts_per_request
         self.max_queue_wait_s = max_queue_wait_s
+        self.tool_call_parser = tool_call_parser
         self._prepare_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -93,7 +96,8 @@ class OpenAIServing:
             self._prepare_thread, functools.partial(
                 _releasing_memory, text_chars(kind, req), prepare_request, kind, req, request_id,
                 model_name=self.model_name, limits=limits, tokenizer=self.tokenizer,
-                max_prompts=self.max_prompts_per_request, max_token_chars=self._max_token_chars()))
+                max_prompts=self.max_prompts_per_request, max_token_chars=self._max_token_chars(),
+                tool_call_parser=self.tool_call_parser))
         self._quiet_cancelled_futures()
         await self._admit(p)
         return p

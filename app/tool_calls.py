@@ -11,10 +11,14 @@ parser chosen from the chat template (`detect_tool_parser`):
 - `hermes` (Hermes, Qwen 2/2.5/3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere;
 - `llama3_json` (Llama 3.1/3.2/3.3): the output is `{"name": ..., "parameters": {...}}` (several separated by
   `;`), after an optional `<|python_tag|>`, which also starts calls after some text when it reaches the text;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]` is a special token, which
-  the default `skip_special_tokens` drops from the text: an output that opens with such a JSON array is read
-  as calls too.
-Templates with none of these keep "auto" a 400 that names what is supported.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizers before v11), or
+  `[TOOL_CALLS]name[ARGS]{...}` once per call (v11 and later; `[CALL_ID]id` may sit before `[ARGS]`), whose
+  arguments stream as they are written. `[TOOL_CALLS]` and `[ARGS]` are special tokens, which the default
+  `skip_special_tokens` drops from the text: an output that opens with such a JSON array, or with one of the
+  request's function names and then `{`, is read as calls too.
+The server's `serve.tool_call_parser` (`--tool-call-parser`) picks one of these for every model instead of the
+template's, or `none` to refuse "auto"; templates with none of these formats keep "auto" a 400 that says what
+is supported and how to choose a parser.
 """
 from __future__ import annotations
 
@@ -40,7 +44,11 @@ _JSON_MARKERS = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 _JSON_OPENERS = {"llama3_json": re.compile(r"\s*\{"), "mistral": re.compile(r"\s*\[\s*\{")}
 #: an output so far that may still open like that (held back, not sent as content)
 _JSON_MAY_OPEN = {"llama3_json": re.compile(r"\s*"), "mistral": re.compile(r"\s*(\[\s*)?")}
+#: Mistral v11+: a call's head, `name`, `[CALL_ID]id` maybe, then `[ARGS]` (dropped with special tokens)
+_MISTRAL_HEAD = re.compile(r"([A-Za-z0-9_.:-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?(\[ARGS\])?")
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+#: serve.tool_call_parser's values: "auto" reads the chat template (detect_tool_parser), "none" refuses "auto"
+TOOL_PARSER_SETTINGS = ("auto", "none", *TOOL_PARSERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,8 @@ class ToolCallMode:
 
     function: str | None
     parser: str | None = None
+    #: the request's function names ("auto"): an output that opens with one of them is a marker-less call
+    names: tuple[str, ...] = ()
 
     @property
     def hermes(self) -> bool:
@@ -73,11 +83,24 @@ def detect_tool_parser(tokenizer: Any | None) -> str | None:
     return None
 
 
-def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
+def resolve_tool_parser(setting: str, tokenizer: Any | None) -> str | None:
+    """The parser that reads "auto" calls back under serve.tool_call_parser `setting` (TOOL_PARSER_SETTINGS):
+    the named one, the chat template's ("auto"), or None ("none", or a template without a known format).
+    Raises ValueError naming the choices for another setting."""
+    if setting == "auto":
+        return detect_tool_parser(tokenizer)
+    if setting == "none":
+        return None
+    if setting not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {setting!r}: choose one of {', '.join(TOOL_PARSER_SETTINGS)}")
+    return setting
+
+
+def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None, parser_setting: str = "auto"
                       ) -> tuple[StructuredOutputSpec | None, ToolCallMode | None]:
     """The grammar and read-back mode that `tools`/`tool_choice` ask for; (None, None) for a plain answer.
-    `tokenizer`'s chat template decides whether "auto" can be read back. Raises APIError (400) for what is not
-    supported or inconsistent."""
+    Whether "auto" can be read back: `parser_setting` (serve.tool_call_parser; "auto": `tokenizer`'s chat
+    template decides). Raises APIError (400) for what is not supported or inconsistent."""
     choice = req.tool_choice
     if not req.tools:
         if choice is not None and choice != "none":
@@ -91,14 +114,16 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None
     if choice == "none":
         return None, None
     if choice is None or choice == "auto":
-        parser = detect_tool_parser(tokenizer)
+        parser = resolve_tool_parser(parser_setting, tokenizer)
         if parser is not None:
-            return None, ToolCallMode(None, parser=parser)
-        raise APIError("tool_choice 'auto' (the default when tools are given) is not supported for this model: "
-                       "its chat template has no tool-call format this server reads (Hermes/Qwen <tool_call>, "
-                       "Llama 3 JSON, Mistral [TOOL_CALLS]); send tool_choice 'required', a named function "
-                       "({'type': 'function', 'function': {'name': ...}}) or 'none'", 400, "invalid_request_error",
-                       "tool_choice", "unsupported_value")
+            return None, ToolCallMode(None, parser=parser, names=tuple(names))
+        why = ("is turned off on this server (serve.tool_call_parser: none)" if parser_setting == "none" else
+               "is not supported for this model: its chat template has no tool-call format this server reads "
+               "(Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]; the operator can name one with "
+               f"serve.tool_call_parser / --tool-call-parser: {', '.join(TOOL_PARSERS)})")
+        raise APIError(f"tool_choice 'auto' (the default when tools are given) {why}; send tool_choice "
+                       "'required', a named function ({'type': 'function', 'function': {'name': ...}}) or 'none'",
+                       400, "invalid_request_error", "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
@@ -124,7 +149,7 @@ def read_calls(text: str, mode: ToolCallMode) -> list[tuple[str, str, bool]]:
     if mode.hermes:
         return [(name, args, True) for name, args, _ in _hermes_calls(text)[0]]
     if mode.parser is not None:
-        return [(name, args, True) for name, args in _json_section(text, mode.parser)[1]]
+        return _json_section(text, mode)[1]
     if mode.function is not None:
         return [(mode.function, text, _value_end(text, 0) is not None)]
     calls = []
@@ -209,18 +234,32 @@ def _as_call(call: Any) -> tuple[str, str] | None:
 _DECODER = json.JSONDecoder()
 
 
-def _section_start(text: str, parser: str) -> tuple[int, int] | None:
-    """Where `parser`'s calls begin in `text`, and where their JSON does: at its marker, or at the start of an
-    output that opens with the format's JSON (the marker dropped as a special token); None if neither."""
-    marker = _JSON_MARKERS[parser]
+def _section_start(text: str, mode: ToolCallMode) -> tuple[int, int] | None:
+    """Where `mode.parser`'s calls begin in `text`, and where their JSON (or Mistral v11's first name) does: at
+    its marker, or at the start of an output that opens with the format's JSON or, Mistral v11, with one of
+    the request's function names and then `{` (the markers dropped as special tokens); None if neither."""
+    marker = _JSON_MARKERS[mode.parser]
     if (i := text.find(marker)) != -1:
         return i, i + len(marker)
-    if (m := _JSON_OPENERS[parser].match(text)) is not None:
+    if (m := _JSON_OPENERS[mode.parser].match(text)) is not None:
         return 0, len(m.group()) - len(m.group().lstrip())
+    if mode.parser == "mistral":
+        start = len(text) - len(text.lstrip())
+        head = _MISTRAL_HEAD.match(text, start)
+        if head is not None and head.group(1) in mode.names and (head.group(2) or text.startswith("{", head.end())):
+            return 0, start
     return None
 
 
-def _json_calls(text: str, pos: int) -> tuple[list[tuple[str, str]], int]:
+def _may_open(text: str, mode: ToolCallMode) -> bool:
+    """An output so far that may still open with marker-less calls (held back, not sent as content yet)."""
+    if _JSON_MAY_OPEN[mode.parser].fullmatch(text):
+        return True
+    name = text.lstrip()
+    return mode.parser == "mistral" and any(n.startswith(name) for n in mode.names)
+
+
+def _json_calls(text: str, pos: int) -> tuple[list[tuple[str, str, bool]], int]:
     """The complete calls from `pos` on: call objects, bare or in one array, separated by blanks, `,` or `;`;
     and where the last one (or its array) ends. Stops at what is incomplete or not a call."""
     calls, end, in_array = [], pos, False
@@ -243,18 +282,54 @@ def _json_calls(text: str, pos: int) -> tuple[list[tuple[str, str]], int]:
         call = _as_call(obj)
         if call is None:
             break
-        calls.append(call)
+        calls.append((*call, True))
         pos = end = nxt
     return calls, end
 
 
-def _json_section(text: str, parser: str) -> tuple[int, list[tuple[str, str]], int]:
-    """(where the calls begin, the complete calls, where they end) in a llama3_json/mistral output; no calls:
-    (len(text), [], len(text))."""
-    start = _section_start(text, parser)
+def _mistral_v11_calls(text: str, pos: int) -> tuple[list[tuple[str, str, bool]], int]:
+    """Mistral v11+ calls from `pos` on (the first one's `[TOOL_CALLS]` already read): `name[ARGS]{...}`, each
+    next one after its own `[TOOL_CALLS]`. A call counts once its name is complete (`[ARGS]` or `{` follows);
+    the last one's arguments may be incomplete (then the calls end at the end of `text`)."""
+    calls: list[tuple[str, str, bool]] = []
+    end = pos
+    while True:
+        p = _skip_blanks(text, pos)
+        if calls and text.startswith(_JSON_MARKERS["mistral"], p):
+            p = _skip_blanks(text, p + len(_JSON_MARKERS["mistral"]))
+        head = _MISTRAL_HEAD.match(text, p)
+        if head is None:
+            break
+        args_at = _skip_blanks(text, head.end())
+        if args_at == len(text) and head.group(2) is not None:
+            calls.append((head.group(1), "", False))          # its arguments have not started
+            return calls, len(text)
+        if not text.startswith("{", args_at):
+            break                                  # no call here (or its name is not complete yet)
+        args_end = _value_end(text, args_at)
+        calls.append((head.group(1), text[args_at:args_end], args_end is not None))
+        if args_end is None:
+            return calls, len(text)
+        pos = end = args_end
+    return calls, end
+
+
+def _skip_blanks(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _json_section(text: str, mode: ToolCallMode) -> tuple[int, list[tuple[str, str, bool]], int]:
+    """(where the calls begin, the calls as (name, arguments, complete), where they end) in a llama3_json or
+    mistral output; no calls: (len(text), [], len(text))."""
+    start = _section_start(text, mode)
     if start is None:
         return len(text), [], len(text)
-    calls, end = _json_calls(text, start[1])
+    if mode.parser == "mistral" and not text.startswith(("[", "{"), _skip_blanks(text, start[1])):
+        calls, end = _mistral_v11_calls(text, start[1])        # a name first: v11
+    else:
+        calls, end = _json_calls(text, start[1])
     return (start[0], calls, end) if calls else (len(text), [], len(text))
 
 
@@ -263,7 +338,7 @@ def auto_content(text: str, mode: ToolCallMode) -> str | None:
     if mode.hermes:
         content = _hermes_calls(text)[1]
     else:
-        start, _, end = _json_section(text, mode.parser)
+        start, _, end = _json_section(text, mode)
         content = text[:start] + text[end:]
     return content.strip() or None
 
@@ -343,29 +418,31 @@ class ToolCallStream:
         return out
 
     def _feed_json(self) -> list[dict]:
-        start = _section_start(self.text, self.mode.parser)
-        if start is None:
-            return []
+        """A call's index, id, name and arguments so far once its name is complete (llama3_json and old
+        Mistral calls: once whole), then what its arguments grow by (Mistral v11)."""
         out = []
-        for i, (name, args) in enumerate(_json_calls(self.text, start[1])[0]):
+        for i, (name, args, _) in enumerate(_json_section(self.text, self.mode)[1]):
             if i == len(self.sent):
                 self.sent.append(len(args))
                 out.append({"index": i, "id": new_call_id(), "type": "function",
                             "function": {"name": name, "arguments": args}})
+            elif len(args) > self.sent[i]:
+                out.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
+                self.sent[i] = len(args)
         return out
 
     def _take_json_content(self) -> str:
         """llama3_json/mistral: text before the calls goes out; from where they begin (the marker, or an output
         opening with their JSON) all is held; so is a suffix that may be the start of the marker, and an output
-        so far that may still open with the JSON."""
-        text, parser = self.text, self.mode.parser
-        start = _section_start(text, parser)
+        so far that may still open with the calls."""
+        text = self.text
+        start = _section_start(text, self.mode)
         if start is not None:
             hold = max(start[0], self.content_sent)
-        elif self.content_sent == 0 and _JSON_MAY_OPEN[parser].fullmatch(text):
+        elif self.content_sent == 0 and _may_open(text, self.mode):
             hold = 0
         else:
-            hold = len(text) - _partial_suffix(text, _JSON_MARKERS[parser], self.content_sent)
+            hold = len(text) - _partial_suffix(text, _JSON_MARKERS[self.mode.parser], self.content_sent)
         out, self.content_sent = text[self.content_sent:hold], max(hold, self.content_sent)
         return out
 
@@ -375,7 +452,7 @@ class ToolCallStream:
         if self.mode.parser is None:
             return ""
         if not self.mode.hermes and self.sent:
-            _, _, end = _json_section(self.text, self.mode.parser)
+            _, _, end = _json_section(self.text, self.mode)
             rest = self.text[end:]
             self.content_sent = len(self.text)
             return rest if rest.strip() else ""

@@ -70,7 +70,7 @@ MISTRAL_TEMPLATE = (
     "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
 
 
-def _client(checkpoints, tmp_path, template: str):
+def _client(checkpoints, tmp_path, template: str, serve: dict | None = None):
     from affinity_serve.app.ingress import Ingress
     path = tmp_path / "model"
     shutil.copytree(checkpoints["llama"], path)
@@ -80,7 +80,7 @@ def _client(checkpoints, tmp_path, template: str):
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     replica = TextReplica()
     ing = Ingress(LocalHandle(replica), AppConfig.model_validate(
-        {"engine": {"model": str(path)}, "serve": {"first_token_timeout_s": 5}}))
+        {"engine": {"model": str(path)}, "serve": {"first_token_timeout_s": 5, **(serve or {})}}))
 
     async def handler(request: httpx.Request) -> httpx.Response:
         r = await asyncio.wait_for(ing._http(RequestKind.CHAT, http_request(request.content, request.url.path)), 10)
