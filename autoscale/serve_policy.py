@@ -44,13 +44,18 @@ class EngineAwarePolicy:
         self.state = PolicyState()
         self.last: ScalingDecision | None = None
 
+    def decision_inputs(self, ctx: Any) -> tuple[list[ReplicaSignals], float]:
+        """What `decide` reads from the context: the replicas' signals and the requests queued at callers
+        (a P/D pool's policy, autoscale/pools.py, gives its own view of them)."""
+        return signals_from_context(ctx), float(ctx.total_queued_requests or 0.0)
+
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time if getattr(ctx, "current_time", None) is not None else time.time()
         # Serve compares our answer with the count it is heading to (target_num_replicas), and replicas
         # still starting count there: decide against that count so a pending scale-up is not repeated.
         current = int(max(ctx.current_num_replicas, ctx.target_num_replicas))
-        queued = float(ctx.total_queued_requests or 0.0)
-        d = decide(signals_from_context(ctx), current, now, self.state, self.config, num_queued_at_callers=queued)
+        signals, queued = self.decision_inputs(ctx)
+        d = decide(signals, current, now, self.state, self.config, num_queued_at_callers=queued)
         self.state = d.state
         if self.last is None or d.reason != self.last.reason or d.target_replicas != self.last.target_replicas:
             level = logging.INFO if d.reason in _ACTS else logging.DEBUG
