@@ -141,10 +141,10 @@ class _ServeAutoscaling(_Strict):
 
 
 class AutoscalingSection(PolicyConfig, _ServeAutoscaling):
-    """How many model replicas run (autoscale/; docs/autoscaling.md): Serve's options, then the engine policy's
-    own config (`autoscale.policy.PolicyConfig`, its fields defined there only; min/max replicas and the
-    delays are the policy's and Serve's alike). Serve's names are these; the other names Serve's
-    autoscaling_config uses are refused with what to write instead (`_SERVE_AUTOSCALING_NAMES`)."""
+    """How many model replicas run (autoscale/; docs/autoscaling.md): Serve's autoscaling options, then the
+    engine policy's knobs (`autoscale.policy.PolicyConfig`, where they are defined; min/max replicas and the
+    delays apply to both policies). Other names Serve's autoscaling_config uses are refused with the key to
+    write instead."""
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
