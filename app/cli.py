@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+#: serve.tool_call_parser's values (app/tool_calls.py TOOL_PARSER_SETTINGS; a test keeps them equal)
+TOOL_CALL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="affinity-serve", description="Elastic LLM serving on Ray Serve")
     ap.add_argument("--version", action="version", version=f"affinity-serve {_version()}")
@@ -64,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, help="engine.scheduler.max_num_seqs")
     s.add_argument("--max-num-batched-tokens", type=int, help="engine.scheduler.max_num_batched_tokens")
     s.add_argument("--replicas", type=int, help="number of model replicas")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool_choice 'auto' reads tool calls "
+                   "back (serve.tool_call_parser; default auto: the chat template's format)")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
     s.add_argument("--api-key-file", help=f"require the Bearer key in this file on inference routes (or set "
@@ -129,7 +135,8 @@ def _overrides(args) -> dict[str, object]:
             "engine.scheduler.max_num_seqs": args.max_num_seqs,
             "engine.scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
             "serve.model_name": args.served_model_name, "serve.num_replicas": args.replicas,
-            "serve.host": args.host, "serve.port": args.port, "serve.api_key": _api_key(args)}
+            "serve.host": args.host, "serve.port": args.port, "serve.api_key": _api_key(args),
+            "serve.tool_call_parser": args.tool_call_parser}
 
 
 def _version() -> str:

@@ -39,10 +39,11 @@ def test_an_unknown_parser_is_a_config_error_naming_the_field_and_the_choices():
 
 def test_the_cli_flag_sets_the_field():
     from affinity_serve.app import cli
-    args = cli.build_parser().parse_args(["serve", "--tool-call-parser", "mistral"])
+    assert cli.TOOL_CALL_PARSERS == TOOL_PARSER_SETTINGS
+    args = cli._parser().parse_args(["serve", "--tool-call-parser", "mistral"])
     assert cli._overrides(args)["serve.tool_call_parser"] == "mistral"
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--tool-call-parser", "qwen25"])
+        cli._parser().parse_args(["serve", "--tool-call-parser", "qwen25"])
 
 
 async def test_a_named_parser_reads_calls_a_template_without_a_format_cannot(checkpoints, tmp_path):
