@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from affinity_serve.app.config import AppConfig
+from affinity_serve.app.config import AppConfig, AutoscalingSection
 from affinity_serve.app.http import APIKeyDigest
 from affinity_serve.app.ingress import IngressServer
 from affinity_serve.app.replica import LLMReplica
@@ -103,36 +103,43 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     LLMReplica deployment with its own router (prefix affinity on its own replicas' caches); the decode one keeps
     the name LLMReplica, as the ingress's target."""
     from affinity_serve.app.disagg import DecodeReplica, PrefillReplica
-    from affinity_serve.app.disagg_config import pool_engine_config
+    from affinity_serve.app.disagg_config import pool_autoscaling, pool_engine_config
     d = config.disaggregation
     base = replica_deployment(config)
     obs = config.observability
 
-    def pool_options(pool) -> dict[str, Any]:
+    def pool_options(name: str, pool) -> dict[str, Any]:
         placement = replica_placement(config)["ray_actor_options"]
         if pool.replica_resources is not None:
             placement = {**placement, "resources": dict(pool.replica_resources)}
-        return {"num_replicas": pool.num_replicas, "ray_actor_options": placement}
+        scaling = pool_autoscaling(config.autoscaling, pool)
+        if scaling.enabled:        # each pool on its own signals (autoscale/pools.py)
+            return {"autoscaling_config": autoscaling_config(config, scaling, pool=name),
+                    "ray_actor_options": placement}
+        return {"num_replicas": pool.num_replicas, "autoscaling_config": None, "ray_actor_options": placement}
 
-    prefill = base.options(func_or_class=PrefillReplica, name="PrefillReplica", **pool_options(d.prefill))
+    prefill = base.options(func_or_class=PrefillReplica, name="PrefillReplica", **pool_options("prefill", d.prefill))
     prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs)
-    decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options(d.decode))
+    decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode))
     return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d)
 
 
-def engine_policy_kwargs(config: AppConfig) -> dict[str, Any]:
+def engine_policy_kwargs(config: AppConfig, section: AutoscalingSection | None = None) -> dict[str, Any]:
     """The autoscaling section's PolicyConfig part as EngineAwarePolicy's kwargs: the one place the policy's
     config crosses as a dict, because Serve takes a custom policy's kwargs as JSON only (AutoscalingPolicy
-    checks); the controller validates them back into a PolicyConfig (autoscale/serve_policy.py)."""
+    checks); the controller validates them back into a PolicyConfig (autoscale/serve_policy.py). `section`:
+    a P/D pool's (disagg_config.pool_autoscaling), else the app's."""
     from affinity_serve.autoscale.policy import PolicyConfig
-    return config.autoscaling.model_dump(mode="json", include=set(PolicyConfig.model_fields))
+    return (section or config.autoscaling).model_dump(mode="json", include=set(PolicyConfig.model_fields))
 
 
-def autoscaling_config(config: AppConfig) -> dict[str, Any]:
+def autoscaling_config(config: AppConfig, section: AutoscalingSection | None = None,
+                       pool: str | None = None) -> dict[str, Any]:
     """Serve's autoscaling_config. policy `engine`: our EngineAwarePolicy decides, with Serve's own delays
     at 0 (Serve wraps every custom policy with its delays; ours already hold each direction for its delay,
-    so two sets would add up); policy `requests`: Serve's default rule with our delays."""
-    a, s = config.autoscaling, config.serve
+    so two sets would add up); policy `requests`: Serve's default rule with our delays. `section` and `pool`:
+    a P/D pool's autoscaling, decided by autoscale.pools.PoolPolicy on that pool's signals."""
+    a, s = section or config.autoscaling, config.serve
     initial = a.initial_replicas if a.initial_replicas is not None else s.num_replicas
     out: dict[str, Any] = {
         "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
@@ -143,9 +150,13 @@ def autoscaling_config(config: AppConfig) -> dict[str, Any]:
         return out | factors | {"target_ongoing_requests": a.target_ongoing_requests,
                                 "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
                                 "downscale_to_zero_delay_s": a.downscale_to_zero_delay_s}
+    policy = {"policy_function": "affinity_serve.autoscale.serve_policy:EngineAwarePolicy",
+              "policy_kwargs": engine_policy_kwargs(config, section)}
+    if pool is not None:
+        policy = {"policy_function": "affinity_serve.autoscale.pools:PoolPolicy",
+                  "policy_kwargs": {**policy["policy_kwargs"], "pool": pool}}
     return out | {"upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
-                  "policy": {"policy_function": "affinity_serve.autoscale.serve_policy:EngineAwarePolicy",
-                             "policy_kwargs": engine_policy_kwargs(config)}}
+                  "policy": policy}
 
 
 def ingress_deployment(config: AppConfig):

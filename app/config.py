@@ -193,9 +193,14 @@ class AppConfig(_Strict):
         d = self.disaggregation
         if not d.enabled:
             return self
-        if self.autoscaling.enabled:
-            raise ValueError("disaggregation: per-pool autoscaling is not implemented yet; set autoscaling.enabled "
-                             "false and size the pools with disaggregation.prefill/decode.num_replicas")
+        from affinity_serve.app.disagg_config import pool_autoscaling
+        for name in ("prefill", "decode"):
+            try:
+                pool_autoscaling(self.autoscaling, getattr(d, name))
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise ValueError(f"disaggregation.{name}.autoscaling: {err['msg']}"
+                                 + (f" at {'.'.join(map(str, err['loc']))}" if err["loc"] else "")) from None
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")

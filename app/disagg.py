@@ -137,7 +137,10 @@ class PrefillReplica(_PDMetrics):
                     out[d.index].remote = await self._publish(d.kv_transfer, skip_blocks, ray)
                     held.remove(d.kv_transfer.transfer_id)
             now = time.monotonic()
-            self.signals.on_first_token(now, now - arrival, max(0, len(req.prompt_token_ids) - skip_blocks), 0)
+            # the prefill pool's autoscaling signal: the prompt tokens computed here (the caller held skip_blocks)
+            block_size = self.engine.engine.config.cache.block_size
+            self.signals.on_first_token(now, now - arrival,
+                                        max(0, len(req.prompt_token_ids) - skip_blocks * block_size), 0)
             return [out[i] for i in sorted(out)]
         finally:
             for tid in held:         # cancelled mid-copy: free now rather than at the timeout

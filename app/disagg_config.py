@@ -1,7 +1,7 @@
 """The `disaggregation` section of AppConfig: a prefill pool and a decode pool (app/disagg.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
@@ -13,8 +13,13 @@ class PoolSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_replicas: int = Field(1, ge=1, description="replicas of this pool (fixed: per-pool autoscaling is not "
-                              "implemented yet)")
+    num_replicas: int = Field(1, ge=1, description="replicas of this pool; with autoscaling, the pool's initial "
+                              "replicas unless its autoscaling sets initial_replicas")
+    autoscaling: dict[str, Any] = Field(
+        {}, description="this pool's autoscaling settings laid over the autoscaling section (any of its keys), e.g. "
+        "{max_replicas: 4, ttft_slo_s: 1.0} for prefill or {tpot_slo_s: 0.05} for decode; {enabled: false} keeps "
+        "this pool at num_replicas. Each pool scales on its own signals: prefill on prefill backlog against the "
+        "TTFT SLO, decode on running sequences, KV usage and TPOT (autoscale/pools.py)")
     engine: dict[str, Any] = Field(
         {}, description="engine settings for this pool laid over the engine section (nested keys merge), e.g. "
         "{scheduler: {max_num_batched_tokens: 8192}} for prefill or {scheduler: {max_num_seqs: 256}} for decode")
@@ -46,6 +51,20 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+_Autoscaling = TypeVar("_Autoscaling", bound=BaseModel)
+
+
+def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection) -> _Autoscaling:
+    """A pool's autoscaling section: the app's `autoscaling` section with the pool's settings laid over it,
+    its initial replicas the pool's num_replicas unless either sets initial_replicas (kept within its
+    bounds). Raises pydantic's ValidationError for a bad setting."""
+    data = merge(autoscaling.model_dump(exclude_unset=True), pool.autoscaling)
+    if data.get("initial_replicas") is None:
+        lo, hi = (data.get(k, type(autoscaling).model_fields[k].default) for k in ("min_replicas", "max_replicas"))
+        data["initial_replicas"] = max(lo, min(pool.num_replicas, hi))
+    return type(autoscaling).model_validate(data)
 
 
 def pool_engine_config(engine: EngineConfig, pool: PoolSection, section: DisaggregationSection) -> EngineConfig:

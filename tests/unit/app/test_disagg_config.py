@@ -32,7 +32,10 @@ def test_pools_get_their_engine_overrides_and_the_pd_connector():
 
 
 @pytest.mark.parametrize("data, problem", [
-    ({"autoscaling": {"enabled": True}}, "per-pool autoscaling is not implemented yet"),
+    ({"autoscaling": {"enabled": True}, "disaggregation": {"enabled": True, "decode": {"autoscaling": {
+        "tpot_slo": 0.05}}}}, "disaggregation.decode.autoscaling: Extra inputs are not permitted at tpot_slo"),
+    ({"autoscaling": {"enabled": True}, "disaggregation": {"enabled": True, "prefill": {"autoscaling": {
+        "min_replicas": 4, "max_replicas": 2}}}}, "disaggregation.prefill.autoscaling: .*max_replicas"),
     ({"engine": {"kv_connector": {"type": "offload"}}}, "cannot be combined"),
     ({"engine": {"cache": {"enable_prefix_caching": False}}}, "enable_prefix_caching"),
     ({"disaggregation": {"enabled": True, "prefill": {"engine": {"scheduler": {"max_num_seqs": 0}}}}},
@@ -41,5 +44,48 @@ def test_pools_get_their_engine_overrides_and_the_pd_connector():
 ])
 def test_bad_disaggregation_configs_say_what_to_change(data, problem):
     data = {"disaggregation": {"enabled": True}, **data}
-    with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=problem.replace(".", r"\.").replace(r"\.*", ".*")):
         AppConfig.from_dict(data)
+
+
+def test_each_pool_autoscales_on_its_own_signals_with_its_own_settings():
+    """autoscaling.enabled with disaggregation: each pool is a Serve autoscaling deployment decided by
+    autoscale.pools.PoolPolicy for that pool, with the app's autoscaling settings and the pool's laid over them."""
+    cfg = AppConfig.model_validate({
+        "engine": {"model": "/m", "cache": {"block_size": 4}},
+        "autoscaling": {"enabled": True, "max_replicas": 6, "ttft_slo_s": 1.5, "tpot_slo_s": 0.1},
+        "disaggregation": {"enabled": True,
+                           "prefill": {"num_replicas": 2, "autoscaling": {"max_replicas": 3}},
+                           "decode": {"num_replicas": 3, "autoscaling": {"min_replicas": 2, "tpot_slo_s": 0.05}}}})
+    decode = disagg_deployments(cfg, cfg.engine.to_engine_config())._bound_deployment
+    prefill = decode.init_args[3]._bound_deployment
+    for dep, pool, lo, hi, initial, tpot in ((prefill, "prefill", 1, 3, 2, 0.1), (decode, "decode", 2, 6, 3, 0.05)):
+        a = dep._deployment_config.autoscaling_config
+        assert (a.min_replicas, a.max_replicas, a.initial_replicas) == (lo, hi, initial)
+        assert a.policy.policy_function == "affinity_serve.autoscale.pools:PoolPolicy"
+        kw = a.policy.policy_kwargs
+        assert kw["pool"] == pool and kw["ttft_slo_s"] == 1.5 and kw["tpot_slo_s"] == tpot
+        assert (a.upscale_delay_s, a.downscale_delay_s) == (0.0, 0.0)     # the policy's own delays only
+
+    # the kwargs are what the controller builds the policy from
+    from affinity_serve.autoscale.pools import Pool, PoolPolicy
+    policy = PoolPolicy(**prefill._deployment_config.autoscaling_config.policy.policy_kwargs)
+    assert policy.pool is Pool.PREFILL and policy.config.max_replicas == 3
+
+
+def test_a_pool_can_stay_fixed_while_the_other_autoscales():
+    cfg = AppConfig.model_validate({
+        "engine": {"model": "/m", "cache": {"block_size": 4}}, "autoscaling": {"enabled": True, "max_replicas": 4},
+        "disaggregation": {"enabled": True, "prefill": {"num_replicas": 2, "autoscaling": {"enabled": False}}}})
+    decode = disagg_deployments(cfg, cfg.engine.to_engine_config())._bound_deployment
+    prefill = decode.init_args[3]._bound_deployment
+    assert prefill.num_replicas == 2 and prefill._deployment_config.autoscaling_config is None
+    assert decode._deployment_config.autoscaling_config.policy.policy_kwargs["pool"] == "decode"
+
+
+def test_without_autoscaling_both_pools_stay_at_their_sizes():
+    decode = disagg_deployments(cfg := _cfg(prefill={"num_replicas": 2}), cfg.engine.to_engine_config())._bound_deployment
+    prefill = decode.init_args[3]._bound_deployment
+    assert (prefill.num_replicas, decode.num_replicas) == (2, 1)
+    assert prefill._deployment_config.autoscaling_config is None
+    assert decode._deployment_config.autoscaling_config is None
