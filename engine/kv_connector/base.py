@@ -158,8 +158,6 @@ class KVConnectorScheduler(ABC):
     medium: str = "tier"
     #: some queued requests' loads start before admission (see `loads_early`)
     early_loads: bool = False
-    #: some queued requests' loads start before admission (see `loads_early`)
-    early_loads: bool = False
 
     def __init__(self) -> None:
         self.stats = KVConnectorStats()
@@ -175,12 +173,6 @@ class KVConnectorScheduler(ABC):
     #: whether the connector handles hybrid models (several KV-cache groups): the Scheduler then calls the
     #: `*_keyed` methods with every group's blocks; one that does not is refused for such models
     supports_kv_groups: bool = False
-
-    def loads_early(self, request: "Request") -> bool:
-        """True if `request`'s load should start as soon as it is queued, not when it reaches the head of the
-        queue (P/D: KV another engine computed for it; a tier's cached blocks wait their turn). The Scheduler
-        then asks `get_num_new_matched_tokens` early, and again at admission if the load did not fit."""
-        return False
 
     def _match_after_local(self, request: "Request", num_local_tokens: int, holds) -> tuple[int, bool]:
         """The tier's share of a lookup: full blocks right after the local hit for which `holds(key)` is
