@@ -18,6 +18,8 @@ from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.types import Logprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+#: see Sampler._masked_argmax
+_MASK_ALL_STEPS = 16
 
 
 @dataclass(slots=True)
@@ -58,6 +60,8 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
+        #: greedy constrained steps left to mask in full before trying the raw argmax again (_masked_argmax)
+        self._mask_all_steps = 0
 
     def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo], allowed: torch.Tensor | None = None
                  ) -> tuple[list[int], list[Logprobs | None]]:
@@ -78,10 +82,14 @@ class Sampler:
         after the one that sampled these ids, before they reach the host: each row's output then ends with its
         pending id (penalties count it) and a seeded row draws for the next output index. `allowed` ([N, vocab]
         bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else."""
+        greedy = all(i.params.is_greedy for i in infos)
+        if allowed is not None and greedy and self.device.type == "cpu":
+            # bias and penalties move only finite logits, so masking after them is the same as before them
+            return self._masked_argmax(self._apply_bias_and_penalties(logits, infos, pending), allowed)
         if allowed is not None:          # [N, vocab] bool: a grammar's tokens (structured output), before all else
             logits = torch.where(allowed, logits, float("-inf"))
         logits = self._apply_bias_and_penalties(logits, infos, pending)
-        if all(i.params.is_greedy for i in infos):
+        if greedy:
             return _argmax(logits)
         return self._sample(logits, infos, 0 if pending is None else 1)
 
@@ -134,6 +142,23 @@ class Sampler:
                 ids = [t for t in blocked[r] if t < vocab]
                 row[self._tensor(ids, torch.long)] = float("-inf")
         return logits
+
+    def _masked_argmax(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Greedy under a grammar, on the host: where the grammar allows a row's argmax, that is the masked
+        argmax too (the first maximum overall, so the first among the allowed), so only the other rows pay the
+        mask's pass over the vocabulary (a model that follows its format rarely needs it). When most rows needed
+        it, the next _MASK_ALL_STEPS steps mask every row at once instead (a random model, a forbidding state)."""
+        if self._mask_all_steps > 0:
+            self._mask_all_steps -= 1
+            return _argmax(torch.where(allowed, logits, float("-inf")))
+        tokens = _argmax(logits)                                                    # [N]
+        bad = (~allowed.gather(1, tokens[:, None]).squeeze(1)).nonzero().flatten()  # rows whose argmax is banned
+        if 2 * len(bad) > len(tokens):
+            self._mask_all_steps = _MASK_ALL_STEPS
+            return _argmax(torch.where(allowed, logits, float("-inf")))
+        if len(bad):
+            tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
+        return tokens
 
     def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
         greedy = _argmax(logits)

@@ -1,0 +1,58 @@
+"""Greedy sampling under a grammar mask on the host (issue 27): the raw argmax where the grammar allows it, the
+mask's pass only for the other rows (or all rows for a while when most needed it), always the tokens that
+masking first gives."""
+from __future__ import annotations
+
+import torch
+
+from affinity_serve.engine.sampler import _MASK_ALL_STEPS, Sampler, SamplingInfo
+from affinity_serve.engine.sampling_params import SamplingParams
+
+
+def _reference(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return torch.where(allowed, logits, float("-inf")).argmax(-1)
+
+
+def _infos(n: int, **kw) -> list[SamplingInfo]:
+    return [SamplingInfo(SamplingParams(temperature=0.0, **kw), [1, 2, 3], 3) for _ in range(n)]
+
+
+def test_masked_greedy_equals_masking_first_whatever_share_of_rows_it_forbids():
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        sampler = Sampler()                # each step from the raw argmax (see the test below for the switch)
+        logits = torch.randn(16, 500, generator=g)
+        logits[:, 7] = logits[:, 9] = logits.max() + 1        # ties: the first allowed maximum wins
+        allowed = torch.rand(16, 500, generator=g) < (0.9 if step % 3 else 0.02)
+        allowed[:, 0] = True
+        raw = logits.argmax(-1)
+        allowed[: step % 17, :][torch.arange(step % 17), raw[: step % 17]] = False   # some rows' argmax banned
+        got = sampler.sample(logits.clone(), _infos(16), allowed=allowed)
+        assert torch.equal(got, _reference(logits, allowed)), step
+
+
+def test_bias_and_penalties_apply_as_if_masked_first():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 300, generator=g)
+    allowed = torch.rand(4, 300, generator=g) < 0.3
+    infos = [SamplingInfo(SamplingParams(temperature=0.0, logit_bias={int(allowed[0].nonzero()[-1]): 50.0},
+                                         repetition_penalty=1.3, frequency_penalty=0.5), [5, 6, 6, 7], 2)
+             for _ in range(4)]
+    ref_sampler, sampler = Sampler(), Sampler()
+    masked_first = ref_sampler._apply_bias_and_penalties(torch.where(allowed, logits, float("-inf")), infos)
+    assert torch.equal(sampler.sample(logits.clone(), infos, allowed=allowed), masked_first.argmax(-1))
+
+
+def test_after_a_step_most_rows_needed_the_mask_the_next_steps_mask_all_rows():
+    sampler = Sampler()
+    logits = torch.zeros(4, 64)
+    logits[:, 5] = 1.0
+    banned = torch.ones(4, 64, dtype=torch.bool)
+    banned[:, 5] = False                                     # every row's argmax banned
+    assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
+    assert sampler._mask_all_steps == _MASK_ALL_STEPS
+    fine = torch.ones(4, 64, dtype=torch.bool)
+    for _ in range(_MASK_ALL_STEPS):
+        assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4
+    assert sampler._mask_all_steps == 0
+    assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4 and sampler._mask_all_steps == 0
