@@ -252,7 +252,8 @@ class DecodeReplica(_PDMetrics):
         if not cont:
             return
         p = req.sampling_params
-        params = dataclasses.replace(p, n=len(cont), prompt_logprobs=None, seed=None if p.seed is None else p.seed + 1)
+        # the same seed: each sequence draws its later tokens as on one engine (RemotePrefill.seq_index)
+        params = dataclasses.replace(p, n=len(cont), prompt_logprobs=None)
         d_req = dataclasses.replace(req, sampling_params=params, kv_transfer=[r for _, r in cont])
         async for c in super().generate(d_req):
             c.index = cont[c.index][0]

@@ -224,9 +224,11 @@ class LLMEngine:
         kv_transfer = request.kv_transfer
         reqs: list[Request] = []
         for i, sid in enumerate(seq_ids):
-            # siblings share the prompt: only the first computes its logprobs, the others may hit the cache
-            p = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i,
+            # siblings share the prompt: only the first computes its logprobs, the others may hit the cache.
+            # Sequence i draws from seed + i; one continuing a prefill (P/D) from seed + the index it had there.
+            k = kv_transfer[i].seq_index if isinstance(kv_transfer, list) else i
+            p = params if params.n == 1 and k == 0 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + k,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             req = Request(sid, request.prompt_token_ids, p, eos_token_id=self.eos_token_id, arrival_time=arrival,
                           priority=request.priority, cache_salt=request.cache_salt,
@@ -366,6 +368,8 @@ class LLMEngine:
                 if remote is not None and d.finish_reason != "length":     # a stop string on the first token
                     self._kv_connector_worker.release_held(remote.transfer_id)
                     remote = None
+                if remote is not None and seq.index:
+                    remote = dataclasses.replace(remote, seq_index=seq.index)
                 d.kv_transfer = remote
             del self._seqs[seq_id]
             parent = self._parents[seq.parent_id]

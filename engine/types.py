@@ -69,6 +69,9 @@ class RemotePrefill:
     first_token_id: int      # the token the prefill sampled: the decode engine continues after it
     #: transport-specific address of the prefill engine (the Ray transport: its replica's actor handle)
     address: Any = None
+    #: which of its request's n sequences this is (set by the prefill engine): a seeded sequence continues
+    #: drawing from seed + seq_index, as it would on one engine, wherever it stands in the decode request
+    seq_index: int = 0
 
 
 # ---------------------------------------------------------------- scheduler -> runner

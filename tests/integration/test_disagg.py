@@ -107,6 +107,43 @@ def test_pd_n_logprobs_and_stop_strings_behave_as_unified(pd_url, checkpoints, h
     wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
 
 
+def test_pd_transfer_metrics_reach_the_metrics_endpoint(pd_url):
+    """Both pools export their P/D series through the app's metrics hub: the decode replica's reads (count,
+    bytes, time histogram) and the prefill replica's holds freed by a read; the count moves with a request."""
+    import re
+
+    def total(text, series):
+        return sum(float(v) for v in re.findall(rf"^{re.escape(series)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+    with httpx.Client(timeout=60) as c:
+        before = total(c.get(f"{pd_url}/metrics").text, "affinity_pd_transfer_time_seconds_count")
+
+        def moved():
+            text = c.get(f"{pd_url}/metrics").text
+            return text if total(text, "affinity_pd_transfer_time_seconds_count") > before else None
+
+        _complete(c, pd_url, _ids(40, 1234), max_tokens=4)
+        text = wait_until(moved, 20, "a new read on /metrics")
+    assert re.search(r'^affinity_pd_transfers_total\{[^}]*outcome="read"[^}]*\} [1-9]', text, re.M), text
+    assert total(text, "affinity_pd_transfer_bytes_total") > 0
+    assert re.search(r'^affinity_pd_holds_total\{[^}]*outcome="read"[^}]*\} [1-9]', text, re.M), text
+    assert "affinity_pd_held_blocks{" in text
+
+
+def test_pd_seeded_sampling_equals_one_engine(pd_url, checkpoints):
+    """A seeded sampled request: each sequence's tokens after the first (the decode replica's) are those one
+    engine draws (seed + the sequence's index, at each output index)."""
+    from affinity_serve.engine import LLM, SamplingParams
+    prompt = _ids(40, 4321)
+    with httpx.Client(timeout=60) as c:
+        out = _complete(c, pd_url, prompt, max_tokens=8, temperature=1.0, seed=7, n=2)
+    got = [ch["token_ids"] for ch in sorted(out["choices"], key=lambda ch: ch["index"])]
+    one = LLM(checkpoints["llama"], cache={"num_blocks": 64, "block_size": BLOCK}).generate(
+        prompt, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True), use_tqdm=False)
+    assert got == [o.token_ids for o in sorted(one[0].outputs, key=lambda o: o.index)]
+    wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
+
+
 def test_short_uncached_part_is_served_by_the_decode_replica(pd_url, checkpoints, hf_reference):
     path = checkpoints["llama"]
     before = _state("LLMReplica")["kv_connector"]

@@ -196,6 +196,25 @@ def test_sampled_first_token_is_continued_not_resampled(pair):
     _assert_empty(p, d)
 
 
+def test_seeded_sampling_continues_as_on_one_engine(pair):
+    """A seeded sampled request gives the same tokens in P/D mode as unified, every sequence of n = 3, and a
+    sequence continued without its siblings (they ended on their first token) still draws from its own seed."""
+    path, p, d = pair
+    prompt = _ids(37, 17)
+    params = SamplingParams(n=3, max_tokens=9, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    unified = LLM(path, cache={"num_blocks": 64, "block_size": BS}).generate(prompt, params, use_tqdm=False)
+    ref = [o.token_ids for o in sorted(unified[0].outputs, key=lambda o: o.index)]
+    assert len({tuple(r) for r in ref}) == 3                 # the three draw differently
+    assert _pd(p, d, "s3", prompt, params) == ref
+    first, remotes = _prefill(p, "gap", prompt, params)
+    assert [r.seq_index for r in remotes] == [0, 1, 2]
+    rest, _ = _run(d, "gap", prompt, SamplingParams(**{**_fields(params), "n": 2, "top_p": 0.9}), remotes[1:])
+    assert [first[1] + rest[0], first[2] + rest[1]] == ref[1:]
+    p.kv_source.release_held(remotes[0].transfer_id)        # the sequence that "ended" holds nothing on
+    _settle(p, d, steps=40)
+    _assert_empty(p, d)
+
+
 def test_stop_on_the_first_token_holds_nothing(pair):
     path, p, d = pair
     prompt = _ids(40, 12)
