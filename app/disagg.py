@@ -160,7 +160,7 @@ class PrefillReplica(_PDMetrics):
 class DisaggCounters:
     remote: int = 0             # requests prefilled by the prefill pool
     local_short: int = 0        # served here: the uncached part was below min_remote_prefill_tokens
-    local_ineligible: int = 0   # served here: max_tokens 1, structured output
+    local_ineligible: int = 0   # served here: max_tokens 1, or no prefill pool
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
 
 
@@ -195,7 +195,7 @@ class DecodeReplica(_PDMetrics):
     def _route(self, req: GenerateRequest) -> int | None:
         """Blocks held here if the prefill pool should prefill `req`, else None (served here)."""
         p = req.sampling_params
-        if p.max_tokens <= 1 or p.structured_output is not None or self.prefill_handle is None:
+        if p.max_tokens <= 1 or self.prefill_handle is None:
             self.disagg.local_ineligible += 1
             return None
         k = self._local_hit_blocks(req)

@@ -240,7 +240,9 @@ class LLMEngine:
             else:
                 req.kv_transfer = kv_transfer
             if params.structured_output is not None:     # each sequence its own matcher over one (cached) compile
-                req.structured_output = self.structured_output.new_state(params.structured_output)
+                # a continued prefill's matcher starts past the first token, which the prefill engine's masked
+                first = (kv_transfer[i].first_token_id,) if isinstance(kv_transfer, list) else ()
+                req.structured_output = self.structured_output.new_state(params.structured_output, first)
             reqs.append(req)
         return reqs
 
@@ -269,11 +271,6 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs come from the prefill engine; drop them from the decode "
                                       "request", param="prompt_logprobs")
-        if params.structured_output is not None:
-            # not supported: the decode side would have to advance the grammar over the transferred first token
-            # once it compiled; the app serves such requests unified (docs/disaggregation.md)
-            raise InvalidRequestError("structured outputs are not continued from a remote prefill yet; serve "
-                                      "them unified", param="kv_transfer_params")
 
     def set_kv_transport(self, transport: KVTransport) -> None:
         """P/D: read other engines' KV through `transport` (the default reaches engines in this process)."""

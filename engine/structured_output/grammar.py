@@ -3,6 +3,7 @@ request and the step plan carry. No engine imports, so `engine.request` and `eng
 without an import cycle through the manager that makes them."""
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, Future, wait
@@ -12,16 +13,20 @@ import torch
 
 from affinity_serve.engine.structured_output.spec import StructuredOutputSpec
 
+logger = logging.getLogger(__name__)
+
 
 class GrammarState:
     """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher."""
 
-    __slots__ = ("spec", "_future", "_matcher")
+    __slots__ = ("spec", "_future", "_matcher", "_prefix")
 
-    def __init__(self, spec: StructuredOutputSpec, future: Future):
+    def __init__(self, spec: StructuredOutputSpec, future: Future, prefix: tuple[int, ...] = ()):
         self.spec = spec
         self._future = future
         self._matcher = None
+        # tokens sampled under this grammar elsewhere (P/D: the prefill engine's first token), taken first
+        self._prefix = prefix
 
     @property
     def is_ready(self) -> bool:
@@ -36,7 +41,13 @@ class GrammarState:
     def matcher(self):
         if self._matcher is None:
             import xgrammar as xgr
-            self._matcher = xgr.GrammarMatcher(self._future.result())
+            m = xgr.GrammarMatcher(self._future.result())
+            for t in self._prefix:
+                if not m.accept_token(t):    # the other engine masked it by the same grammar: a mismatch
+                    logger.error("token %s sampled before this engine is outside the grammar; going on from "
+                                 "the tokens accepted", t)
+                    break
+            self._matcher = m
         return self._matcher
 
     def accept(self, token_ids: Iterable[int]) -> bool:

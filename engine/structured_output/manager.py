@@ -94,9 +94,11 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self.num_cache_hits = 0
 
-    def new_state(self, spec: StructuredOutputSpec) -> GrammarState:
-        """A sequence's grammar state; its compile starts now (or is the cached one)."""
-        return GrammarState(spec, self._compile(spec))
+    def new_state(self, spec: StructuredOutputSpec, prefix: tuple[int, ...] = ()) -> GrammarState:
+        """A sequence's grammar state; its compile starts now (or is the cached one). `prefix`: output tokens
+        sampled under this grammar elsewhere (P/D: the prefill engine's first token), which its matcher takes
+        before any sampled here."""
+        return GrammarState(spec, self._compile(spec), prefix)
 
     def _compile(self, spec: StructuredOutputSpec) -> Future:
         key = spec.key

@@ -4,6 +4,7 @@ prefix hits on either side; n > 1; failures (the prefill engine gone, a read nev
 storms) end with every KV block back in both pools."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -212,6 +213,36 @@ def test_seeded_sampling_continues_as_on_one_engine(pair):
     assert [first[1] + rest[0], first[2] + rest[1]] == ref[1:]
     p.kv_source.release_held(remotes[0].transfer_id)        # the sequence that "ended" holds nothing on
     _settle(p, d, steps=40)
+    _assert_empty(p, d)
+
+
+@pytest.mark.parametrize("spec", [
+    {"regex": r"[a-z]{2,5}-\d{3}"},
+    {"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+    {"choice": ("alpha", "beta", "gamma delta")},
+], ids=["regex", "ebnf", "choice"])
+def test_structured_output_continues_from_a_remote_prefill(pair, spec):
+    """The prefill engine masks the first token by the grammar; the decode engine's matcher starts past it:
+    the output is the one unified serving gives (greedy and seeded n = 2), ending where it ends."""
+    pytest.importorskip("xgrammar")
+    from affinity_serve.engine.structured_output.spec import StructuredOutputSpec
+    path, p, d = pair
+    prompt = _ids(29, 5)
+    for params in (SamplingParams(max_tokens=30, temperature=0.0, structured_output=StructuredOutputSpec(**spec)),
+                   SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=11,
+                                  structured_output=StructuredOutputSpec(**spec))):
+        unified = LLM(path, cache={"num_blocks": 64, "block_size": BS}).generate(prompt, params, use_tqdm=False)
+        outs = sorted(unified[0].outputs, key=lambda o: o.index)
+        ref = [o.token_ids for o in outs]
+        if "choice" in spec:
+            assert all(o.finish_reason == "stop" for o in outs)   # the grammar ends them
+        first, finals = _run(p, f"so{params.n}", prompt, dataclasses.replace(params, max_tokens=1), RemoteDecode())
+        remotes = [f.kv_transfer for f in finals]
+        assert all(r is not None for r in remotes)     # none of these grammars ends on one token
+        rest, finals = _run(d, f"so{params.n}", prompt, params, remotes)
+        assert [f + r for f, r in zip(first, rest)] == ref
+        assert [f.finish_reason for f in finals] == [o.finish_reason for o in outs]
+    _settle(p, d)
     _assert_empty(p, d)
 
 
