@@ -92,8 +92,9 @@ def _trace(args, seed):
     return out
 
 
-def run(model, args, num_prefill: int | None):
-    """num_prefill None: unified. Returns (requests, engines' stats)."""
+def run(model, args, num_prefill: int | None, late_reads: bool = False):
+    """num_prefill None: unified. `late_reads`: the decode engines start a request's KV read only when they
+    admit it (the connector before early reads), not when it arrives. Returns (requests, engines' stats)."""
     lock = threading.Lock()
     reqs: dict[str, Req] = {}
     transport = LocalTransport() if num_prefill else None
@@ -134,6 +135,9 @@ def run(model, args, num_prefill: int | None):
         prefills = [Worker(f"P{i}", _engine(model, args, sched_p, transport), on_prefill) for i in range(num_prefill)]
         decodes += [Worker(f"D{i}", _engine(model, args, sched_u, transport), on_unified)
                     for i in range(n - num_prefill)]
+        if late_reads:
+            for w in decodes:
+                w.engine.pd.early_loads = False
         entry = prefills
     else:
         prefills = []
@@ -274,6 +278,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-engines", type=int, default=4)
     ap.add_argument("--splits", default="1,2", help="prefill engine counts to try (the rest decode)")
+    ap.add_argument("--late-read-splits", default="",
+                    help="prefill engine counts to run again with reads started at admission, not arrival "
+                         "(rows 'late': the connector before early reads)")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=1.2, help="requests per second")
     ap.add_argument("--min-prompt", type=int, default=1024)
@@ -298,16 +305,19 @@ def main():
     results = [summarize(f"unified x{args.num_engines}", *run(model, args, None))]
     for p in (int(x) for x in args.splits.split(",")):
         results.append(summarize(f"P/D {p}:{args.num_engines - p}", *run(model, args, p)))
+    for p in (int(x) for x in args.late_read_splits.split(",") if x):
+        results.append(summarize(f"P/D {p}:{args.num_engines - p} late", *run(model, args, p, late_reads=True)))
     base = results[0]
     print(f"\n{args.num_requests} requests at {args.rate}/s, prompts {args.min_prompt}-{args.max_prompt}, "
           f"{args.max_tokens} output tokens; pace: base {args.step_base_s}s + {args.prefill_per_token_s}s/prompt token")
-    hdr = (f"{'config':<12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'gap p99':>8} "
-           f"{'tok/s':>7} {'done':>5} {'fail':>5} {'reads':>6} {'fallb':>6} {'hold s':>7}  TPOT p99 / TTFT p99 vs unified")
+    hdr = (f"{'config':<17} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'gap p99':>8} "
+           f"{'tok/s':>7} {'done':>5} {'fail':>5} {'reads':>6} {'fallb':>6} {'hold s':>7} {'read ms':>7}  "
+           f"TPOT p99 / TTFT p99 vs unified")
     print(hdr)
     for r in results:
-        print(f"{r['config']:<12} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} {r['tpot_p50_s']:9.4f} "
+        print(f"{r['config']:<17} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} {r['tpot_p50_s']:9.4f} "
               f"{r['tpot_p99_s']:9.4f} {r['gap_p99_s']:8.3f} {r['throughput_tok_s']:7.1f} {r['completed']:5d} "
-              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f}  "
+              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f} {r['mean_read_s'] * 1e3:7.1f}  "
               f"{r['tpot_p99_s'] / base['tpot_p99_s']:.2f}x / {r['ttft_p99_s'] / base['ttft_p99_s']:.2f}x")
     costs = transfer_cost(model, [8, 64, 256])
     if not args.skip_ray:
