@@ -67,7 +67,8 @@ gpu-wheels: venv
 	$(PIP) download -q --only-binary=:all: --no-deps --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_NODEPS)
 
-# Only what that Python cannot import, one wheel each (the newest there) without dependency resolution: its own
+# The checkout is not pip-installed there: $(GPU_SITE)/affinity_serve/ holds links to its folders (the
+# namespace the wheel installs them under). Only what that Python cannot import, one wheel each (the newest there) without dependency resolution: its own
 # pytest and plugins stay in charge (a resolving --target install brings a second pytest that shadows them).
 # Each dependency of these that may be missing is a name of its own in the list; pydantic comes with the
 # versions of its companions it was built against.
@@ -83,7 +84,11 @@ gpu-site:
 	for m in $$pick; do w=$$(ls $(GPU_WHEELS)/$$m-*.whl 2>/dev/null | sort -V | tail -1); \
 		[ -n "$$w" ] || { echo "gpu-site: $$m is missing and $(GPU_WHEELS)/ has no wheel of it: run 'make gpu-wheels' where pip has the network"; exit 1; }; \
 		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) --upgrade $$w || exit 1; done; \
-	echo "gpu-site: installed [$$pick ] into $(GPU_SITE)"
+	echo "gpu-site: installed [$$pick ] into $(GPU_SITE)"; \
+	mkdir -p $(GPU_SITE)/affinity_serve; \
+	for d in app engine autoscale observability; do ln -sfn $(CURDIR)/$$d $(GPU_SITE)/affinity_serve/$$d; done; \
+	PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import affinity_serve.engine" || exit 1; \
+	echo "gpu-site: affinity_serve.* links to this checkout's folders"
 
 test-gpu: gpu-site
 	$(GPU_ENV) $(GPU_PY) -m pytest -q -rs -p no:cacheprovider tests/gpu
