@@ -106,8 +106,23 @@ def config_cmd(args) -> int:
     from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
+    _check_local_model(cfg)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return 0
+
+
+def _check_local_model(cfg: "AppConfig") -> None:
+    """`config`: where the model is a checkpoint directory here, what the engine cannot run with it (the
+    combinations check_model refuses); a hub id or a path that exists only on the replicas' nodes is skipped."""
+    model = cfg.engine.model
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
+        return
+    from affinity_serve.engine import check_engine_support
+    from affinity_serve.app.config import ConfigError
+    try:
+        check_engine_support(model, cfg.engine.kv_connector.type)
+    except ValueError as e:
+        raise ConfigError(None, [str(e)]) from None
 
 
 def deploy_cmd(args) -> int:
@@ -219,13 +234,17 @@ def check_extras(cfg: "AppConfig") -> None:
 
 def check_model(cfg: "AppConfig") -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
-    from affinity_serve.engine import resolve_context_length, validate_checkpoint
+    from affinity_serve.engine import check_engine_support, resolve_context_length, validate_checkpoint
     from affinity_serve.app.config import ConfigError
     args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
     try:
         resolve_context_length(args, cfg.engine.max_model_len)
     except ValueError as e:
         raise ConfigError(None, [f"engine.max_model_len: {e}"]) from None
+    try:
+        check_engine_support(args, cfg.engine.kv_connector.type)
+    except ValueError as e:
+        raise ConfigError(None, [str(e)]) from None
     if cfg.engine.device == "cuda":
         import torch
         if not torch.cuda.is_available():

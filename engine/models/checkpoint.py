@@ -33,6 +33,17 @@ def validate_checkpoint(path: str | Path, *, need_tokenizer: bool = True) -> Mod
     return args
 
 
+def check_engine_support(args: ModelArgs | str | Path, kv_connector_type: str) -> None:
+    """Engine parts this model's features rule out, before any is built: ValueError, one line naming the key.
+    (The Scheduler refuses the same combination with the same reason.) `args`: the model's, or its checkpoint
+    directory (its config.json is read)."""
+    if not isinstance(args, ModelArgs):
+        args = ModelArgs.from_dir(args)
+    if kv_connector_type == "pd" and any(w is not None for w in args.layer_windows):
+        raise ValueError("engine.kv_connector.type: 'pd' moves one block table per request and this model has "
+                         "sliding-window layers (a table per KV-cache group); use offload, shared or none")
+
+
 def resolve_context_length(args: ModelArgs, max_model_len: int | None) -> int:
     """The context length an engine serves: the model's positions (sliding-window layers included: the KV
     manager keeps their windows), or `max_model_len` when set; ValueError if that asks for more than the

@@ -127,3 +127,20 @@ def test_an_unsafe_shared_store_root_is_caught_before_ray(checkpoints, tmp_path,
     rc, err = _serve(tmp_path, capsys, {"model": _copy(checkpoints, tmp_path),
                                         "kv_connector": {"type": "shared", "shared_dir": str(root)}})
     assert rc == 2 and "engine.kv_connector.shared_dir" in err and str(root) in err
+
+
+@pytest.mark.parametrize("cmd", ["serve", "config"])
+def test_pd_with_a_sliding_window_model_is_refused_before_ray(tmp_path, capsys, cmd):
+    """Issue 31: a connector that cannot move a hybrid model's per-group tables is one line, exit 2, before Ray
+    starts (serve checks the checkpoint, config a local one too); offload and shared pass."""
+    from tests.unit.engine.tiny_hf import write_tiny_hf
+    d = str(write_tiny_hf(tmp_path / "mistral", "MistralConfig", sliding_window=16))
+    capsys.readouterr()                                 # transformers' progress bar while writing it
+    rc, err = _serve(tmp_path, capsys, {"model": d, "kv_connector": {"type": "pd"}}, cmd=cmd)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "engine.kv_connector.type: 'pd'" in err and "sliding-window layers" in err
+    if cmd == "serve":
+        with pytest.raises(_RayStarted):
+            _serve(tmp_path, capsys, {"model": d, "kv_connector": {"type": "offload"}})
+    else:
+        assert _serve(tmp_path, capsys, {"model": d, "kv_connector": {"type": "shared"}}, cmd=cmd)[0] == 0
