@@ -2,7 +2,8 @@
 
 The expert computation is one function with one signature (`ExpertsFn`), so a device kernel can replace
 the CPU path without the model changing. The CPU path groups the (token, expert) pairs by expert and runs
-one gate_up GEMM and one down GEMM per expert that has tokens this step, never a loop over tokens.
+every expert's gate_up and down GEMMs as two batched GEMMs over the groups padded to the largest (or, with
+few tokens, a GEMM pair per expert that has tokens this step), never a loop over tokens.
 """
 from __future__ import annotations
 
@@ -31,16 +32,62 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def grouped_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The CPU path: sort the T*k (token, expert) pairs by expert, one GEMM pair per active expert, then
-    scatter-add each pair's weighted output back to its token (expert order within a token, as transformers
-    adds them)."""
+    """The CPU path: the T*k (token, expert) pairs grouped by expert, each expert's rows through its gate_up and
+    down GEMMs, each pair's output weighted and added to its token in expert order (transformers' order, so the
+    float sums match). When most experts have tokens (a batch's decode, any prefill) the groups are padded to
+    the largest and every expert runs in one batched GEMM pair (`_padded_experts`): one call reads all the
+    weights, where a GEMM per expert on its few rows runs far below the machine's bandwidth. Otherwise (a few
+    tokens) a GEMM pair per active expert (`_looped_experts`)."""
     t, k = topk_ids.shape
+    num_experts = gate_up_proj.shape[0]
+    ids, slot = torch.sort(topk_ids, dim=1)                               # each token's experts, ascending
+    weights = torch.gather(topk_weights, 1, slot).reshape(-1, 1)          # [T*k, 1] float32
+    flat = ids.reshape(-1)                                                # [T*k] pairs, token-major
+    counts = torch.bincount(flat, minlength=num_experts)
+    num_active = int((counts > 0).sum())
+    max_rows = int(counts.max())
+    if 2 * num_active >= num_experts and num_experts * max_rows <= 4 * t * k:
+        ys = _padded_experts(x, gate_up_proj, down_proj, flat, counts, max_rows, k)
+    else:
+        ys = _looped_experts(x, gate_up_proj, down_proj, flat, counts.tolist(), k)
+    ys = (ys.float() * weights).to(x.dtype).view(t, k, -1)                # [T, k, H], expert order per token
+    out = ys[:, 0].clone()
+    for j in range(1, k):
+        out += ys[:, j]
+    return out
+
+
+def _rank_in_expert(flat: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, rank): the pairs sorted by expert (stable), and each pair's row within its expert's group."""
+    order = torch.argsort(flat, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return order, rank
+
+
+def _padded_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, flat: torch.Tensor,
+                    counts: torch.Tensor, max_rows: int, k: int) -> torch.Tensor:
+    """Every expert's rows padded to `max_rows` (zeros), two batched GEMMs over all experts; [T*k, H] in pair
+    order."""
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    _, rank = _rank_in_expert(flat, counts)
+    dest = flat * max_rows + rank                                         # [T*k] each pair's padded row
+    xs = x.new_zeros(num_experts * max_rows, hidden)
+    xs[dest] = x.repeat_interleave(k, dim=0)
+    h = torch.bmm(xs.view(num_experts, max_rows, hidden), gate_up_proj.transpose(1, 2))   # [E, R, 2I]
+    inter = two_inter // 2
+    a = F.silu(h[..., :inter]).mul_(h[..., inter:])                       # [E, R, I]
+    y = torch.bmm(a, down_proj.transpose(1, 2))                           # [E, R, H]
+    return y.view(num_experts * max_rows, hidden)[dest]
+
+
+def _looped_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, flat: torch.Tensor,
+                    counts: list[int], k: int) -> torch.Tensor:
+    """A GEMM pair per expert with rows; [T*k, H] in pair order."""
     inter = down_proj.shape[-1]
-    flat = topk_ids.reshape(-1)                                           # [T*k]
-    order = torch.argsort(flat, stable=True)                              # pairs grouped by expert
-    token_of = order // k                                                 # [T*k] each sorted pair's token
-    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
-    xs = x[token_of]                                                      # [T*k, H]
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // k]                                                    # [T*k, H] grouped by expert
     ys = torch.empty_like(xs)
     start = 0
     for e, n in enumerate(counts):
@@ -50,8 +97,9 @@ def grouped_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
         h = F.silu(h[:, :inter]) * h[:, inter:]
         ys[start:start + n] = F.linear(h, down_proj[e])                   # [n, H]
         start += n
-    ys = (ys.float() * topk_weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, ys)
+    out = torch.empty_like(ys)
+    out[order] = ys
+    return out
 
 
 class Experts(nn.Module):
