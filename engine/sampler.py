@@ -60,8 +60,10 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
-        #: greedy constrained steps left to mask in full before trying the raw argmax again (_masked_argmax)
+        #: greedy constrained steps left to mask in full before trying the raw argmax again, and how many the
+        #: next step that finds most argmaxes banned sets (doubling up to _MASK_ALL_STEPS; see _masked_argmax)
         self._mask_all_steps = 0
+        self._mask_all_backoff = 1
 
     def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo], allowed: torch.Tensor | None = None
                  ) -> tuple[list[int], list[Logprobs | None]]:
@@ -147,15 +149,18 @@ class Sampler:
         """Greedy under a grammar, on the host: where the grammar allows a row's argmax, that is the masked
         argmax too (the first maximum overall, so the first among the allowed), so only the other rows pay the
         mask's pass over the vocabulary (a model that follows its format rarely needs it). When most rows needed
-        it, the next _MASK_ALL_STEPS steps mask every row at once instead (a random model, a forbidding state)."""
+        it, the next steps mask every row at once instead (a random model, a forbidding state): 1, then 2, 4, ...
+        up to _MASK_ALL_STEPS steps while that repeats; a step where most argmaxes are allowed starts over at 1."""
         if self._mask_all_steps > 0:
             self._mask_all_steps -= 1
             return _argmax(torch.where(allowed, logits, float("-inf")))
         tokens = _argmax(logits)                                                    # [N]
         bad = (~allowed.gather(1, tokens[:, None]).squeeze(1)).nonzero().flatten()  # rows whose argmax is banned
         if 2 * len(bad) > len(tokens):
-            self._mask_all_steps = _MASK_ALL_STEPS
+            self._mask_all_steps = self._mask_all_backoff
+            self._mask_all_backoff = min(2 * self._mask_all_backoff, _MASK_ALL_STEPS)
             return _argmax(torch.where(allowed, logits, float("-inf")))
+        self._mask_all_backoff = 1
         if len(bad):
             tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
         return tokens

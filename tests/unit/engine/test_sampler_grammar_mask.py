@@ -43,16 +43,19 @@ def test_bias_and_penalties_apply_as_if_masked_first():
     assert torch.equal(sampler.sample(logits.clone(), infos, allowed=allowed), masked_first.argmax(-1))
 
 
-def test_after_a_step_most_rows_needed_the_mask_the_next_steps_mask_all_rows():
+def test_while_most_rows_need_the_mask_all_rows_are_masked_for_1_2_4_then_16_steps():
     sampler = Sampler()
     logits = torch.zeros(4, 64)
     logits[:, 5] = 1.0
     banned = torch.ones(4, 64, dtype=torch.bool)
     banned[:, 5] = False                                     # every row's argmax banned
-    assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
-    assert sampler._mask_all_steps == _MASK_ALL_STEPS
     fine = torch.ones(4, 64, dtype=torch.bool)
-    for _ in range(_MASK_ALL_STEPS):
-        assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4
-    assert sampler._mask_all_steps == 0
-    assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4 and sampler._mask_all_steps == 0
+    for backoff in [1, 2, 4, 8, 16, 16]:
+        assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
+        assert sampler._mask_all_steps == backoff
+        for _ in range(backoff):                             # masked in full: no look at the raw argmax
+            assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
+    assert backoff == _MASK_ALL_STEPS and sampler._mask_all_steps == 0
+    assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4      # allowed again: starts over
+    assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
+    assert sampler._mask_all_steps == 1
