@@ -246,6 +246,10 @@ def _capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, backend
         logger.info("CUDA-graph decode needs attention_backend triton (the %s backend reads Python-side "
                     "lengths); decode runs eager", backend.name)
         return
+    if runner.windowed:
+        logger.info("CUDA-graph decode captures one block table per request; this model's sliding-window "
+                    "KV-cache groups have one each: decode runs eager")
+        return
     block_size = config.cache.block_size
     try:
         runner.decode_graphs = DecodeGraphs(

@@ -15,24 +15,20 @@ def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool
     """'auto' -> flash when CUDA, flash-attn and the block size allow it, else triton on CUDA when its kernels
     pass a start-up self-test there, else torch; 'torch' / 'flash' / 'triton' force one. cascade_min_tokens:
     decode batches sharing at least this many leading tokens read them once (torch and triton; None: never).
-    sliding_window / softcap: the model has sliding-window layers / soft-capped attention scores, which the
-    triton kernels do not implement ('auto' then skips them; 'triton' is refused)."""
+    sliding_window / softcap: the model has sliding-window layers / soft-capped attention scores; every
+    backend implements both (the triton kernels since issue 31), so they no longer change the choice."""
     from affinity_serve.engine.attention.flash import FlashPagedAttention, flash_attn_available
     from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
     from affinity_serve.engine.attention.triton_paged import TritonPagedAttention, interpreting
 
     if name == "auto":
-        name = _auto(device, block_size, triton_ok=not (sliding_window or softcap))
+        name = _auto(device, block_size)
     if name == "flash":
         if device != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend 'flash' needs a CUDA device and the flash-attn package "
                              "(pip install 'affinity-serve[gpu]'); use 'torch' or 'auto' instead")
         return FlashPagedAttention(block_size)
     if name == "triton":
-        if sliding_window or softcap:
-            raise ValueError(f"attention_backend 'triton' does not implement "
-                             f"{'sliding-window attention' if sliding_window else 'attention soft-capping'}, "
-                             f"which this model uses; use 'flash', 'torch' or 'auto'")
         if device != "cuda" and not interpreting():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 to run its "
                              "kernels slowly on CPU for testing); use 'torch' or 'auto' instead")
@@ -42,7 +38,7 @@ def select_backend(name: str, device: str, block_size: int, *, cpu_kernels: bool
     raise ValueError(f"unknown attention_backend {name!r}; use 'auto', 'torch', 'triton' or 'flash'")
 
 
-def _auto(device: str, block_size: int, triton_ok: bool = True) -> str:
+def _auto(device: str, block_size: int) -> str:
     """What 'auto' means here. Triton needs a working toolchain at run time (it compiles a small C launcher
     and the kernels for this GPU), so it is taken only once its kernels have compiled and agreed with the
     torch backend on a small mixed batch on this device; otherwise a warning says why, and torch runs."""
@@ -52,10 +48,6 @@ def _auto(device: str, block_size: int, triton_ok: bool = True) -> str:
         return "torch"
     if flash.flash_attn_available() and block_size % 256 == 0:
         return "flash"
-    if not triton_ok:
-        logger.info("attention_backend auto: this model's sliding windows or soft-capping are not in the triton "
-                    "kernels; using the torch backend")
-        return "torch"
     if triton_paged.triton_available():
         why = triton_paged.self_test(device, block_size)
         if why is None:

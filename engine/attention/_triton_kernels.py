@@ -7,19 +7,28 @@ import triton.language as tl
 
 
 @triton.jit
-def key_tile(q, k_head, v_head, bt_row, t, t_mask, keep, d, s_kb, s_kt, scale, m_i, l_i, acc,
-             D: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr):
+def key_tile(q, k_head, v_head, bt_row, t, t_mask, keep, d, s_kb, s_kt, scale, cap, m_i, l_i, acc,
+             D: tl.constexpr, BS: tl.constexpr, PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+             SAFE: tl.constexpr):
     """One tile of keys `t` (read through the block table row `bt_row`) into the online softmax:
-    scores where `keep`, the running max `m_i`, denominator `l_i` and output `acc` rescaled."""
+    scores where `keep`, the running max `m_i`, denominator `l_i` and output `acc` rescaled. SOFTCAP: scores
+    become cap * tanh(score / cap) (Gemma 2), before the mask. SAFE: a row may have no key in this tile nor
+    before it (a sliding window that starts after the tile's first keys): it stays at max -inf, sum 0."""
     blk = tl.load(bt_row + t // BS, mask=t_mask, other=0).to(tl.int64)
     rows = blk * s_kb + (t % BS) * s_kt
     kv_mask = t_mask[:, None] & (d < D)[None, :]
     k = tl.load(k_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    if SOFTCAP:
+        s = cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)      # cap * tanh(s / cap)
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # exp(-inf - -inf) would be NaN
+    else:
+        m_use = m_new
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_head + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
@@ -28,8 +37,11 @@ def key_tile(q, k_head, v_head, bt_row, t, t_mask, keep, d, s_kb, s_kt, scale, m
 
 @triton.jit
 def decode(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_ot, s_oh, s_kh, s_kb, s_kt, s_bt,
-           scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-           BS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+           scale, window, cap, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+           BS: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, WINDOWED: tl.constexpr,
+           SOFTCAP: tl.constexpr):
+    """Program (request, KV head). WINDOWED: the keys from seq_len - window on (the query's window; the
+    pages before it may be the null block)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + r)
@@ -42,11 +54,15 @@ def decode(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_ot, s
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     k_head = k_ptr + h.to(tl.int64) * s_kh              # a layer's cache can pass 2**31 elements
     v_head = v_ptr + h.to(tl.int64) * s_kh
-    for start in range(0, seq_len, BLOCK_N):
+    if WINDOWED:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = 0
+    for start in range(lo, seq_len, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < seq_len
         m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, t_mask[None, :], d, s_kb,
-                                 s_kt, scale, m_i, l_i, acc, D, BS, PREC)
+                                 s_kt, scale, cap, m_i, l_i, acc, D, BS, PREC, SOFTCAP, False)
     out = acc / l_i[:, None]
     tl.store(o_ptr + r * s_ot + (h * G + g)[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=gd_mask)
@@ -54,8 +70,11 @@ def decode(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, s_qt, s_qh, s_ot, s
 
 @triton.jit
 def prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, first_req, s_qt, s_qh, s_ot, s_oh,
-            s_kh, s_kb, s_kt, s_bt, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+            s_kh, s_kb, s_kt, s_bt, scale, window, cap, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+            WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Program (request, BLOCK_M query rows, query head). WINDOWED: a row at position p reads keys
+    p - window + 1 .. p; the key tiles start at the tile's first row's window."""
     r = first_req + tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -76,12 +95,20 @@ def prefill(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, first_req
         k_head = k_ptr + kvh.to(tl.int64) * s_kh
         v_head = v_ptr + kvh.to(tl.int64) * s_kh
         end = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)    # no key after the tile's last row
-        for start in range(0, end, BLOCK_N):                 # key 0 is in the first tile of every row
+        if WINDOWED:
+            lo = tl.maximum(ctx + tile * BLOCK_M - window + 1, 0)
+        else:
+            lo = 0
+        for start in range(lo, end, BLOCK_N):       # without a window key 0 is in the first tile of every row
             t = start + tl.arange(0, BLOCK_N)
             t_mask = t < end
             keep = t_mask[None, :] & (t[None, :] <= pos[:, None])
+            if WINDOWED:
+                keep = keep & (t[None, :] > pos[:, None] - window)
             m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, keep, d, s_kb, s_kt,
-                                     scale, m_i, l_i, acc, D, BS, PREC)
+                                     scale, cap, m_i, l_i, acc, D, BS, PREC, SOFTCAP, WINDOWED)
+        if WINDOWED:                # a padding row past q_len may see no key in its window (it is not stored)
+            l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(o_ptr + (q_start + i)[:, None] * s_ot + h * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=qd_mask)
@@ -104,14 +131,16 @@ def write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, s_kt, s_kh, s_vt, s_vh, s_
 
 @triton.jit
 def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_ptr, first_key_ptr, s_qt, s_qh,
-                 s_kh, s_kb, s_kt, s_bt, scale, H: tl.constexpr, S, SROW,
+                 s_kh, s_kb, s_kt, s_bt, scale, window, cap, H: tl.constexpr, S, SROW,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, SKIP_PREFIX: tl.constexpr):
+                 BLOCK_N: tl.constexpr, PREC: tl.constexpr, SKIP_PREFIX: tl.constexpr, WINDOWED: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """Split-K decode (flash-decoding): program (request, KV head, split) runs the online softmax over its
     share of the key tiles and writes the unnormalised partial (running max, denominator, output) to slot
     `split` of the SROW slots of its (request, query head), for `decode_merge`. A split with no tiles writes
     max -inf, denominator 0. With SKIP_PREFIX the keys start at *first_key_ptr (the shared prefix, which
-    `decode_prefix` reads once for the whole batch, fills the slots after the first S)."""
+    `decode_prefix` reads once for the whole batch, fills the slots after the first S). WINDOWED (never with
+    SKIP_PREFIX): the keys from seq_len - window on."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -127,6 +156,8 @@ def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_pt
     v_head = v_ptr + h.to(tl.int64) * s_kh
     if SKIP_PREFIX:
         first = tl.load(first_key_ptr)
+    elif WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
     else:
         first = 0
     tiles = tl.cdiv(tl.maximum(seq_len - first, 0), BLOCK_N)   # a padding row of a CUDA graph may have none
@@ -137,7 +168,7 @@ def decode_split(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, seq_lens_pt
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < hi
         m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr + r * s_bt, t, t_mask, t_mask[None, :], d, s_kb,
-                                 s_kt, scale, m_i, l_i, acc, D, BS, PREC)
+                                 s_kt, scale, cap, m_i, l_i, acc, D, BS, PREC, SOFTCAP, False)
     row = (r * H + h * G + g) * SROW + sp                # partials laid out [request, query head, slot]
     tl.store(m_ptr + row, m_i, mask=g < G)
     tl.store(l_ptr + row, l_i, mask=g < G)
@@ -196,7 +227,7 @@ def decode_prefix(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, prefix_len
         t = start + tl.arange(0, BLOCK_N)
         t_mask = t < hi
         m_i, l_i, acc = key_tile(q, k_head, v_head, bt_ptr, t, t_mask, t_mask[None, :], d, s_kb, s_kt, scale,
-                                 m_i, l_i, acc, D, BS, PREC)
+                                 1.0, m_i, l_i, acc, D, BS, PREC, False, False)
     row = (req * H + head) * SROW + S + sp
     tl.store(m_ptr + row, m_i, mask=r_mask)
     tl.store(l_ptr + row, l_i, mask=r_mask)

@@ -41,8 +41,8 @@ def interpreting() -> bool:
 def self_test(device: str, block_size: int) -> str | None:
     """None when the kernels compile on `device` and agree with the torch backend (float32, within 1e-3) on a
     small mixed batch: decodes of different lengths (two of them sharing their first pages), a chunk after
-    cached context, a fresh prefill; run with cascade decode and without. Else why not, in a line. Cached per
-    (device, block size)."""
+    cached context, a fresh prefill; run with cascade decode and without, and with a sliding window and
+    soft-capped scores. Else why not, in a line. Cached per (device, block size)."""
     from affinity_serve.engine.attention.base import build_attention_metadata
     from affinity_serve.engine.attention.torch_paged import TorchPagedAttention
     try:
@@ -76,6 +76,11 @@ def self_test(device: str, block_size: int) -> str | None:
         outs = [b.forward(q, k, v, cache, build_attention_metadata(computed, sched, tables, block_size, dev), 0.2)
                 for b, cache in zip(backends, caches)]
         err = max(float((outs[0] - out).abs().max()) for out in outs[1:])
+        # a 24-token sliding window and soft-capped scores (Gemma 2/3's attention) on the same batch
+        windowed = [b.forward(q, k, v, cache, build_attention_metadata(computed, sched, tables, block_size, dev,
+                                                                       sliding_window=24), 0.2, 5.0)
+                    for b, cache in zip(backends[:2], caches)]
+        err = max(err, float((windowed[0] - windowed[1]).abs().max()))
         return None if err <= 1e-3 else f"they differ from the torch backend by {err:.1e}"
     except Exception as e:                       # a missing compiler, an unsupported GPU, a Triton too old, ...
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -118,8 +123,8 @@ class TritonPagedAttention:
     """Decode and prefill kernels over the paged cache (see the module docstring)."""
 
     name = "triton"
-    supports_sliding_window = False
-    supports_softcap = False
+    supports_sliding_window = True
+    supports_softcap = True
     #: reads `AttentionMetadata.cascade_prefix_len` on the device (the CUDA-graph path captures cascade graphs)
     device_cascade_len = True
 
@@ -154,7 +159,9 @@ class TritonPagedAttention:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)       # the torch backend's layout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """`meta.sliding_window`: each query reads only its window's keys (tables hold the null block where it
+        has passed); `softcap`: scores become softcap * tanh(score / softcap). Neither takes cascade decode."""
         kern = _kernels()
         _, kvh, nb, bs, hd = kv_cache.shape
         assert kv_cache.stride(2) == bs * hd and kv_cache.stride(3) == hd and kv_cache.stride(4) == 1, "pages of contiguous [block_size, head_dim]"
@@ -173,11 +180,14 @@ class TritonPagedAttention:
         bt = meta.block_tables
         # fp32 stays fp32 in the dots (the torch backend's numbers); half types run on tensor cores anyway
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        window = meta.sliding_window
         common = dict(s_kh=kc.stride(0), s_kb=kc.stride(1), s_kt=kc.stride(2), s_bt=bt.stride(0), scale=scale,
-                      G=g, D=hd, BLOCK_D=_pow2(hd), BS=bs, BLOCK_N=self.block_n, PREC=prec)
+                      window=window or 0, cap=softcap or 1.0, G=g, D=hd, BLOCK_D=_pow2(hd), BS=bs,
+                      BLOCK_N=self.block_n, PREC=prec, WINDOWED=window is not None, SOFTCAP=softcap is not None)
         nd = meta.num_decodes
         splits = decode_splits(q.device, nd, kvh, self.max_splits) if nd else 1
-        prefix = self.cascade_len(meta) if nd else None
+        plain = window is None and softcap is None       # cascade decode reads the shared prefix unwindowed, uncapped
+        prefix = self.cascade_len(meta) if nd and plain else None
         if nd and splits == 1 and prefix is None:
             kern.decode[(nd, kvh)](q, kc, vc, out, bt, meta.seq_lens, q.stride(0), q.stride(1), out.stride(0),
                                    out.stride(1), BLOCK_G=_pow2(g), **common)

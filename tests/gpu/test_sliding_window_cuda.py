@@ -28,13 +28,17 @@ def checkpoints(tmp_path_factory):
     }
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3"])
-def test_float32_past_the_window_is_token_identical_to_transformers(checkpoints, hf_reference, name):
+def test_float32_past_the_window_is_token_identical_to_transformers(checkpoints, hf_reference, name, backend):
     from affinity_serve.engine import LLM, SamplingParams
+    if backend == "triton":
+        pytest.importorskip("triton")
     path = checkpoints[name]
     llm = LLM(path, device="cuda", dtype="float32", cache={"num_blocks": 64, "block_size": 16},
-              scheduler={"max_num_batched_tokens": 48})
-    assert llm.engine.runner.backend.name == "torch"          # auto: the triton kernels have no window
+              scheduler={"max_num_batched_tokens": 48}, attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend
+    assert llm.engine.runner.decode_graphs is None            # a table per KV-cache group: decode runs eager
     rng = random.Random(3)
     shared = [rng.randrange(10, 700) for _ in range(40)]
     prompts = [shared + [rng.randrange(10, 700) for _ in range(rng.randint(5, 60))] for _ in range(5)]
