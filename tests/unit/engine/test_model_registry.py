@@ -123,9 +123,16 @@ def test_grouped_experts_equal_a_token_loop_with_one_gemm_pair_per_active_expert
     linear = F.linear
     monkeypatch.setattr(moe.F, "linear", lambda a, w: calls.append(a.shape[0]) or linear(a, w))
     got = moe.grouped_experts(x, w13, w2, ids, weights)
+    assert calls == []                  # 5 of 6 experts have tokens: all of them in two batched GEMMs
+    torch.testing.assert_close(got, _naive_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
+    # the form for few tokens: one GEMM pair per active expert, each on its rows only
+    flat = torch.sort(ids, dim=1)[0].reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    looped = moe._looped_experts(x, w13, w2, flat, counts.tolist(), k)
     active = len(set(ids.flatten().tolist()))
     assert len(calls) == 2 * active and sum(calls) == 2 * t * k
-    torch.testing.assert_close(got, _naive_moe(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(looped, moe._padded_experts(x, w13, w2, flat, counts, int(counts.max()), k),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_moe_checkpoint_and_config_that_disagree_fail_the_preflight_in_one_line(tiny, tmp_path):
