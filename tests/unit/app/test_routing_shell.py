@@ -133,7 +133,7 @@ def _pending(req_id: str, hashes: list[bytes]):
 
 async def test_router_ranks_the_replica_holding_the_prefix_first_and_tracks_the_request():
     router = _router(**router_kwargs(AppConfig.model_validate({"engine": {"cache": {"block_size": 4}}})))
-    a, b = _replica("a", {"num_running": 0, "cache_epoch": "e"}), _replica("b")
+    a, b = _replica("a", {"num_running_reqs": 0, "cache_epoch": "e"}), _replica("b")
     router._sync_members([a, b])
     from affinity_serve.app.routing import KVSnapshot
     router.core.on_snapshot(KVSnapshot("b", "e", 0, H[:4]))
@@ -175,7 +175,7 @@ async def test_stats_are_fed_only_when_a_replica_reports_new_ones():
     router = _router({"policy": "power_of_two"})
     seen = []
     router.core.on_stats = lambda rid, view: seen.append((rid, view.num_running))
-    router._sync_members([_replica("a", {"num_running": 1}), _replica("b")])
-    router._sync_members([_replica("a", {"num_running": 1}), _replica("b", {"num_running": 2})])
+    router._sync_members([_replica("a", {"num_running_reqs": 1}), _replica("b")])
+    router._sync_members([_replica("a", {"num_running_reqs": 1}), _replica("b", {"num_running_reqs": 2})])
     assert seen == [("a", 1), ("b", 2)]
     assert router.feed is None
