@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.limits import EngineLimits
 from affinity_serve.engine.request import RequestStatus
 from affinity_serve.engine.types import ModelRunnerOutput
 
@@ -90,11 +91,12 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs,
             if max_tokens % 4:      # mostly as much as still fits (KV pressure), sometimes too much
                 max_tokens = max(1, min(max_tokens, s.kv.max_tokens_capacity() - len(prompt)))
             try:
-                s.add_request(make_request(rid, prompt,
-                                           max_tokens=max_tokens, priority=prio, stop_token_ids=[47]))
+                # what the engine checks before a request reaches the scheduler (LLMEngine.check_request)
+                EngineLimits(s.max_model_len, None, s.kv.max_tokens_capacity()).check(len(prompt), max_tokens)
+                s.add_request(make_request(rid, prompt, max_tokens=max_tokens, priority=prio, stop_token_ids=[47]))
                 ids.append(rid)
             except InvalidRequestError:
-                # only requests that can never fit are refused, and refusing them changes nothing
+                # only requests that can never fit are refused
                 assert len(PREFIXES[pre]) + tail + max_tokens > s.kv.max_tokens_capacity()
                 assert rid not in s.requests
         elif op[0] == "abort":
