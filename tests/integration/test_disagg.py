@@ -144,6 +144,23 @@ def test_pd_seeded_sampling_equals_one_engine(pd_url, checkpoints):
     wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
 
 
+def test_pd_structured_output_equals_one_engine_greedy(pd_url, checkpoints):
+    """Structured outputs go through the prefill pool too: the first token masked there, the rest by the decode
+    replica's matcher started past it; the same tokens as one engine, and a read was made."""
+    from affinity_serve.engine import LLM, SamplingParams
+    from affinity_serve.engine.structured_output.spec import StructuredOutputSpec
+    prompt = _ids(44, 8765)
+    before = _state("LLMReplica")["kv_connector"]["loads_ok"]
+    with httpx.Client(timeout=60) as c:
+        out = _complete(c, pd_url, prompt, max_tokens=20, structured_outputs={"regex": r"[a-z]{2,5}-[0-9]{3}"})
+    one = LLM(checkpoints["llama"], cache={"num_blocks": 64, "block_size": BLOCK}).generate(
+        prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                               structured_output=StructuredOutputSpec(regex=r"[a-z]{2,5}-[0-9]{3}")), use_tqdm=False)
+    assert out["choices"][0]["token_ids"] == one[0].outputs[0].token_ids
+    assert _state("LLMReplica")["kv_connector"]["loads_ok"] > before
+    wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
+
+
 def test_short_uncached_part_is_served_by_the_decode_replica(pd_url, checkpoints, hf_reference):
     path = checkpoints["llama"]
     before = _state("LLMReplica")["kv_connector"]
