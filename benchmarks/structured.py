@@ -1,19 +1,24 @@
 """Structured outputs (issue 27): the per-step cost of grammar-constrained decoding, and grammar compile times.
 
-Decode steps at batch 1, 32 and 128 on demo Llamas (vocabulary padded to 32,000 so the bitmask is as wide as a
-real model's): every row constrained against the same batch unconstrained, in the same engine, alternating
-over `--repeats` rounds; the best median step time of each. The constraint is the regex `[a-z ]+`, whose fill
-costs what a free JSON string's does (~30 us a row in xgrammar 0.2.8; a bounded `[a-z ]{400}` costs ~1 us).
+Decode steps at batch 1, 32 and 128 on demo Llamas with a 32,000-id vocabulary: every row constrained against the
+same batch unconstrained, in the same engine, alternating over `--repeats` rounds; the best median step time of
+each, and the difference in absolute terms (ms a step, us a generated token). The vocabulary (`--vocab`):
+`bpe32k` (default) retrains the demo's byte-level BPE to 32,000 real tokens, so the grammar sees a real model's
+number of token strings; `padded` keeps the demo's 730 tokens and pads the logits to 32,000 (ids no token
+string reaches: the manager fills only the tokenizer's ids, so this measures a small vocabulary's fill on a
+real width's logits). The constraint is the regex `[a-z ]+`, one of the dearer states to fill (xgrammar 0.2.8
+on bpe32k: 6-15 us a row, where it allows 29,991 of the 32,000 tokens; a JSON string's inside ~1.3 us alone).
 Two constrained modes: `lazy` fills the bitmask when the sampler reads it (after the forward was launched: on
 a GPU the host fills while the device computes; on a CPU after the forward), `thread` fills it on the
 manager's worker thread from the moment the step is scheduled (overlapping a CPU forward where a core is
 free). Greedy by default (the cheapest unconstrained step, so the largest ratio); `--temperature 1` samples.
-All runs bias the EOS ids away (every row runs to max_tokens) and skip detokenizing (the padded vocabulary's
-ids have no text). Models: `demo` (hidden 256, 4 layers: the test model, a ~4 ms forward at batch 32 on two
-cores) and `small` (hidden 768, 12 layers, ~110M parameters: GPT-2-small / SmolLM-135M sized, the smallest
-models one serves). Then compile times of a set of JSON schemas, cold and from the cache.
+All runs bias the EOS ids away (every row runs to max_tokens) and skip detokenizing. Models: `demo` (hidden 256,
+4 layers: the test model, a ~4 ms forward at batch 32 on two cores), `small` (hidden 768, 12 layers, ~110M
+parameters with this vocabulary: GPT-2-small / SmolLM-135M sized, the smallest models one serves) and `medium`
+(hidden 1024, 16 layers, ~270M). Then compile times of a set of JSON schemas, cold and from the cache.
 
-    python -m benchmarks.structured [--models demo small] [--threads 2] [--steps 20] [--repeats 3] [--json out.json]
+    python -m benchmarks.structured [--models demo small medium] [--vocab bpe32k|padded] [--threads 2]
+                                    [--steps 20] [--repeats 3] [--json out.json]
     python -m benchmarks.structured --device cuda --models demo small --json gpu.json     # on a GPU
 """
 from __future__ import annotations
@@ -35,7 +40,9 @@ TARGET_OVERHEAD = 0.05            # at batch 32 on CPU (issue 27)
 MODELS = {
     "demo": {},
     "small": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
+    "medium": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4, intermediate_size=2816),
 }
+VOCAB_SIZE = 32000
 MODES = ("free", "lazy", "thread")
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
@@ -73,7 +80,7 @@ def breakdown_ms(eng: LLMEngine, batch: int, steps: int, temperature: float) -> 
     """Where a constrained step's extra time goes, filled when read ("lazy", so each part is on the step's
     path): median ms per step of the bitmask fill (xgrammar), its unpacking to a boolean mask, the sampler
     (masking included; compare `sampler_free`) and the matchers' acceptance of the sampled tokens."""
-    import affinity_serve.engine.structured_output.manager as som
+    import affinity_serve.engine.structured_output.grammar as som
     timings: dict[str, list[float]] = {}
 
     def timed(owner, name: str, key: str):
@@ -149,9 +156,39 @@ def compile_times(eng: LLMEngine) -> dict[str, tuple[float, float]]:
     return out
 
 
+def bpe32k_tokenizer():
+    """The demo's byte-level BPE retrained to VOCAB_SIZE tokens on generated text (pseudo-words, numbers, JSON
+    punctuation; deterministic), its special tokens first as the demo's, so their ids match the checkpoint's."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from affinity_serve.engine.demo import CHAT_TEMPLATE, SPECIAL_TOKENS
+    rng = random.Random(0)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + list("aeiou")
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(60000)]
+    lines = []
+    for _ in range(20000):
+        w = [rng.choice(words) for _ in range(12)]
+        lines.append(f'{" ".join(w)}. {{"{w[0]}": {rng.randint(0, 10**6)}, "{w[1]}": ["{w[2]}"]}}')
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def run_model(name: str, args) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as d:
-        write_demo_model(d, vocab_size=32000, **MODELS[name])
+        write_demo_model(d, vocab_size=VOCAB_SIZE, **MODELS[name])
+        if args.vocab == "bpe32k":
+            bpe32k_tokenizer().save_pretrained(d)
         eng = LLMEngine.from_config(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16}, device=args.device,
                                      num_threads=args.threads, scheduler={"max_num_seqs": max(args.batches)}))
         eng.add_request(eng.make_request([1, 2, 3], SamplingParams(max_tokens=2, structured_output=StructuredOutputSpec(
@@ -166,7 +203,8 @@ def run_model(name: str, args) -> tuple[list[dict], dict]:
                     times[m].append(decode_step_s(eng, b, args.steps, m, len(MODES) * r + k, args.temperature))
             best = {m: min(times[m]) for m in MODES}
             rows.append({"model": name, "batch": b, **{f"{m}_ms": best[m] * 1e3 for m in MODES},
-                         **{f"{m}_overhead": best[m] / best["free"] - 1 for m in MODES[1:]}})
+                         **{f"{m}_overhead": best[m] / best["free"] - 1 for m in MODES[1:]},
+                         **{f"{m}_extra_us_per_token": (best[m] - best["free"]) / b * 1e6 for m in MODES[1:]}})
         if 32 in args.batches:
             rows[-1 if args.batches[-1] == 32 else args.batches.index(32)]["breakdown_ms"] = breakdown_ms(
                 eng, 32, args.steps, args.temperature)
@@ -179,6 +217,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["demo", "small"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--vocab", choices=["bpe32k", "padded"], default="bpe32k")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=20)
@@ -193,11 +232,13 @@ def main() -> None:
         compiles |= c
     import torch
     where = (torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} torch threads")
-    print(f"{where}, temperature {args.temperature}")
-    print(f"{'model':>6} {'batch':>6} {'free ms':>9} {'lazy ms':>9} {'overhead':>9} {'thread ms':>10} {'overhead':>9}")
+    print(f"{where}, temperature {args.temperature}, vocabulary {args.vocab}")
+    print(f"{'model':>6} {'batch':>6} {'free ms':>9} {'lazy ms':>9} {'overhead':>9} {'us/token':>9} {'thread ms':>10} "
+          f"{'overhead':>9} {'us/token':>9}")
     for r in rows:
         print(f"{r['model']:>6} {r['batch']:>6} {r['free_ms']:>9.2f} {r['lazy_ms']:>9.2f} {r['lazy_overhead']:>8.1%} "
-              f"{r['thread_ms']:>10.2f} {r['thread_overhead']:>8.1%}")
+              f"{r['lazy_extra_us_per_token']:>9.1f} {r['thread_ms']:>10.2f} {r['thread_overhead']:>8.1%} "
+              f"{r['thread_extra_us_per_token']:>9.1f}")
     print("\nbatch 32, filled when read: ms per step")
     print(f"{'model':>6} {'fill':>7} {'unpack':>7} {'sampler':>8} {'(free)':>7} {'accept':>7}")
     for r in rows:
@@ -214,7 +255,7 @@ def main() -> None:
             print(f"{r['model']} batch 32: {best:.1%} decode-step overhead (best mode), {verdict} the "
                   f"{TARGET_OVERHEAD:.0%} target{' (set for CPU)' if args.device == 'cuda' else ''}")
     if args.json:
-        args.json.write_text(json.dumps({"device": where, "temperature": args.temperature,
+        args.json.write_text(json.dumps({"device": where, "temperature": args.temperature, "vocab": args.vocab,
                                          "decode": rows, "compile_s": compiles}, indent=2))
 
 
