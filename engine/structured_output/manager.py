@@ -81,8 +81,9 @@ class StructuredOutputManager:
         #: the ids xgrammar's matchers cover: the tokenizer's (and the stop ids). A model's logits are often
         #: wider (padded to a multiple of 64 or more; the demo benchmark's 32,000 over 730 tokens); xgrammar
         #: would count the padding as special tokens and clear each one's bit every fill (~1 us per 1,000 ids a
-        #: row), while they are simply never allowed: their words stay 0 (see _fill)
-        self._fill_vocab_size = min(vocab_size, max([_tokenizer_size(tokenizer) - 1, *stop_token_ids]) + 1)
+        #: row), while they are simply never allowed: their words stay 0 (see _fill). Set with the compiler
+        #: (no tokenizer, skip_tokenizer_init: no grammar is accepted, so none is ever compiled)
+        self._fill_vocab_size = vocab_size
         #: [ceil(vocab / 32)] int32: every token but those holding a control byte (see _compile_now)
         self._no_control_bytes: torch.Tensor | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -90,7 +91,7 @@ class StructuredOutputManager:
         self._batch_matchers: dict[int, Any] = {}  # xgrammar's BatchGrammarMatcher by its thread count
         self._fill_s_per_row = 0.0                  # the last fill's time a row
         #: the last filled word's bits for ids below _fill_vocab_size (xgrammar may set the others)
-        self._tail_word = _low_bits(self._fill_vocab_size % 32)
+        self._tail_word = -1
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -121,6 +122,9 @@ class StructuredOutputManager:
         """On the worker thread: the token-level compile (xgrammar's adaptive token mask cache)."""
         if self._compiler is None:
             xgr = import_xgrammar()
+            self._fill_vocab_size = min(self.vocab_size,
+                                        max([_tokenizer_size(self.tokenizer) - 1, *self.stop_token_ids]) + 1)
+            self._tail_word = _low_bits(self._fill_vocab_size % 32)
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
