@@ -18,8 +18,9 @@ The rule (README "Routing core API" writes it out with the defaults):
      group's requests in the window all share) follows 4 instead: that reuse lives on one replica.
   4. Otherwise the affinity replica A (most predicted cached tokens, then most of them in its pool, then
      TTFT) is kept while
-     TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s: AFFINITY; else RELEASED to
-     the best TTFT.
+     TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s + the move's cost to the fleet
+     (recompute time of the prefix it gives up x max(recompute weight x prefill saturation, cache weight x
+     the other's cache fill)): AFFINITY; else RELEASED to the best TTFT.
 Scores within tie_tolerance_s of the best count as tied: a random one, the caller's node first.
 """
 from __future__ import annotations
@@ -216,13 +217,15 @@ class AffinityPolicy:
                 grow = self.model.predict_many(cands, [prompt - max(cached)] * len(cands))
                 chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
-                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA, cached)
+                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA, cached,
+                                                 occupancy)
         else:
             most = max(cached[i] for i in holders)
             tops = [i for i in holders if cached[i] == most]
             most_pool = max(pool_cached[i] for i in tops)     # equal reuse: the pool's is free
             affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
-            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY, cached)
+            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY, cached,
+                                                 occupancy)
         if key is not None:
             self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * out_tokens, now,
                                request.block_hashes)
@@ -243,17 +246,24 @@ class AffinityPolicy:
         return max(1, min(num_cands, k))
 
     def _pick_released(self, pool: list[int], ttft: list[float], cands: list[ReplicaLoad],
-                       request: RouteRequest, reason: Reason, cached: list[int]) -> tuple[int, Reason]:
+                       request: RouteRequest, reason: Reason, cached: list[int],
+                       occupancy: Callable[[ReplicaLoad], float] | None = None) -> tuple[int, Reason]:
         """Best of `pool` unless a replica outside it beats it by more than the release slack plus what
-        the move costs the fleet: the prefix it recomputes, weighted by how saturated the fleet is.
+        the move costs the fleet: the prefix it recomputes, weighted by how saturated the fleet's prefill
+        is or how full the other replica's cache is, whichever weighs more.
 
         A release trades this request's wait for extra prefill work (the tokens cached at the holder but
         not at the other replica). While some replica is idle that work uses spare capacity; once every
         replica is queued it delays every request behind it, and at 1.5x load moving requests whose holder
-        has most of the prompt onto replicas holding none of it only deepens the overload. So the bound
-        grows by `release_recompute_weight` x saturation x recompute time, saturation being the least
-        queued replica's prefill backlog over `release_busy_horizon_s` (0: someone is idle, 1: everyone
-        has that much queued)."""
+        has most of the prompt onto replicas holding none of it only deepens the overload: the bound grows
+        by `release_recompute_weight` x saturation x recompute time, saturation being the least queued
+        replica's prefill backlog over `release_busy_horizon_s` (0: someone is idle, 1: everyone has that
+        much queued). Spare prefill capacity does not make a move free when the other replica's pool is
+        full: the copy evicts as many cached tokens of other prefixes there, which their next requests
+        recompute, and the group's later requests split between two holders. So the bound also grows by
+        `release_cache_weight` x that replica's cache fill (`occupancy`, 0-1) x recompute time. (Fleet
+        traces at 1.5x load: an idle replica almost always existed, the first term was ~0, and releases to
+        replicas with full pools cost 0.02-0.03 of the token hit rate.)"""
         cfg = self.config
         best_in = self._pick(pool, ttft, cands, request)
         inside = set(pool)
@@ -265,11 +275,13 @@ class AffinityPolicy:
         if ttft[best_in] <= bound:
             return best_in, reason
         extra = cached[best_in] - cached[out]
-        if extra > 0 and cfg.release_recompute_weight > 0:
+        if extra > 0 and (cfg.release_recompute_weight > 0 or cfg.release_cache_weight > 0):
             rate = self.model.prefill_tokens_per_s
             backlog_s = min(c.queued_prefill_tokens for c in cands) / rate
             saturation = min(1.0, backlog_s / cfg.release_busy_horizon_s) if cfg.release_busy_horizon_s > 0 else 1.0
-            if ttft[best_in] <= bound + cfg.release_recompute_weight * saturation * extra / rate:
+            fill = min(1.0, max(0.0, occupancy(cands[out]))) if occupancy is not None else 0.0
+            weight = max(cfg.release_recompute_weight * saturation, cfg.release_cache_weight * fill)
+            if ttft[best_in] <= bound + weight * extra / rate:
                 return best_in, reason
         return out, Reason.RELEASED
 

@@ -118,8 +118,44 @@ def test_with_an_idle_replica_the_release_uses_spare_capacity():
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
 
+def _release_to_idle_case(other_fill_blocks: int, **cfg):
+    """r0 holds 15k of a 16k-token prompt behind 4 s of queue; r2 is idle (the fleet is not saturated) and
+    its 2,000-block pool holds `other_fill_blocks` blocks of other prefixes."""
+    cfg.setdefault("release_slack", 0.3)
+    cfg.setdefault("release_slack_abs_s", 0.1)
+    core, clock, ids = make(3, **cfg)
+    prefix = chain("tenant", 15_000 // BS)
+    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
+    if other_fill_blocks:
+        core.on_kv_events(KVEventBatch("r2", "e0", 0, [stored(chain("others", other_fill_blocks))]))
+    for r, q in (("r0", 40_000), ("r1", 10_000), ("r2", 0)):
+        stats(core, r, num_queued_prefill_tokens=q, num_blocks=2000)
+    clock.t += 0.01
+    return core.route(RouteRequest("q", prefix + chain("question", 1000 // BS), 16_003, 32), ids)
+
+
+def test_a_release_onto_a_full_pool_pays_for_the_prefix_it_evicts():
+    """An idle replica makes the prefill-saturation term 0, but its full pool would evict 15k cached tokens
+    of other prefixes for the copy: TTFT(r0) = 4.1 s is under TTFT(r2) 1.6 s x 1.3 + 0.1 s + 3 x 1.0 x
+    1.5 s of recompute, so the request stays with its holder (before release_cache_weight it moved)."""
+    d = _release_to_idle_case(other_fill_blocks=2000)
+    assert d.chosen == "r0" and d.reason == Reason.AFFINITY
+    assert score(d, "r0").predicted_ttft_s > score(d, "r2").predicted_ttft_s * 1.3 + 0.1 + 1.5
+
+
+def test_a_release_onto_an_empty_pool_uses_its_room_and_spare_capacity():
+    d = _release_to_idle_case(other_fill_blocks=0)
+    assert d.chosen == "r2" and d.reason == Reason.RELEASED
+
+
+def test_cache_weight_zero_releases_onto_a_full_pool():
+    d = _release_to_idle_case(other_fill_blocks=2000, release_cache_weight=0.0)
+    assert d.chosen == "r2" and d.reason == Reason.RELEASED
+
+
 def test_recompute_weight_zero_is_the_old_rule():
-    core, clock, ids = make(3, release_recompute_weight=0.0, release_slack=0.3, release_slack_abs_s=0.1)
+    core, clock, ids = make(3, release_recompute_weight=0.0, release_cache_weight=0.0, release_slack=0.3,
+                            release_slack_abs_s=0.1)
     prefix = chain("tenant", 15_000 // BS)
     core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
     for r, q in (("r0", 40_000), ("r1", 10_000), ("r2", 12_000)):
