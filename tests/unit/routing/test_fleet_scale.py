@@ -138,18 +138,19 @@ def test_a_release_onto_a_full_pool_pays_for_the_prefix_it_evicts():
     """An idle replica makes the prefill-saturation term 0, but its full pool would evict 15k cached tokens
     of other prefixes for the copy: TTFT(r0) = 4.1 s is under TTFT(r2) 1.6 s x 1.3 + 0.1 s + 3 x 1.0 x
     1.5 s of recompute, so the request stays with its holder (before release_cache_weight it moved)."""
-    d = _release_to_idle_case(other_fill_blocks=2000)
+    d = _release_to_idle_case(other_fill_blocks=2000, release_cache_weight=3.0)
     assert d.chosen == "r0" and d.reason == Reason.AFFINITY
     assert score(d, "r0").predicted_ttft_s > score(d, "r2").predicted_ttft_s * 1.3 + 0.1 + 1.5
 
 
 def test_a_release_onto_an_empty_pool_uses_its_room_and_spare_capacity():
-    d = _release_to_idle_case(other_fill_blocks=0)
+    d = _release_to_idle_case(other_fill_blocks=0, release_cache_weight=3.0)
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
 
 def test_cache_weight_zero_releases_onto_a_full_pool():
-    d = _release_to_idle_case(other_fill_blocks=2000, release_cache_weight=0.0)
+    """The default (0): the cache fill does not count, the old rule."""
+    d = _release_to_idle_case(other_fill_blocks=2000)
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
 
