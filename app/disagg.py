@@ -138,7 +138,7 @@ class PrefillReplica(_PDMetrics):
                     held.remove(d.kv_transfer.transfer_id)
             now = time.monotonic()
             # the prefill pool's autoscaling signal: the prompt tokens computed here (the caller held skip_blocks)
-            block_size = self.engine.engine.config.cache.block_size
+            block_size = self.engine.block_size
             self.signals.on_first_token(now, now - arrival,
                                         max(0, len(req.prompt_token_ids) - skip_blocks * block_size), 0)
             return [out[i] for i in sorted(out)]
@@ -172,7 +172,7 @@ class DecodeReplica(_PDMetrics):
         super().__init__(engine, serve, observability)
         self.prefill_handle = prefill
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
-        self.engine.engine.set_kv_transport(RayObjectTransport())
+        self.engine.set_kv_transport(RayObjectTransport())
         self.disagg = DisaggCounters()
 
     async def debug_state(self) -> dict[str, Any]:
@@ -184,13 +184,7 @@ class DecodeReplica(_PDMetrics):
 
     def _local_hit_blocks(self, req: GenerateRequest) -> int:
         """Leading prompt blocks this replica's pool holds now (a hint: the engine decides at admission)."""
-        pool = self.engine.engine.kv_cache_manager.pool
-        n = 0
-        for h in req.block_hashes or ():
-            if pool.get_cached_block(h) is None:
-                break
-            n += 1
-        return n
+        return self.engine.num_cached_prefix_blocks(req.block_hashes or ())
 
     def _route(self, req: GenerateRequest) -> int | None:
         """Blocks held here if the prefill pool should prefill `req`, else None (served here)."""
@@ -199,7 +193,7 @@ class DecodeReplica(_PDMetrics):
             self.disagg.local_ineligible += 1
             return None
         k = self._local_hit_blocks(req)
-        if len(req.prompt_token_ids) - k * self.engine.engine.config.cache.block_size < self.min_remote_prefill_tokens:
+        if len(req.prompt_token_ids) - k * self.engine.block_size < self.min_remote_prefill_tokens:
             self.disagg.local_short += 1
             return None
         return k
@@ -229,7 +223,7 @@ class DecodeReplica(_PDMetrics):
                 remotes = [r.remote for r in results if r.remote is not None]
                 n = sum(max(0, r.num_blocks - skip) for r in remotes)
                 span.set_attribute("pd.transfer_blocks", n)
-                span.set_attribute("pd.transfer_bytes", n * self.engine.engine.pd.layout.block_bytes)
+                span.set_attribute("pd.transfer_bytes", n * self.engine.pd_block_bytes)
                 span.set_attribute("pd.prefill_replica", results[0].chunk.replica_id if results else "")
             span.set_attribute("pd.fallback", results is None)
             span.end()

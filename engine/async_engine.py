@@ -110,6 +110,24 @@ class AsyncLLMEngine:
         may run, so the counters can be one step apart from each other."""
         return self.engine.kv_connector_stats()
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (`LLMEngine.block_size`)."""
+        return self.engine.block_size
+
+    @property
+    def pd_block_bytes(self) -> int:
+        """`LLMEngine.pd_block_bytes`."""
+        return self.engine.pd_block_bytes
+
+    def num_cached_prefix_blocks(self, block_hashes) -> int:
+        """`LLMEngine.num_cached_prefix_blocks`; read while a step may run, so it is a hint."""
+        return self.engine.num_cached_prefix_blocks(block_hashes)
+
+    def set_kv_transport(self, transport) -> None:
+        """`LLMEngine.set_kv_transport`: how the `pd` connector moves KV between engines; call before serving."""
+        self.engine.set_kv_transport(transport)
+
     def take_pd_transfer_stats(self):
         """`LLMEngine.take_pd_transfer_stats`; safe from any thread (the times are taken, the counters copied)."""
         return self.engine.take_pd_transfer_stats()

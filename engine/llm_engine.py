@@ -440,6 +440,26 @@ class LLMEngine:
         tiers = {conn.medium: conn.block_hashes()} if conn is not None else {}
         return KVCacheSnapshot(self.cache_epoch, next_seq, list(self.kv_cache_manager.pool.cached), tiers)
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.config.cache.block_size
+
+    @property
+    def pd_block_bytes(self) -> int:
+        """Bytes one KV block moves in a P/D transfer (0 without the `pd` connector)."""
+        return self.pd.layout.block_bytes if self.pd is not None else 0
+
+    def num_cached_prefix_blocks(self, block_hashes) -> int:
+        """Leading blocks of `block_hashes` this engine's pool holds now (a hint: admission decides)."""
+        pool = self.kv_cache_manager.pool
+        n = 0
+        for h in block_hashes:
+            if pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n
+
     def kv_connector_stats(self) -> KVConnectorStats | None:
         """A copy of the KV connector's cumulative counters (None without a connector)."""
         conn = self.kv_connector

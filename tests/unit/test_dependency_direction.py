@@ -80,3 +80,11 @@ def test_scheduler_hashing_and_limits_import_without_torch():
             "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_app_does_not_reach_through_the_async_engine_into_llm_engine():
+    """The replicas use AsyncLLMEngine's public surface (load, kv_snapshot, block_size, ...), never its inner
+    `LLMEngine` (`self.engine.engine...`)."""
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "app").rglob("*.py")
+           for i, line in enumerate(p.read_text().splitlines(), 1) if ".engine.engine." in line]
+    assert not bad, bad

@@ -96,3 +96,16 @@ async def test_an_idle_spell_does_not_count_as_a_wedged_first_step(engine, monke
     release.set()
     await asyncio.wait_for(task, 10)
     await engine.shutdown()
+
+
+async def test_cached_prefix_blocks_block_size_and_pd_bytes_are_public(engine):
+    """What the P/D decode replica reads instead of the engine's internals (app/disagg.py)."""
+    from affinity_serve.engine.hashing import hash_block_chain
+    prompt = list(range(1, 18))                            # 4 full blocks of 4 and one token
+    hashes = hash_block_chain(prompt, 4)
+    assert engine.block_size == 4 and engine.pd_block_bytes == 0       # no pd connector
+    assert engine.num_cached_prefix_blocks(hashes) == 0
+    await _collect(engine.generate(engine.make_request(prompt, SamplingParams(max_tokens=2, **GREEDY))))
+    assert engine.num_cached_prefix_blocks(hashes) == 4
+    assert engine.num_cached_prefix_blocks([b"x" * 32, *hashes]) == 0  # leading blocks only
+    await engine.shutdown()
