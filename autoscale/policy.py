@@ -8,7 +8,8 @@ The rule (docs/autoscaling.md writes it out):
    plus the sequences decoding over one replica's decode capacity C within the TPOT SLO and the KV target;
    R and C are learned from the replicas' own step costs and sequence lengths where they report them
    (`replica_capacity`, `decode_capacity`), the configured priors otherwise.
-   KV usage adds a floor: the fleet's held KV (grown to its sequences' life's mean) over the KV target. A rising load is projected
+   KV usage adds a floor: the fleet's held KV (grown to its sequences' life's mean) over the KV target. A rising load
+   is projected
    `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
    A jump in the work per request (longer prompts, a cache that stops hitting) is read from the requests
    waiting as soon as they queue (`queued_cost_projection`), not only as the served rate catches up.

@@ -2,7 +2,8 @@
 
 Serve instantiates the class once in its controller (`AutoscalingPolicy(policy_function=
 "affinity_serve.autoscale.serve_policy:EngineAwarePolicy", policy_kwargs={...})`, the kwargs being `PolicyConfig`'s
-fields as JSON, as Serve requires) and calls it about every 0.1 s with an `AutoscalingContext`; it returns (target, policy_state).
+fields as JSON, as Serve requires) and calls it about every 0.1 s with an `AutoscalingContext`; it returns (target,
+policy_state).
 The replicas' `record_autoscaling_stats()` dicts (autoscale.signals.METRIC_KEYS) arrive averaged over
 `look_back_period_s` in `ctx.aggregated_metrics[key][replica_id]`.
 

@@ -581,7 +581,8 @@ class AutoscaleSim:
         prompt = np.array([len(r.prompt_token_ids) for r in reqs])
         t = np.array([s[0] for s in self.series])
         return RunResult(
-            policy=self.policy.name, role=self.policy.role, num_requests=len(reqs), ttft_slo_attainment=float(ok.mean()),
+            policy=self.policy.name, role=self.policy.role, num_requests=len(reqs),
+            ttft_slo_attainment=float(ok.mean()),
             ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
             replica_seconds=float(rep_s), recover_s=float(recover), failed=failed,
             max_replicas_seen=max((s[1] for s in self.series), default=self.cfg.min_replicas),

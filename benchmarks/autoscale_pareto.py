@@ -243,7 +243,8 @@ def plot(all_runs: dict, path: Path) -> None:
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    style = {"serve": ("o", "tab:blue", "Serve rule (targets; line: its frontier)"), "ours": ("*", "tab:red", "ours (operating point)"),
+    style = {"serve": ("o", "tab:blue", "Serve rule (targets; line: its frontier)"),
+             "ours": ("*", "tab:red", "ours (operating point)"),
              "ours-curve": ("s", "tab:red", "ours (target_utilization, headroom_z)"),
              "dynamo": ("^", "tab:green", "Dynamo-style planner"), "ablation": ("x", "tab:gray", "ours, ablations")}
     for ax, key in zip(axes.flat, keys):

@@ -317,7 +317,8 @@ def main():
     for r in results:
         print(f"{r['config']:<17} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} {r['tpot_p50_s']:9.4f} "
               f"{r['tpot_p99_s']:9.4f} {r['gap_p99_s']:8.3f} {r['throughput_tok_s']:7.1f} {r['completed']:5d} "
-              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f} {r['mean_read_s'] * 1e3:7.1f}  "
+              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f} "
+              f"{r['mean_read_s'] * 1e3:7.1f}  "
               f"{r['tpot_p99_s'] / base['tpot_p99_s']:.2f}x / {r['ttft_p99_s'] / base['ttft_p99_s']:.2f}x")
     costs = transfer_cost(model, [8, 64, 256])
     if not args.skip_ray:

@@ -11,7 +11,8 @@ read (every weight once, the lm_head included, plus each sequence's KV) over the
 measured in the same run ((read + write bytes) / time of a large device-to-device copy). The floor counts
 each distinct KV page once: a shared prefix's pages (one copy, shared through the prefix cache) once, whether
 or not cascade decode (the torch and triton backends' default for a shared prefix of 64 tokens or more)
-reads them once; without it each request re-reads them, mostly from L2, and the step shows what that costs. With overlap_decode on (the default with CUDA graphs), batch 1 and 32 also run
+reads them once; without it each request re-reads them, mostly from L2, and the step shows what that costs. With
+overlap_decode on (the default with CUDA graphs), batch 1 and 32 also run
 with it off, and with cascade decode the shared-prefix case also runs with it off, interleaved on the same
 engine, as rows of their own.
 
@@ -229,7 +230,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short cases (smoke test)")
     ap.add_argument("--kv-budget-gib", type=float, default=16.0, help="our KV pool (transformers needs the rest)")
-    ap.add_argument("--moe-layers", type=int, default=12, help="layers of the A3B-shaped MoE model (48 in the real one)")
+    ap.add_argument("--moe-layers", type=int, default=12,
+                    help="layers of the A3B-shaped MoE model (48 in the real one)")
     ap.add_argument("--case", action="append", default=[], metavar="TEXT",
                     help="only the cases whose name contains TEXT (repeatable; e.g. --case shared)")
     ap.add_argument("--all", action="store_true", help="also the MoE and sliding-window families")

@@ -189,7 +189,8 @@ def run_model(name: str, args) -> tuple[list[dict], dict]:
         write_demo_model(d, vocab_size=VOCAB_SIZE, **MODELS[name])
         if args.vocab == "bpe32k":
             bpe32k_tokenizer().save_pretrained(d)
-        eng = LLMEngine.from_config(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16}, device=args.device,
+        eng = LLMEngine.from_config(EngineConfig(model=d, cache={"num_blocks": 4096, "block_size": 16},
+                                                 device=args.device,
                                      num_threads=args.threads, scheduler={"max_num_seqs": max(args.batches)}))
         eng.add_request(eng.make_request([1, 2, 3], SamplingParams(max_tokens=2, structured_output=StructuredOutputSpec(
             regex="[a-z]+")), req_id="warm"))

@@ -23,14 +23,15 @@ if TYPE_CHECKING:
     from affinity_serve.engine.gc_policy import tune_gc_for_serving
     from affinity_serve.engine.limits import EngineLimits
     from affinity_serve.engine.types import EngineRequest, RequestDelta
-    from affinity_serve.engine.models.checkpoint import check_engine_support, resolve_context_length, validate_checkpoint
+    from affinity_serve.engine.models.checkpoint import (check_engine_support, resolve_context_length,
+                                                         validate_checkpoint)
     from affinity_serve.engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
     from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
                                                                  default_shared_root)
     from affinity_serve.engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
 
-PUBLIC_MODULES = tuple(f"affinity_serve.engine.{m}" for m in ("config", "errors", "hashing", "limits", "sampling_params",
-                                                                 "types", "structured_output"))
+PUBLIC_MODULES = tuple(f"affinity_serve.engine.{m}" for m in ("config", "errors", "hashing", "limits",
+                                                                 "sampling_params", "types", "structured_output"))
 
 _LAZY = {
     "LLM": "affinity_serve.engine.llm",
@@ -74,5 +75,6 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "EngineRequest", "RequestDelta",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint", "resolve_context_length", "check_engine_support", "tune_gc_for_serving", "check_shared_root",
-           "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode", "RemotePrefill", "KVTransferError"]
+           "validate_checkpoint", "resolve_context_length", "check_engine_support", "tune_gc_for_serving",
+           "check_shared_root", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode", "RemotePrefill",
+           "KVTransferError"]

@@ -25,8 +25,8 @@ from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.structured_output.grammar import GrammarState
 from affinity_serve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, token_ids_only_error
-from affinity_serve.engine.types import (EngineLoad, EngineRequest, KVCacheSnapshot, KVEvent, RequestDelta, SchedulerStats,
-                                         StepCost)
+from affinity_serve.engine.types import (EngineLoad, EngineRequest, KVCacheSnapshot, KVEvent, RequestDelta,
+                                        SchedulerStats, StepCost)
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,8 @@ class LLMEngine:
         if kv_transfer is None:
             return
         if self.pd is None:
-            raise InvalidRequestError("kv_transfer needs kv_connector.type pd on this engine", param="kv_transfer_params")
+            raise InvalidRequestError("kv_transfer needs kv_connector.type pd on this engine",
+                                      param="kv_transfer_params")
         if isinstance(kv_transfer, RemoteDecode):
             if params.max_tokens != 1:
                 raise InvalidRequestError(f"a prefill for a decode engine samples exactly one token; got "

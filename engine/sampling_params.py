@@ -26,7 +26,8 @@ class SamplingParams:
     temperature, top_p, top_k, min_p and repetition_penalty left unset (None) take the model's
     generation_config.json defaults when the engine has them (`with_defaults`), else the neutral values
     (1.0, 1.0, no top-k, 0.0, 1.0); `unset_fields` records which were left unset (top_k None counts as
-    unset: a model default applies to it). `min_tokens` masks every EOS id (unless ignore_eos) and every stop token id in the sampler
+    unset: a model default applies to it). `min_tokens` masks every EOS id (unless ignore_eos) and every stop token id
+    in the sampler
     until that many tokens are out. `eos_token_ids` is filled in by the engine (every EOS id of the model).
     `structured_output` constrains every token to a grammar (JSON schema, regex, choice, EBNF).
     """

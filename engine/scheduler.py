@@ -177,7 +177,8 @@ class Scheduler:
         so.admits_waiting = (bool(len(self.waiting)) and len(self.running) < self.config.max_num_seqs
                              and self.kv.pool.num_free_blocks > 0)
         if self.connector is not None:
-            so.kv_connector_metadata = self.connector.build_connector_meta(so, PoolChanges(*self.kv.pool.take_changes()))
+            so.kv_connector_metadata = self.connector.build_connector_meta(
+                so, PoolChanges(*self.kv.pool.take_changes()))
         self._awaiting_output.append(so)
         return so
 

@@ -12,7 +12,8 @@ The rule (README "Routing core API" writes it out with the defaults):
      new groups cannot herd onto the emptiest replica: its own pending load soon takes it out of the tie.
   3. The prompt's prefix group (its first K block hashes) is hot, i.e. its demand over the window needs
      k > 1 replicas' capacity; a group with at least hot_share_min_requests x N requests in the window
-     is also spread over at least ceil(its share of all grouped demand x N) replicas: while fewer than k candidates hold the group, the least loaded of all (TTFT
+     is also spread over at least ceil(its share of all grouped demand x N) replicas: while fewer than k candidates
+     hold the group, the least loaded of all (TTFT
      as if each held what the best holder holds, so new holders join), else the best TTFT among the
      holders: HOT_REPLICA, released as in 4. A continuation (the best holder matches more blocks than the
      group's requests in the window all share) follows 4 instead: that reuse lives on one replica.

@@ -5,7 +5,8 @@ cache epoch); a gap or a changed epoch drops that replica's entries and waits fo
 routing decision and the chosen engine's BlockStored, the prompt's blocks count as held speculatively (TTL).
 
 Layout, chosen so a decision costs O(replicas + EXACT_BLOCKS + prompt blocks / SPEC_STRIDE + drop-outs x
-log(prompt blocks)), whatever the prompt length, and so the garbage collector never walks the index: only plain dicts of bytes -> int/float/None,
+log(prompt blocks)), whatever the prompt length, and so the garbage collector never walks the index: only plain dicts
+of bytes -> int/float/None,
 which CPython untracks (an OrderedDict or a set of millions of hashes would cost a full collection tens of
 milliseconds):
   `_held`  block hash -> bit mask of the replica slots whose paged pool holds it (confirmed by events or a

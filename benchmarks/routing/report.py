@@ -117,7 +117,8 @@ def check_targets(doc: dict) -> list[dict]:
         add("hot prefix: max/mean load <= 1.5", ours["max_over_mean_load"], 1.5, False)
         shared = runs.get(SHARED)
         if shared is not None:
-            add("hot prefix: mean e2e <= 1.2 x shared-cache oracle", ours["e2e_mean_s"], 1.2 * shared["e2e_mean_s"], False)
+            add("hot prefix: mean e2e <= 1.2 x shared-cache oracle", ours["e2e_mean_s"], 1.2 * shared["e2e_mean_s"],
+                False)
     if n >= 128:
         add("decision p99 < 1 ms", ours["decision_p99_ms"], 1.0, False)
     return out

@@ -157,7 +157,8 @@ class StoreReplica(SimReplica):
         if so.is_empty:
             wait = self.worker.next_done()
             if wait is None:       # stores are reported at once; nothing to wait for
-                self.scheduler.update_from_output(so, ModelRunnerOutput([], [], kv_connector_output=self.worker.poll(now)))
+                self.scheduler.update_from_output(
+                    so, ModelRunnerOutput([], [], kv_connector_output=self.worker.poll(now)))
                 self.event_log.append(self._epoch(), self._take_events())
                 return None
             self._pending, self._step_end = so, max(wait, now)

@@ -202,7 +202,8 @@ def decode_prefix(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, prefix_len
     """Cascade decode, the shared part: the first *prefix_len_ptr keys, the same pages for every request (block
     table row 0), read once per (KV head, tile of BLOCK_R query rows) instead of once per request. Program
     (KV head, row tile, split): the rows are the batch's (request, query head of this KV head) pairs, n_rows =
-    requests x G, so one tile of keys is scored against many requests' queries in one dot. Writes the split's partial to slot
+    requests x G, so one tile of keys is scored against many requests' queries in one dot. Writes the split's partial
+    to slot
     S + split of each row's SROW slots; `decode_split` with SKIP_PREFIX fills slots 0..S-1 with the suffix."""
     h = tl.program_id(0)
     tile = tl.program_id(1)

@@ -164,7 +164,8 @@ class TritonPagedAttention:
         has passed); `softcap`: scores become softcap * tanh(score / softcap). Neither takes cascade decode."""
         kern = _kernels()
         _, kvh, nb, bs, hd = kv_cache.shape
-        assert kv_cache.stride(2) == bs * hd and kv_cache.stride(3) == hd and kv_cache.stride(4) == 1, "pages of contiguous [block_size, head_dim]"
+        assert kv_cache.stride(2) == bs * hd and kv_cache.stride(3) == hd and kv_cache.stride(4) == 1, \
+            "pages of contiguous [block_size, head_dim]"
         if meta.num_tokens:
             if k.stride(-1) != 1 or v.stride(-1) != 1:
                 k, v = k.contiguous(), v.contiguous()

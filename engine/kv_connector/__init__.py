@@ -18,8 +18,8 @@ from affinity_serve.engine.kv_connector.offload import OffloadConnectorScheduler
 from affinity_serve.engine.kv_connector.pd import (HeldTransfers, KVTransferError, KVTransport, LocalTransport,
                                     PDConnectorScheduler, RemoteDecode, RemotePrefill, default_local_transport)
 from affinity_serve.engine.kv_connector.shared import SharedConnectorScheduler
-from affinity_serve.engine.kv_connector.shared_store import (GroupedSharedStore, SharedKVStore, UnsafeSharedStoreError, check_shared_root,
-                                              default_shared_root)
+from affinity_serve.engine.kv_connector.shared_store import (GroupedSharedStore, SharedKVStore, UnsafeSharedStoreError,
+                                                             check_shared_root, default_shared_root)
 
 if TYPE_CHECKING:
     from affinity_serve.engine.config import KVConnectorConfig

@@ -1,5 +1,6 @@
 """What a checkpoint directory must hold (config.json, safetensors weights of the right shapes, tokenizer
-files), checked without reading weights (the shape check alone imports torch). The engine's loader and the CLI's pre-flight check call the same functions, so a user
+files), checked without reading weights (the shape check alone imports torch). The engine's loader and the CLI's
+pre-flight check call the same functions, so a user
 sees the same message whether a problem is caught before Ray starts or inside a replica."""
 from __future__ import annotations
 

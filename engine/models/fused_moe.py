@@ -61,7 +61,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, block_expe
     _kernels().grouped_gemm[grid](
         a, w, c, sorted_ids, block_expert, weights if weights is not None else c, num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=weights is not None,
-        PREC=prec, UPCAST=_interpreting() and a.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        PREC=prec, UPCAST=_interpreting() and a.dtype != torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k)
     return c
 
 
@@ -90,7 +91,8 @@ def self_test(device: str) -> str | None:
         dev = torch.device(device)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(5, 32, generator=g).to(dev)
-        w13, w2 = (torch.randn(4, 48, 32, generator=g) * 0.1).to(dev), (torch.randn(4, 32, 24, generator=g) * 0.1).to(dev)
+        w13 = (torch.randn(4, 48, 32, generator=g) * 0.1).to(dev)
+        w2 = (torch.randn(4, 32, 24, generator=g) * 0.1).to(dev)
         weights, ids = route(torch.randn(5, 4, generator=g).to(dev), 2, True)
         err = float((fused_experts(x, w13, w2, ids, weights) - grouped_experts(x, w13, w2, ids, weights)).abs().max())
         return None if err <= 1e-4 else f"it differs from the grouped path by {err:.1e}"

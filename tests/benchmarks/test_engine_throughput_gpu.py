@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_gpu_benchmark_runs_on_cpu_tiny_and_writes_its_rows(tmp_path, backend):
     """The shared-prefix case also runs without cascade decode; the rows say whether a step actually ran in
     cascade, and both rows' floors count the prefix's shared pages once (cascade or not, they are one copy in
-the cache; without cascade the step re-reads them, which the floor must not excuse). With the triton backend (interpreted here)
+the cache; without cascade the step re-reads them, which the floor must not excuse). With the triton backend
+(interpreted here)
     only that case runs (--case)."""
     extra = ["--all"]
     if backend == "triton":

@@ -30,7 +30,8 @@ def offline_venv(path: Path) -> Path:
     # without its own pip and setuptools: the checkout's (newer, with bdist_wheel) come through the .pth
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(path)],
                    check=True)
-    site = subprocess.run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([str(path / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "checkout-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return path

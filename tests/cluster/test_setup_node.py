@@ -28,7 +28,8 @@ def test_setup_installs_the_repository_into_a_311_venv_first_on_path_idempotentl
     assert bashrc[0] == f'export PATH="{venv}/bin:$PATH"  # affinity-serve venv'
     assert sum("# affinity-serve venv" in line for line in bashrc) == 1
     out = subprocess.run(["bash", "-lc", "source ~/.bashrc; python -c 'import sys; from affinity_serve import app; "
-                          "print(sys.version_info[:2] >= (3, 11), app.__path__[0])'; command -v affinity-serve"], cwd=home, env=env,
+                          "print(sys.version_info[:2] >= (3, 11), app.__path__[0])'; command -v affinity-serve"],
+                         cwd=home, env=env,
                          capture_output=True, text=True, timeout=60)
     lines = out.stdout.split()
     assert lines[:2] == ["True", str(home / "affinity-serve" / "app")], out.stdout + out.stderr

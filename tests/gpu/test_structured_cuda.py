@@ -51,12 +51,14 @@ def _workload(eng) -> None:
         spec = StructuredOutputSpec.from_schema(schema)
         eng.add_request(eng.make_request(f"Item {i}", SamplingParams(max_tokens=120, temperature=0.0,
                                                                   structured_output=spec), req_id=f"greedy{i}"))
-        eng.add_request(eng.make_request(f"Item {i}", SamplingParams(n=3, max_tokens=120, temperature=1.0,
-                                                                   seed=i, structured_output=spec), req_id=f"sampled{i}"))
+        eng.add_request(eng.make_request(f"Item {i}", SamplingParams(n=3, max_tokens=120, temperature=1.0, seed=i,
+                                                                     structured_output=spec),
+                                         req_id=f"sampled{i}"))
     eng.add_request(eng.make_request("Code:", SamplingParams(max_tokens=12, temperature=0.0, structured_output=(
         StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}"))), req_id="regex"))
     for i in range(3):
-        eng.add_request(eng.make_request([5 + i, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), req_id=f"free{i}"))
+        eng.add_request(eng.make_request([5 + i, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                         req_id=f"free{i}"))
 
 
 def _check(out) -> None:

@@ -29,8 +29,8 @@ def ray_serve():
 
     port = _free_port()
     # address="local": always a fresh cluster of our own, even when another Ray runs on the machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

@@ -230,7 +230,8 @@ def scenario(workdir: Path) -> dict:
         out["timings_s"]["replacement_running_after_add"] = time.monotonic() - added_at
         final = _placement()["replicas"]
         out["recovered"] = {"new_node": new_node.node_id, "placement": final}
-        wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30, "the router to see the replacement")
+        wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30,
+                   "the router to see the replacement")
         out["recovered"]["router_replicas"] = sorted(_router_state()["replicas"])
         out["recovered"]["statuses"] = [_complete(url, _prompt(500 + i))[0] for i in range(6)]
         out["timings_s"]["total"] = time.monotonic() - t0

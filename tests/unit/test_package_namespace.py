@@ -40,7 +40,8 @@ def test_a_users_app_py_and_engine_folder_do_not_shadow_ours(tmp_path):
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "__init__.py").write_text("raise SystemExit('the user engine/ was imported')\n")
     (tmp_path / "observability.py").write_text("raise SystemExit('the user observability.py was imported')\n")
-    code = ("from affinity_serve.app.errors import APIError; from affinity_serve.app.protocol import CompletionRequest; "
+    code = ("from affinity_serve.app.errors import APIError; "
+            "from affinity_serve.app.protocol import CompletionRequest; "
             "from affinity_serve.engine import SamplingParams; import affinity_serve.app.cli; "
             "import affinity_serve.observability; print(APIError.__module__, SamplingParams.__module__)")
     # `python -c` puts the working directory first on sys.path, as a user's script folder would be

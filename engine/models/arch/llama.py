@@ -1,4 +1,5 @@
-"""Llama, Mistral (every layer in its sliding window, kept by the KV manager) and Qwen2 (q/k/v biases): the plain decoder."""
+"""Llama, Mistral (every layer in its sliding window, kept by the KV manager) and Qwen2 (q/k/v biases): the plain
+decoder."""
 from affinity_serve.engine.models.registry import ArchSpec
 
 SPECS = [

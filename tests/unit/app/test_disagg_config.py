@@ -84,7 +84,8 @@ def test_a_pool_can_stay_fixed_while_the_other_autoscales():
 
 
 def test_without_autoscaling_both_pools_stay_at_their_sizes():
-    decode = disagg_deployments(cfg := _cfg(prefill={"num_replicas": 2}), cfg.engine.to_engine_config())._bound_deployment
+    cfg = _cfg(prefill={"num_replicas": 2})
+    decode = disagg_deployments(cfg, cfg.engine.to_engine_config())._bound_deployment
     prefill = decode.init_args[3]._bound_deployment
     assert (prefill.num_replicas, decode.num_replicas) == (2, 1)
     assert prefill._deployment_config.autoscaling_config is None

@@ -257,7 +257,8 @@ async def test_nesting_is_bounded_for_python_callers_too_and_the_bound_is_config
     with pytest.raises(APIError) as e:
         await ing.completions({"prompt": "hi", "extra": nested})
     assert e.value.status_code == 400 and "nested deeper than 4" in e.value.message
-    ok = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": [[1, 2]], "max_tokens": 1, "logit_bias": {"5": 1}}'))
+    ok = await ing._http(RequestKind.COMPLETION,
+                         http_request(b'{"prompt": [[1, 2]], "max_tokens": 1, "logit_bias": {"5": 1}}'))
     assert ok.status_code == 200
 
 

@@ -238,7 +238,8 @@ async def test_best_of_returns_the_n_most_likely_of_best_of_and_bills_them_all(c
 
     ing, _ = _ingress(checkpoints, scored)
     out = await ing.completions({"prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 4})
-    assert seen[0].sampling_params.n == 4 and seen[0].sampling_params.logprobs == 0       # ranking needs each token's logprob
+    # ranking needs each token's logprob
+    assert seen[0].sampling_params.n == 4 and seen[0].sampling_params.logprobs == 0
     assert [c["text"] for c in out["choices"]] == ["s1!", "s3!"] and [c["index"] for c in out["choices"]] == [0, 1]
     assert all(c["logprobs"] is None for c in out["choices"])           # not asked for
     assert out["usage"]["completion_tokens"] == 8                       # all best_of sequences

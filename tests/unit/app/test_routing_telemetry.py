@@ -43,7 +43,8 @@ class RoutedReplica:
         if self.fail:
             raise RuntimeError("replica died")
         for t in range(2):
-            yield ReplicaChunk("", 0, "", [10 + t], "length" if t else None, num_prompt_tokens=len(req.prompt_token_ids),
+            yield ReplicaChunk("", 0, "", [10 + t], "length" if t else None,
+                               num_prompt_tokens=len(req.prompt_token_ids),
                                num_cached_tokens=self.cached, replica_id=self.ran_on)
 
 

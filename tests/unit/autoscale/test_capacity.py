@@ -85,7 +85,8 @@ def test_replicas_of_different_speeds_size_the_fleet_by_the_mean_replica():
     assert homogeneous.prefill_units == pytest.approx(16_000 / 20_000)
     assert mixed.prefill_units == pytest.approx(16_000 / 12_500)     # mean R of the four
     # the priors (5000 tokens/s) would take every replica for a slow one
-    assert fleet_load([fast] * 4, CFG.model_copy(update=dict(online_capacity=False))).prefill_units == pytest.approx(3.2)
+    assert fleet_load([fast] * 4,
+                      CFG.model_copy(update=dict(online_capacity=False))).prefill_units == pytest.approx(3.2)
     cfg = CFG.model_copy(update=dict(target_utilization=0.4, downscale_utilization=0.2))
     same, diff = (decide(f, 4, 0.0, PolicyState(), cfg) for f in ([fast] * 4, [fast, fast, slow, slow]))
     assert diff.load.decode_units == same.load.decode_units    # the same sequences, the same C

@@ -155,10 +155,12 @@ def test_refill_weight_sets_how_much_of_a_moving_prefix_counts_as_load():
     assert (left_out.target_replicas, left_out.reason) == (2, Reason.HOLD), left_out.describe()
     half = fleet_load([old, new], CFG.model_copy(update=dict(refill_weight=0.5)))
     assert (half.prefill_units, half.refill_units) == (pytest.approx(1.45), pytest.approx(0.9))
-    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], CFG.model_copy(update=dict(refill_weight=0.0)))   # capped
+    # capped
+    odd = fleet_load([busy(rate=100, refill_tokens_per_s=500)], CFG.model_copy(update=dict(refill_weight=0.0)))
     assert odd.prefill_units == pytest.approx(0.0)
     # the backlog is work due within the SLO wherever it came from: always counted
-    assert fleet_load([busy(queued_tokens=500, rate=0)], CFG.model_copy(update=dict(refill_weight=0.0))).prefill_units == \
+    assert fleet_load([busy(queued_tokens=500, rate=0)],
+                      CFG.model_copy(update=dict(refill_weight=0.0))).prefill_units == \
         pytest.approx(0.5)
 
 

@@ -54,7 +54,9 @@ async def test_engine_load_carries_each_steps_work_and_time(checkpoints):
     eng = AsyncLLMEngine.from_config(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32,
                                                                                      "block_size": 4}))
     assert eng.load().recent_steps == () and eng.load().num_steps_total == 0
-    async for _ in eng.generate(eng.make_request(list(range(5, 13)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), req_id="a")):
+    async for _ in eng.generate(eng.make_request(list(range(5, 13)),
+                                                 SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                                                 req_id="a")):
         pass
     load = eng.load()
     steps = load.recent_steps

@@ -34,7 +34,9 @@ async def _collect(gen):
 async def test_streams_match_offline_and_run_concurrently(make_engine, hf_reference, checkpoints):
     eng = make_engine()
     prompts = [[10, 20, 30, 40, 50], [7, 8, 9], list(range(100, 140))]
-    results = await asyncio.gather(*[_collect(eng.generate(eng.make_request(p, SamplingParams(max_tokens=9, **GREEDY), req_id=f"r{i}"))) for i, p in enumerate(prompts)])
+    results = await asyncio.gather(*[
+        _collect(eng.generate(eng.make_request(p, SamplingParams(max_tokens=9, **GREEDY), req_id=f"r{i}")))
+        for i, p in enumerate(prompts)])
     for p, deltas in zip(prompts, results):
         assert deltas[-1].finished and deltas[-1].finish_reason == "length"
         assert sum((d.token_ids for d in deltas), []) == hf_reference(checkpoints["llama"], p, 9)
@@ -116,15 +118,18 @@ async def test_step_failure_fails_affected_requests_then_recovers_then_dies(make
 
     monkeypatch.setattr(runner, "execute_model", flaky)
     with pytest.raises(EngineError, match="boom"):
-        await asyncio.wait_for(_collect(eng.generate(eng.make_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)))), 10)
+        await asyncio.wait_for(
+            _collect(eng.generate(eng.make_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)))), 10)
     assert _all_free(eng)
-    ok = await asyncio.wait_for(_collect(eng.generate(eng.make_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)))), 10)
+    ok = await asyncio.wait_for(
+        _collect(eng.generate(eng.make_request([1, 2, 3], SamplingParams(max_tokens=4, **GREEDY)))), 10)
     assert ok[-1].finished
     eng.check_health()
     failures["left"] = 10**6         # now every step fails: after a few the engine declares itself dead
     for _ in range(3):
         with pytest.raises(EngineError):
-            await asyncio.wait_for(_collect(eng.generate(eng.make_request([4, 5], SamplingParams(max_tokens=4, **GREEDY)))), 10)
+            await asyncio.wait_for(
+                _collect(eng.generate(eng.make_request([4, 5], SamplingParams(max_tokens=4, **GREEDY)))), 10)
     with pytest.raises(EngineDeadError):
         eng.check_health()
     with pytest.raises(EngineDeadError):
@@ -134,8 +139,8 @@ async def test_step_failure_fails_affected_requests_then_recovers_then_dies(make
 
 async def test_n_sequences_stream_with_indices(make_engine):
     eng = make_engine()
-    deltas = await _collect(eng.generate(eng.make_request([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=1,
-                                                                   ignore_eos=True))))
+    deltas = await _collect(eng.generate(eng.make_request([5, 6, 7], SamplingParams(n=2, max_tokens=3, temperature=1.0,
+                                                                                    seed=1, ignore_eos=True))))
     assert {d.index for d in deltas} == {0, 1}
     assert sum(d.finished for d in deltas) == 2
     assert _all_free(eng)
@@ -147,9 +152,13 @@ async def test_background_requests_are_counted_apart_in_the_load(make_engine):
     prefills at 16 tokens a step, the load's totals minus its background part are exactly the normal request
     queued behind it (96 tokens, waiting); afterwards nothing is left in either."""
     eng = make_engine(cache={"num_blocks": 128, "block_size": 4}, scheduler={"max_num_batched_tokens": 16})
-    bg = asyncio.ensure_future(_collect(eng.generate(eng.make_request([3] + list(range(200, 295)), SamplingParams(max_tokens=1), background=True, req_id="warm"))))
+    bg = asyncio.ensure_future(_collect(eng.generate(eng.make_request([3] + list(range(200, 295)),
+                                                                      SamplingParams(max_tokens=1),
+                                                                      background=True, req_id="warm"))))
     await asyncio.sleep(0)                              # queued first: FCFS gives it the budget
-    normal = asyncio.ensure_future(_collect(eng.generate(eng.make_request(list(range(300, 396)), SamplingParams(max_tokens=2), req_id="real"))))
+    normal = asyncio.ensure_future(_collect(eng.generate(eng.make_request(list(range(300, 396)),
+                                                                          SamplingParams(max_tokens=2),
+                                                                          req_id="real"))))
     seen = []
     while not normal.done():
         load = eng.load()

@@ -42,7 +42,8 @@ async def test_load_is_a_snapshot_taken_between_steps(engine, monkeypatch):
         return real_step()
 
     monkeypatch.setattr(engine.engine, "step", gated_step)
-    task = asyncio.create_task(_collect(engine.generate(engine.make_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, **GREEDY)))))
+    task = asyncio.create_task(_collect(engine.generate(engine.make_request([5, 6, 7, 8, 9],
+                                                                            SamplingParams(max_tokens=3, **GREEDY)))))
     while not entered.is_set():
         await asyncio.sleep(0.01)
     during = engine.load()          # the step thread is inside schedule/execute: the snapshot does not move
@@ -75,7 +76,8 @@ async def test_health_recent_hit_rate_and_prefix_cache_reset(engine):
 async def test_an_idle_spell_does_not_count_as_a_wedged_first_step(engine, monkeypatch):
     """Progress time restarts when work arrives: a replica idle for longer than its wedge timeout must not
     look wedged while it runs the first step after the idle spell."""
-    await _collect(engine.generate(engine.make_request([1, 2, 3], SamplingParams(max_tokens=1, **GREEDY))))   # loop started, now idle
+    # loop started, now idle
+    await _collect(engine.generate(engine.make_request([1, 2, 3], SamplingParams(max_tokens=1, **GREEDY))))
     await asyncio.sleep(0.05)
     engine.last_progress_time -= 3600            # as if idle for an hour
     entered, release = threading.Event(), threading.Event()
@@ -87,7 +89,8 @@ async def test_an_idle_spell_does_not_count_as_a_wedged_first_step(engine, monke
         return real_step()
 
     monkeypatch.setattr(engine.engine, "step", gated_step)
-    task = asyncio.create_task(_collect(engine.generate(engine.make_request([5, 6, 7], SamplingParams(max_tokens=2, **GREEDY)))))
+    task = asyncio.create_task(_collect(engine.generate(engine.make_request([5, 6, 7],
+                                                                            SamplingParams(max_tokens=2, **GREEDY)))))
     while not entered.is_set():
         await asyncio.sleep(0.01)
     h = engine.health()

@@ -27,7 +27,8 @@ def make_engine(checkpoints):
 
 
 async def _run(eng, prompt, max_tokens=3, **kw):
-    return [d async for d in eng.generate(eng.make_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), **kw))]
+    return [d async for d in eng.generate(eng.make_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY),
+                                                           **kw))]
 
 
 async def test_events_and_snapshots_mirror_the_cache(make_engine):

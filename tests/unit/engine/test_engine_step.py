@@ -30,7 +30,8 @@ def test_failed_step_finishes_unscheduled_siblings(checkpoints, monkeypatch):
     pool = eng.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
     # the engine keeps serving: a later request runs to completion and nothing of "a" comes back
-    eng.add_request(eng.make_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), req_id="b"))
+    eng.add_request(eng.make_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                     req_id="b"))
     seen = set()
     while eng.has_unfinished_requests():
         seen |= {d.req_id for d in eng.step().deltas}

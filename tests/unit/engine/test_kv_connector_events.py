@@ -32,7 +32,8 @@ def test_async_engine_feed_and_snapshot_name_the_medium(checkpoints):
         eng = AsyncLLMEngine.from_config(cfg, step_in_thread=False)
         for i in range(6):
             prompt = [rng.randrange(10, 700) for _ in range(rng.randint(30, 60))]
-            async for _ in eng.generate(eng.make_request(prompt, SamplingParams(max_tokens=3, temperature=0.0), req_id=f"r{i}")):
+            async for _ in eng.generate(eng.make_request(prompt, SamplingParams(max_tokens=3, temperature=0.0),
+                                                         req_id=f"r{i}")):
                 pass
         while eng.engine.has_unfinished_requests():
             await asyncio.sleep(0.01)

@@ -130,7 +130,8 @@ def test_offload_with_chunked_prefill_preemption_and_local_hits(tiny_hybrid, hf_
     """Several prefixes through a pool too small for the batch (preemptions), some prefixes still local, some
     in the tier: every output exact, every block and slot back."""
     path = tiny_hybrid["gemma3"]
-    llm = LLM(path, cache={"num_blocks": 34, "block_size": BS}, kv_connector={"type": "offload", "capacity_blocks": 200},
+    llm = LLM(path, cache={"num_blocks": 34, "block_size": BS},
+              kv_connector={"type": "offload", "capacity_blocks": 200},
               scheduler={"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16})
     prefixes = [_ids(40, 10 + i) for i in range(3)]
     prompts = [p + _ids(5, 20 + j * 3 + i) for j in range(2) for i, p in enumerate(prefixes)]

@@ -1,5 +1,6 @@
 """The architecture registry, token-exact against transformers greedy on tiny random checkpoints that
-transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral, Phi-3 (fused checkpoints, LongRoPE
+transformers itself wrote (hub tensor names): Qwen3, Qwen3-MoE, Qwen2-MoE (shared expert), Mixtral, Phi-3 (fused
+checkpoints, LongRoPE
 with a partial rotary factor), Gemma 3; and the sparse-MoE block's grouped CPU
 path."""
 import random
@@ -143,7 +144,8 @@ def test_moe_checkpoint_and_config_that_disagree_fail_the_preflight_in_one_line(
     for change, expect in [({"num_local_experts": 3}, "expert 3, but config.json says 3 experts"),
                            ({"num_local_experts": 5}, "shape mismatch for model.layers.0.block_sparse_moe.gate.weight: "
                                                       "checkpoint (4, 64) vs model (5, 64)"),
-                           ({"intermediate_size": 96}, "shape mismatch for model.layers.0.block_sparse_moe.experts.0.w")]:
+                           ({"intermediate_size": 96},
+                            "shape mismatch for model.layers.0.block_sparse_moe.experts.0.w")]:
         d = tmp_path / str(len(list(tmp_path.iterdir())))
         shutil.copytree(tiny["mixtral"], d)
         cfg = json.loads((d / "config.json").read_text())

@@ -12,7 +12,8 @@ PACE = {"enabled": True, "step_base_s": 0.02, "prefill_per_token_s": 0.01, "deco
 def _run(path, pace=None):
     cfg = {"model": path, "cache": {"num_blocks": 32, "block_size": 4}}
     eng = LLMEngine.from_config(EngineConfig(**cfg, **({"pace": pace} if pace else {})))
-    eng.add_request(eng.make_request(list(range(5, 13)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), req_id="a"))
+    eng.add_request(eng.make_request(list(range(5, 13)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                     req_id="a"))
     tokens, step_times = [], []
     while eng.has_unfinished_requests():
         out = eng.step()

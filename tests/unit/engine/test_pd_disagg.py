@@ -325,7 +325,8 @@ def test_abort_storm_leaks_nothing_on_either_side(checkpoints):
     prompts = [_ids(rng.randrange(5, 90), 300 + i) for i in range(24)]
     remotes = {}
     for i, prompt in enumerate(prompts):
-        p.add_request(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY), kv_transfer=RemoteDecode(), req_id=f"p{i}"))
+        p.add_request(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY), kv_transfer=RemoteDecode(),
+                                     req_id=f"p{i}"))
     live_p = {f"p{i}" for i in range(len(prompts))}
     live_d: set[str] = set()
     for step in range(400):
@@ -343,7 +344,8 @@ def test_abort_storm_leaks_nothing_on_either_side(checkpoints):
             r = remotes.pop(rid)
             if rng.random() < 0.2:
                 continue                                     # this decode never comes: P's timeout frees it
-            d.add_request(d.make_request(prompts[i], SamplingParams(max_tokens=12, **GREEDY), kv_transfer=[r], req_id=f"d{i}"))
+            d.add_request(d.make_request(prompts[i], SamplingParams(max_tokens=12, **GREEDY), kv_transfer=[r],
+                                         req_id=f"d{i}"))
             live_d.add(f"d{i}")
         for d_ in d.step().deltas:
             if d_.finished:
@@ -376,7 +378,8 @@ def test_bad_kv_transfer_requests_are_rejected(pair):
         d.add_request(d.make_request(prompt, SamplingParams(max_tokens=1), kv_transfer=[remote], req_id="d"))
     plain = LLM(path, cache={"num_blocks": 16, "block_size": BS}).engine
     with pytest.raises(InvalidRequestError, match="kv_connector.type pd"):
-        plain.add_request(plain.make_request(prompt, SamplingParams(max_tokens=1), kv_transfer=RemoteDecode(), req_id="e"))
+        plain.add_request(plain.make_request(prompt, SamplingParams(max_tokens=1), kv_transfer=RemoteDecode(),
+                                             req_id="e"))
     assert not p.scheduler.requests and not d.scheduler.requests
 
 

@@ -135,7 +135,8 @@ def test_preemption_during_prefill_delivers_once_and_complete(checkpoints, hf_re
 
     eng.scheduler._preempt = spy
     for i, ids in enumerate(prompts):
-        eng.add_request(eng.make_request(ids, SamplingParams(max_tokens=16, prompt_logprobs=1, **GREEDY), req_id=f"r{i}"))
+        eng.add_request(eng.make_request(ids, SamplingParams(max_tokens=16, prompt_logprobs=1, **GREEDY),
+                                         req_id=f"r{i}"))
     seen = _run(eng)
     assert any(n_out == 0 for _, n_out in victims), "no request was preempted during its prefill"
     assert any(n_out > 0 for _, n_out in victims), "no request was preempted after its prompt"
@@ -154,7 +155,8 @@ def test_n2_computes_once_and_reports_on_index_0(checkpoints, hf_reference):
     rows = []
     compute_logits = eng.runner.model.compute_logits
     eng.runner.model.compute_logits = lambda h: rows.append(h.shape[0]) or compute_logits(h)
-    eng.add_request(eng.make_request(ids, SamplingParams(n=2, max_tokens=4, prompt_logprobs=4, temperature=1.0, seed=3), req_id="p"))
+    eng.add_request(eng.make_request(ids, SamplingParams(n=2, max_tokens=4, prompt_logprobs=4, temperature=1.0, seed=3),
+                                     req_id="p"))
     seen = _run(eng)
     assert [index for index, _ in seen["p"]] == [0]
     _check(hf_reference, path, ids, seen["p"][0][1], 4)

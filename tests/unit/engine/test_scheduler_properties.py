@@ -71,8 +71,8 @@ def check_invariants(s, so=None):
 # Hypothesis draws the first value of sampled_from far more often than the others (it is the "simplest"):
 # lead with a pool and batch size that preempt, rather than a single sequence that never can.
 @given(ops=ops, num_blocks=st.sampled_from([10, *range(5, 10), *range(11, 17)]), budget=st.integers(1, 24),
-       max_seqs=st.sampled_from([4, 1, 2, 3, 5, 6]), policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(),
-       threshold=st.sampled_from([None, 3, 8]), lookahead=st.sampled_from([0, 1]))
+       max_seqs=st.sampled_from([4, 1, 2, 3, 5, 6]), policy=st.sampled_from(["fcfs", "priority"]),
+       chunked=st.booleans(), threshold=st.sampled_from([None, 3, 8]), lookahead=st.sampled_from([0, 1]))
 def test_random_interleavings_keep_invariants(ops, num_blocks, budget, max_seqs, policy, chunked, threshold,
                                               lookahead):
     if not chunked:

@@ -101,7 +101,8 @@ def test_regex_choice_json_object_and_ebnf(checkpoints):
 def test_max_tokens_cutting_the_json_short_is_length(checkpoints):
     eng = _engine(checkpoints)
     eng.add_request(eng.make_request("x", SamplingParams(max_tokens=3, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="a"))
+                                                         structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])),
+                                     req_id="a"))
     (text, reason), = _run(eng).values()
     assert reason == "length" and text.startswith("{")
     _assert_released(eng)
@@ -109,8 +110,10 @@ def test_max_tokens_cutting_the_json_short_is_length(checkpoints):
 
 def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(checkpoints):
     eng = _engine(checkpoints)
+    choice = StructuredOutputSpec(choice=("alpha", "beta"))
     eng.add_request(eng.make_request("x", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True,
-                                             structured_output=StructuredOutputSpec(choice=("alpha", "beta"))), req_id="a"))
+                                                         structured_output=choice),
+                                     req_id="a"))
     (text, reason), = _run(eng).values()
     assert reason == "stop" and text in ("alpha", "beta")
     _assert_released(eng)
@@ -123,7 +126,8 @@ def test_valid_under_preemption_and_chunked_prefill(checkpoints):
                   scheduler={"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16})
     for i in range(6):
         eng.add_request(eng.make_request(f"Tell me about item {i} please, in JSON", SamplingParams(
-            max_tokens=40, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])), req_id=f"r{i}"))
+            max_tokens=40, temperature=1.0, seed=i, structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])),
+            req_id=f"r{i}"))
     out = _run(eng)
     assert eng.last_stats.num_preemptions_total > 0
     for text, reason in out.values():
@@ -143,8 +147,10 @@ def test_a_slow_compile_waits_outside_the_batch_and_never_delays_others(checkpoi
 
     monkeypatch.setattr(mgr, "_compile_now", slow)
     eng.add_request(eng.make_request("x", SamplingParams(max_tokens=60, temperature=0.0,
-                                                structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="json"))
-    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), req_id="free"))
+                                                         structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])),
+                                     req_id="json"))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                     req_id="free"))
     assert eng.scheduler.requests["json"].status is RequestStatus.WAITING_FOR_GRAMMAR
     assert eng.scheduler.make_stats().num_waiting_reqs == 2
     t0 = time.monotonic()
@@ -166,11 +172,13 @@ def test_the_compile_cache_serves_a_second_request_with_the_same_schema(checkpoi
     eng = _engine(checkpoints)
     mgr = eng.structured_output
     spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
-    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec), req_id="a"))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=80, temperature=0.0, structured_output=spec),
+                                     req_id="a"))
     _run(eng)
     assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 0)
     eng.add_request(eng.make_request("y", SamplingParams(max_tokens=80, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[1])), req_id="b"))
+                                                         structured_output=StructuredOutputSpec.from_schema(SCHEMAS[1])),
+                                     req_id="b"))
     assert eng.scheduler.requests["b"].status is RequestStatus.WAITING     # compiled: queued at once
     _run(eng)
     assert (mgr.num_compiles, mgr.num_cache_hits) == (1, 1)
@@ -216,7 +224,9 @@ def test_a_compile_that_fails_later_ends_only_its_request_with_an_error(checkpoi
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(eng.structured_output, "_compile_now", boom)
-    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=5, structured_output=StructuredOutputSpec(regex="a+")), req_id="bad"))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=5,
+                                                         structured_output=StructuredOutputSpec(regex="a+")),
+                                     req_id="bad"))
     eng.add_request(eng.make_request("y", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), req_id="ok"))
     out = _run(eng)
     assert out[("bad", 0)][1] == "error" and out[("ok", 0)][1] == "length"
@@ -226,7 +236,8 @@ def test_a_compile_that_fails_later_ends_only_its_request_with_an_error(checkpoi
 def test_aborts_while_compiling_or_running_release_everything(checkpoints, monkeypatch):
     eng = _engine(checkpoints)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
-    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec), req_id="running"))
+    eng.add_request(eng.make_request("x", SamplingParams(max_tokens=60, temperature=0.0, structured_output=spec),
+                                     req_id="running"))
     for _ in range(6):
         eng.step()
     real = eng.structured_output._compile_now
@@ -267,7 +278,8 @@ def test_overlap_decode_launches_no_step_ahead_for_a_constrained_batch(checkpoin
     want = [o.outputs[0].token_ids for o in ref.generate(free_prompts, SamplingParams(max_tokens=40, **greedy),
                                                           use_tqdm=False)]
     eng.add_request(eng.make_request("Give JSON", SamplingParams(max_tokens=40, temperature=0.0,
-                                                        structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])), req_id="json"))
+                                                                 structured_output=StructuredOutputSpec.from_schema(SCHEMAS[2])),
+                                     req_id="json"))
     for i, p in enumerate(free_prompts):
         eng.add_request(eng.make_request(p, SamplingParams(max_tokens=40, **greedy), req_id=f"free{i}"))
     got = {"json": [], "free0": [], "free1": []}

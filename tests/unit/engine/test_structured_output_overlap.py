@@ -36,9 +36,12 @@ def _workload(eng: LLMEngine) -> None:
             n=2, max_tokens=120, temperature=1.0, seed=10 + i,
             structured_output=StructuredOutputSpec.from_schema(schema)), req_id=f"json{i}"))
     eng.add_request(eng.make_request("Code:", SamplingParams(max_tokens=12, temperature=0.0,
-                                                     structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")), req_id="regex"))
+                                                             structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")),
+                                     req_id="regex"))
+    mood = StructuredOutputSpec(choice=("good", "bad"))
     eng.add_request(eng.make_request("Mood:", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3,
-                                                      structured_output=StructuredOutputSpec(choice=("good", "bad"))), req_id="choice"))
+                                                             structured_output=mood),
+                                     req_id="choice"))
     for i in range(3):
         eng.add_request(eng.make_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0,
                                                                     ignore_eos=True), req_id=f"free{i}"))
@@ -119,7 +122,8 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     logits = model.compute_logits
     monkeypatch.setattr(model, "compute_logits", lambda h: (events.append(("logits", "")), logits(h))[1])
     eng.add_request(eng.make_request("x", SamplingParams(n=4, max_tokens=30, temperature=0.0,
-                                             structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])), req_id="j"))
+                                                         structured_output=StructuredOutputSpec.from_schema(SCHEMAS[0])),
+                                     req_id="j"))
     out = _run(eng)
     for i in range(4):
         jsonschema.validate(json.loads(out[("j", i)][1]), SCHEMAS[0])
@@ -139,8 +143,12 @@ def test_aborts_mid_grammar_release_the_matchers(checkpoints, fill_on_thread):
     validates, every KV block returns."""
     eng = _engine(checkpoints, fill_on_thread)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[1])
-    eng.add_request(eng.make_request("a", SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=1, structured_output=spec), req_id="gone"))
-    eng.add_request(eng.make_request("b", SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured_output=spec), req_id="kept"))
+    eng.add_request(eng.make_request("a", SamplingParams(n=4, max_tokens=60, temperature=1.0, seed=1,
+                                                         structured_output=spec),
+                                     req_id="gone"))
+    eng.add_request(eng.make_request("b", SamplingParams(max_tokens=200, temperature=1.0, seed=2,
+                                                         structured_output=spec),
+                                     req_id="kept"))
     refs, seen = [], {}
     while len(refs) < 4:
         _step(eng, seen)
@@ -164,7 +172,8 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
     requests' matchers are dropped, and the engine serves the next request."""
     eng = _engine(checkpoints, fill_on_thread=True)
     spec = StructuredOutputSpec.from_schema(SCHEMAS[0])
-    eng.add_request(eng.make_request("x", SamplingParams(n=4, max_tokens=40, temperature=0.0, structured_output=spec), req_id="a"))
+    eng.add_request(eng.make_request("x", SamplingParams(n=4, max_tokens=40, temperature=0.0, structured_output=spec),
+                                     req_id="a"))
     while not eng.scheduler.requests["a#0"].output_token_ids:
         eng.step()
     fill_done = threading.Event()
@@ -181,7 +190,8 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
         eng.step()
     assert fill_done.is_set()
     monkeypatch.setattr(model, "compute_logits", real)
-    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec), req_id="b"))
+    eng.add_request(eng.make_request("y", SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec),
+                                     req_id="b"))
     out = _run(eng)
     jsonschema.validate(json.loads(out[("b", 0)][1]), SCHEMAS[0])
     _assert_released(eng)
