@@ -129,7 +129,7 @@ def _cluster_config(ssh: LoopbackSSH, name: str, app_yaml: Path, gcs_port: int, 
     ray_start = (f"ray start --head --port={gcs_port} --node-ip-address=127.0.0.1 --num-cpus=2 "
                  f"--include-dashboard=false --disable-usage-stats --temp-dir={ray_tmp} "
                  "--autoscaling-config=~/ray_bootstrap_config.yaml")
-    check = ("python -c \"import os, sys, app; assert sys.version_info >= (3, 11); "
+    check = ("python -c \"import os, sys; from affinity_serve import app; assert sys.version_info >= (3, 11); "
              "assert app.__path__[0] == os.path.expanduser('~/affinity-serve/app'), app.__path__\"")
     return {
         "cluster_name": name,
