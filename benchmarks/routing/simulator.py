@@ -302,6 +302,8 @@ def make_router(name: str, prepared: PreparedTrace, text: TokenText) -> SimRoute
     if name == "ours":
         from benchmarks.routing.ours import OursRouter
         return OursRouter(prepared.trace.meta.replica)
+    if name.startswith("ours:"):
+        return _ours_variant(name, prepared)
     if name in FIELD:
         from benchmarks.routing.field import DynamoKV, LlmdPrecise, SglangCacheAware
         replica = prepared.trace.meta.replica
@@ -314,6 +316,23 @@ def make_router(name: str, prepared: PreparedTrace, text: TokenText) -> SimRoute
             return SglangCacheAware(replica)
         return DynamoKV(replica)
     raise ValueError(f"unknown router {name!r}; one of {', '.join(ROUTER_NAMES)}")
+
+
+def _ours_variant(name: str, prepared: PreparedTrace) -> SimRouter:
+    """`ours:KNOB=VALUE[:KNOB=VALUE...]`: our router with these `AffinityConfig` knobs overridden (values as
+    JSON), so several settings run on one generated trace."""
+    from affinity_serve.app.routing import AffinityConfig
+    from benchmarks.routing.ours import OursRouter
+    overrides = {}
+    for item in name.split(":")[1:]:
+        knob, sep, value = item.partition("=")
+        if not sep or knob not in AffinityConfig.model_fields:
+            raise ValueError(f"router {name!r}: write ours:KNOB=VALUE with KNOB an AffinityConfig field, "
+                             f"not {item!r}")
+        overrides[knob] = json.loads(value)
+    label = ", ".join(f"{k}={v}" for k, v in overrides.items())
+    return OursRouter(prepared.trace.meta.replica, AffinityConfig(**overrides),
+                      name=f"ours (prefix affinity, {label})")
 
 
 def default_routers() -> list[str]:
@@ -439,7 +458,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_spec_args(p)
     p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
-    p.add_argument("--routers", help=f"comma-separated subset of {','.join(ROUTER_NAMES)} (default: all available)")
+    p.add_argument("--routers", help=f"comma-separated subset of {','.join(ROUTER_NAMES)} (default: all "
+                   "available); ours:KNOB=VALUE[:KNOB=VALUE] runs ours with AffinityConfig knobs overridden")
     p.add_argument("--events-period", type=float, help="seconds between a router's KV-event pulls of each "
                    "replica (default 0.25; 0.5 from 128 replicas)")
     p.add_argument("--stats-period", type=float, help="seconds between stats snapshots of each replica (default 1)")

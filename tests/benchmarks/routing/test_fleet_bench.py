@@ -97,3 +97,29 @@ def test_fleet_targets_compare_with_the_best_baseline():
     assert "dynamo" in ttft["target"] and ttft["bound"] == pytest.approx(0.72) and ttft["met"]
     hit = next(t for t in targets if t["target"].startswith("hit"))
     assert hit["bound"] == pytest.approx(0.485) and hit["met"]
+
+
+def test_an_ours_variant_overrides_affinity_knobs_and_rejects_unknown_ones(long_trace):
+    prepared = prepare(long_trace)
+    text = TokenText(long_trace.meta.spec.vocab_size)
+    r = make_router("ours:release_cache_weight=1.5:release_slack=0.2", prepared, text)
+    assert r.config.release_cache_weight == 1.5 and r.config.release_slack == 0.2
+    assert r.name.startswith("ours") and "release_cache_weight=1.5" in r.name
+    with pytest.raises(ValueError, match="AffinityConfig field"):
+        make_router("ours:no_such_knob=1", prepared, text)
+
+
+def test_seed_summary_pairs_each_trace_with_its_reference():
+    from benchmarks.routing.seeds import summarize
+
+    def doc(seed, ours_hit, ours_p99, ref_p99):
+        return {"config": {"replicas": 8, "pressure_target": 0.75, "load_target": 1.5, "events_period_s": 0.5,
+                           "seed": seed},
+                "results": [{"router": "llm-d precise (sticky)", "hit_vs_separate_bound": 0.96,
+                             "ttft_p99_s": ref_p99},
+                            {"router": "ours (prefix affinity)", "hit_vs_separate_bound": ours_hit,
+                             "ttft_p99_s": ours_p99}]}
+    table = summarize([doc(0, 0.98, 0.5, 1.0), doc(1, 0.96, 2.0, 1.0)])
+    row = next(line for line in table.splitlines() if "ours" in line)
+    # hit: mean 0.97, one seed of two meets 0.97; p99 ratios 0.5 and 2.0: geometric mean 1.0
+    assert "0.970 (0.960-0.980)" in row and "1/2" in row and "1.000 (0.50-2.00)" in row
