@@ -13,6 +13,11 @@ and `ray.put` in one process + `ray.get` in another on the same node (Ray's obje
 request, for the demo model's layout and for a Llama-3-8B-sized block (32 layers x 8 KV heads x 128 x 16
 tokens, bf16: 2 MiB).
 
+`--device-profile h100-llama8b` derives the three pace costs (and the KV transfer's time) from an H100's
+public figures and Llama-3.1-8B's shapes (DeviceProfile below), then slows all of them and the arrival rate
+by one factor (`--time-dilation`) so that this CPU, which really computes a tiny model's prompts, stays
+well inside each modelled step: ratios between configurations are unchanged by the factor.
+
     flock /tmp/affinity-bench.lock .venv/bin/python -m benchmarks.disagg --json out.json --png tpot.png
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from affinity_serve.engine import LLM, RemoteDecode, SamplingParams
 from affinity_serve.engine.demo import write_demo_model
 from affinity_serve.engine.kv_connector import LocalTransport
+from affinity_serve.engine.pacing import modelled_step_time_s
 
 
 @dataclass
@@ -41,6 +47,100 @@ class Req:
     token_times: list[float] = field(default_factory=list)
     done: float | None = None
     failed: bool = False
+
+
+# ---------------------------------------------------------------- device profiles
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    """One GPU serving one model, as public figures; `paced_costs` turns them into engine.pace's costs.
+
+    The step model (engine/pacing.py) is linear: base + prefill tokens x a + decoding context tokens x b.
+      base = every weight read once from HBM, at the fraction of peak bandwidth a decode step reaches,
+             plus the host/launch time a step pays however small;
+      a    = a prompt token's FLOPs (2 x matmul parameters, plus attention QK^T and PV over its causal
+             context, taken at the workload's mean) at the fraction of peak dense FLOP/s prefill reaches (MFU);
+      b    = one context token's K and V read once per decode step, at the same bandwidth fraction.
+    A prefill step is charged base + a x tokens: a compute-bound step hides most of its weight reads, so
+    this slightly over-charges mixed steps (the unified side's), never the decode pool's.
+    """
+
+    name: str
+    hbm_bytes_per_s: float            # spec memory bandwidth
+    bandwidth_fraction: float         # reached by a decode step's reads (assumed / measured, see PROFILES)
+    dense_bf16_flop_per_s: float      # spec dense bf16 tensor throughput (no sparsity)
+    mfu: float                        # fraction of it reached by prefill (assumed)
+    step_overhead_s: float            # per step, however small the batch
+    link_bytes_per_s: float           # KV transfer between a prefill and a decode GPU
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+
+    @property
+    def matmul_params(self) -> int:
+        """Per-token matmul weights of the layers (q, k, v, o and the gated MLP); the LM head runs for one
+        token of a prompt, so a prompt token does not pay it."""
+        d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = d * self.num_heads * self.head_dim * 2 + d * kv * 2
+        return self.num_layers * (attn + 3 * d * self.intermediate_size)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Layers + untied embedding and LM head + RMSNorm weights (Llama-3.1-8B: 8,030,261,248 params)."""
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        return (self.matmul_params + 2 * self.vocab_size * self.hidden_size + norms) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def prefill_flops_per_token(self, mean_attended_tokens: float) -> float:
+        attn = 4 * self.num_layers * self.num_heads * self.head_dim * mean_attended_tokens   # QK^T + PV
+        return 2 * self.matmul_params + attn
+
+
+@dataclass(frozen=True, slots=True)
+class PacedCosts:
+    """engine.pace's three costs plus the KV transfer's time per prompt token, already dilated."""
+
+    step_base_s: float
+    prefill_per_token_s: float
+    decode_per_context_token_s: float
+    transfer_per_token_s: float
+    time_dilation: float
+
+
+def paced_costs(profile: DeviceProfile, mean_prompt_tokens: float, time_dilation: float) -> PacedCosts:
+    """The profile's costs for prompts of this mean length (a prompt token attends to half the prompt on
+    average, causal), each multiplied by `time_dilation` (>= 1: a slower copy of the same device)."""
+    if time_dilation < 1:
+        raise ValueError(f"time_dilation must be >= 1 (a slower copy of the device), got {time_dilation}")
+    bw = profile.hbm_bytes_per_s * profile.bandwidth_fraction
+    flops = profile.dense_bf16_flop_per_s * profile.mfu
+    return PacedCosts(
+        step_base_s=(profile.weight_bytes / bw + profile.step_overhead_s) * time_dilation,
+        prefill_per_token_s=profile.prefill_flops_per_token(mean_prompt_tokens / 2) / flops * time_dilation,
+        decode_per_context_token_s=profile.kv_bytes_per_token / bw * time_dilation,
+        transfer_per_token_s=profile.kv_bytes_per_token / profile.link_bytes_per_s * time_dilation,
+        time_dilation=time_dilation)
+
+
+PROFILES = {
+    # H100 SXM5 80GB: 3.35 TB/s HBM3, 989.4 TFLOP/s dense bf16 (NVIDIA's datasheet). Bandwidth fraction 0.9:
+    # this project's H100 run measured a 3002 GB/s device copy (docs/gpu_bench_h100.json), 0.90 of spec.
+    # Step overhead 0.58 ms: the same run's batch-1 decode step (1.41 ms) minus its bandwidth floor
+    # (0.83 ms). MFU 0.5 for prefill is an assumption (FlashAttention-class kernels on 2-8k-token prompts).
+    # Link: one 400 Gb/s RDMA NIC per GPU (ConnectX-7, 50 GB/s) at 0.8 of line rate, the cross-node case
+    # (NVLink within a node is faster). Model: Llama-3.1-8B's config.json, bf16.
+    "h100-llama8b": DeviceProfile(
+        name="h100-llama8b", hbm_bytes_per_s=3.35e12, bandwidth_fraction=0.9, dense_bf16_flop_per_s=989.4e12,
+        mfu=0.5, step_overhead_s=0.58e-3, link_bytes_per_s=0.8 * 50e9, num_layers=32, hidden_size=4096,
+        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256),
+}
 
 
 class Worker(threading.Thread):
@@ -69,6 +169,45 @@ class Worker(threading.Thread):
                 self.on_delta(self, d)
 
 
+class LinkTransport(LocalTransport):
+    """The LocalTransport, each read held as long as the modelled link takes to move that many tokens' KV
+    (the tiny model's own KV is a few KiB a block, so its copy alone would make the transfer free)."""
+
+    def __init__(self, per_token_s: float, block_size: int):
+        super().__init__()
+        self.per_block_s = per_token_s * block_size
+
+    def _read(self, remote, start_block, num_blocks):
+        time.sleep(num_blocks * self.per_block_s)
+        return super()._read(remote, start_block, num_blocks)
+
+
+class OverrunMeter:
+    """Wraps an engine's PacedRunner and counts the steps this CPU made longer than the modelled device
+    (1 ms of slack): how far the host's real compute leaked into the emulated timings."""
+
+    def __init__(self, paced):
+        self.paced = paced
+        self.steps = self.overruns = 0
+        self.overrun_s = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.paced, name)
+
+    def execute_model(self, so):
+        p = self.paced._pace
+        modelled = (modelled_step_time_s(so, self.paced._requests, p.step_base_s, p.prefill_per_token_s,
+                                         p.decode_per_context_token_s) if so.num_scheduled_tokens else 0.0)
+        t0 = time.perf_counter()
+        out = self.paced.execute_model(so)
+        over = time.perf_counter() - t0 - modelled
+        self.steps += 1
+        if over > 1e-3:
+            self.overruns += 1
+            self.overrun_s += over
+        return out
+
+
 def _engine(model, args, scheduler, transport=None):
     kw = dict(cache={"num_blocks": args.num_blocks, "block_size": 16}, num_threads=1, scheduler=scheduler,
               pace={"enabled": True, "step_base_s": args.step_base_s, "prefill_per_token_s": args.prefill_per_token_s,
@@ -79,6 +218,7 @@ def _engine(model, args, scheduler, transport=None):
     if transport is not None:
         engine.set_kv_transport(transport)
         transport.register(engine.pd.engine_id, engine.kv_source)
+    engine.runner = OverrunMeter(engine.runner)
     return engine
 
 
@@ -86,20 +226,23 @@ def _trace(args, seed):
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(args.num_requests):
-        t += rng.expovariate(args.rate)
+        t += rng.expovariate(args.wall_rate)
         n = rng.randrange(args.min_prompt, args.max_prompt + 1)
         out.append((t, [rng.randrange(10, 700) for _ in range(n)]))
     return out
 
 
-def run(model, args, num_prefill: int | None, late_reads: bool = False):
+def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: int | None = None):
     """num_prefill None: unified. `late_reads`: the decode engines start a request's KV read only when they
-    admit it (the connector before early reads), not when it arrives. Returns (requests, engines' stats)."""
+    admit it (the connector before early reads), not when it arrives. `budget`: the unified (or decode)
+    engines' token budget, default --budget. Returns (requests, engines' stats, start time)."""
     lock = threading.Lock()
     reqs: dict[str, Req] = {}
-    transport = LocalTransport() if num_prefill else None
+    transport = None
+    if num_prefill:
+        transport = LinkTransport(args.transfer_per_token_s, 16) if args.transfer_per_token_s else LocalTransport()
     n = args.num_engines
-    sched_u = {"max_num_batched_tokens": args.budget, "max_num_seqs": 64}
+    sched_u = {"max_num_batched_tokens": budget or args.budget, "max_num_seqs": 64}
     sched_p = {"max_num_batched_tokens": args.prefill_budget, "max_num_seqs": 64}
     decodes: list[Worker] = []
 
@@ -165,9 +308,12 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False):
     for w in workers:
         w.join(timeout=5)
     stats = {"loads_failed": 0, "loads_ok": 0, "hits": 0, "queries": 0, "held_s": 0.0, "holds": 0,
-             "read_s": 0.0}
+             "read_s": 0.0, "steps": 0, "overruns": 0, "overrun_s": 0.0}
     for w in workers:
         e = w.engine
+        stats["steps"] += e.runner.steps
+        stats["overruns"] += e.runner.overruns
+        stats["overrun_s"] += e.runner.overrun_s
         stats["hits"] += e.kv_cache_manager.stats.hits
         stats["queries"] += e.kv_cache_manager.stats.queries
         if e.pd is not None:
@@ -202,6 +348,7 @@ def summarize(name, reqs, stats, t0):
             "kv_reads": stats["loads_ok"], "fallbacks": stats["loads_failed"],
             "mean_hold_s": stats["held_s"] / max(1, stats["holds"]),
             "mean_read_s": stats["read_s"] / max(1, stats["loads_ok"]),
+            "steps": stats["steps"], "overrun_steps": stats["overruns"], "overrun_s": stats["overrun_s"],
             "_tpot_series": [(r.token_times[0] - t0, (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1))
                              for r in ok]}
 
@@ -274,7 +421,8 @@ def ray_cost(block_bytes, nblocks_list, label, repeats=3):
     return rows
 
 
-def main():
+def parse_args(argv=None):
+    """The benchmark's options, with a device profile's costs filled in (and its dilation applied)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-engines", type=int, default=4)
     ap.add_argument("--splits", default="1,2", help="prefill engine counts to try (the rest decode)")
@@ -282,44 +430,116 @@ def main():
                     help="prefill engine counts to run again with reads started at admission, not arrival "
                          "(rows 'late': the connector before early reads)")
     ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=1.2, help="requests per second")
+    ap.add_argument("--rate", type=float, default=1.2,
+                    help="requests per second; with --device-profile, per second of the modelled device (the "
+                         "trace then arrives at rate / --time-dilation of wall time)")
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=3072)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=2048, help="unified and decode engines' max_num_batched_tokens")
+    ap.add_argument("--unified-budgets", default="",
+                    help="comma list: run unified once per token budget (chunked prefill), e.g. 512,1024,2048; "
+                         "default: --budget only")
     ap.add_argument("--prefill-budget", type=int, default=4096)
-    ap.add_argument("--step-base-s", type=float, default=0.010)
-    ap.add_argument("--prefill-per-token-s", type=float, default=0.0001)
-    ap.add_argument("--decode-per-context-token-s", type=float, default=0.0)
+    ap.add_argument("--device-profile", choices=sorted(PROFILES),
+                    help="derive the pace costs and the KV link's time from a GPU and model (DeviceProfile)")
+    ap.add_argument("--time-dilation", type=float, default=None,
+                    help="with --device-profile: how many times slower than the device to run (default 10)")
+    ap.add_argument("--step-base-s", type=float, default=None, help="default 0.010 (not with --device-profile)")
+    ap.add_argument("--prefill-per-token-s", type=float, default=None,
+                    help="default 0.0001 (not with --device-profile)")
+    ap.add_argument("--decode-per-context-token-s", type=float, default=None,
+                    help="default 0 (not with --device-profile)")
     ap.add_argument("--num-blocks", type=int, default=2200)
-    ap.add_argument("--drain-s", type=float, default=120.0)
+    ap.add_argument("--drain-s", type=float, default=120.0, help="wall seconds to wait after the last arrival")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--png")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    manual = {"--step-base-s": args.step_base_s, "--prefill-per-token-s": args.prefill_per_token_s,
+              "--decode-per-context-token-s": args.decode_per_context_token_s}
+    args.transfer_per_token_s = 0.0
+    if args.device_profile:
+        given = [k for k, v in manual.items() if v is not None]
+        if given:
+            ap.error(f"--device-profile sets the pace costs: drop {', '.join(given)} (or drop the profile)")
+        if args.time_dilation is None:
+            args.time_dilation = 10.0
+        if args.time_dilation < 1:
+            ap.error(f"--time-dilation must be >= 1 (a slower copy of the device), got {args.time_dilation}")
+        c = paced_costs(PROFILES[args.device_profile], (args.min_prompt + args.max_prompt) / 2, args.time_dilation)
+        args.step_base_s, args.prefill_per_token_s = c.step_base_s, c.prefill_per_token_s
+        args.decode_per_context_token_s = c.decode_per_context_token_s
+        args.transfer_per_token_s = c.transfer_per_token_s
+    else:
+        if args.time_dilation not in (None, 1.0):
+            ap.error("--time-dilation applies to --device-profile's costs; scale --step-base-s and the others "
+                     "yourself, or pick a profile")
+        args.time_dilation = 1.0
+        args.step_base_s = 0.010 if args.step_base_s is None else args.step_base_s
+        args.prefill_per_token_s = 0.0001 if args.prefill_per_token_s is None else args.prefill_per_token_s
+        args.decode_per_context_token_s = args.decode_per_context_token_s or 0.0
+    args.wall_rate = args.rate / args.time_dilation
+    return args
 
+
+def verdicts(results):
+    """Each P/D row against each unified row: the issue's target is TPOT p99 <= 0.6x and TTFT p99 <= 1.2x
+    with no failed request; P/D meets it only if it does so against every unified budget tried."""
+    unified = [r for r in results if r["config"].startswith("unified")]
+    out = []
+    for r in results:
+        if r in unified:
+            continue
+        for u in unified:
+            tpot, ttft = r["tpot_p99_s"] / u["tpot_p99_s"], r["ttft_p99_s"] / u["ttft_p99_s"]
+            out.append({"pd": r["config"], "unified": u["config"], "tpot_p99_ratio": tpot, "ttft_p99_ratio": ttft,
+                        "met": tpot <= 0.6 and ttft <= 1.2 and r["failed"] == 0})
+    return out
+
+
+def main():
+    args = parse_args()
     model = tempfile.mkdtemp(prefix="disagg-bench-")
     write_demo_model(model, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                      max_position_embeddings=8192, seed=1)
-    results = [summarize(f"unified x{args.num_engines}", *run(model, args, None))]
+    budgets = [int(x) for x in args.unified_budgets.split(",") if x] or [args.budget]
+    results = []
+    for b in budgets:
+        name = f"unified x{args.num_engines}" + (f" b{b}" if len(budgets) > 1 else "")
+        results.append(summarize(name, *run(model, args, None, budget=b)))
     for p in (int(x) for x in args.splits.split(",")):
         results.append(summarize(f"P/D {p}:{args.num_engines - p}", *run(model, args, p)))
     for p in (int(x) for x in args.late_read_splits.split(",") if x):
         results.append(summarize(f"P/D {p}:{args.num_engines - p} late", *run(model, args, p, late_reads=True)))
-    base = results[0]
+    base = min((r for r in results if r["config"].startswith("unified")), key=lambda r: r["tpot_p99_s"])
+    k = args.time_dilation
+    mean_prompt = (args.min_prompt + args.max_prompt) / 2
+    load = args.rate * mean_prompt * args.prefill_per_token_s / k / args.num_engines
     print(f"\n{args.num_requests} requests at {args.rate}/s, prompts {args.min_prompt}-{args.max_prompt}, "
-          f"{args.max_tokens} output tokens; pace: base {args.step_base_s}s + {args.prefill_per_token_s}s/prompt token")
-    hdr = (f"{'config':<17} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'gap p99':>8} "
-           f"{'tok/s':>7} {'done':>5} {'fail':>5} {'reads':>6} {'fallb':>6} {'hold s':>7} {'read ms':>7}  "
-           f"TPOT p99 / TTFT p99 vs unified")
+          f"{args.max_tokens} output tokens; pace: base {args.step_base_s:.4g}s + {args.prefill_per_token_s:.4g}s/"
+          f"prompt token + {args.decode_per_context_token_s:.3g}s/context token; prefill load per unified device "
+          f"{load:.2f}")
+    if k != 1:
+        print(f"{args.device_profile} dilated {k:g}x (trace at {args.wall_rate:.3g}/s of wall time, KV link "
+              f"{args.transfer_per_token_s * 1e6:.1f} us/token); times below are device time (wall / {k:g}), "
+              f"tok/s per device second")
+    hdr = (f"{'config':<19} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'gap p99':>8} "
+           f"{'tok/s':>7} {'done':>5} {'fail':>5} {'reads':>6} {'fallb':>6} {'hold s':>7} {'read ms':>7} "
+           f"{'overrun':>8}  TPOT p99 / TTFT p99 vs {base['config']}")
     print(hdr)
     for r in results:
-        print(f"{r['config']:<17} {r['ttft_p50_s']:9.3f} {r['ttft_p99_s']:9.3f} {r['tpot_p50_s']:9.4f} "
-              f"{r['tpot_p99_s']:9.4f} {r['gap_p99_s']:8.3f} {r['throughput_tok_s']:7.1f} {r['completed']:5d} "
-              f"{r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} {r['mean_hold_s']:7.4f} "
-              f"{r['mean_read_s'] * 1e3:7.1f}  "
+        print(f"{r['config']:<19} {r['ttft_p50_s'] / k:9.3f} {r['ttft_p99_s'] / k:9.3f} {r['tpot_p50_s'] / k:9.4f} "
+              f"{r['tpot_p99_s'] / k:9.4f} {r['gap_p99_s'] / k:8.3f} {r['throughput_tok_s'] * k:7.1f} "
+              f"{r['completed']:5d} {r['failed']:5d} {r['kv_reads']:6d} {r['fallbacks']:6d} "
+              f"{r['mean_hold_s'] / k:7.4f} {r['mean_read_s'] * 1e3 / k:7.1f} "
+              f"{r['overrun_steps'] / max(1, r['steps']):8.1%}  "
               f"{r['tpot_p99_s'] / base['tpot_p99_s']:.2f}x / {r['ttft_p99_s'] / base['ttft_p99_s']:.2f}x")
+    checks = verdicts(results)
+    for v in checks:
+        print(f"target vs {v['unified']:<19}: {v['pd']:<12} TPOT p99 {v['tpot_p99_ratio']:.2f}x, TTFT p99 "
+              f"{v['ttft_p99_ratio']:.2f}x -> {'met' if v['met'] else 'missed'}")
     costs = transfer_cost(model, [8, 64, 256])
     if not args.skip_ray:
         import ray
@@ -334,8 +554,12 @@ def main():
               f"{c['per_block_us']:9.1f} {c['GB_s']:6.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": [{k: v for k, v in r.items() if not k.startswith("_")}
-                                                       for r in results], "transfer": costs}, f, indent=1)
+            prof = PROFILES.get(args.device_profile)
+            json.dump({"args": vars(args), "time_dilation": k,
+                       "note": "result times are wall seconds; divide by time_dilation for device time",
+                       "profile": None if prof is None else {f: getattr(prof, f) for f in prof.__slots__},
+                       "results": [{key: v for key, v in r.items() if not key.startswith("_")} for r in results],
+                       "verdicts": checks, "transfer": costs}, f, indent=1)
     if args.png:
         import matplotlib
         matplotlib.use("Agg")
@@ -343,9 +567,10 @@ def main():
         fig, ax = plt.subplots(figsize=(8, 4))
         for r in results:
             xs, ys = zip(*sorted(r["_tpot_series"])) if r["_tpot_series"] else ((), ())
-            ax.plot(xs, [y * 1e3 for y in ys], marker=".", linestyle="-", label=r["config"])
-        ax.set_xlabel("first token at (s)")
-        ax.set_ylabel("TPOT of the request (ms)")
+            ax.plot([x / k for x in xs], [y * 1e3 / k for y in ys], marker=".", linestyle="-", label=r["config"])
+        unit = "" if k == 1 else f", device time (wall / {k:g})"
+        ax.set_xlabel(f"first token at (s{unit})")
+        ax.set_ylabel(f"TPOT of the request (ms{unit})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
