@@ -75,8 +75,19 @@ def ingress_placement(config: AppConfig) -> dict[str, Any]:
     return {"ray_actor_options": actor_opts}
 
 
+def request_router_config(config: AppConfig, router_class: type = AffinityRequestRouter,
+                          **extra_kwargs: Any) -> RequestRouterConfig:
+    """Serve's RequestRouterConfig for a model deployment: `router_class` (a P/D pool's router subclass) with
+    router_kwargs and `extra_kwargs` (JSON values)."""
+    r = config.routing
+    return RequestRouterConfig(
+        request_router_class=router_class, request_router_kwargs={**router_kwargs(config), **extra_kwargs},
+        request_routing_stats_period_s=r.request_routing_stats_period_s,
+        request_routing_stats_timeout_s=r.request_routing_stats_timeout_s)
+
+
 def replica_deployment(config: AppConfig):
-    s, r = config.serve, config.routing
+    s = config.serve
     opts: dict[str, Any] = dict(
         name="LLMReplica",
         **replica_placement(config),
@@ -86,10 +97,7 @@ def replica_deployment(config: AppConfig):
         graceful_shutdown_wait_loop_s=min(1.0, s.graceful_shutdown_timeout_s) or 0.1,
         health_check_period_s=s.health_check_period_s,
         health_check_timeout_s=s.health_check_timeout_s,
-        request_router_config=RequestRouterConfig(
-            request_router_class=AffinityRequestRouter, request_router_kwargs=router_kwargs(config),
-            request_routing_stats_period_s=r.request_routing_stats_period_s,
-            request_routing_stats_timeout_s=r.request_routing_stats_timeout_s),
+        request_router_config=request_router_config(config),
     )
     if config.autoscaling.enabled:
         opts["autoscaling_config"] = autoscaling_config(config)
@@ -104,6 +112,7 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     the name LLMReplica, as the ingress's target."""
     from affinity_serve.app.disagg import DecodeReplica, PrefillReplica
     from affinity_serve.app.disagg_config import pool_autoscaling, pool_engine_config
+    from affinity_serve.app.disagg_router import PREFILL_DEPLOYMENT, PDDecodeRouter, PrefillPoolRouter
     d = config.disaggregation
     base = replica_deployment(config)
     obs = config.observability
@@ -118,9 +127,15 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
                     "ray_actor_options": placement}
         return {"num_replicas": pool.num_replicas, "autoscaling_config": None, "ray_actor_options": placement}
 
-    prefill = base.options(func_or_class=PrefillReplica, name="PrefillReplica", **pool_options("prefill", d.prefill))
+    # The ingress's router over the decode pool picks each request's prefill replica first (the prefill pool's
+    # router in the ingress, on a handle it opens), then a decode replica near it (app/disagg_router.py).
+    prefill = base.options(func_or_class=PrefillReplica, name=PREFILL_DEPLOYMENT, **pool_options("prefill", d.prefill),
+                           request_router_config=request_router_config(config, PrefillPoolRouter))
     prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs)
-    decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode))
+    decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode),
+                          request_router_config=request_router_config(
+                              config, PDDecodeRouter, disaggregation=d.model_dump(
+                                  mode="json", include={"min_remote_prefill_tokens", "same_node_slack_s"})))
     return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d)
 
 

@@ -40,6 +40,11 @@ class DisaggregationSection(BaseModel):
     min_remote_prefill_tokens: int = Field(
         256, ge=0, description="a decode replica prefills a request itself when fewer prompt tokens than this are "
         "missing from its own prefix cache (a short prompt, or a later turn of a conversation it holds)")
+    same_node_slack_s: float = Field(
+        0.05, ge=0, description="the ingress chooses a request's prefill replica first (prefix affinity on the "
+        "prefill pool), then prefers a decode replica on that replica's node (the KV copy stays in the node's "
+        "object store) over a better one elsewhere when the node's best is predicted at most this many seconds "
+        "slower and to hold as much of the prompt (a decode replica holding earlier turns keeps its request)")
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="a prefill replica frees a request's held KV blocks if they were not copied out "
         "by then (the caller left)")

@@ -75,6 +75,12 @@ class Ingress:
         model_dir = self.cfg.engine.model
         assert model_dir, "builder resolves the model directory"
         self.replica = replica
+        # P/D: a router over the prefill pool in this process, which the decode pool's router asks for each
+        # request's prefill replica before it picks a decode replica near it (app/disagg_router.py)
+        self.prefill_view = None
+        if self.cfg.disaggregation.enabled and serve_ctx:
+            from affinity_serve.app.disagg_router import open_prefill_view
+            self.prefill_view = open_prefill_view(serve_ctx[0])
         self.model_name = self.cfg.serve.model_name or Path(model_dir).name
         token_ids_only = self.cfg.engine.skip_tokenizer_init      # then no tokenizer is loaded at all
         self.serving = OpenAIServing(

@@ -330,6 +330,10 @@ class GenerateRequest(EngineRequest):
     #: set by the router in this process when it places the request (a re-route replaces it): its Decision,
     #: read by the ingress at the first token for the request's routing span and metrics; not sent on
     routing: LocalOnly = field(default_factory=LocalOnly, compare=False, repr=False)
+    #: P/D (app/disagg.py): the prefill replica the ingress's router chose for this request (prefix affinity
+    #: on the prefill pool), which the decode replica's call to the prefill pool goes to first; the decode
+    #: replica was then chosen near it (same node). None: the decode replica's own prefill router decides.
+    prefill_replica: str | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,230 @@
+"""P/D routing (issue 28): the ingress picks a request's prefill replica first, then a decode replica near it.
+
+The decode pool's router in the ingress process (`PDDecodeRouter`) decides in this order:
+
+1. the decode pool's usual decision (prefix affinity on the decode replicas' caches, against load and KV room).
+   When the replica it chose is predicted to hold all but fewer than `min_remote_prefill_tokens` of the prompt
+   (a later turn of a conversation it served, a short prompt), that replica prefills the rest itself (the rule
+   DecodeReplica applies on its own cache): the prefill pool is not involved and nothing else changes;
+2. otherwise the prefill replica, by prefix affinity on the prefill pool: the prefill pool's router core in this
+   process (`PrefillPoolRouter`, on a handle the ingress opens; it follows the prefill replicas' KV events and
+   stats like any router) routes the prefill part (one token per sequence) and records it as in flight until
+   the request's first token;
+3. the decode replica again: the best candidate on the prefill replica's node goes first when it is predicted
+   to hold at least as much of the prompt as step 1's choice (so a replica holding earlier turns keeps its
+   request) and to be at most `same_node_slack_s` slower (its decode load and KV room are in that prediction);
+   the KV copy then stays in that node's object store instead of crossing nodes;
+4. the request carries the prefill replica's id (`GenerateRequest.prefill_replica`); the decode replica's call to
+   the prefill pool goes through `PrefillPoolRouter` there too, which ranks that replica first (Serve walks down
+   the ranks when it is full or gone).
+
+Load-only routing policies (power_of_two, round_robin) give no per-replica predictions: step 1's rule and step 3
+are skipped (the prefill replica is still pinned, the decode choice is Serve's).
+
+Serve pickles a router class's module by value into every process that routes: this module keeps no state of
+its own at module level (routers find each other through app/routing/debug.py, imported by reference).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from affinity_serve.app.disagg_config import DisaggregationSection
+from affinity_serve.app.protocol import GenerateRequest
+from affinity_serve.app.routing import debug
+from affinity_serve.app.routing.api import Decision, RouteRequest
+from affinity_serve.app.routing.serve_router import AffinityRequestRouter, _generate_request, _replica_key
+
+logger = logging.getLogger("affinity.router")
+
+#: the prefill pool's deployment name (app/builder.py: disagg_deployments)
+PREFILL_DEPLOYMENT = "PrefillReplica"
+
+
+def same_node_choice(decision: Decision, node_of: dict[str, str | None], node: str | None,
+                     slack_s: float) -> str | None:
+    """The decode replica to put first instead of `decision.chosen` so that it runs on `node` (the prefill
+    replica's), or None to keep the decision: the candidate on `node` with the lowest predicted TTFT among
+    those predicted to hold at least as many of the prompt's tokens as the chosen one and to be at most
+    `slack_s` slower. None also when the chosen one is on `node` already, or without scores."""
+    sc = decision.scores
+    if node is None or not len(sc) or node_of.get(decision.chosen) == node or decision.chosen not in sc.replica_ids:
+        return None
+    i0 = sc.replica_ids.index(decision.chosen)
+    best: int | None = None
+    for i, rid in enumerate(sc.replica_ids):
+        if node_of.get(rid) != node or sc.predicted_cached_tokens[i] < sc.predicted_cached_tokens[i0]:
+            continue
+        if sc.predicted_ttft_s[i] > sc.predicted_ttft_s[i0] + slack_s:
+            continue
+        if best is None or sc.predicted_ttft_s[i] < sc.predicted_ttft_s[best]:
+            best = i
+    return sc.replica_ids[best] if best is not None else None
+
+
+def _first(ranks: list[list[RunningReplica]], key: str) -> list[list[RunningReplica]]:
+    """`ranks` with the replica whose key is `key` alone in front (unchanged if it is not among them)."""
+    chosen = next((r for rank in ranks for r in rank if _replica_key(r.replica_id) == key), None)
+    if chosen is None:
+        return ranks
+    rest = [[r for r in rank if r is not chosen] for rank in ranks]
+    return [[chosen]] + [rank for rank in rest if rank]
+
+
+class PrefillPoolRouter(AffinityRequestRouter):
+    """The prefill pool's router. In a decode replica: the replica the ingress chose for the request goes first.
+    In the ingress: `pick` routes a request's prefill part for PDDecodeRouter (nothing is sent through it)."""
+
+    def initialize_state(self, routing: dict[str, Any], block_size: int, warmup_timeout_s: float = 30.0) -> None:
+        super().initialize_state(routing, block_size, warmup_timeout_s)
+        self.node_of: dict[str, str | None] = {}
+        self.num_pinned = 0
+
+    def _sync_members(self, replicas: list[RunningReplica]) -> None:
+        self.node_of = {_replica_key(r.replica_id): r.node_id for r in replicas}
+        super()._sync_members(replicas)
+
+    def _rank(self, candidates: list[RunningReplica],
+              pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        ranks = super()._rank(candidates, pending_request)
+        req = _generate_request(pending_request)
+        pin = req.prefill_replica if req is not None else None
+        if pin is None:
+            return ranks
+        out = _first(ranks, pin)
+        if out is not ranks:
+            self.num_pinned += 1
+        return out
+
+    def pick(self, req: GenerateRequest) -> tuple[str, str | None] | None:
+        """The prefill replica for `req` and its node (None: no replica known), recorded in this router's core
+        as in flight (`release` ends it). Run on the router loop."""
+        ids = [k for k in self._clients if k in self.node_of]
+        if not ids:
+            return None
+        p = req.sampling_params
+        route = RouteRequest(req.req_id, list(req.block_hashes or []), len(req.prompt_token_ids), max(1, p.n),
+                             None)
+        decision = self.core.route(route, ids)
+        if not decision.chosen:
+            return None
+        return decision.chosen, self.node_of.get(decision.chosen)
+
+    def release(self, req_id: str, first_token: bool) -> None:
+        """The prefill part of `req_id` is over (its first token came: the TTFT model learns from it)."""
+        if first_token:
+            self.core.on_first_token(req_id)
+        self.core.on_finished(req_id)
+
+
+class PDDecodeRouter(AffinityRequestRouter):
+    """The decode pool's router (the ingress's handle): decides the prefill replica and the decode replica
+    together, in the order the module docstring gives. kwargs: AffinityRequestRouter's plus the
+    `disaggregation` section as JSON."""
+
+    def initialize_state(self, routing: dict[str, Any], block_size: int, disaggregation: dict[str, Any] | None = None,
+                         warmup_timeout_s: float = 30.0) -> None:
+        super().initialize_state(routing, block_size, warmup_timeout_s)
+        d = DisaggregationSection.model_validate(disaggregation or {})
+        self.min_remote_prefill_tokens = d.min_remote_prefill_tokens
+        self.same_node_slack_s = d.same_node_slack_s
+        self.node_of: dict[str, str | None] = {}
+        self._picks: dict[str, PrefillPoolRouter] = {}
+        self.pd_counters = {"prefill_picked": 0, "local": 0, "same_node": 0, "moved_to_prefill_node": 0,
+                            "other_node": 0, "no_prefill_view": 0}
+
+    def _sync_members(self, replicas: list[RunningReplica]) -> None:
+        self.node_of = {_replica_key(r.replica_id): r.node_id for r in replicas}
+        super()._sync_members(replicas)
+
+    def _prefill_router(self) -> PrefillPoolRouter | None:
+        """The prefill pool's router in this process (the ingress opens a handle on that pool), if it runs
+        on this router's loop and knows some replica."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        for r in reversed(debug.routers_for(self._deployment_id.app_name, PREFILL_DEPLOYMENT)):
+            # Serve runs every router of a process on one loop (its router thread, or the replica's loop)
+            if hasattr(r, "pick") and r._clients and getattr(r, "_lazily_fetched_loop", None) in (None, loop):
+                return r
+        return None
+
+    def _remote_prefill(self, req: GenerateRequest, decision: Decision | None) -> bool:
+        """Whether the decode replica of `decision` will call the prefill pool (DecodeReplica._route's rule
+        on the router's prediction of its cache)."""
+        if req.sampling_params.max_tokens <= 1:
+            return False
+        score = decision.score_of(decision.chosen) if decision is not None else None
+        cached = score.predicted_cached_tokens if score is not None else 0
+        return len(req.prompt_token_ids) - cached >= self.min_remote_prefill_tokens
+
+    def _rank(self, candidates: list[RunningReplica],
+              pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        ranks = super()._rank(candidates, pending_request)
+        req = _generate_request(pending_request)
+        if req is None:
+            return ranks
+        self._release(req.req_id, first_token=False)          # a re-route decides again
+        req.prefill_replica = None
+        decision = req.routing.value
+        if not self._remote_prefill(req, decision):
+            self.pd_counters["local"] += 1
+            return ranks
+        prefill = self._prefill_router()
+        picked = prefill.pick(req) if prefill is not None else None
+        if picked is None:
+            self.pd_counters["no_prefill_view"] += 1
+            return ranks
+        key, node = picked
+        req.prefill_replica = key
+        self._picks[req.req_id] = prefill
+        self.pd_counters["prefill_picked"] += 1
+        move = same_node_choice(decision, self.node_of, node, self.same_node_slack_s) if decision else None
+        if move is not None:
+            ranks = _first(ranks, move)
+            decision.chosen = move
+            decision.ranked = [move] + [k for k in decision.ranked if k != move]
+            self.pd_counters["moved_to_prefill_node"] += 1
+        first = ranks[0][0] if ranks and len(ranks[0]) == 1 else None
+        if first is not None and node is not None:
+            self.pd_counters["same_node" if first.node_id == node else "other_node"] += 1
+        return ranks
+
+    def _release(self, req_id: str, first_token: bool) -> None:
+        prefill = self._picks.pop(req_id, None)
+        if prefill is not None:
+            try:
+                prefill.release(req_id, first_token)
+            except Exception:
+                logger.exception("routing: releasing the prefill pick of %s failed", req_id)
+
+    def on_first_token(self, req_id: str, num_cached_tokens: int) -> None:
+        super().on_first_token(req_id, num_cached_tokens)
+        self._release(req_id, first_token=True)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        ids = self._calls.get((internal_request_id, _replica_key(replica_id))) or []
+        done = ids[0] if ids else None
+        super().on_request_completed(replica_id, internal_request_id)
+        if done is not None:
+            self._release(done, first_token=False)
+
+    def state(self, num_decisions: int) -> dict[str, Any]:
+        return {**super().state(num_decisions), "disaggregation": dict(self.pd_counters)}
+
+
+def open_prefill_view(app_name: str) -> Any:
+    """In the ingress: a handle on the prefill pool, initialised so that its router (PrefillPoolRouter) runs in
+    this process and follows that pool (PDDecodeRouter asks it for each request's prefill replica). Keep the
+    returned handle: the router lives as long as it. Nothing is ever sent through it."""
+    from ray import serve
+    handle = serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app_name)
+    handle._init()
+    return handle
+
+
+__all__ = ["PDDecodeRouter", "PrefillPoolRouter", "PREFILL_DEPLOYMENT", "open_prefill_view", "same_node_choice"]
