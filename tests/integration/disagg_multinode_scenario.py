@@ -1,0 +1,168 @@
+"""P/D node preference on a simulated 3-node cluster, run as its own process (one process can join only one Ray
+cluster, and pytest's session Ray lives in the test process): `python -m tests.integration.disagg_multinode_scenario
+WORKDIR`. A ray.cluster_utils.Cluster on 127.0.0.1: the head (ingress, controller, proxy; `cpu_node`), node A
+(`prefill_slot` and `decode_slot`) and node B (`decode_slot`), so 1 prefill replica runs on A and the 2 decode
+replicas on A and B. It sends distinct prompts, each long enough for the prefill pool, one at a time and records
+which decode replica served each (the response's system_fingerprint), the ingress's P/D routing counters and
+the greedy tokens, against one unified engine's. The last stdout line is one JSON object;
+tests/integration/test_disagg_multinode.py asserts on it."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import httpx  # noqa: E402
+
+from tests.integration.waiting import wait_until  # noqa: E402
+
+APP = "pdmultinode"
+BLOCK = 4
+MIN_REMOTE = 12
+NUM_PROMPTS = 8
+MAX_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(rng.randrange(24, 48))]
+
+
+def _states(dep: str) -> dict[str, int]:
+    from ray import serve
+    st = serve.status().applications.get(APP)
+    d = st.deployments.get(dep) if st else None
+    return dict(d.replica_states) if d else {}
+
+
+def _placement() -> dict[str, dict[str, str]]:
+    """Replica id -> node id per deployment, from the GCS actor table (no dashboard needed)."""
+    from ray._private import state
+    out: dict[str, dict[str, str]] = {"LLMReplica": {}, "PrefillReplica": {}, "Ingress": {}}
+    for a in state.actors().values():
+        name = a.get("Name") or ""
+        if a["State"] != "ALIVE" or not name.startswith(f"SERVE_REPLICA::{APP}#"):
+            continue
+        _, dep, rid = name.split("#")
+        out.setdefault(dep, {})[rid] = a["Address"]["NodeID"]
+    return out
+
+
+def _pd_counters() -> dict:
+    from ray import serve
+    st = serve.get_app_handle(APP).routing_decisions.remote(0).result(timeout_s=30)
+    return st["routers"][0].get("disaggregation", {}) if st["routers"] else {}
+
+
+def _complete(c: httpx.Client, url: str, prompt: list[int]) -> dict:
+    r = c.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                               "ignore_eos": True, "return_token_ids": True})
+    body = r.json()
+    if r.status_code != 200:
+        return {"status": r.status_code, "error": body}
+    return {"status": 200, "replica": body["system_fingerprint"].removeprefix("replica:"),
+            "token_ids": body["choices"][0]["token_ids"]}
+
+
+def scenario(workdir: Path) -> dict:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from affinity_serve.app.builder import build_app, serve_start_options
+    from affinity_serve.app.config import AppConfig
+    from affinity_serve.engine import LLM, SamplingParams
+    from affinity_serve.engine.demo import write_demo_model
+
+    out: dict = {"timings_s": {}}
+    t0 = time.monotonic()
+    model = write_demo_model(workdir / "model", seed=11)
+    node_args = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(**node_args, include_dashboard=False,
+                                                                resources={"cpu_node": 10}))
+    node_a = cluster.add_node(**node_args, resources={"prefill_slot": 1, "decode_slot": 1})
+    node_b = cluster.add_node(**node_args, resources={"decode_slot": 1})
+    cluster.wait_for_nodes()
+    out["nodes"] = {"head": cluster.head_node.node_id, "a": node_a.node_id, "b": node_b.node_id}
+    try:
+        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        port = _free_port()
+        engine = {"model": str(model), "num_threads": 1, "cache": {"num_blocks": 512, "block_size": BLOCK}}
+        cfg = AppConfig.from_dict({
+            "engine": engine,
+            "serve": {"port": port, "replica_num_cpus": 0.5, "ingress_resources": {"cpu_node": 1},
+                      "max_ongoing_requests": 4, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+                      "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 60.0, "model_name": "demo"},
+            "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
+            # idle decode replicas, but stale stats on this busy machine can put tens of ms between their
+            # predictions: a slack of 0.5 s keeps "comparable" meaning comparable here
+            "disaggregation": {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "same_node_slack_s": 0.5,
+                               "prefill": {"num_replicas": 1, "replica_resources": {"prefill_slot": 1}},
+                               "decode": {"num_replicas": 2, "replica_resources": {"decode_slot": 1}}},
+            "observability": {"traces": "none"}})
+        serve.start(**serve_start_options(cfg))
+        serve.run(build_app(cfg), name=APP, route_prefix="/")
+        wait_until(lambda: _states("LLMReplica") == {"RUNNING": 2} and _states("PrefillReplica") == {"RUNNING": 1},
+                   120, "1 prefill and 2 decode replicas running")
+        out["timings_s"]["deployed"] = time.monotonic() - t0
+        out["placement"] = _placement()
+        url = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=120) as c:
+            # the ingress's router over the prefill pool needs to know its replica (it follows that pool
+            # from the ingress's start; a short prompt is served by a decode replica alone)
+            for k in range(60):
+                warm = _complete(c, url, _prompt(10_000 + k))
+                if warm["status"] != 200 or _pd_counters().get("prefill_picked", 0) > 0:
+                    break
+                time.sleep(0.5)
+            out["warmup"] = {"requests": k + 1, "status": warm["status"]}
+            before = _pd_counters()
+            results = [_complete(c, url, _prompt(i)) for i in range(NUM_PROMPTS)]
+            import re
+
+            def reads() -> float:
+                text = c.get(f"{url}/metrics").text
+                return sum(float(v) for v in re.findall(
+                    r'^affinity_pd_transfers_total\{[^}]*outcome="read"[^}]*\} (\S+)$', text, re.M))
+            try:
+                out["kv_reads"] = wait_until(lambda: (n := reads()) >= NUM_PROMPTS and n, 30, "the KV reads")
+            except AssertionError:
+                out["kv_reads"] = reads()
+        out["pd_counters_before"] = before
+        out["pd_counters"] = _pd_counters()
+        llm = LLM(str(model), cache={"num_blocks": 256, "block_size": BLOCK})
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids for i in range(NUM_PROMPTS)]
+        out["requests"] = [{**r, "unified": list(u)} for r, u in zip(results, unified)]
+        out["timings_s"]["total"] = time.monotonic() - t0
+        return out
+    finally:
+        try:
+            serve.shutdown()
+            ray.shutdown()
+        finally:
+            cluster.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    workdir = Path(argv[0]) if argv else Path.cwd()
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(scenario(workdir)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
