@@ -114,7 +114,8 @@ class LLMReplica:
                     first_token = now
                     self.signals.on_first_token(now, now - arrival, d.num_prompt_tokens - d.num_cached_tokens,
                                                 refilled_tokens(d.num_prompt_tokens, d.num_cached_tokens,
-                                                                req.cached_on, self.replica_id))
+                                                                req.cached_on, self.replica_id),
+                                                d.num_prompt_tokens)
                 num_output_tokens[d.index] = num_output_tokens.get(d.index, 0) + len(d.token_ids)
                 chunk = ReplicaChunk.of(d, self.replica_id)
                 if d.finished:

@@ -10,11 +10,13 @@ The rule (docs/autoscaling.md writes it out):
    (`replica_capacity`, `decode_capacity`), the configured priors otherwise.
    KV usage adds a floor: the fleet's held KV (grown to its sequences' life's mean) over the KV target. A rising load
    is projected
-   `trend_lead_s` ahead (its slope over `trend_window_s`), as new replicas serve only after their start-up.
+   the replicas' measured start-up time ahead (`trend_lead_s` until one came up; its slope over
+   `trend_window_s`), as new replicas serve only after their start-up.
    A jump in the work per request (longer prompts, a cache that stops hitting) is read from the requests
    waiting as soon as they queue (`queued_cost_projection`), not only as the served rate catches up.
 2. Scale up when that needs more replicas at `target_utilization` or leaves less spare capacity than
-   `headroom_z` standard deviations of the arrivals expected within one TTFT SLO, or (reactively) when the observed
+   `headroom_z` standard deviations of the arrivals expected within one TTFT SLO, or fewer replicas than carry a
+   prefix cache that stops hitting until new ones serve (`cache_loss_headroom`), or (reactively) when the observed
    TTFT / TPOT p90 passes its SLO (by how far it is past it) or replicas preempt above
    `preemption_rate_threshold` per replica for `preemption_persist_s` (one more replica). Scale down only
    when the load inflated by target / downscale utilization fits in fewer replicas by the up rule and
@@ -87,6 +89,10 @@ class PolicyConfig(BaseModel):
     trend_lead_s: float = Field(10.0, ge=0, description="size the fleet for the load this far ahead on its "
                                 "rising trend (about a replica's start-up time; 0: off)")
     trend_window_s: float = Field(30.0, ge=0, description="the trend is the load's slope over this window")
+    measured_startup: bool = Field(True, description="project the trend over the replicas' measured start-up "
+                                   "time (from a scale-up to the new replica's first report, mean of the last "
+                                   "STARTUP_SAMPLES) instead of trend_lead_s, once one has been measured; "
+                                   "trend_lead_s 0 still turns the trend off")
     refill_weight: float = Field(1.0, ge=0, le=1, description="how much prefill of prefixes the router saw "
                                  "cached on another replica counts as load (a one-off cost of moving them)")
     online_capacity: bool = Field(True, description="learn each replica's prefill rate and decode capacity from "
@@ -98,6 +104,9 @@ class PolicyConfig(BaseModel):
                                          "hitting) counts as soon as such requests queue")
     overload_skips_delay: bool = Field(True, description="an up step whose load already exceeds the current "
                                        "replicas' capacity acts without upscale_delay_s")
+    cache_loss_headroom: bool = Field(True, description="keep the spare capacity that absorbs, for one replica "
+                                      "start-up, the prefill the prefix cache saves now if it stopped hitting: "
+                                      "replicas >= (load + saved prefill) / (1 + ttft_slo_s / start-up time)")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -126,6 +135,7 @@ class FleetLoad:
     num_replicas: int = 0          # reporting
     requests_per_s: float = 0.0    # arrivals (first tokens) per second, fleet-wide
     trend_units: float = 0.0       # the rising trend's extra load at trend_lead_s ahead (>= 0)
+    cached_units: float = 0.0      # the prefill the prefix cache saves (all prompt tokens - uncached) / R
 
     @property
     def load_units(self) -> float:
@@ -151,6 +161,15 @@ class PolicyState:
     preempt_since: float | None = None   # preemptions above the threshold since then
     #: (time, load units) samples over the last trend_window_s, at most TREND_POINTS of them, oldest first
     load_history: tuple[tuple[float, float], ...] = ()
+    #: replicas asked for and not reporting yet: (time asked, how many), oldest first
+    starting: tuple[tuple[float, int], ...] = ()
+    #: the last STARTUP_SAMPLES measured start-up times (scale-up to first report), oldest first
+    startup_samples: tuple[float, ...] = ()
+
+    @property
+    def startup_s(self) -> float | None:
+        """The measured start-up time of a replica (mean of the recent samples); None before one came up."""
+        return sum(self.startup_samples) / len(self.startup_samples) if self.startup_samples else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +263,12 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     def weighted(attr: str) -> float:
         return sum(getattr(s, attr) * s.num_recent_requests for s in signals) / recent if recent else 0.0
 
+    # What the prefix cache saves: the whole prompts' tokens of the recent first tokens minus their uncached
+    # ones (replicas that do not report whole prompts count none).
+    saved = sum(max(0.0, s.prompt_tokens_per_s - s.prefill_tokens_per_s) for s in signals
+                if s.prompt_tokens_per_s > 0)
     return FleetLoad(
-        prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r,
+        prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
         kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
@@ -273,10 +296,56 @@ def incoming_prefill_tokens_per_s(s: ReplicaSignals, cfg: PolicyConfig) -> float
 
 
 TREND_POINTS = 32
+#: how many recent start-up times the measured start-up averages
+STARTUP_SAMPLES = 8
+
+
+def _track_startup(state: PolicyState, now: float, reporting: int, current: int) -> PolicyState:
+    """Replicas that began reporting since the last call are matched, oldest first, to the scale-ups still
+    waiting for theirs (`starting`); each match is one start-up time sample (now - time asked). Replicas no
+    scale-up asked for (the first ones, a replacement Serve started) give no sample. A scale-down cancels the
+    newest waiting asks first (Serve stops replicas still starting before running ones), so at most
+    current - reporting replicas are waiting."""
+    starting = list(state.starting)
+    samples = list(state.startup_samples)
+    came_up = reporting - state.num_reporting
+    while came_up > 0 and starting:
+        t, k = starting[0]
+        took = min(k, came_up)
+        samples += [now - t] * took
+        came_up -= took
+        starting[0] = (t, k - took)
+        if starting[0][1] == 0:
+            starting.pop(0)
+    return replace(state, starting=_trim_starting(tuple(starting), max(0, current - reporting)),
+                   startup_samples=tuple(samples[-STARTUP_SAMPLES:]))
+
+
+def _trim_starting(starting: tuple[tuple[float, int], ...], limit: int) -> tuple[tuple[float, int], ...]:
+    """`starting` with its newest asks cut so that at most `limit` replicas are waiting."""
+    out = list(starting)
+    excess = sum(k for _, k in out) - limit
+    while excess > 0 and out:
+        t, k = out[-1]
+        cut = min(k, excess)
+        excess -= cut
+        out[-1] = (t, k - cut)
+        if out[-1][1] == 0:
+            out.pop()
+    return tuple(out)
+
+
+def trend_lead_s(state: PolicyState, cfg: PolicyConfig) -> float:
+    """How far ahead the rising trend is projected: the measured start-up time of a replica (a new replica
+    serves only after it), or `trend_lead_s` before one was measured, with `measured_startup` off, or with the
+    trend off (`trend_lead_s` 0)."""
+    if cfg.trend_lead_s <= 0 or not cfg.measured_startup or state.startup_s is None:
+        return cfg.trend_lead_s
+    return state.startup_s
 
 
 def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
-           cfg: PolicyConfig) -> tuple[tuple[tuple[float, float], ...], float]:
+           cfg: PolicyConfig, lead_s: float | None = None) -> tuple[tuple[tuple[float, float], ...], float]:
     """The load history with (now, units) added (one sample per trend_window_s / TREND_POINTS) and the
     rising trend's extra load at trend_lead_s ahead: the least-squares slope of the samples, once they span
     half the window, times the lead; 0 when the load is flat or falling."""
@@ -293,7 +362,7 @@ def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
     mu = sum(u for _, u in history) / n
     var = sum((t - mt) ** 2 for t, _ in history)
     slope = sum((t - mt) * (u - mu) for t, u in history) / var if var > 0 else 0.0
-    return history, max(0.0, slope) * cfg.trend_lead_s
+    return history, max(0.0, slope) * (cfg.trend_lead_s if lead_s is None else lead_s)
 
 
 def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0) -> float:
@@ -308,6 +377,18 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
     return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
+
+
+def cache_loss_replicas(load: FleetLoad, cfg: PolicyConfig, startup_s: float) -> float:
+    """Replicas that absorb a prefix cache that stops hitting, for the start-up time of the replicas it then
+    asks for: the prefill per request jumps by what the cache saves now (`cached_units`), and until new
+    replicas serve (`startup_s`) the x replicas there are must carry load + saved, each queueing at most
+    ttft_slo_s of work over the start-up: x + x x ttft_slo_s / startup_s >= load + saved. 0 while the cache
+    saves nothing."""
+    if load.cached_units <= 0:
+        return 0.0
+    slack = cfg.ttft_slo_s / startup_s if startup_s > 0 else 0.0
+    return (load.projected_units + load.cached_units) / (1.0 + slack)
 
 
 def preempting(load: FleetLoad, cfg: PolicyConfig) -> bool:
@@ -331,8 +412,9 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     """The target replica count for `current` replicas (the count the fleet is heading to) given the
     reporting replicas' `signals` and `num_queued_at_callers` requests waiting for any replica."""
     load = fleet_load(signals, cfg, num_queued_at_callers)
+    state = _track_startup(state, now, len(signals), current)
     if signals:
-        history, trend = _trend(state.load_history, now, load.load_units, cfg)
+        history, trend = _trend(state.load_history, now, load.load_units, cfg, trend_lead_s(state, cfg))
         load = replace(load, trend_units=trend)
         state = replace(state, load_history=history)
     # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
@@ -353,7 +435,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
-    up_need = max(replicas_needed(load.projected_units, cfg, per_unit), load.kv_units)
+    cache_floor = cache_loss_replicas(load, cfg, trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0
+    up_need = max(replicas_needed(load.projected_units, cfg, per_unit), load.kv_units, cache_floor)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
@@ -378,12 +461,16 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = cfg.target_utilization / cfg.downscale_utilization
-    down_target = max(1, math.ceil(max(replicas_needed(load.projected_units * inflate, cfg, per_unit),
-                                       load.kv_units * inflate) - 1e-9))
+    down_need = replicas_needed(load.projected_units * inflate, cfg, per_unit)
+    down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9))
 
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
-        return ScalingDecision(max(cfg.min_replicas, min(cfg.max_replicas, target)), reason, load, st,
-                               up_target, down_target)
+        target = max(cfg.min_replicas, min(cfg.max_replicas, target))
+        if target > current:                     # the new replicas' start-up is measured when they report
+            st = replace(st, starting=st.starting + ((now, target - current),))
+        elif target < current:                   # Serve stops the replicas still starting first
+            st = replace(st, starting=_trim_starting(st.starting, max(0, target - len(signals))))
+        return ScalingDecision(target, reason, load, st, up_target, down_target)
 
     if current == 0:
         if not idle:

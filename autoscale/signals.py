@@ -15,7 +15,7 @@ METRIC_KEYS = ("num_running", "num_waiting", "num_in_flight", "kv_cache_usage", 
                "preemptions_per_s", "prefill_tokens_per_s", "refill_tokens_per_s", "ttft_p90_s", "tpot_p90_s",
                "num_recent_requests", "requests_per_s", "step_base_s", "prefill_s_per_token",
                "decode_s_per_context_token", "mean_context_tokens", "mean_prompt_tokens", "mean_output_tokens",
-               "max_num_seqs")
+               "max_num_seqs", "prompt_tokens_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,9 @@ class ReplicaSignals:
     mean_prompt_tokens: float = 0.0        # prompt and output lengths of the sequences finished in the window
     mean_output_tokens: float = 0.0
     max_num_seqs: float = 0.0              # the engine's batch cap
+    #: all prompt tokens (the cached ones too) of the first tokens in the recent window, per second: what the
+    #: prefill would be if the prefix cache stopped hitting (0: not reported)
+    prompt_tokens_per_s: float = 0.0
 
     @classmethod
     def from_metrics(cls, m: Mapping[str, float]) -> ReplicaSignals:
@@ -120,8 +123,8 @@ class SignalRecorder:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 (got {window_s})")
         self.window_s = window_s
-        #: (t, ttft, uncached tokens, of them refilled: cached on another replica)
-        self._first: deque[tuple[float, float, int, int]] = deque(maxlen=max_samples)
+        #: (t, ttft, uncached tokens, of them refilled: cached on another replica, all prompt tokens)
+        self._first: deque[tuple[float, float, int, int, int]] = deque(maxlen=max_samples)
         self._tpot: deque[tuple[float, float]] = deque(maxlen=max_samples)          # (t, time per output token)
         #: (t, prompt tokens, output tokens) of finished sequences whose prompt length was given
         self._lengths: deque[tuple[float, int, int]] = deque(maxlen=max_samples)
@@ -131,11 +134,13 @@ class SignalRecorder:
         self.totals = {"num_first_tokens": 0, "uncached_prompt_tokens": 0, "refilled_tokens": 0}
 
     def on_first_token(self, now: float, ttft_s: float, num_uncached_prompt_tokens: int,
-                       num_refilled_tokens: int = 0) -> None:
+                       num_refilled_tokens: int = 0, num_prompt_tokens: int = 0) -> None:
         """`num_refilled_tokens`: of the uncached tokens, those the router predicted another replica held
-        (`refilled_tokens`)."""
+        (`refilled_tokens`). `num_prompt_tokens`: the whole prompt, cached part included (0: not given, taken
+        as the uncached tokens)."""
         refilled = max(0, min(num_refilled_tokens, num_uncached_prompt_tokens))
-        self._first.append((now, ttft_s, num_uncached_prompt_tokens, refilled))
+        prompt = max(num_prompt_tokens, num_uncached_prompt_tokens)
+        self._first.append((now, ttft_s, num_uncached_prompt_tokens, refilled, prompt))
         self.totals["num_first_tokens"] += 1
         self.totals["uncached_prompt_tokens"] += num_uncached_prompt_tokens
         self.totals["refilled_tokens"] += refilled
@@ -183,6 +188,7 @@ class SignalRecorder:
             kv_cache_usage=kv_cache_usage, num_queued_prefill_tokens=num_queued_prefill_tokens,
             preemptions_per_s=preempt_rate, prefill_tokens_per_s=sum(x[2] for x in self._first) / span,
             refill_tokens_per_s=sum(x[3] for x in self._first) / span,
+            prompt_tokens_per_s=sum(x[4] for x in self._first) / span,
             ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else 0.0,
             tpot_p90_s=float(np.percentile(tpots, 90)) if tpots else 0.0,
             num_recent_requests=len(ttfts), requests_per_s=len(ttfts) / span,

@@ -462,7 +462,8 @@ class AutoscaleSim:
             self.cached[i] = res.num_cached_tokens[rid]
             num_prompt, num_cached = len(reqs[i].prompt_token_ids), res.num_cached_tokens[rid]
             rep.recorder.on_first_token(self.now, self.now - self.release[i], num_prompt - num_cached,
-                                        refilled_tokens(num_prompt, num_cached, self.cached_on[i], f"r{k}"))
+                                        refilled_tokens(num_prompt, num_cached, self.cached_on[i], f"r{k}"),
+                                        num_prompt)
             self.router.now = self.now
             self.router.core.on_first_token(rid, res.num_cached_tokens[rid])
         for rid in res.finished_ids:

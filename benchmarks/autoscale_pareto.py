@@ -9,7 +9,8 @@ For each workload and fleet size it runs
   noise, which sizes small fleets more than the utilization does), the first of each being the operating
   point (the defaults: 0.8, 2);
 - ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom, no
-  queued-cost projection, no overload skip of the up delay, and neither of those two (the policy before them);
+  queued-cost projection, no overload skip of the up delay, neither of those two (the policy before them), no
+  cache-loss headroom, and the trend projected over trend_lead_s instead of the measured start-up;
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 and reports, at our operating point, the replica-seconds Serve's best tuning needs for the same TTFT SLO
 attainment, linearly interpolated along Serve's Pareto frontier (its non-dominated points), and our
@@ -186,7 +187,9 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("no queued-cost projection", dict(queued_cost_projection=False)),
                             ("no overload skip of the up delay", dict(overload_skips_delay=False)),
                             ("neither (the policy before)", dict(queued_cost_projection=False,
-                                                                 overload_skips_delay=False))):
+                                                                 overload_skips_delay=False)),
+                            ("no cache-loss headroom", dict(cache_loss_headroom=False)),
+                            ("no measured start-up", dict(measured_startup=False))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
@@ -314,6 +317,8 @@ def main() -> None:
     p.add_argument("--c-prior", "--decode-seqs", dest="c_prior", type=float, default=None,
                    help="ours' prior decode_seqs_per_replica (default: 48 on the mix pool, 12 on base)")
     p.add_argument("--speeds", default="", help="heterogeneous fleet: replica k runs speeds[k %% len] x slower")
+    p.add_argument("--startup", type=float, default=10.0, help="seconds from asking for a replica to its serving "
+                   "(ours' trend_lead_s stays 10: the measured start-up replaces it once a replica came up)")
     p.add_argument("--max-ongoing", type=int, default=0,
                    help="Serve's max_ongoing_requests per replica (the rest wait at the caller); 0: no cap")
     p.add_argument("--out-dir", default="benchmarks/autoscale-results")
@@ -354,7 +359,7 @@ def main() -> None:
                 trace = mix_trace(kind, n, a.duration, a.load, a.seed)
             a_run = argparse.Namespace(**{**vars(a), "c_prior": a.c_prior or c_prior})
             cfg = SimConfig(min_replicas=1, max_replicas=n, ttft_slo_s=a.ttft_slo, speeds=speeds, event_frac=event,
-                            max_ongoing=a.max_ongoing)
+                            max_ongoing=a.max_ongoing, startup_s=a.startup)
             results = []
             for pol in policies(n, spec, a_run):
                 res = AutoscaleSim(trace, pol, cfg, spec, TimingModel(), a.seed).run()
@@ -363,6 +368,7 @@ def main() -> None:
                 results.append(res)
             s = summarize(results)
             key = (f"{kind}, {n} replicas" + (f", speeds {a.speeds}" if speeds else "")
+                   + (f", start-up {a.startup:g} s" if a.startup != 10.0 else "")
                    + (f", cap {a.max_ongoing}" if a.max_ongoing else ""))
             print(table(results, s, f"{key}: {len(trace.requests)} requests over {trace.meta.duration_s:.0f} s"),
                   flush=True)
@@ -376,6 +382,7 @@ def main() -> None:
          ).write_text(json.dumps({"args": vars(a), "runs": all_runs}, indent=1))
         return
     tag = (f"{a.workloads.replace(',', '-')}_n{a.fleets.replace(',', '-')}" + ("_het" if speeds else "")
+           + (f"_startup{a.startup:g}" if a.startup != 10.0 else "")
            + (f"_cap{a.max_ongoing}" if a.max_ongoing else ""))
     (out / f"autoscale_pareto_{tag}.json").write_text(json.dumps({"args": vars(a), "runs": all_runs}, indent=1))
     plot(all_runs, out / f"autoscale_pareto_{tag}.png")
