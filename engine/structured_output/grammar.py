@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, wait
 
 import numpy as np
@@ -50,9 +50,11 @@ class GrammarState:
             self._matcher = m
         return self._matcher
 
-    def accept(self, token_ids: Iterable[int]) -> bool:
+    def accept(self, token_ids: Sequence[int]) -> bool:
         """Advance over sampled tokens; False if one is outside the grammar (then the rest are not taken)."""
-        m = self.matcher
+        m = self._matcher if self._matcher is not None else self.matcher
+        if len(token_ids) == 1:                                 # a decode step's one token
+            return m.accept_token(token_ids[0])
         return all(m.accept_token(t) for t in token_ids)      # False past the grammar's end too
 
     @property

@@ -24,8 +24,15 @@ if TYPE_CHECKING:
 _CACHE_SIZE = 512
 #: from this many constrained rows a step fills the bitmask in one call of xgrammar's batch matcher
 _BATCH_FILL_MIN_ROWS = 8
-#: a batch fill expected to take longer than this (the last fill's time a row x rows) uses xgrammar's threads
+#: a batch fill expected to take longer than this (the time a row x rows) may use xgrammar's threads, and
+#: does where they measured faster a row than the calling thread alone: waking them costs ~70 us, and where
+#: torch's threads hold the cores they lose (2 shared cores, 32 rows: 0.54-1.1 ms against 0.2 ms alone)
 _THREADED_FILL_MIN_S = 200e-6
+#: the time a row of the mode in use is a moving average of this weight; the other mode is tried again every
+#: _FILL_PROBE_EVERY batch fills (the machine's load changes), and that fill's time replaces its own
+_FILL_EMA = 0.25
+_FILL_PROBE_EVERY = 64
+_clock = time.perf_counter          # the fills' timer (a test sets it)
 #: from this many, with fill_on_thread, on the worker thread (fewer fill in less than the hand-off costs)
 _THREAD_FILL_MIN_ROWS = 4
 
@@ -89,7 +96,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._batch_matchers: dict[int, Any] = {}  # xgrammar's BatchGrammarMatcher by its thread count
-        self._fill_s_per_row = 0.0                  # the last fill's time a row
+        #: a fill's time a row (moving average) with xgrammar's threads (True) and without (False)
+        self._fill_s_per_row: dict[bool, float | None] = {False: None, True: None}
+        self._num_batch_fills = 0
+        self._last_fill_threaded = False
         #: the last filled word's bits for ids below _fill_vocab_size (xgrammar may set the others)
         self._tail_word = -1
         self.num_compiles = 0
@@ -178,16 +188,19 @@ class StructuredOutputManager:
                              pin_memory=self.pin_memory)
         # xgrammar wants exactly its vocabulary's width: a narrower buffer where the logits are padded
         target = torch.empty((len(matchers), fill_words), dtype=torch.int32) if padded else bitmask
-        t0 = time.perf_counter()
-        if len(matchers) >= _BATCH_FILL_MIN_ROWS:
-            # one call for the batch; xgrammar's threads only once a fill is slow enough to pay their wake-up
-            # (~70 us for 32 rows on 2 cores: more than a whole fill of most grammars on a real vocabulary)
-            threaded = self._fill_s_per_row * len(matchers) > _THREADED_FILL_MIN_S
+        t0 = _clock()
+        threaded = False
+        if len(matchers) >= _BATCH_FILL_MIN_ROWS:           # one call for the batch
+            threaded = self._use_threads(len(matchers))
             self._batch_matcher(threaded).batch_fill_next_token_bitmask(matchers, target)
         else:
             for i, m in enumerate(matchers):
                 m.fill_next_token_bitmask(target, i)
-        self._fill_s_per_row = (time.perf_counter() - t0) / len(matchers)
+        s_per_row = (_clock() - t0) / len(matchers)
+        # the mode in use is averaged; a probe of the other replaces its stale time
+        last = self._fill_s_per_row[threaded] if threaded == self._last_fill_threaded else None
+        self._fill_s_per_row[threaded] = s_per_row if last is None else last + _FILL_EMA * (s_per_row - last)
+        self._last_fill_threaded = threaded
         if padded:
             target[:, -1] &= self._tail_word
             bitmask[:, :fill_words] = target
@@ -196,6 +209,18 @@ class StructuredOutputManager:
             # (json.loads refuses them); compact JSON needs none anywhere, so none are allowed
             bitmask[json_rows] &= self._no_control_bytes
         return bitmask
+
+    def _use_threads(self, num_rows: int) -> bool:
+        """Whether this batch fill uses xgrammar's threads: only a slow fill, and then the mode measured faster
+        a row (threads tried once first, and the mode not in use every _FILL_PROBE_EVERY fills)."""
+        alone, threaded = self._fill_s_per_row[False], self._fill_s_per_row[True]
+        self._num_batch_fills += 1
+        if alone is None or alone * num_rows <= _THREADED_FILL_MIN_S or (os.cpu_count() or 1) < 2:
+            return False
+        if threaded is None:
+            return True
+        faster = threaded < alone
+        return faster != (self._num_batch_fills % _FILL_PROBE_EVERY == 0)
 
     def _batch_matcher(self, threaded: bool):
         """xgrammar's batch matcher: with its threads (up to 8), or filling on the calling thread."""

@@ -377,3 +377,55 @@ def test_a_padded_vocabulary_still_gives_valid_outputs(tmp_path):
         jsonschema.validate(json.loads(text), SCHEMAS[int(req_id[1:])])
     _assert_released(eng)
     eng.close()
+
+
+def test_xgrammars_threads_fill_only_where_they_measured_faster(tmp_path, monkeypatch):
+    """A batch fill uses xgrammar's threads only when a fill is slow enough and they measured faster a row
+    than the calling thread alone (they were 2.5-5x slower on two shared cores); the mode not in use is tried
+    again every _FILL_PROBE_EVERY fills; both modes fill the same bitmask."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    import affinity_serve.engine.structured_output.manager as manager
+    from affinity_serve.engine.demo import write_demo_model
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    mgr = manager.StructuredOutputManager(tok, max(tok.get_vocab().values()) + 1, [eos])
+    states = [mgr.new_state(StructuredOutputSpec(regex="[a-z ]+")) for _ in range(16)]
+    for st in states:
+        st._future.result()
+        assert st.matcher.accept_string("ab")
+    monkeypatch.setattr(manager.os, "cpu_count", lambda: 4)
+    rows = [st.matcher for st in states]
+    used: list[bool] = []
+    real = mgr._batch_matcher
+    monkeypatch.setattr(mgr, "_batch_matcher", lambda threaded: used.append(threaded) or real(threaded))
+    clock = []                                # the fake clock's readings left: a fill's start and end
+
+    def fill(alone_s: float, threaded_s: float | None = None):
+        """One fill that takes `alone_s` a row alone and `threaded_s` (default the same) with threads."""
+        clock[:] = [100.0, lambda: 100.0 + (threaded_s if used[-1] and threaded_s else alone_s) * len(rows)]
+        return mgr._fill(rows, [])
+
+    def fake_clock():
+        t = clock.pop(0)
+        return t() if callable(t) else t
+    monkeypatch.setattr(manager, "_clock", fake_clock)
+
+    alone = fill(1e-6)                       # fast: never threads
+    assert used == [False]
+    fill(100e-6)                             # alone 1e-6 -> 2.6e-5 a row: 16 rows over 200 us
+    threaded = fill(30e-6, 300e-6)         # threads tried once ...
+    assert used[1:] == [False, True]
+    assert (threaded == alone).all()
+    for _ in range(manager._FILL_PROBE_EVERY):
+        fill(30e-6, 300e-6)                  # ... slower than alone: alone, tried again once
+    assert used[3:].count(True) == 1
+    used.clear()
+    for _ in range(2 * manager._FILL_PROBE_EVERY):    # threads become faster: from the next probe on, threads
+        fill(40e-6, 1e-6)
+    first = used.index(True)
+    assert 0 <= first < manager._FILL_PROBE_EVERY and all(used[first:first + manager._FILL_PROBE_EVERY - 1])
+    assert used.count(False) == first + 1              # alone tried again once, a probe later
+    assert isinstance(mgr._batch_matchers[min(8, 4)], xgr.BatchGrammarMatcher)
+    mgr.close()
