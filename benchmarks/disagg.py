@@ -165,8 +165,11 @@ class Worker(threading.Thread):
             if not e.has_unfinished_requests():
                 time.sleep(0.0005)
                 continue
-            for d in e.step().deltas:
+            out = e.step()
+            for d in out.deltas:
                 self.on_delta(self, d)
+            if out.stats.num_scheduled_tokens == 0:
+                time.sleep(0.0005)    # an idle device (holds or reads only): do not spin the GIL away
 
 
 class LinkTransport(LocalTransport):
@@ -568,7 +571,7 @@ def main():
         for r in results:
             xs, ys = zip(*sorted(r["_tpot_series"])) if r["_tpot_series"] else ((), ())
             ax.plot([x / k for x in xs], [y * 1e3 / k for y in ys], marker=".", linestyle="-", label=r["config"])
-        unit = "" if k == 1 else f", device time (wall / {k:g})"
+        unit = "" if k == 1 else f" of device time, wall / {k:g}"
         ax.set_xlabel(f"first token at (s{unit})")
         ax.set_ylabel(f"TPOT of the request (ms{unit})")
         ax.legend()
