@@ -33,14 +33,41 @@ from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
 logger = logging.getLogger("affinity.disagg")
 
-#: the decode replica's span around its call to the prefill pool (a child of the request's trace)
+# Spans (each a child of the request's trace; docs/disaggregation.md, "Spans"):
+#: the decode replica's call to the prefill pool (the prefill replica's spans are its children)
 SPAN_REMOTE_PREFILL = "llm.remote_prefill"
+#: the prefill replica: the prompt and each sequence's first token in its engine
+SPAN_PD_PREFILL = "llm.pd.prefill"
+#: the prefill replica: one sequence's held blocks gathered from its pool and put in Ray's object store
+SPAN_PD_COPY_OUT = "llm.pd.copy_out"
+#: the decode replica: one sequence's blocks read from the object store (across nodes: Ray's object manager)
+SPAN_PD_TRANSFER = "llm.pd.transfer"
+#: the decode replica: the tokens after the first, from the decode engine
+SPAN_PD_DECODE = "llm.pd.decode"
 
 
 # ---------------------------------------------------------------- transport: Ray's object store
+@dataclass(slots=True)
+class ReadRecord:
+    """One transfer as the decode side's transport saw it, for its span: `outcome` "reading" until it ends, then
+    "read", "missing" (the object is gone or was never copied out), "cancelled" (the engine gave up: timeout,
+    abort) or "local" (released unread: the decode replica held every block)."""
+
+    num_blocks: int
+    start_ns: int                 # wall clock (a span's time base)
+    started: float                # monotonic
+    end_ns: int | None = None
+    seconds: float | None = None
+    outcome: str = "reading"
+
+    def end(self, outcome: str) -> None:
+        if self.end_ns is None:
+            self.end_ns, self.seconds, self.outcome = time.time_ns(), time.monotonic() - self.started, outcome
+
+
 class _ObjectRead:
-    def __init__(self, ref: Any, offset: int, num_blocks: int):
-        self._ref, self._offset, self._n = ref, offset, num_blocks
+    def __init__(self, ref: Any, offset: int, num_blocks: int, record: ReadRecord):
+        self._ref, self._offset, self._n, self._record = ref, offset, num_blocks, record
 
     def poll(self) -> Any:
         import ray
@@ -50,25 +77,52 @@ class _ObjectRead:
         try:
             blocks = ray.get(self._ref)
         except Exception as e:       # the prefill replica (the object's owner) died, or the object was lost
+            self._record.end("missing")
             raise KVTransferError(f"the prefilled KV is gone: {type(e).__name__}: {e}", "missing") from e
+        self._record.end("read")
         return blocks[self._offset:self._offset + self._n]
 
     def cancel(self) -> None:
-        pass                          # the object is freed with its last reference
+        self._record.end("cancelled")  # the object is freed with its last reference
 
 
 class RayObjectTransport:
-    """Decode side: a RemotePrefill's `address` is (ObjectRef of blocks [first, num_blocks), first)."""
+    """Decode side: a RemotePrefill's `address` is (ObjectRef of blocks [first, num_blocks), first).
+
+    It keeps a record of each transfer (by the prefill side's transfer id; the engine's thread writes it, the
+    replica takes it for the transfer's span), the most recent `max_records`."""
+
+    def __init__(self, max_records: int = 4096):
+        import threading
+        from collections import OrderedDict
+        self._records: OrderedDict[str, ReadRecord] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_records = max_records
+
+    def _keep(self, transfer_id: str, record: ReadRecord) -> ReadRecord:
+        with self._lock:
+            self._records[transfer_id] = record
+            while len(self._records) > self.max_records:
+                self._records.popitem(last=False)
+        return record
+
+    def take_record(self, transfer_id: str) -> ReadRecord | None:
+        """The transfer's record (once), None if no read or release of it was seen (the engine fell back first)."""
+        with self._lock:
+            return self._records.pop(transfer_id, None)
 
     def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int):
+        record = self._keep(remote.transfer_id, ReadRecord(num_blocks, time.time_ns(), time.monotonic()))
         ref, first = remote.address if remote.address is not None else (None, 0)
         if ref is None or start_block < first:
             # the prefill copied out only what this replica held then; some of it has been evicted since
+            record.end("missing")
             raise KVTransferError(f"blocks from {start_block} were not copied out (from {first})", "missing")
-        return _ObjectRead(ref, start_block - first, num_blocks)
+        return _ObjectRead(ref, start_block - first, num_blocks, record)
 
     def release(self, remote: RemotePrefill) -> None:
-        pass                          # the prefill side freed its blocks when it copied them out
+        # the prefill side freed its blocks when it copied them out
+        self._keep(remote.transfer_id, ReadRecord(0, time.time_ns(), time.monotonic())).end("local")
 
 
 # ---------------------------------------------------------------- metrics (both pools)
@@ -115,44 +169,63 @@ class PrefillReplica(_PDMetrics):
         """Each sequence's first token; where the request goes on, its KV beyond the first `skip_blocks` blocks
         (the decode replica holds those) copied into Ray's object store."""
         import ray
+
+        from affinity_serve.observability.tracing import context_from_carrier
         prefill = dataclasses.replace(req, sampling_params=dataclasses.replace(req.sampling_params, max_tokens=1),
                                       kv_transfer=RemoteDecode())
         out: dict[int, PrefillResult] = {}
-        held: list[str] = []
+        held: dict[int, RemotePrefill] = {}
         arrival = time.monotonic()
+        ctx = context_from_carrier(req.trace_context)
+        span = self.tracer.start_span(SPAN_PD_PREFILL, context=ctx, attributes={
+            "replica": self.replica_id, "req_id": req.req_id, "pd.prompt_tokens": len(req.prompt_token_ids),
+            "pd.skip_blocks": skip_blocks, "pd.sequences": req.sampling_params.n})
         try:
-            async for d in self.engine.generate(prefill):
-                if d.finish_reason == "error":
-                    raise APIError("prefill failed inside the engine", 500, "server_error", None, "engine_error")
-                prev = out.get(d.index)
-                chunk = ReplicaChunk.of(d, self.replica_id)
-                chunk.kv_transfer = None                  # travels as the PrefillResult's remote, published
-                if prev is not None:                      # the sequence so far, in one chunk
-                    chunk.text = prev.chunk.text + d.text
-                    chunk.token_ids = prev.chunk.token_ids + d.token_ids
-                    chunk.prompt_logprobs = d.prompt_logprobs or prev.chunk.prompt_logprobs
-                out[d.index] = PrefillResult(chunk, None)
-                if d.finished and d.kv_transfer is not None:
-                    held.append(d.kv_transfer.transfer_id)
-                    out[d.index].remote = await self._publish(d.kv_transfer, skip_blocks, ray)
-                    held.remove(d.kv_transfer.transfer_id)
+            try:
+                async for d in self.engine.generate(prefill):
+                    if d.finish_reason == "error":
+                        raise APIError("prefill failed inside the engine", 500, "server_error", None, "engine_error")
+                    prev = out.get(d.index)
+                    chunk = ReplicaChunk.of(d, self.replica_id)
+                    chunk.kv_transfer = None                  # travels as the PrefillResult's remote, published
+                    if prev is not None:                      # the sequence so far, in one chunk
+                        chunk.text = prev.chunk.text + d.text
+                        chunk.token_ids = prev.chunk.token_ids + d.token_ids
+                        chunk.prompt_logprobs = d.prompt_logprobs or prev.chunk.prompt_logprobs
+                    out[d.index] = PrefillResult(chunk, None)
+                    if d.finished and d.kv_transfer is not None:
+                        held[d.index] = d.kv_transfer
+                    span.set_attribute("pd.cached_tokens", d.num_cached_tokens)
+            finally:
+                span.set_attribute("pd.held_sequences", len(held))
+                span.end()
             now = time.monotonic()
             # the prefill pool's autoscaling signal: the prompt tokens computed here (the caller held skip_blocks)
             block_size = self.engine.block_size
             self.signals.on_first_token(now, now - arrival,
                                         max(0, len(req.prompt_token_ids) - skip_blocks * block_size), 0)
+            for index in sorted(held):
+                out[index].remote = await self._publish(held[index], skip_blocks, ray, ctx)
+                del held[index]
             return [out[i] for i in sorted(out)]
         finally:
-            for tid in held:         # cancelled mid-copy: free now rather than at the timeout
-                self.engine.release_held_kv(tid)
+            for remote in held.values():   # failed or cancelled before its copy: free now rather than at the timeout
+                self.engine.release_held_kv(remote.transfer_id)
 
-    async def _publish(self, remote: RemotePrefill, skip_blocks: int, ray) -> RemotePrefill:
+    async def _publish(self, remote: RemotePrefill, skip_blocks: int, ray, ctx: Any) -> RemotePrefill:
         first = min(skip_blocks, remote.num_blocks)
         if first >= remote.num_blocks:
             self.engine.release_held_kv(remote.transfer_id)
             return dataclasses.replace(remote, address=(None, first))
-        blocks = await self.engine.read_held_kv(remote.transfer_id, first, remote.num_blocks - first)
-        return dataclasses.replace(remote, address=(ray.put(blocks), first))
+        n = remote.num_blocks - first
+        span = self.tracer.start_span(SPAN_PD_COPY_OUT, context=ctx, attributes={
+            "replica": self.replica_id, "pd.transfer_id": remote.transfer_id, "pd.blocks": n,
+            "pd.bytes": n * self.engine.pd_block_bytes, "pd.first_block": first})
+        try:
+            blocks = await self.engine.read_held_kv(remote.transfer_id, first, n)
+            return dataclasses.replace(remote, address=(ray.put(blocks), first))
+        finally:
+            span.end()
 
 
 # ---------------------------------------------------------------- the decode pool
@@ -172,7 +245,8 @@ class DecodeReplica(_PDMetrics):
         super().__init__(engine, serve, observability)
         self.prefill_handle = prefill
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
-        self.engine.set_kv_transport(RayObjectTransport())
+        self.transport = RayObjectTransport()
+        self.engine.set_kv_transport(self.transport)
         self.disagg = DisaggCounters()
 
     async def debug_state(self) -> dict[str, Any]:
@@ -204,13 +278,18 @@ class DecodeReplica(_PDMetrics):
             async for c in super().generate(req):
                 yield c
             return
-        from affinity_serve.observability.tracing import context_from_carrier
-        span = self.tracer.start_span(SPAN_REMOTE_PREFILL, context=context_from_carrier(req.trace_context),
-                                      attributes={"replica": self.replica_id, "pd.local_blocks": skip,
-                                                  "pd.prompt_tokens": len(req.prompt_token_ids)})
+        from opentelemetry import trace
+
+        from affinity_serve.observability.tracing import context_from_carrier, inject_carrier
+        ctx = context_from_carrier(req.trace_context)
+        span = self.tracer.start_span(SPAN_REMOTE_PREFILL, context=ctx, attributes={
+            "replica": self.replica_id, "req_id": req.req_id, "pd.local_blocks": skip,
+            "pd.prompt_tokens": len(req.prompt_token_ids)})
         results: list[PrefillResult] | None = None
         try:
-            results = await self.prefill_handle.prefill.remote(req, skip)
+            # the prefill replica's spans (prefill, copy-out) are this span's children
+            call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
+            results = await self.prefill_handle.prefill.remote(call, skip)
         except asyncio.CancelledError:
             raise
         except APIError as e:
@@ -220,11 +299,8 @@ class DecodeReplica(_PDMetrics):
             logger.warning("prefill pool failed (%s: %s): recomputing here", type(e).__name__, e)
         finally:
             if results is not None:
-                remotes = [r.remote for r in results if r.remote is not None]
-                n = sum(max(0, r.num_blocks - skip) for r in remotes)
-                span.set_attribute("pd.transfer_blocks", n)
-                span.set_attribute("pd.transfer_bytes", n * self.engine.pd_block_bytes)
                 span.set_attribute("pd.prefill_replica", results[0].chunk.replica_id if results else "")
+                span.set_attribute("pd.held_sequences", sum(r.remote is not None for r in results))
             span.set_attribute("pd.fallback", results is None)
             span.end()
         if results is None:
@@ -249,6 +325,36 @@ class DecodeReplica(_PDMetrics):
         # the same seed: each sequence draws its later tokens as on one engine (RemotePrefill.seq_index)
         params = dataclasses.replace(p, n=len(cont), prompt_logprobs=None)
         d_req = dataclasses.replace(req, sampling_params=params, kv_transfer=[r for _, r in cont])
-        async for c in super().generate(d_req):
-            c.index = cont[c.index][0]
-            yield c
+        decode = self.tracer.start_span(SPAN_PD_DECODE, context=ctx, attributes={
+            "replica": self.replica_id, "req_id": req.req_id, "pd.sequences": len(cont)})
+        transfers_ended = False
+        num_tokens = 0
+        try:
+            async for c in super().generate(d_req):
+                if not transfers_ended:       # a token: every read of this request has ended (or fell back)
+                    transfers_ended = True
+                    self._transfer_spans(ctx, req, [r for _, r in cont], skip)
+                num_tokens += len(c.token_ids)
+                c.index = cont[c.index][0]
+                yield c
+        finally:
+            if not transfers_ended:
+                self._transfer_spans(ctx, req, [r for _, r in cont], skip)
+            decode.set_attribute("pd.output_tokens", num_tokens)
+            decode.end()
+
+    def _transfer_spans(self, ctx: Any, req: GenerateRequest, remotes: list[RemotePrefill], skip: int) -> None:
+        """One span per sequence whose blocks the transport read or released, with its size and time (a read
+        still in flight, when the request ended first, ends now as "abandoned")."""
+        for remote in remotes:
+            rec = self.transport.take_record(remote.transfer_id)
+            if rec is None:          # the engine never asked the transport (it fell back before a read)
+                continue
+            if rec.end_ns is None:
+                rec.end("abandoned")
+            span = self.tracer.start_span(SPAN_PD_TRANSFER, context=ctx, start_time=rec.start_ns, attributes={
+                "replica": self.replica_id, "req_id": req.req_id, "pd.transfer_id": remote.transfer_id,
+                "pd.prefill_engine": remote.engine_id, "pd.blocks": rec.num_blocks,
+                "pd.bytes": rec.num_blocks * self.engine.pd_block_bytes, "pd.seconds": rec.seconds or 0.0,
+                "pd.outcome": rec.outcome, "pd.local_blocks": skip})
+            span.end(end_time=rec.end_ns)
