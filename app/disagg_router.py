@@ -220,10 +220,16 @@ class PDDecodeRouter(AffinityRequestRouter):
 def open_prefill_view(app_name: str) -> Any:
     """In the ingress: a handle on the prefill pool, initialised so that its router (PrefillPoolRouter) runs in
     this process and follows that pool (PDDecodeRouter asks it for each request's prefill replica). Keep the
-    returned handle: the router lives as long as it. Nothing is ever sent through it."""
+    returned handle: the router lives as long as it. Nothing is ever sent through it. None (logged) if Serve
+    gives no handle."""
     from ray import serve
-    handle = serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app_name)
-    handle._init()
+    try:
+        handle = serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app_name)
+        handle._init()
+    except Exception:        # the decode replicas' own prefill routers decide (no node preference)
+        logger.exception("P/D: no view of the prefill pool in this ingress; the decode replicas pick prefill "
+                         "replicas themselves")
+        return None
     return handle
 
 
