@@ -190,7 +190,7 @@ class ModelRunner:
         # every row samples (a decode step): the rows as they are, no gather
         logits = self.model.compute_logits(hidden if len(sample_rows) == hidden.shape[0] else hidden[sample_rows])
         infos = [SamplingInfo(st.params, st.token_ids, st.num_prompt_tokens) for st in sampling]
-        allowed = (so.grammar_bitmask.token_mask([st.req_id for st in sampling], logits.shape[-1], self.device)
+        allowed = (so.grammar_bitmask.sampler_mask([st.req_id for st in sampling], logits.shape[-1], self.device)
                    if constrained else None)
         tokens, lps = self.sampler(logits, infos, allowed)
         by_req: dict[str, list[int]] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.structured_output.grammar import TokenMask
 from affinity_serve.engine.types import Logprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -65,8 +66,8 @@ class Sampler:
         self._mask_all_steps = 0
         self._mask_all_backoff = 1
 
-    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo], allowed: torch.Tensor | None = None
-                 ) -> tuple[list[int], list[Logprobs | None]]:
+    def __call__(self, logits: torch.Tensor, infos: list[SamplingInfo],
+                 allowed: torch.Tensor | TokenMask | None = None) -> tuple[list[int], list[Logprobs | None]]:
         """logits: [N, vocab] float32, one row per entry of `infos`; allowed: see `sample`."""
         tokens = self.sample(logits, infos, allowed=allowed)
         lp = device_logprobs(logits, tokens, infos)
@@ -78,16 +79,19 @@ class Sampler:
         return token_list, lps
 
     def sample(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None = None,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
+               allowed: torch.Tensor | TokenMask | None = None) -> torch.Tensor:
         """The sampled ids, [N] on the logits' device, without waiting for the device: every per-row value
         reaches it through a pinned, non-blocking copy. `pending` ([N] on the device) samples for the step
         after the one that sampled these ids, before they reach the host: each row's output then ends with its
         pending id (penalties count it) and a seeded row draws for the next output index. `allowed` ([N, vocab]
-        bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else."""
+        bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else; a
+        `TokenMask` (host) is read only as far as greedy decoding needs it."""
         greedy = all(i.params.is_greedy for i in infos)
         if allowed is not None and greedy and self.device.type == "cpu":
             # bias and penalties move only finite logits, so masking after them is the same as before them
             return self._masked_argmax(self._apply_bias_and_penalties(logits, infos, pending), allowed)
+        if isinstance(allowed, TokenMask):
+            allowed = allowed.full()
         if allowed is not None:          # [N, vocab] bool: a grammar's tokens (structured output), before all else
             logits = torch.where(allowed, logits, float("-inf"))
         logits = self._apply_bias_and_penalties(logits, infos, pending)
@@ -145,24 +149,30 @@ class Sampler:
                 row[self._tensor(ids, torch.long)] = float("-inf")
         return logits
 
-    def _masked_argmax(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def _masked_argmax(self, logits: torch.Tensor, allowed: torch.Tensor | TokenMask) -> torch.Tensor:
         """Greedy under a grammar, on the host: where the grammar allows a row's argmax, that is the masked
         argmax too (the first maximum overall, so the first among the allowed), so only the other rows pay the
-        mask's pass over the vocabulary (a model that follows its format rarely needs it). When most rows needed
-        it, the next steps mask every row at once instead (a random model, a forbidding state): 1, then 2, 4, ...
-        up to _MASK_ALL_STEPS steps while that repeats; a step where most argmaxes are allowed starts over at 1."""
+        mask's pass over the vocabulary (a model that follows its format rarely needs it), and a `TokenMask`
+        fills only theirs. When most rows needed it, the next steps mask every row at once instead (a random
+        model, a forbidding state): 1, then 2, 4, ... up to _MASK_ALL_STEPS steps while that repeats; a step
+        where most argmaxes are allowed starts over at 1."""
+        lazy = isinstance(allowed, TokenMask)
         if self._mask_all_steps > 0:
             self._mask_all_steps -= 1
-            return _argmax(torch.where(allowed, logits, float("-inf")))
+            return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         tokens = _argmax(logits)                                                    # [N]
-        bad = (~allowed.gather(1, tokens[:, None]).squeeze(1)).nonzero().flatten()  # rows whose argmax is banned
+        if lazy:
+            bad = [r for r, ok in enumerate(allowed.allows(tokens.tolist())) if not ok]
+        else:               # rows whose argmax is banned
+            bad = (~allowed.gather(1, tokens[:, None]).squeeze(1)).nonzero().flatten().tolist()
         if 2 * len(bad) > len(tokens):
             self._mask_all_steps = self._mask_all_backoff
             self._mask_all_backoff = min(2 * self._mask_all_backoff, _MASK_ALL_STEPS)
-            return _argmax(torch.where(allowed, logits, float("-inf")))
+            return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         self._mask_all_backoff = 1
-        if len(bad):
-            tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
+        if bad:
+            rows_allowed = allowed.rows(bad) if lazy else allowed[bad]
+            tokens[bad] = _argmax(torch.where(rows_allowed, logits[bad], float("-inf")))
         return tokens
 
     def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Protocol
 from concurrent.futures import Executor, Future, wait
 
 import numpy as np
@@ -72,14 +73,17 @@ class GrammarBitmask:
     exact bitmask: the fill reads matchers that accepted the previous step's tokens, and none advances before
     this step's tokens are sampled."""
 
-    __slots__ = ("_fill", "_future", "_packed", "_unpacked", "req_ids")
+    __slots__ = ("_check", "_fill", "_future", "_packed", "_unpacked", "req_ids")
 
     def __init__(self, req_ids: list[str], fill: Callable[[], torch.Tensor], executor: Executor | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, check: RowCheck | None = None):
         """`fill` returns the packed bitmask; with `executor` it runs there at once, and with `vocab_size` the
-        thread also unpacks it to the [R, vocab_size] boolean mask a host sampler applies."""
+        thread also unpacks it to the [R, vocab_size] boolean mask a host sampler applies. `check` (a step that
+        fills nothing ahead): asks the matchers about single tokens and fills chosen rows alone (see
+        `TokenMask`)."""
         self.req_ids = req_ids
         self._fill: Callable[[], torch.Tensor] | None = fill
+        self._check = check
         self._future = (executor.submit(_fill_and_unpack, fill, vocab_size) if executor is not None else None)
         self._packed: torch.Tensor | None = None
         self._unpacked: torch.Tensor | None = None
@@ -98,9 +102,19 @@ class GrammarBitmask:
     def wait(self) -> None:
         """Until no fill runs (one started on the thread has ended; a lazy one unread never runs), so the
         matchers may advance or be dropped. Raises nothing: a fill's error is raised where it is read."""
-        self._fill = None
+        self._fill = self._check = None
         if self._future is not None:
             wait([self._future])
+
+    def sampler_mask(self, row_req_ids: Sequence[str], vocab_size: int, device: torch.device
+                     ) -> TokenMask | torch.Tensor | None:
+        """What the sampler masks `row_req_ids` with: a `TokenMask` where this step may fill rows alone (a host
+        sampler, nothing filled ahead), else `token_mask`'s tensor."""
+        if self._check is None or self._packed is not None or device.type != "cpu":
+            return self.token_mask(row_req_ids, vocab_size, device)
+        index = {r: i for i, r in enumerate(self.req_ids)}
+        rows = [index.get(r) for r in row_req_ids]
+        return TokenMask(self, rows, vocab_size) if any(i is not None for i in rows) else None
 
     def token_mask(self, row_req_ids: Sequence[str], vocab_size: int, device: torch.device) -> torch.Tensor | None:
         """[len(row_req_ids), vocab_size] bool on `device`, True where allowed (rows without a grammar all True);
@@ -121,6 +135,69 @@ class GrammarBitmask:
         if device.type == "cuda":          # the packed words cross (32x smaller), the device unpacks them
             packed = (packed if packed.is_pinned() else packed.pin_memory()).to(device, non_blocking=True)
         return unpack_bitmask(packed, vocab_size)
+
+
+class RowCheck(Protocol):
+    """The manager's single-row access to a step's matchers (row i: `GrammarBitmask.req_ids[i]`)."""
+
+    def allows(self, rows: Sequence[int], token_ids: Sequence[int]) -> list[bool]:
+        """Whether row rows[k]'s grammar allows token_ids[k] next (its matcher does not advance)."""
+
+    def fill(self, rows: Sequence[int]) -> torch.Tensor:
+        """[len(rows), ceil(vocab / 32)] int32: those rows' packed bitmask alone."""
+
+
+class TokenMask:
+    """A host sampler's view of a step's grammar mask over its sampling rows (`rows[k]`: row k's row of the
+    bitmask, None for a row without a grammar), filled only as far as it is read: greedy decoding asks whether
+    each row's grammar allows its argmax (one accept and rollback of the matcher, ~1 us, against a fill of
+    1-15 us a row on a 32,000-token vocabulary) and needs the mask of the rows it does not allow only."""
+
+    __slots__ = ("_bitmask", "_rows", "_vocab_size")
+
+    def __init__(self, bitmask: GrammarBitmask, rows: list[int | None], vocab_size: int):
+        self._bitmask = bitmask
+        self._rows = rows
+        self._vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def allows(self, token_ids: Sequence[int]) -> list[bool]:
+        """Per sampling row, whether its grammar allows token_ids[row] (rows without one allow every id)."""
+        bm = self._bitmask
+        out = [True] * len(self._rows)
+        hits = [(k, i) for k, i in enumerate(self._rows) if i is not None]
+        if bm._packed is not None or bm._check is None:          # filled already: read the bits
+            words = bm.packed
+            for k, i in hits:
+                t = token_ids[k]
+                out[k] = t < self._vocab_size and bool((int(words[i, t >> 5]) >> (t & 31)) & 1)
+            return out
+        for (k, _), ok in zip(hits, bm._check.allows([i for _, i in hits], [token_ids[k] for k, _ in hits])):
+            out[k] = ok
+        return out
+
+    def rows(self, rows: Sequence[int]) -> torch.Tensor:
+        """[len(rows), vocab_size] bool, True where allowed: those sampling rows' masks, filled for them alone
+        (or read from a whole fill)."""
+        bm = self._bitmask
+        idx = [self._rows[k] for k in rows]
+        hit = [j for j, i in enumerate(idx) if i is not None]
+        num_words = -(-self._vocab_size // 32)
+        packed = torch.full((len(rows), num_words), -1, dtype=torch.int32)      # rows without a grammar: all
+        if hit:
+            src = (bm.packed[[idx[j] for j in hit]] if bm._packed is not None or bm._check is None
+                   else bm._check.fill([idx[j] for j in hit]))
+            packed[hit] = src
+        return unpack_bitmask(packed, self._vocab_size)
+
+    def full(self) -> torch.Tensor:
+        """[len(rows), vocab_size] bool: every sampling row's mask (the whole bitmask, filled now)."""
+        bm = self._bitmask
+        bm._check = None                  # filled whole from here on
+        return bm.token_mask([bm.req_ids[i] if i is not None else None for i in self._rows], self._vocab_size,
+                             torch.device("cpu"))
 
 
 def _fill_and_unpack(fill: Callable[[], torch.Tensor], vocab_size: int | None

@@ -73,15 +73,18 @@ class StructuredOutputManager:
     each step's bitmask is filled on a worker thread from the moment the step is scheduled; otherwise when the
     sampler reads it (see `GrammarBitmask`); a step with fewer than `_THREAD_FILL_MIN_ROWS` constrained rows
     fills when read either way. `pin_memory`: the bitmask is filled in pinned host memory (it
-    crosses to a CUDA device without a staging copy)."""
+    crosses to a CUDA device without a staging copy). `check_first` (host sampling): a step whose every row
+    samples greedily fills nothing ahead; the sampler asks each constrained row's matcher whether it allows the
+    row's argmax and fills the rows it does not allow alone (see `TokenMask`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *,
-                 fill_on_thread: bool = False, pin_memory: bool = False):
+                 fill_on_thread: bool = False, pin_memory: bool = False, check_first: bool = True):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.fill_on_thread = fill_on_thread
         self.pin_memory = pin_memory
+        self.check_first = check_first
         self._executor: ThreadPoolExecutor | None = None
         self._fill_executor: ThreadPoolExecutor | None = None
         self._compiler = None                       # built on the worker thread by the first compile
@@ -93,6 +96,7 @@ class StructuredOutputManager:
         self._fill_vocab_size = vocab_size
         #: [ceil(vocab / 32)] int32: every token but those holding a control byte (see _compile_now)
         self._no_control_bytes: torch.Tensor | None = None
+        self._control_byte_ids: frozenset[int] = frozenset()     # the others, as ids
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._batch_matchers: dict[int, Any] = {}  # xgrammar's BatchGrammarMatcher by its thread count
@@ -138,8 +142,9 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            self._no_control_bytes = _pack_bits(_no_control_byte_tokens(info.decoded_vocab, self.vocab_size,
-                                                                        self.stop_token_ids))
+            allowed = _no_control_byte_tokens(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
+            self._no_control_bytes = _pack_bits(allowed)
+            self._control_byte_ids = frozenset((~allowed).nonzero().flatten().tolist())
         kind, text = key
         # compact JSON (no free whitespace between tokens, as vLLM's disable_any_whitespace): a model can
         # otherwise spend its max_tokens on blanks the grammar allows
@@ -172,12 +177,17 @@ class StructuredOutputManager:
             return None
         matchers = [st.matcher for _, st in rows]
         json_rows = [i for i, (_, st) in enumerate(rows) if st.spec.key[0] in ("json", "json_object")]
-        on_thread = self.fill_on_thread and len(rows) >= _THREAD_FILL_MIN_ROWS
+        # every row greedy on a host sampler: most rows' argmax is allowed, so ask first and fill only the rest
+        check = (_StepRows(self, matchers, json_rows) if self.check_first and not self.pin_memory and all(
+            (q := requests.get(r)) is None or q.sampling_params.is_greedy for r in so.num_scheduled_tokens)
+            else None)
+        on_thread = self.fill_on_thread and len(rows) >= _THREAD_FILL_MIN_ROWS and check is None
         if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
         return GrammarBitmask([r for r, _ in rows], partial(self._fill, matchers, json_rows),
                               self._fill_executor if on_thread else None,
-                              None if self.pin_memory else self.vocab_size)   # a host sampler: unpack there too
+                              None if self.pin_memory else self.vocab_size,   # a host sampler: unpack there too
+                              check)
 
     def _fill(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens."""
@@ -231,7 +241,37 @@ class StructuredOutputManager:
             m = self._batch_matchers[num_threads] = xgr.BatchGrammarMatcher(max_threads=num_threads)
         return m
 
+    def _allows(self, matcher, token_id: int, is_json: bool) -> bool:
+        """Whether `matcher` takes `token_id` next, as its filled bitmask would say (the matcher is left as it
+        was): ids past the tokenizer and, in JSON, tokens with a control byte never (see _fill)."""
+        if token_id >= self._fill_vocab_size or (is_json and token_id in self._control_byte_ids):
+            return False
+        if not matcher.accept_token(token_id):
+            return False
+        matcher.rollback(1)
+        return True
+
     def close(self) -> None:
         for ex in (self._executor, self._fill_executor):
             if ex is not None:
                 ex.shutdown(wait=False, cancel_futures=True)
+
+
+class _StepRows:
+    """A step's constrained rows (row i: matchers[i]) for `TokenMask`: a token asked of one row's matcher, or
+    some rows' bitmask filled alone."""
+
+    __slots__ = ("_json_rows", "_manager", "_matchers")
+
+    def __init__(self, manager: StructuredOutputManager, matchers: list, json_rows: list[int]):
+        self._manager = manager
+        self._matchers = matchers
+        self._json_rows = frozenset(json_rows)
+
+    def allows(self, rows: Sequence[int], token_ids: Sequence[int]) -> list[bool]:
+        allows, matchers, json_rows = self._manager._allows, self._matchers, self._json_rows
+        return [allows(matchers[i], t, i in json_rows) for i, t in zip(rows, token_ids)]
+
+    def fill(self, rows: Sequence[int]) -> torch.Tensor:
+        return self._manager._fill([self._matchers[i] for i in rows],
+                                   [k for k, i in enumerate(rows) if i in self._json_rows])

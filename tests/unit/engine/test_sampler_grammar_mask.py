@@ -59,3 +59,52 @@ def test_while_most_rows_need_the_mask_all_rows_are_masked_for_1_2_4_then_16_ste
     assert sampler.sample(logits, _infos(4), allowed=fine).tolist() == [5] * 4      # allowed again: starts over
     assert sampler.sample(logits, _infos(4), allowed=banned).tolist() == [0] * 4
     assert sampler._mask_all_steps == 1
+
+
+class _Check:
+    """A RowCheck over a boolean mask, counting what the sampler asked."""
+
+    def __init__(self, allowed: torch.Tensor):
+        self.allowed = allowed
+        self.asked = 0
+        self.filled: list[list[int]] = []
+
+    def allows(self, rows, token_ids):
+        self.asked += len(rows)
+        return [bool(self.allowed[i, t]) for i, t in zip(rows, token_ids)]
+
+    def fill(self, rows):
+        from affinity_serve.engine.structured_output.manager import _pack_bits
+        self.filled.append(list(rows))
+        return torch.stack([_pack_bits(self.allowed[i]) for i in rows])
+
+
+def test_a_token_mask_fills_only_the_rows_whose_argmax_its_grammar_bans():
+    """A host TokenMask: each row's argmax is asked of its matcher, only the banned rows are filled (alone),
+    rows without a grammar are never asked; the tokens are those of masking first, and when most rows are
+    banned the whole mask is filled."""
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask, TokenMask
+    from affinity_serve.engine.structured_output.manager import _pack_bits
+    g = torch.Generator().manual_seed(2)
+    for step in range(40):
+        vocab = 300 + step
+        logits = torch.randn(12, vocab, generator=g)
+        allowed = torch.rand(12, vocab, generator=g) < (0.9 if step % 4 else 0.05)
+        allowed[:, 3] = True
+        raw = logits.argmax(-1)
+        num_banned = step % 5 if step % 4 else 9
+        allowed[torch.arange(12), raw] = torch.arange(12) >= num_banned     # the first rows' argmax banned
+        rows = [None if k % 6 == 5 else k for k in range(12)]     # rows 5 and 11: no grammar
+        expected = torch.where(allowed, logits, float("-inf"))
+        expected[[5, 11]] = logits[[5, 11]]
+        check = _Check(allowed)
+        bitmask = GrammarBitmask([f"r{k}" for k in range(12)],
+                                 lambda: torch.stack([_pack_bits(allowed[i]) for i in range(12)]), check=check)
+        got = Sampler().sample(logits.clone(), _infos(12), allowed=TokenMask(bitmask, rows, vocab))
+        assert torch.equal(got, expected.argmax(-1)), step
+        if step % 4:                                       # most argmaxes allowed: asked, a few rows filled
+            assert check.asked == 10
+            banned = [k for k in range(num_banned) if k != 5]
+            assert check.filled == ([banned] if banned else [])
+        else:                                              # most banned: the whole mask, filled once
+            assert bitmask._packed is not None

@@ -22,10 +22,12 @@ from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa
 from tests.unit.engine.test_structured_output import SCHEMAS, _assert_released  # noqa: E402
 
 
-def _engine(checkpoints, fill_on_thread: bool, **kw) -> LLMEngine:
+def _engine(checkpoints, fill_on_thread: bool, check_first: bool = False, **kw) -> LLMEngine:
+    """`check_first` off by default: these tests are about the whole fill (greedy steps would ask first)."""
     cfg = {"model": checkpoints["llama"], "cache": {"num_blocks": 128, "block_size": 4}, **kw}
     eng = LLMEngine.from_config(EngineConfig.model_validate(cfg))
     eng.structured_output.fill_on_thread = fill_on_thread
+    eng.structured_output.check_first = check_first
     return eng
 
 
@@ -70,6 +72,8 @@ def _check_valid(out) -> None:
             assert re.fullmatch(r"[A-Z]{3}-\d{4}", text) and reason == "stop", text
         elif rid == "choice":
             assert text in ("good", "bad") and reason == "stop", text
+        elif rid.startswith("loose"):
+            assert re.fullmatch(r"[^{}]*", text), text
 
 
 @pytest.mark.parametrize("kw", [
@@ -101,6 +105,7 @@ def test_the_fill_runs_on_the_worker_thread_before_the_forward_ends(checkpoints,
     eng = LLMEngine.from_config(EngineConfig.model_validate({"model": checkpoints["llama"],
                                                  "cache": {"num_blocks": 128, "block_size": 4}}))
     assert eng.structured_output.fill_on_thread
+    eng.structured_output.check_first = False          # greedy rows would be asked first, not filled ahead
     events: list[tuple[str, str]] = []
     fill = eng.structured_output._fill
 
@@ -195,3 +200,97 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
     out = _run(eng)
     jsonschema.validate(json.loads(out[("b", 0)][1]), SCHEMAS[0])
     _assert_released(eng)
+
+
+def _greedy_workload(eng: LLMEngine) -> None:
+    """Every row greedy (so steps ask first): JSON schemas (n = 1 and 2), regexes, a choice (n = 3), free rows.
+    The loose regex's rows mostly allow the random model's argmax (only those are not filled)."""
+    for i, schema in enumerate(SCHEMAS):
+        eng.add_request(eng.make_request(f"Item {i} as JSON", SamplingParams(
+            n=1 + i % 2, max_tokens=120, temperature=0.0,
+            structured_output=StructuredOutputSpec.from_schema(schema)), req_id=f"json{i}"))
+    eng.add_request(eng.make_request("Code:", SamplingParams(
+        max_tokens=12, temperature=0.0, structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")),
+        req_id="regex"))
+    eng.add_request(eng.make_request("Mood:", SamplingParams(
+        n=3, max_tokens=8, temperature=0.0, structured_output=StructuredOutputSpec(choice=("good", "bad"))),
+        req_id="choice"))
+    for i in range(4):
+        eng.add_request(eng.make_request(f"Words {i}:", SamplingParams(
+            max_tokens=24, temperature=0.0, structured_output=StructuredOutputSpec(regex="[^{}]+")),
+            req_id=f"loose{i}"))
+    for i in range(3):
+        eng.add_request(eng.make_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                    ignore_eos=True), req_id=f"free{i}"))
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"cache": {"num_blocks": 40, "block_size": 4},
+     "scheduler": {"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16}},
+], ids=["batched", "preempted"])
+def test_greedy_steps_that_ask_first_give_exactly_the_whole_fills_outputs(checkpoints, kw, monkeypatch):
+    """check_first: a greedy step asks each row's matcher about its argmax and fills only the rows it bans;
+    the tokens are exactly those of the whole fill (on the thread or when read), batched and under preemption
+    with chunked prefill, and fewer rows are filled."""
+    def counting(eng: LLMEngine) -> tuple[list[int], list[int]]:
+        filled, asked = [0], [0]            # rows filled, tokens asked
+        fill, allows = eng.structured_output._fill, eng.structured_output._allows
+        monkeypatch.setattr(eng.structured_output, "_fill",
+                            lambda m, j: (filled.__setitem__(0, filled[0] + len(m)), fill(m, j))[1])
+        monkeypatch.setattr(eng.structured_output, "_allows",
+                            lambda *a: (asked.__setitem__(0, asked[0] + 1), allows(*a))[1])
+        return filled, asked
+
+    want = whole = None
+    for fill_on_thread in (False, True):
+        ref = _engine(checkpoints, fill_on_thread, **kw)
+        filled, _ = counting(ref)
+        _greedy_workload(ref)
+        out = _run(ref)
+        assert want is None or out == want
+        want, whole = out, filled[0]
+        _assert_released(ref)
+    eng = _engine(checkpoints, fill_on_thread=True, check_first=True, **kw)
+    filled, asked = counting(eng)
+    _greedy_workload(eng)
+    got = _run(eng)
+    assert got == want
+    _check_valid(got)
+    # the random model's argmax is often banned in JSON (then its rows or, for a while, all rows are filled)
+    assert asked[0] > 0 and filled[0] < whole
+    if kw:
+        assert eng.last_stats.num_preemptions_total > 0
+    _assert_released(eng)
+
+
+def test_asking_a_matcher_agrees_with_its_filled_bitmask_for_every_token(tmp_path):
+    """The manager's single-token question is exactly the filled bitmask's bit, for every id of a padded
+    vocabulary (ids past the tokenizer never), in regex, choice and JSON states (JSON: no control bytes), and
+    leaves the matcher where it was."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from affinity_serve.engine.demo import write_demo_model
+    from affinity_serve.engine.structured_output.manager import StructuredOutputManager
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    vocab = max(tok.get_vocab().values()) + 1 + 70
+    mgr = StructuredOutputManager(tok, vocab, [tok.convert_tokens_to_ids("<|im_end|>")])
+    cases = [(StructuredOutputSpec(regex="[a-z ]+"), ["", "ab"]),
+             (StructuredOutputSpec(choice=("yes", "no")), ["", "y", "yes"]),
+             (StructuredOutputSpec.from_schema(SCHEMAS[0]), ["", '{"name": "', '{"name": "ab", "age": 1'])]
+    for spec, prefixes in cases:
+        is_json = spec.key[0] == "json"
+        for prefix in prefixes:
+            st = mgr.new_state(spec)
+            st._future.result()
+            assert st.matcher.accept_string(prefix), (spec, prefix)
+            bits = mgr._fill([st.matcher], [0] if is_json else [])
+            before = bits.clone()
+            allowed = [(int(bits[0, t >> 5]) >> (t & 31)) & 1 == 1 for t in range(vocab)]
+            asked = [mgr._allows(st.matcher, t, is_json) for t in range(vocab)]
+            assert asked == allowed, (spec, prefix)
+            assert any(asked)
+            assert not is_json or any(t in mgr._control_byte_ids for t in range(vocab))   # some to refuse
+            assert torch.equal(mgr._fill([st.matcher], [0] if is_json else []), before)   # not advanced
+    mgr.close()
