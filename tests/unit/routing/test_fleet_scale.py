@@ -118,9 +118,10 @@ def test_with_an_idle_replica_the_release_uses_spare_capacity():
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
 
-def _release_to_idle_case(other_fill_blocks: int, **cfg):
-    """r0 holds 15k of a 16k-token prompt behind 4 s of queue; r2 is idle (the fleet is not saturated) and
-    its 2,000-block pool holds `other_fill_blocks` blocks of other prefixes."""
+def _release_to_idle_case(other_fill_blocks: int, holder_queue: int = 40_000, **cfg):
+    """r0 holds 15k of a 16k-token prompt behind `holder_queue` tokens of queue (4 s by default); r2 is idle
+    (the fleet is not saturated) and its 2,000-block pool holds `other_fill_blocks` blocks of other
+    prefixes."""
     cfg.setdefault("release_slack", 0.3)
     cfg.setdefault("release_slack_abs_s", 0.1)
     core, clock, ids = make(3, **cfg)
@@ -128,7 +129,7 @@ def _release_to_idle_case(other_fill_blocks: int, **cfg):
     core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
     if other_fill_blocks:
         core.on_kv_events(KVEventBatch("r2", "e0", 0, [stored(chain("others", other_fill_blocks))]))
-    for r, q in (("r0", 40_000), ("r1", 10_000), ("r2", 0)):
+    for r, q in (("r0", holder_queue), ("r1", 10_000), ("r2", 0)):
         stats(core, r, num_queued_prefill_tokens=q, num_blocks=2000)
     clock.t += 0.01
     return core.route(RouteRequest("q", prefix + chain("question", 1000 // BS), 16_003, 32), ids)
@@ -149,7 +150,21 @@ def test_a_release_onto_an_empty_pool_uses_its_room_and_spare_capacity():
 
 
 def test_cache_weight_zero_releases_onto_a_full_pool():
-    """The default (0): the cache fill does not count, the old rule."""
+    """Weight 0: the cache fill does not count, the old rule."""
+    d = _release_to_idle_case(other_fill_blocks=2000, release_cache_weight=0.0)
+    assert d.chosen == "r2" and d.reason == Reason.RELEASED
+
+
+def test_the_default_cache_weight_keeps_a_request_whose_move_would_evict_more_than_it_saves():
+    """Default weight 0.5: r0 has 2.5 s of queue, r2 (idle, full pool) predicts 1.6 s. The slack alone
+    (1.6 x 1.3 + 0.1 = 2.18 s) would release; half the 1.5 s recompute on a full pool (0.75 s) keeps the
+    request with its holder. The same move onto an empty pool, or with a 4 s queue, still happens."""
+    assert AffinityConfig().release_cache_weight == 0.5
+    d = _release_to_idle_case(other_fill_blocks=2000, holder_queue=25_000)
+    assert d.chosen == "r0" and d.reason == Reason.AFFINITY
+    assert score(d, "r0").predicted_ttft_s > score(d, "r2").predicted_ttft_s * 1.3 + 0.1
+    d = _release_to_idle_case(other_fill_blocks=0, holder_queue=25_000)
+    assert d.chosen == "r2" and d.reason == Reason.RELEASED
     d = _release_to_idle_case(other_fill_blocks=2000)
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
