@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = (CSRC / "paged_decode.c", CSRC / "cpu_ops.c")
+SOURCES = (CSRC / "paged_decode.c", CSRC / "cpu_ops.c", CSRC / "moe_experts.c")
 HEADERS = (CSRC / "vec_math.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-std=c11"]
@@ -80,6 +80,9 @@ class CpuOps:
         self._silu.argtypes = [p, p, i64, i64, i64, i64, i32]
         self._norm.restype = self._silu.restype = None
         self._rope.restype = ctypes.c_int
+        from affinity_serve.engine.models.moe import CpuExperts
+        #: the MoE layers' experts (engine/csrc/moe_experts.c), an `ExpertsFn`; the model uses it with these ops
+        self.experts = CpuExperts(lib)
 
     @staticmethod
     def _check(*ts: torch.Tensor) -> None:

@@ -148,11 +148,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.ops = layer.self_attn.ops = layer.mlp.ops = ops
             layer.mlp.fused = on
-        self._use_fused_moe(on and ops is fused)
+        self._use_fused_moe(on and ops is fused, getattr(ops, "experts", None) if on else None)
 
-    def _use_fused_moe(self, on: bool) -> None:
+    def _use_fused_moe(self, on: bool, cpu_experts=None) -> None:
         """With the Triton ops, the MoE layers' experts run as the Triton grouped GEMM (engine/models/
-        fused_moe.py: no host sync, so decode graphs capture it) once it passes a self-test; else grouped."""
+        fused_moe.py: no host sync, so decode graphs capture it) once it passes a self-test; with the C ops,
+        as their C kernel (`cpu_experts`, engine/models/moe.py CpuExperts); else grouped (torch)."""
         moe_layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         if not moe_layers:
             return
@@ -162,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
         if on and why is not None:
             logger.warning("the Triton fused-MoE kernel failed its self-test (%s); experts run grouped", why)
         for mlp in moe_layers:
-            mlp.experts_fn = fused_moe.fused_experts if why is None else grouped_experts
+            mlp.experts_fn = (fused_moe.fused_experts if why is None else
+                              cpu_experts if cpu_experts is not None else grouped_experts)
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         """(Re)compute the float32 cos / sin tables on `device` (after loading: they were built on meta)."""

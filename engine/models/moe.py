@@ -1,9 +1,12 @@
 """Sparse mixture-of-experts: a softmax router picks each token's top-k SwiGLU experts.
 
 The expert computation is one function with one signature (`ExpertsFn`), so a device kernel can replace
-the CPU path without the model changing. The CPU path groups the (token, expert) pairs by expert and runs
-every expert's gate_up and down GEMMs as two batched GEMMs over the groups padded to the largest (or, with
-few tokens, a GEMM pair per expert that has tokens this step), never a loop over tokens.
+the CPU path without the model changing. On CPU in float32 the engine runs `CpuExperts`, a C kernel
+(engine/csrc/moe_experts.c) that takes each layer's (token, expert) pairs grouped by expert through the
+gate_up GEMM, SiLU * up, the down GEMM and the weighted sum in one call. The torch path (`grouped_experts`,
+other dtypes or without a C compiler) runs every expert's gate_up and down GEMMs as two batched GEMMs over
+the groups padded to the largest (or, with few tokens, a GEMM pair per expert that has tokens this step).
+Neither loops over tokens.
 """
 from __future__ import annotations
 
@@ -100,6 +103,55 @@ def _looped_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     out = torch.empty_like(ys)
     out[order] = ys
     return out
+
+
+def _pairs_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """(sorted, offsets, pair_weights): the pairs p = t * k + j (token t's experts ascending in j) listed grouped
+    by expert, where each expert's group starts ([E + 1]), and each pair's router weight (float32)."""
+    ids, slot = torch.sort(topk_ids, dim=1)
+    pair_weights = torch.gather(topk_weights.float(), 1, slot).contiguous()
+    flat = ids.reshape(-1)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, out=offsets[1:])
+    return torch.argsort(flat, stable=True), offsets, pair_weights
+
+
+class CpuExperts:
+    """An `ExpertsFn` over the C kernel `moe_experts_f32` (engine/csrc/moe_experts.c; built and loaded with
+    the other CPU kernels, engine/attention/cpu_kernels.py). float32 CPU tensors, the model's layouts."""
+
+    def __init__(self, lib):
+        import ctypes
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        self._fn = lib.moe_experts_f32
+        self._fn.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
+        self._fn.restype = None
+
+    def __call__(self, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        num_experts, two_inter, hidden = gate_up_proj.shape
+        for name, v in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if v.dtype != torch.float32 or v.device.type != "cpu":
+                raise ValueError(f"CpuExperts takes float32 CPU tensors; {name} is {v.dtype} on {v.device}")
+        if (x.shape != (t, hidden) or down_proj.shape != (num_experts, hidden, two_inter // 2)
+                or topk_weights.shape != (t, k)):
+            raise ValueError(f"CpuExperts: x {tuple(x.shape)}, gate_up_proj {tuple(gate_up_proj.shape)}, down_proj "
+                             f"{tuple(down_proj.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                             f"{tuple(topk_weights.shape)} do not fit [T, H], [E, 2I, H], [E, H, I], [T, k], [T, k]")
+        out = torch.empty(t, hidden)
+        if t == 0:
+            return out
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+        order, offsets, pair_weights = _pairs_by_expert(topk_ids, topk_weights, num_experts)
+        h = torch.empty(t * k, two_inter)
+        y = torch.empty(t * k, hidden)
+        self._fn(x.data_ptr(), x.stride(0), gate_up_proj.data_ptr(), down_proj.data_ptr(), order.data_ptr(),
+                 offsets.data_ptr(), pair_weights.data_ptr(), t, k, num_experts, hidden, two_inter // 2,
+                 h.data_ptr(), y.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
 
 
 class Experts(nn.Module):

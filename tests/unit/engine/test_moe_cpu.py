@@ -50,3 +50,36 @@ def test_grouped_experts_match_a_per_token_reference(num_tokens, monkeypatch):
     padded = moe._padded_experts(x, gate_up, down, flat, counts, int(counts.max()), K)
     looped = moe._looped_experts(x, gate_up, down, flat, counts.tolist(), K)
     torch.testing.assert_close(padded, looped, rtol=1e-5, atol=1e-6)
+
+
+def _cpu_experts():
+    from affinity_serve.engine.attention.cpu_kernels import load_ops
+    ops = load_ops()
+    if ops is None:
+        pytest.skip("no C compiler: the C experts kernel cannot be built")
+    return ops.experts
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 32, 300])
+@pytest.mark.parametrize("hidden", [H, 36])            # 36: not a multiple of the 16-float vector
+def test_c_experts_match_the_per_token_reference(num_tokens, hidden):
+    g = torch.Generator().manual_seed(num_tokens + hidden)
+    gate_up, down = torch.randn(E, 2 * I, hidden, generator=g) * 0.2, torch.randn(E, hidden, I, generator=g) * 0.2
+    x = torch.randn(num_tokens, hidden, generator=g)
+    weights, ids = route(torch.randn(num_tokens, E, generator=g), K, renormalize=num_tokens % 2 == 1)
+    got = _cpu_experts()(x, gate_up, down, ids, weights)
+    assert got.shape == (num_tokens, hidden)
+    torch.testing.assert_close(got, _reference(x, gate_up, down, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_c_experts_take_a_strided_x_and_refuse_other_dtypes():
+    gate_up, down = _weights()
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(5, 2 * H, generator=g)
+    x = wide[:, :H]                                     # rows of stride 2H, as a view of a fused projection
+    weights, ids = route(torch.randn(5, E, generator=g), K, renormalize=True)
+    fn = _cpu_experts()
+    torch.testing.assert_close(fn(x, gate_up, down, ids, weights), _reference(x, gate_up, down, ids, weights),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        fn(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), ids, weights)
