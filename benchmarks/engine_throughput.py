@@ -4,7 +4,11 @@ Interleaved A/B, best of N, fixed seeds, greedy, 64 new tokens forced (no EOS):
   (1) 32 requests x 128-token prompts     (2) 32 requests x (512 shared + 32 unique) prompts
   (3) batch 1, 128-token prompt
 and on models of their own (issue 31), ours vs transformers on the same checkpoint too:
-  (moe) a Qwen3-MoE-shaped model (32 experts, top 4, renormalised), 32 x 128 -> 64; target >= 2x at batch 32
+  (moe) a Qwen3-MoE-shaped model (32 experts, top 4, renormalised), 32 x 128 -> 64; target >= 2x at batch 32.
+      Also our engine with the torch experts (`grouped_experts`) in place of the C kernel, each engine's
+      decode step ((time for 64 new tokens - time for 1) / 63, all runs interleaved), and the decode step's
+      weight-read floor: the time to read once every weight a batch-32 step reads (all experts, attention,
+      router, norms, lm_head; not the embedding table), measured as a reduction over those tensors
   (sliding) a Gemma-3-shaped model (5 sliding layers : 1 global, window 512), 2 x 8192 -> 16, and the KV blocks
       each KV-cache group holds while the requests decode: target, a sliding group holds <= window / context of
       what the full-attention group holds (up to a block of alignment)
@@ -132,6 +136,12 @@ def model_case(key: str, tmp: str, threads: int, reps: int) -> list[dict]:
     llm = LLM(path, num_threads=threads, **engine_kw)
     run_hf(hf, prompts(2, 16), 4)
     run_ours(llm, prompts(2, 16), 4)
+    if key == "moe":
+        row = moe_rows(name, hf, llm, ps, new, reps)
+        hf_s, torch_s = row["hf_s"], row["ours_torch_experts_s"]
+        return [row, {"case": "  torch experts (grouped_experts)", "hf_tok_s": row["hf_tok_s"],
+                      "ours_tok_s": round(len(ps) * new / torch_s, 1), "ratio": round(hf_s / torch_s, 2),
+                      "vs_default": round(row["ours_s"] / torch_s, 2), "hf_s": hf_s, "ours_s": torch_s}]
     best = {"hf": float("inf"), "ours": float("inf")}
     for rep in range(reps):
         for who in best:
@@ -155,6 +165,69 @@ def model_case(key: str, tmp: str, threads: int, reps: int) -> list[dict]:
               f"<= {sliding} ({sliding / full:.3f} of full; window / context = {window / (plen + new):.3f})")
     del hf, llm
     return [row]
+
+
+def weight_read_floor(hf, reps: int = 10) -> tuple[float, int]:
+    """(seconds, bytes): the best of `reps` passes that read once every weight a decode step reads (all of
+    transformers' parameters but the embedding table, whose rows a step gathers), each as a reduction."""
+    ws = [p.detach() for n, p in hf.named_parameters() if "embed_tokens" not in n]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(reps):
+            t = time.perf_counter()
+            for w in ws:
+                w.sum()
+            best = min(best, time.perf_counter() - t)
+    return best, sum(w.numel() * w.element_size() for w in ws)
+
+
+def moe_rows(name: str, hf, llm, ps: list[list[int]], new: int, reps: int) -> dict:
+    """The MoE case: transformers, ours, and ours with the torch experts, each for `new` tokens and for 1
+    (whose difference over new - 1 is the decode step), interleaved; plus the weight-read floor."""
+    from affinity_serve.engine.models.moe import SparseMoE, grouped_experts
+    moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    default_fn = moes[0].experts_fn
+
+    def ours(fn):
+        def go(ps, n):
+            for m in moes:
+                m.experts_fn = fn
+            try:
+                return run_ours(llm, ps, n)
+            finally:
+                for m in moes:
+                    m.experts_fn = default_fn
+        return go
+
+    runs = {"hf": lambda ps, n: run_hf(hf, ps, n), "ours": ours(default_fn),
+            "ours_torch_experts": ours(grouped_experts)}
+    best = {(who, n): float("inf") for who in runs for n in (new, 1)}
+    floor = float("inf")
+    for rep in range(reps):
+        for (who, n) in best:
+            dt, got = runs[who](ps, n)
+            assert got == len(ps) * n
+            best[who, n] = min(best[who, n], dt)
+            print(f"[engine_throughput] case moe rep {rep + 1}/{reps} {who} ({n} new): {dt:.2f}s", flush=True)
+        floor_s, floor_bytes = weight_read_floor(hf)
+        floor = min(floor, floor_s)
+    tokens = len(ps) * new
+    step = {who: (best[who, new] - best[who, 1]) / (new - 1) for who in runs}
+    row = {"case": name, "hf_tok_s": round(tokens / best["hf", new], 1),
+           "ours_tok_s": round(tokens / best["ours", new], 1), "ratio": round(best["hf", new] / best["ours", new], 2),
+           "vs_default": 1.0, "hf_s": round(best["hf", new], 3), "ours_s": round(best["ours", new], 3),
+           "ours_torch_experts_s": round(best["ours_torch_experts", new], 3),
+           "ratio_torch_experts": round(best["hf", new] / best["ours_torch_experts", new], 2),
+           "prefill_s": {who: round(best[who, 1], 3) for who in runs},
+           "decode_step_ms": {who: round(step[who] * 1e3, 2) for who in runs},
+           "floor_decode_step_ms": round(floor * 1e3, 2), "floor_weight_mb": round(floor_bytes / 1e6, 1),
+           "floor_read_gb_s": round(floor_bytes / floor / 1e9, 1)}
+    print(f"[engine_throughput] MoE decode step at batch {len(ps)}: transformers {step['hf'] * 1e3:.1f} ms, ours "
+          f"{step['ours'] * 1e3:.1f} ms (torch experts {step['ours_torch_experts'] * 1e3:.1f} ms); weight-read floor "
+          f"{floor * 1e3:.1f} ms ({floor_bytes / 1e6:.0f} MB at {floor_bytes / floor / 1e9:.1f} GB/s): transformers "
+          f"{step['hf'] / floor:.1f}x the floor, ours {step['ours'] / floor:.1f}x. Prefill + 1 token: transformers "
+          f"{best['hf', 1]:.2f} s, ours {best['ours', 1]:.2f} s (torch experts {best['ours_torch_experts', 1]:.2f} s)")
+    return row
 
 
 def run_ours(llm, ps: list[list[int]], new: int = NEW) -> tuple[float, int]:
@@ -261,6 +334,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:<44} {r['hf_tok_s']:>19.1f} {r['ours_tok_s']:>11.1f} {r['ratio']:>5.2f}x "
               f"{r['vs_default']:>9.2f}x")
+    for r in rows:
+        if "floor_decode_step_ms" in r:
+            step = r["decode_step_ms"]
+            floor = r["floor_decode_step_ms"]
+            print(f"{r['case']}: decode step transformers {step['hf']:.1f} ms ({step['hf'] / floor:.1f}x the floor), "
+                  f"ours {step['ours']:.1f} ms ({step['ours'] / floor:.1f}x); weight-read floor {floor:.1f} ms "
+                  f"({r['floor_weight_mb']:.0f} MB at {r['floor_read_gb_s']:.1f} GB/s)")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "rows": rows}, indent=2))
 
