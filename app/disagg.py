@@ -66,8 +66,9 @@ class ReadRecord:
 
 
 class _ObjectRead:
-    def __init__(self, ref: Any, offset: int, num_blocks: int, record: ReadRecord):
-        self._ref, self._offset, self._n, self._record = ref, offset, num_blocks, record
+    def __init__(self, ref: Any, offset: int, num_blocks: int, record: ReadRecord | None = None):
+        self._ref, self._offset, self._n = ref, offset, num_blocks
+        self._record = record or ReadRecord(num_blocks, time.time_ns(), time.monotonic())
 
     def poll(self) -> Any:
         import ray
