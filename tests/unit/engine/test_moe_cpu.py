@@ -60,7 +60,7 @@ def _cpu_experts():
     return ops.experts
 
 
-@pytest.mark.parametrize("num_tokens", [0, 1, 3, 32, 300])
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 32, 300, 1500])   # 1500: groups of 256+ rows (panels)
 @pytest.mark.parametrize("hidden", [H, 36])            # 36: not a multiple of the 16-float vector
 def test_c_experts_match_the_per_token_reference(num_tokens, hidden):
     g = torch.Generator().manual_seed(num_tokens + hidden)
