@@ -21,6 +21,8 @@ from affinity_serve.engine.types import Logprobs
 _SEED_MIX = 0x9E3779B97F4A7C15
 #: see Sampler._masked_argmax
 _MASK_ALL_STEPS = 16
+#: see _next_allowed
+_ASK_TRIES = 4
 
 
 @dataclass(slots=True)
@@ -170,9 +172,10 @@ class Sampler:
             self._mask_all_backoff = min(2 * self._mask_all_backoff, _MASK_ALL_STEPS)
             return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         self._mask_all_backoff = 1
-        if bad:
-            rows_allowed = allowed.rows(bad) if lazy else allowed[bad]
-            tokens[bad] = _argmax(torch.where(rows_allowed, logits[bad], float("-inf")))
+        if bad and lazy:
+            tokens[bad] = torch.tensor(_next_allowed(logits, bad, allowed))
+        elif bad:
+            tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
         return tokens
 
     def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
@@ -194,6 +197,33 @@ class Sampler:
         drawn = _argmax(probs / noise)
         is_greedy = self._tensor([i.params.is_greedy for i in infos], torch.bool)
         return torch.where(is_greedy, greedy, drawn)
+
+
+def _next_allowed(logits: torch.Tensor, bad: list[int], mask: TokenMask) -> list[int]:
+    """The masked argmax of rows `bad` (whose raw argmax their grammar bans), asking before filling: argmax
+    visits a row's ids by value down, then index up, so the first one the grammar allows in that order is the
+    masked argmax (the first maximum among the allowed). Up to _ASK_TRIES times the id just refused is set to
+    -inf and the next argmax asked (numpy on the host: a few rows, where torch's per-op cost would dominate);
+    rows still without one take their filled mask."""
+    sub = logits[bad].float().numpy()                           # [B, vocab], a copy
+    out = [0] * len(bad)
+    left = list(range(len(bad)))
+    for _ in range(_ASK_TRIES):
+        ids = sub[left].argmax(axis=1).tolist()
+        ok = mask.allows(ids, [bad[k] for k in left])
+        still = []
+        for k, t, a in zip(left, ids, ok):
+            out[k] = t
+            if not a:
+                sub[k, t] = float("-inf")
+                still.append(k)
+        left = still
+        if not left:
+            return out
+    rows = [bad[k] for k in left]
+    for k, t in zip(left, _argmax(torch.where(mask.rows(rows), logits[rows], float("-inf"))).tolist()):
+        out[k] = t
+    return out
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

@@ -163,11 +163,13 @@ class TokenMask:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def allows(self, token_ids: Sequence[int]) -> list[bool]:
-        """Per sampling row, whether its grammar allows token_ids[row] (rows without one allow every id)."""
+    def allows(self, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> list[bool]:
+        """Whether each sampling row's grammar allows token_ids[k] (k: the row, or the kth of `rows`; rows
+        without a grammar allow every id)."""
         bm = self._bitmask
-        out = [True] * len(self._rows)
-        hits = [(k, i) for k, i in enumerate(self._rows) if i is not None]
+        rows = range(len(self._rows)) if rows is None else rows
+        out = [True] * len(rows)
+        hits = [(k, self._rows[r]) for k, r in enumerate(rows) if self._rows[r] is not None]
         if bm._packed is not None or bm._check is None:          # filled already: read the bits
             words = bm.packed
             for k, i in hits:
