@@ -4,7 +4,8 @@ Why C: decode attention on CPU is memory-bound, and the pure-torch path has to c
 pages into a dense tensor (index_select) before two batched GEMMs read them again. The kernel in
 engine/csrc/paged_decode.c reads the pages in place, once. engine/csrc/cpu_ops.c holds the model's fused
 per-token ops (`CpuOps`: residual add + RMSNorm, RoPE, SiLU * up), each one pass instead of several torch
-ops. Both sources build into one library that needs no torch headers, so it builds in
+ops; engine/csrc/moe_experts.c the MoE layers' experts (`CpuOps.experts`, engine/models/moe.py
+`CpuExperts`). The sources build into one library that needs no torch headers, so it builds in
 about a second with `cc -O3 -march=native -fopenmp`; the library is cached under
 `$AFFINITY_SERVE_CACHE` (default `~/.cache/affinity-serve`)/kernels, keyed by source, flags, compiler
 and CPU. Without a compiler, or with AFFINITY_SERVE_CPU_KERNELS=0, `load()` returns None and the
