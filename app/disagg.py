@@ -204,7 +204,8 @@ class PrefillReplica(_PDMetrics):
             # the prefill pool's autoscaling signal: the prompt tokens computed here (the caller held skip_blocks)
             block_size = self.engine.block_size
             self.signals.on_first_token(now, now - arrival,
-                                        max(0, len(req.prompt_token_ids) - skip_blocks * block_size), 0)
+                                        max(0, len(req.prompt_token_ids) - skip_blocks * block_size), 0,
+                                        len(req.prompt_token_ids))
             for index in sorted(held):
                 out[index].remote = await self._publish(held[index], skip_blocks, ray, ctx)
                 del held[index]
