@@ -50,8 +50,8 @@ class AffinityConfig(BaseModel):
                                         "fill of the replica it moves to x the time to recompute the prefix it "
                                         "gives up (a full pool evicts as many cached tokens of other prefixes, "
                                         "which their next requests recompute); 0: off. 0.5 raised the fleet "
-                                        "benchmark's hit rate by 0.008 of the bound over 15 traces at TTFT p99 "
-                                        "1.00x of 0 (1: 1.03x; docs/benchmarks/routing.md)")
+                                        "benchmark's hit rate by 0.006 of the bound over 19 traces at TTFT p99 "
+                                        "1.01x of 0 (1: +0.007 at 1.03x; docs/benchmarks/routing.md)")
     min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
     # -- hot prefix groups
     group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")
