@@ -8,7 +8,6 @@ the greedy tokens, against one unified engine's. The last stdout line is one JSO
 tests/integration/test_disagg_multinode.py asserts on it."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -21,6 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import httpx  # noqa: E402
 
+from tests.integration.subprocess_scenario import scenario_main  # noqa: E402
 from tests.integration.waiting import wait_until  # noqa: E402
 
 APP = "pdmultinode"
@@ -157,12 +157,5 @@ def scenario(workdir: Path) -> dict:
             cluster.shutdown()
 
 
-def main(argv: list[str]) -> int:
-    workdir = Path(argv[0]) if argv else Path.cwd()
-    workdir.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(scenario(workdir)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(scenario_main(scenario, sys.argv[1:]))

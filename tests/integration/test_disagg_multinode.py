@@ -6,29 +6,19 @@ The scenario runs in a subprocess (tests/integration/disagg_multinode_scenario.p
 one Ray cluster, and this test process may already hold the session Ray of tests/integration/conftest.py."""
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from tests.integration.subprocess_scenario import run_scenario
+
 pytestmark = pytest.mark.slow
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.disagg_multinode_scenario",
-                           str(tmp_path_factory.mktemp("pd-multinode"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"scenario failed:\n{proc.stderr[-4000:]}"
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps(res["timings_s"]))
-    return res
+    return run_scenario("tests.integration.disagg_multinode_scenario", tmp_path_factory.mktemp("pd-multinode"),
+                        TIMEOUT_S)
 
 
 def test_the_pools_are_placed_on_the_nodes_their_resources_name(result):

@@ -1,0 +1,32 @@
+"""Multi-node scenarios run in a subprocess: one process can join only one Ray cluster, and a test process may
+already hold the session Ray of tests/integration/conftest.py. A scenario module's `main` prints its result as
+one JSON line; `run_scenario` runs that module and returns the parsed result."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_scenario(module: str, workdir: pathlib.Path, timeout_s: float) -> dict:
+    """Run `python -m module workdir` from the repository root without the caller's RAY_ADDRESS."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", module, str(workdir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"scenario {module} failed:\n{proc.stderr[-4000:]}"
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(res["timings_s"]))
+    return res
+
+
+def scenario_main(scenario: Callable[[pathlib.Path], dict], argv: list[str]) -> int:
+    """A scenario module's entry point: run `scenario(workdir)` and print its result as one JSON line."""
+    workdir = pathlib.Path(argv[0]) if argv else pathlib.Path.cwd()
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(scenario(workdir)), flush=True)
+    return 0
