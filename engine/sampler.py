@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from affinity_serve.engine.sampling_params import SamplingParams
@@ -164,7 +165,10 @@ class Sampler:
             return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         tokens = _argmax(logits)                                                    # [N]
         if lazy:
-            bad = [r for r, ok in enumerate(allowed.allows(tokens.tolist())) if not ok]
+            # a matcher that allows its row's argmax takes it now (it is that row's token): the engine's
+            # accept then only confirms it; undone if the whole mask is filled below
+            token_list = tokens.tolist()
+            bad = [r for r, ok in enumerate(allowed.allows(token_list, keep=True)) if not ok]
         else:               # rows whose argmax is banned
             bad = (~allowed.gather(1, tokens[:, None]).squeeze(1)).nonzero().flatten().tolist()
         if 2 * len(bad) > len(tokens):
@@ -173,7 +177,7 @@ class Sampler:
             return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         self._mask_all_backoff = 1
         if bad and lazy:
-            tokens[bad] = torch.tensor(_next_allowed(logits, bad, allowed))
+            tokens[bad] = torch.tensor(_next_allowed(logits, bad, [token_list[r] for r in bad], allowed))
         elif bad:
             tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
         return tokens
@@ -199,27 +203,40 @@ class Sampler:
         return torch.where(is_greedy, greedy, drawn)
 
 
-def _next_allowed(logits: torch.Tensor, bad: list[int], mask: TokenMask) -> list[int]:
-    """The masked argmax of rows `bad` (whose raw argmax their grammar bans), asking before filling: argmax
-    visits a row's ids by value down, then index up, so the first one the grammar allows in that order is the
-    masked argmax (the first maximum among the allowed). Up to _ASK_TRIES times the id just refused is set to
-    -inf and the next argmax asked (numpy on the host: a few rows, where torch's per-op cost would dominate);
-    rows still without one take their filled mask."""
-    sub = logits[bad].float().numpy()                           # [B, vocab], a copy
-    out = [0] * len(bad)
+def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask: TokenMask) -> list[int]:
+    """The masked argmax of rows `bad` (whose raw argmax, `refused`, their grammar bans), asking before filling:
+    argmax visits a row's ids by value down, then index up, so the first one the grammar allows in that order
+    is the masked argmax (the first maximum among the allowed). Up to _ASK_TRIES times the id just refused is
+    set to -inf and the next argmax asked (numpy on the host, in place on those rows, restored before
+    returning: a few rows, where torch's per-op cost would dominate); an allowed one is kept by its matcher
+    (see `TokenMask.allows`). Rows still without one take their filled mask."""
+    out = list(refused)
     left = list(range(len(bad)))
-    for _ in range(_ASK_TRIES):
-        ids = sub[left].argmax(axis=1).tolist()
-        ok = mask.allows(ids, [bad[k] for k in left])
-        still = []
-        for k, t, a in zip(left, ids, ok):
-            out[k] = t
-            if not a:
-                sub[k, t] = float("-inf")
-                still.append(k)
-        left = still
-        if not left:
-            return out
+    if _ASK_TRIES:
+        if logits.dtype == torch.float32 and logits.is_contiguous():
+            x, at = logits.numpy(), bad                    # a view: refused ids set to -inf, then restored
+        else:
+            x, at = logits[bad].float().numpy(), range(len(bad))     # a copy
+        saved: list[tuple[int, int, float]] = []
+        try:
+            for _ in range(_ASK_TRIES):
+                for k in left:
+                    r, t = at[k], out[k]
+                    saved.append((r, t, float(x[r, t])))
+                    x[r, t] = -np.inf
+                ids = [int(x[at[k]].argmax()) for k in left]
+                ok = mask.allows(ids, [bad[k] for k in left], keep=True)
+                still = []
+                for k, t, a in zip(left, ids, ok):
+                    out[k] = t
+                    if not a:
+                        still.append(k)
+                left = still
+                if not left:
+                    return out
+        finally:
+            for r, t, v in reversed(saved):
+                x[r, t] = v
     rows = [bad[k] for k in left]
     for k, t in zip(left, _argmax(torch.where(mask.rows(rows), logits[rows], float("-inf"))).tolist()):
         out[k] = t

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 class GrammarState:
     """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher."""
 
-    __slots__ = ("spec", "_future", "_matcher", "_prefix")
+    __slots__ = ("spec", "_future", "_matcher", "_prefix", "_ahead")
 
     def __init__(self, spec: StructuredOutputSpec, future: Future, prefix: tuple[int, ...] = ()):
         self.spec = spec
@@ -28,6 +28,8 @@ class GrammarState:
         self._matcher = None
         # tokens sampled under this grammar elsewhere (P/D: the prefill engine's first token), taken first
         self._prefix = prefix
+        #: a token its matcher took when the sampler asked about it (see `RowCheck.allows`), not yet accepted
+        self._ahead: int | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -54,9 +56,24 @@ class GrammarState:
     def accept(self, token_ids: Sequence[int]) -> bool:
         """Advance over sampled tokens; False if one is outside the grammar (then the rest are not taken)."""
         m = self._matcher if self._matcher is not None else self.matcher
+        ahead = self._ahead
+        if ahead is not None:            # taken already when the sampler asked: the same token is accepted
+            self._ahead = None
+            if token_ids and token_ids[0] == ahead:
+                if len(token_ids) == 1:
+                    return True
+                token_ids = token_ids[1:]
+            else:                        # another token (none is, where the sampler kept it): undo it first
+                m.rollback(1)
         if len(token_ids) == 1:                                 # a decode step's one token
             return m.accept_token(token_ids[0])
         return all(m.accept_token(t) for t in token_ids)      # False past the grammar's end too
+
+    def settle(self) -> None:
+        """Undo a token taken ahead (see `RowCheck.allows`) and not accepted: the matcher as before asking."""
+        if self._ahead is not None:
+            self._ahead = None
+            self._matcher.rollback(1)
 
     @property
     def is_terminated(self) -> bool:
@@ -140,8 +157,13 @@ class GrammarBitmask:
 class RowCheck(Protocol):
     """The manager's single-row access to a step's matchers (row i: `GrammarBitmask.req_ids[i]`)."""
 
-    def allows(self, rows: Sequence[int], token_ids: Sequence[int]) -> list[bool]:
-        """Whether row rows[k]'s grammar allows token_ids[k] next (its matcher does not advance)."""
+    def allows(self, rows: Sequence[int], token_ids: Sequence[int], keep: bool = False) -> list[bool]:
+        """Whether row rows[k]'s grammar allows token_ids[k] next. Its matcher does not advance, unless `keep`:
+        then a matcher that allows its token keeps it (taken ahead: the engine's accept of that token then
+        only confirms it), until `release`."""
+
+    def release(self) -> None:
+        """Undo every token kept by `allows(keep=True)` and not accepted yet."""
 
     def fill(self, rows: Sequence[int]) -> torch.Tensor:
         """[len(rows), ceil(vocab / 32)] int32: those rows' packed bitmask alone."""
@@ -163,20 +185,27 @@ class TokenMask:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def allows(self, token_ids: Sequence[int], rows: Sequence[int] | None = None) -> list[bool]:
+    def allows(self, token_ids: Sequence[int], rows: Sequence[int] | None = None, keep: bool = False
+               ) -> list[bool]:
         """Whether each sampling row's grammar allows token_ids[k] (k: the row, or the kth of `rows`; rows
-        without a grammar allow every id)."""
+        without a grammar allow every id). `keep`: each matcher that allows its token takes it now (the
+        sampler's final choice for that row; see `RowCheck.allows`); `full` undoes that first, and a row filled
+        alone (`rows`) is settled before its fill."""
         bm = self._bitmask
-        rows = range(len(self._rows)) if rows is None else rows
+        own = self._rows
+        if rows is None:
+            if bm._packed is None and bm._check is not None and None not in own:
+                return bm._check.allows(own, token_ids, keep)     # every row constrained: no index to build
+            rows = range(len(own))
         out = [True] * len(rows)
-        hits = [(k, self._rows[r]) for k, r in enumerate(rows) if self._rows[r] is not None]
+        hits = [(k, own[r]) for k, r in enumerate(rows) if own[r] is not None]
         if bm._packed is not None or bm._check is None:          # filled already: read the bits
             words = bm.packed
             for k, i in hits:
                 t = token_ids[k]
                 out[k] = t < self._vocab_size and bool((int(words[i, t >> 5]) >> (t & 31)) & 1)
             return out
-        for (k, _), ok in zip(hits, bm._check.allows([i for _, i in hits], [token_ids[k] for k, _ in hits])):
+        for (k, _), ok in zip(hits, bm._check.allows([i for _, i in hits], [token_ids[k] for k, _ in hits], keep)):
             out[k] = ok
         return out
 
@@ -197,6 +226,8 @@ class TokenMask:
     def full(self) -> torch.Tensor:
         """[len(rows), vocab_size] bool: every sampling row's mask (the whole bitmask, filled now)."""
         bm = self._bitmask
+        if bm._check is not None:
+            bm._check.release()           # the fill reads the matchers as the step found them
         bm._check = None                  # filled whole from here on
         return bm.token_mask([bm.req_ids[i] if i is not None else None for i in self._rows], self._vocab_size,
                              torch.device("cpu"))

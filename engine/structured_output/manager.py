@@ -172,13 +172,15 @@ class StructuredOutputManager:
             req = requests.get(req_id)
             st = req.structured_output if req is not None else None
             if st is not None and req.num_computed_tokens >= req.num_tokens:
+                if st._ahead is not None:       # a kept token whose output was dropped: undo it
+                    st.settle()
                 rows.append((req_id, st))
         if not rows:
             return None
         matchers = [st.matcher for _, st in rows]
         json_rows = [i for i, (_, st) in enumerate(rows) if st.spec.key[0] in ("json", "json_object")]
         # every row greedy on a host sampler: most rows' argmax is allowed, so ask first and fill only the rest
-        check = (_StepRows(self, matchers, json_rows) if self.check_first and not self.pin_memory and all(
+        check = (_StepRows(self, [st for _, st in rows], json_rows) if self.check_first and not self.pin_memory and all(
             (q := requests.get(r)) is None or q.sampling_params.is_greedy for r in so.num_scheduled_tokens)
             else None)
         on_thread = self.fill_on_thread and len(rows) >= _THREAD_FILL_MIN_ROWS and check is None
@@ -251,6 +253,28 @@ class StructuredOutputManager:
         matcher.rollback(1)
         return True
 
+    def _ask(self, states: Sequence[GrammarState], json_rows: frozenset[int], rows: Sequence[int],
+             token_ids: Sequence[int], keep: bool) -> list[bool]:
+        """`_allows` for many rows in one loop (row rows[k] of `states` asked about token_ids[k]); with `keep` a
+        matcher that allows its token keeps it (`GrammarState.accept` of that token then only confirms it)."""
+        limit, control = self._fill_vocab_size, self._control_byte_ids
+        out = []
+        for i, t in zip(rows, token_ids):
+            if t >= limit or (t in control and i in json_rows):
+                out.append(False)
+                continue
+            st = states[i]
+            m = st._matcher if st._matcher is not None else st.matcher
+            if not m.accept_token(t):
+                out.append(False)
+            elif keep:
+                st._ahead = t
+                out.append(True)
+            else:
+                m.rollback(1)
+                out.append(True)
+        return out
+
     def close(self) -> None:
         for ex in (self._executor, self._fill_executor):
             if ex is not None:
@@ -258,20 +282,30 @@ class StructuredOutputManager:
 
 
 class _StepRows:
-    """A step's constrained rows (row i: matchers[i]) for `TokenMask`: a token asked of one row's matcher, or
-    some rows' bitmask filled alone."""
+    """A step's constrained rows (row i: states[i]) for `TokenMask`: tokens asked of single rows' matchers
+    (kept where allowed, if asked to), or some rows' bitmask filled alone."""
 
-    __slots__ = ("_json_rows", "_manager", "_matchers")
+    __slots__ = ("_json_rows", "_kept", "_manager", "_states")
 
-    def __init__(self, manager: StructuredOutputManager, matchers: list, json_rows: list[int]):
+    def __init__(self, manager: StructuredOutputManager, states: list[GrammarState], json_rows: list[int]):
         self._manager = manager
-        self._matchers = matchers
+        self._states = states
         self._json_rows = frozenset(json_rows)
+        self._kept: list[int] = []
 
-    def allows(self, rows: Sequence[int], token_ids: Sequence[int]) -> list[bool]:
-        allows, matchers, json_rows = self._manager._allows, self._matchers, self._json_rows
-        return [allows(matchers[i], t, i in json_rows) for i, t in zip(rows, token_ids)]
+    def allows(self, rows: Sequence[int], token_ids: Sequence[int], keep: bool = False) -> list[bool]:
+        out = self._manager._ask(self._states, self._json_rows, rows, token_ids, keep)
+        if keep:
+            self._kept += [i for i, ok in zip(rows, out) if ok]
+        return out
+
+    def release(self) -> None:
+        for i in self._kept:
+            self._states[i].settle()
+        self._kept = []
 
     def fill(self, rows: Sequence[int]) -> torch.Tensor:
-        return self._manager._fill([self._matchers[i] for i in rows],
+        for i in rows:                          # (a row that kept a token is settled, so never filled)
+            self._states[i].settle()
+        return self._manager._fill([self._states[i].matcher for i in rows],
                                    [k for k, i in enumerate(rows) if i in self._json_rows])

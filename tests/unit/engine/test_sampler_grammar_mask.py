@@ -70,9 +70,12 @@ class _Check:
         self.asked = 0
         self.filled: list[list[int]] = []
 
-    def allows(self, rows, token_ids):
+    def allows(self, rows, token_ids, keep=False):
         self.asked += len(rows)
         return [bool(self.allowed[i, t]) for i, t in zip(rows, token_ids)]
+
+    def release(self):
+        pass
 
     def fill(self, rows):
         from affinity_serve.engine.structured_output.manager import _pack_bits

@@ -235,11 +235,11 @@ def test_greedy_steps_that_ask_first_give_exactly_the_whole_fills_outputs(checkp
     with chunked prefill, and fewer rows are filled."""
     def counting(eng: LLMEngine) -> tuple[list[int], list[int]]:
         filled, asked = [0], [0]            # rows filled, tokens asked
-        fill, allows = eng.structured_output._fill, eng.structured_output._allows
+        fill, ask = eng.structured_output._fill, eng.structured_output._ask
         monkeypatch.setattr(eng.structured_output, "_fill",
                             lambda m, j: (filled.__setitem__(0, filled[0] + len(m)), fill(m, j))[1])
-        monkeypatch.setattr(eng.structured_output, "_allows",
-                            lambda *a: (asked.__setitem__(0, asked[0] + 1), allows(*a))[1])
+        monkeypatch.setattr(eng.structured_output, "_ask",
+                            lambda *a: (asked.__setitem__(0, asked[0] + len(a[2])), ask(*a))[1])
         return filled, asked
 
     want = whole = None
@@ -293,4 +293,69 @@ def test_asking_a_matcher_agrees_with_its_filled_bitmask_for_every_token(tmp_pat
             assert any(asked)
             assert not is_json or any(t in mgr._control_byte_ids for t in range(vocab))   # some to refuse
             assert torch.equal(mgr._fill([st.matcher], [0] if is_json else []), before)   # not advanced
+            # the whole step's asking in one loop says the same, and leaves it too
+            assert mgr._ask([st], frozenset([0] if is_json else []), [0] * vocab, range(vocab), False) == allowed
+            assert torch.equal(mgr._fill([st.matcher], [0] if is_json else []), before)
+    mgr.close()
+
+
+def test_a_token_kept_when_asked_is_accepted_once_and_undone_when_not_taken(tmp_path):
+    """keep (greedy steps asking first): a matcher that allows the sampled token takes it when asked; the
+    engine's accept of that token then only confirms it (the matcher advanced once), another token undoes it
+    first, and a release, a fill of the row, the whole fill and `settle` (which the next step's bitmask calls
+    where the token's output was dropped) undo it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from affinity_serve.engine.demo import write_demo_model
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask, TokenMask
+    from affinity_serve.engine.structured_output.manager import StructuredOutputManager, _StepRows
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    vocab = max(tok.get_vocab().values()) + 1
+    mgr = StructuredOutputManager(tok, vocab, [tok.convert_tokens_to_ids("<|im_end|>")])
+    spec = StructuredOutputSpec(regex="[a-z]+ [0-9]")
+
+    def state(prefix: str = "ab"):
+        st = mgr.new_state(spec)
+        st._future.result()
+        assert st.matcher.accept_string(prefix)
+        return st
+
+    ref = state()
+    bits = mgr._fill([ref.matcher], [])
+    allowed = [t for t in range(vocab) if (int(bits[0, t >> 5]) >> (t & 31)) & 1]
+    banned = [t for t in range(vocab) if t not in allowed]
+    a, b = allowed[0], allowed[-1]
+
+    def after(tokens):
+        st = state()
+        for t in tokens:
+            assert st.matcher.accept_token(t)
+        return mgr._fill([st.matcher], [])
+
+    st = state()
+    rows = _StepRows(mgr, [st], [])
+    assert rows.allows([0, 0], [banned[0], a], keep=True) == [False, True]
+    assert st._ahead == a
+    assert st.accept([a]) and st._ahead is None
+    assert torch.equal(mgr._fill([st.matcher], []), after([a]))          # advanced once, not twice
+    st = state()
+    _StepRows(mgr, [st], []).allows([0], [a], keep=True)
+    assert st.accept([b])                                               # another token: a undone first
+    assert torch.equal(mgr._fill([st.matcher], []), after([b]))
+    for undo in ("release", "fill", "full", "settle"):
+        st = state()
+        rows = _StepRows(mgr, [st], [])
+        rows.allows([0], [a], keep=True)
+        if undo == "release":
+            rows.release()
+        elif undo == "fill":
+            assert torch.equal(rows.fill([0]), bits)
+        elif undo == "full":
+            mask = GrammarBitmask(["r"], lambda: mgr._fill([st.matcher], []), check=rows)
+            assert torch.equal(TokenMask(mask, [0], vocab).full()[0],
+                               torch.tensor([t in allowed for t in range(vocab)]))
+        else:
+            st.settle()
+        assert st._ahead is None and torch.equal(mgr._fill([st.matcher], []), bits), undo
     mgr.close()
