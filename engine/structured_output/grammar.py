@@ -20,10 +20,12 @@ logger = logging.getLogger(__name__)
 class GrammarState:
     """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher."""
 
-    __slots__ = ("spec", "_future", "_matcher", "_prefix", "_ahead")
+    __slots__ = ("spec", "is_json", "_future", "_matcher", "_prefix", "_ahead")
 
     def __init__(self, spec: StructuredOutputSpec, future: Future, prefix: tuple[int, ...] = ()):
         self.spec = spec
+        #: JSON (a schema or any object): no token with a control byte is allowed (see the manager's _fill)
+        self.is_json = spec.key[0] in ("json", "json_object")
         self._future = future
         self._matcher = None
         # tokens sampled under this grammar elsewhere (P/D: the prefill engine's first token), taken first
@@ -129,6 +131,8 @@ class GrammarBitmask:
         sampler, nothing filled ahead), else `token_mask`'s tensor."""
         if self._check is None or self._packed is not None or device.type != "cpu":
             return self.token_mask(row_req_ids, vocab_size, device)
+        if row_req_ids == self.req_ids:                 # every sampling row constrained, in order (a decode step)
+            return TokenMask(self, list(range(len(row_req_ids))), vocab_size)
         index = {r: i for i, r in enumerate(self.req_ids)}
         rows = [index.get(r) for r in row_req_ids]
         return TokenMask(self, rows, vocab_size) if any(i is not None for i in rows) else None

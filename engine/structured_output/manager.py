@@ -167,26 +167,30 @@ class StructuredOutputManager:
         """The bitmask for this step's constrained rows that sample (whose computed tokens reach their known
         tokens once the step has run); None if there are none. Call it before the step's forward: with
         `fill_on_thread` its fill starts now; read it after launching the forward (see `GrammarBitmask`)."""
-        rows: list[tuple[str, GrammarState]] = []
+        req_ids: list[str] = []
+        states: list[GrammarState] = []
+        json_rows: list[int] = []
         for req_id in so.num_scheduled_tokens:
             req = requests.get(req_id)
             st = req.structured_output if req is not None else None
             if st is not None and req.num_computed_tokens >= req.num_tokens:
                 if st._ahead is not None:       # a kept token whose output was dropped: undo it
                     st.settle()
-                rows.append((req_id, st))
-        if not rows:
+                if st.is_json:
+                    json_rows.append(len(states))
+                req_ids.append(req_id)
+                states.append(st)
+        if not states:
             return None
-        matchers = [st.matcher for _, st in rows]
-        json_rows = [i for i, (_, st) in enumerate(rows) if st.spec.key[0] in ("json", "json_object")]
+        matchers = [st._matcher if st._matcher is not None else st.matcher for st in states]
         # every row greedy on a host sampler: most rows' argmax is allowed, so ask first and fill only the rest
-        check = (_StepRows(self, [st for _, st in rows], json_rows) if self.check_first and not self.pin_memory and all(
+        check = (_StepRows(self, states, json_rows) if self.check_first and not self.pin_memory and all(
             (q := requests.get(r)) is None or q.sampling_params.is_greedy for r in so.num_scheduled_tokens)
             else None)
-        on_thread = self.fill_on_thread and len(rows) >= _THREAD_FILL_MIN_ROWS and check is None
+        on_thread = self.fill_on_thread and len(states) >= _THREAD_FILL_MIN_ROWS and check is None
         if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
-        return GrammarBitmask([r for r, _ in rows], partial(self._fill, matchers, json_rows),
+        return GrammarBitmask(req_ids, partial(self._fill, matchers, json_rows),
                               self._fill_executor if on_thread else None,
                               None if self.pin_memory else self.vocab_size,   # a host sampler: unpack there too
                               check)
