@@ -20,7 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import httpx  # noqa: E402
 
-from tests.integration.subprocess_scenario import scenario_main  # noqa: E402
+from tests.integration.subprocess_scenario import scenario_main, shutdown_cluster  # noqa: E402
 from tests.integration.waiting import wait_until  # noqa: E402
 
 APP = "pdmultinode"
@@ -150,11 +150,7 @@ def scenario(workdir: Path) -> dict:
         out["timings_s"]["total"] = time.monotonic() - t0
         return out
     finally:
-        try:
-            serve.shutdown()
-            ray.shutdown()
-        finally:
-            cluster.shutdown()
+        shutdown_cluster(cluster)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,14 @@ def scenario_main(scenario: Callable[[pathlib.Path], dict], argv: list[str]) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     print(json.dumps(scenario(workdir)), flush=True)
     return 0
+
+
+def shutdown_cluster(cluster) -> None:
+    """End a scenario: Serve and this process's Ray connection, then the simulated cluster, whatever fails first."""
+    import ray
+    from ray import serve
+    try:
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        cluster.shutdown()

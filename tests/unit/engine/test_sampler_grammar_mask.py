@@ -75,7 +75,7 @@ class _Check:
         return [bool(self.allowed[i, t]) for i, t in zip(rows, token_ids)]
 
     def release(self):
-        pass
+        """This double keeps no token ahead, so there is nothing to undo."""
 
     def fill(self, rows):
         from affinity_serve.engine.structured_output.manager import _pack_bits
