@@ -1,0 +1,131 @@
+"""The prefill pool of a P/D app scaling on a real Ray Serve (autoscale/pools.py through Serve's custom-policy
+hook): clients sending long uncached prompts build a prefill backlog (prompt tokens queued at the prefill
+replica, prefilled in small chunks) and a prefill rate that one prefill replica cannot serve within the TTFT
+SLO at the configured prefill rate, so the prefill pool goes from 1 to 2 replicas while the decode pool (same
+policy, its decode capacity far from reached) stays at 1; when the long prompts stop (a client's short prompts,
+which the decode replica prefills itself, keep the app busy) the prefill pool returns to 1. Every request
+completes whole, and both pools end with every KV block free."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import app_config, wait_running
+from tests.integration.outcomes import Outcome, send
+from tests.integration.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+APP = "affinity-disagg-prefill-autoscale"
+MIN_REMOTE = 16
+
+
+def _running(deployment: str) -> int:
+    from ray import serve
+    st = serve.status().applications.get(APP)
+    dep = st.deployments.get(deployment) if st else None
+    return dep.replica_states.get("RUNNING", 0) if dep else 0
+
+
+def _state(deployment: str) -> dict:
+    from ray import serve
+    return serve.get_deployment_handle(deployment, app_name=APP).debug_state.remote().result(timeout_s=30)
+
+
+def _pools_empty() -> bool:
+    for dep in ("LLMReplica", "PrefillReplica"):
+        st = _state(dep)
+        if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
+            return False
+    return True
+
+
+def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_stays(ray_serve, checkpoints):
+    from ray import serve
+
+    from affinity_serve.app.builder import build_app
+
+    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    cfg["engine"]["cache"]["num_blocks"] = 512
+    # Configured capacities (online_capacity off): one prefill replica is taken to prefill 300 tokens/s, so
+    # 4 clients' 120-token prompts (a few per second each) plus what queues in the prefill engine against a
+    # 1 s TTFT SLO need 2; the decode pool is taken to prefill 1e6 tokens/s and decode 100 sequences, out of
+    # reach. Short windows and delays (look-back 1 s).
+    cfg["autoscaling"] = {"enabled": True, "policy": "engine", "online_capacity": False,
+                          "ttft_slo_s": 1.0, "tpot_slo_s": 30.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
+                          "metrics_interval_s": 0.25, "look_back_period_s": 1.0, "min_replicas": 1,
+                          "max_replicas": 2, "trend_lead_s": 0.0, "cache_loss_headroom": False}
+    cfg["disaggregation"] = {
+        "enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
+        "prefill": {"num_replicas": 1, "autoscaling": {"prefill_tokens_per_s": 300.0},
+                    "engine": {"scheduler": {"max_num_batched_tokens": 32}}},      # prompts queue, chunked
+        "decode": {"num_replicas": 1, "autoscaling": {"prefill_tokens_per_s": 1e6, "decode_seqs_per_replica": 100.0}}}
+    serve.run(build_app(cfg), name=APP, route_prefix="/disagg-prefill-autoscale")
+    url = f"{ray_serve}/disagg-prefill-autoscale"
+    heavy_stop, light_stop = threading.Event(), threading.Event()
+    outcomes: list[Outcome] = []
+    counts: list[tuple[float, int, int]] = []       # (time, prefill RUNNING, decode RUNNING) when either changed
+
+    def heavy(i: int) -> None:                      # long uncached prompts: the prefill pool prefills them
+        rng = random.Random(i)
+        with httpx.Client(timeout=60) as c:
+            j = 0
+            while not heavy_stop.is_set():
+                prompt = [rng.randrange(10, 700) for _ in range(120)]
+                outcomes.append(send(c, url, prompt, 8, stream=j % 2 == 0))
+                j += 1
+
+    def light() -> None:                            # short prompts: the decode replica prefills them itself
+        with httpx.Client(timeout=60) as c:
+            j = 0
+            while not light_stop.is_set():
+                outcomes.append(send(c, url, [5, 6 + j % 50, 7, 8], 16, stream=j % 2 == 0))
+                j += 1
+                time.sleep(0.2)
+
+    def poll(until: int, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            now = (_running("PrefillReplica"), _running("LLMReplica"))
+            if not counts or counts[-1][1:] != now:
+                counts.append((time.monotonic(), *now))
+            if now[0] == until:
+                return
+            time.sleep(0.2)
+
+    try:
+        wait_running(APP, "LLMReplica", 1)
+        wait_running(APP, "PrefillReplica", 1)
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=heavy, args=(i,), daemon=True) for i in range(4)]
+        light_thread = threading.Thread(target=light, daemon=True)
+        light_thread.start()
+        for t in threads:
+            t.start()
+        poll(2, 90)                                  # replica start-up dominates on a busy machine
+        time.sleep(2.0)                              # requests reach the new prefill replica
+        heavy_stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        poll(1, 45)
+        light_stop.set()
+        light_thread.join(timeout=60)
+        seen = [(round(t - t0, 1), p, d) for t, p, d in counts]
+        assert max(p for _, p, _ in seen) == 2, f"prefill/decode replicas seen: {seen}"
+        assert seen[-1][1] == 1, f"the prefill pool did not return to 1: {seen}"
+        assert {d for _, _, d in seen} == {1}, f"the decode pool moved: {seen}"
+        bad = [o for o in outcomes if not o.completed]
+        assert outcomes and not bad, [(o.status, o.transport_error, o.payloads[-2:]) for o in bad[:5]]
+        state = _state("LLMReplica")["disaggregation"]
+        # long prompts prefilled by the prefill pool, short ones here, none recomputed after a failed prefill
+        assert state["remote"] > 0 and state["local_short"] > 0 and not state["prefill_failed"], state
+        wait_until(_pools_empty, timeout_s=20, what="both pools to free every block")
+        print(f"prefill/decode replicas {seen}; {len(outcomes)} requests; decode replica's P/D counts {state}")
+    finally:
+        heavy_stop.set()
+        light_stop.set()
+        serve.delete(APP)
