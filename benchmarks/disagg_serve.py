@@ -217,6 +217,9 @@ def unloaded_row(results: list[Result]) -> dict[str, Any]:
                                   for r in ok], 50), "completed": len(ok), "failed": len(results) - len(ok)}
 
 
+COUNTERS = ("kv_reads", "kv_read_failures", "kv_read_bytes", "remote_prefills", "prefill_failed")
+
+
 def pool_counters(num_prefill: int | None, num_replicas: int) -> dict[str, Any]:
     """After a run: KV transfers and fallbacks on the decode pool, and blocks still held in either pool."""
     decode = replica_states("LLMReplica", num_replicas - (num_prefill or 0))
@@ -289,10 +292,13 @@ def run_config(args, model: str, url: str, num_prefill: int | None) -> tuple[dic
                 for _ in range(args.unloaded)]
         timeout_s = 120.0 * k / 10 + args.max_tokens * args.step_base_s * 20
         idle = unloaded_row(asyncio.run(unloaded(url, warm, args.max_tokens, timeout_s)))
+        before = pool_counters(num_prefill, args.num_replicas)
         t = time.monotonic()
         results = asyncio.run(replay(url, trace(args, args.seed), args.max_tokens, timeout_s))
         print(f"[{name}] trace done in {time.monotonic() - t:.0f} s", flush=True)
-        row = summarize(name, results, k) | pool_counters(num_prefill, args.num_replicas)
+        after = pool_counters(num_prefill, args.num_replicas)
+        counted = {key: v - before[key] if key in COUNTERS else v for key, v in after.items()}   # the trace's own
+        row = summarize(name, results, k) | counted
         row["unloaded"] = idle
         return row, idle
     finally:
