@@ -1,7 +1,8 @@
 """Sampler: logits -> token ids (+ log-probabilities) for a batch with per-request parameters.
 
 Order: grammar mask (structured output) -> logit_bias -> penalties -> min_tokens mask -> (greedy argmax |
-temperature -> top-k -> top-p -> min-p -> draw). The min_tokens mask sets every EOS id (unless ignore_eos) and
+temperature -> top-k -> top-p -> min-p -> draw). The draw is an exponential race, argmax(p / E) with E ~ Exp(1)
+per id, taken in log space (see Sampler._race_scores). The min_tokens mask sets every EOS id (unless ignore_eos) and
 stop token id to -inf while a request has fewer than min_tokens output tokens, so it cannot stop early (vLLM's
 MinTokensLogitsProcessor).
 Log-probabilities are those of the raw model distribution (log_softmax of the unprocessed logits).
@@ -24,6 +25,8 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 _MASK_ALL_STEPS = 16
 #: see _next_allowed
 _ASK_TRIES = 4
+#: see _neg_log_
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclass(slots=True)
@@ -64,7 +67,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
-        #: greedy constrained steps left to mask in full before trying the raw argmax again, and how many the
+        #: constrained steps left to mask in full before trying the raw argmax again, and how many the
         #: next step that finds most argmaxes banned sets (doubling up to _MASK_ALL_STEPS; see _masked_argmax)
         self._mask_all_steps = 0
         self._mask_all_backoff = 1
@@ -88,19 +91,33 @@ class Sampler:
         after the one that sampled these ids, before they reach the host: each row's output then ends with its
         pending id (penalties count it) and a seeded row draws for the next output index. `allowed` ([N, vocab]
         bool): only those tokens may be drawn (a grammar's, structured output), masked before anything else; a
-        `TokenMask` (host) is read only as far as greedy decoding needs it."""
-        greedy = all(i.params.is_greedy for i in infos)
-        if allowed is not None and greedy and self.device.type == "cpu":
-            # bias and penalties move only finite logits, so masking after them is the same as before them
-            return self._masked_argmax(self._apply_bias_and_penalties(logits, infos, pending), allowed)
+        `TokenMask` (host) is read only as far as the draw needs it (see `_sample_under_grammar`)."""
+        ahead = 0 if pending is None else 1
+        if allowed is not None and self.device.type == "cpu":
+            return self._sample_under_grammar(logits, infos, pending, allowed)
         if isinstance(allowed, TokenMask):
             allowed = allowed.full()
         if allowed is not None:          # [N, vocab] bool: a grammar's tokens (structured output), before all else
             logits = torch.where(allowed, logits, float("-inf"))
         logits = self._apply_bias_and_penalties(logits, infos, pending)
-        if greedy:
-            return _argmax(logits)
-        return self._sample(logits, infos, 0 if pending is None else 1)
+        return _argmax(self._race_scores(logits, infos, ahead))
+
+    def _sample_under_grammar(self, logits: torch.Tensor, infos: list[SamplingInfo], pending: torch.Tensor | None,
+                              allowed: torch.Tensor | TokenMask) -> torch.Tensor:
+        """On the host, under a grammar: each row's token is the argmax of its race scores (`_race_scores`), and
+        masking drops the banned ids' scores without changing the others' (bias and penalties move only finite
+        logits; temperature and the draw are per id; the softmax's normaliser is one constant a row). So where the
+        grammar allows a row's unmasked winner it is the masked winner too, and only the other rows need their
+        mask (`_masked_argmax`). A row with top-k, top-p or min-p is masked first: those read the masked
+        distribution."""
+        filtered = [r for r, i in enumerate(infos) if needs_mask_first(i.params)]
+        if filtered:
+            rows = allowed.rows(filtered) if isinstance(allowed, TokenMask) else allowed[filtered]
+            logits = logits.clone()
+            logits[filtered] = torch.where(rows, logits[filtered], float("-inf"))
+        scores = self._race_scores(self._apply_bias_and_penalties(logits, infos, pending), infos,
+                                   0 if pending is None else 1)
+        return self._masked_argmax(scores, allowed)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small host list on the device, without synchronising it (torch waits for the stream on a
@@ -153,7 +170,8 @@ class Sampler:
         return logits
 
     def _masked_argmax(self, logits: torch.Tensor, allowed: torch.Tensor | TokenMask) -> torch.Tensor:
-        """Greedy under a grammar, on the host: where the grammar allows a row's argmax, that is the masked
+        """The row argmax of `logits` (greedy rows' logits, sampled rows' race scores) under a grammar, on the
+        host: where the grammar allows a row's argmax, that is the masked
         argmax too (the first maximum overall, so the first among the allowed), so only the other rows pay the
         mask's pass over the vocabulary (a model that follows its format rarely needs it), and a `TokenMask`
         fills only theirs. When most rows needed it, the next steps mask every row at once instead (a random
@@ -182,25 +200,87 @@ class Sampler:
             tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
         return tokens
 
-    def _sample(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
-        greedy = _argmax(logits)
-        temps = self._tensor([1.0 if i.params.is_greedy else i.params.temperature for i in infos], logits.dtype)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        probs = _filter(probs, infos)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one independent draw per row.
-        noise = torch.empty_like(probs)
-        unseeded = [r for r, i in enumerate(infos) if i.params.seed is None and not i.params.is_greedy]
+    def _race_scores(self, logits: torch.Tensor, infos: list[SamplingInfo], ahead: int = 0) -> torch.Tensor:
+        """[N, vocab] scores whose row argmax is each row's token: a greedy row's logits as they are; a sampled
+        row's exponential race, argmax(p / E) with p its distribution (temperature, then top-k, top-p, min-p) and
+        E ~ Exp(1) one draw per id, which draws from p. Taken in log space, logits / T - log E (ids the filters
+        drop at -inf): the same argmax, with no softmax, and an id whose probability underflows in the whole
+        vocabulary still competes by its logit (a grammar may leave only such ids)."""
+        sampled = [r for r, i in enumerate(infos) if not i.params.is_greedy]
+        if not sampled:
+            return logits
+        every = len(sampled) == len(infos)
+        x = logits if every else logits[self._tensor(sampled, torch.long)]
+        temps = [infos[r].params.temperature for r in sampled]
+        if any(t != 1.0 for t in temps):
+            x = x / self._tensor(temps, x.dtype)[:, None]
+        x = _filter(x, [infos[r] for r in sampled])
+        scores = _neg_log_(self._exponentials(infos, sampled, x.shape[1], ahead)).add_(x)      # [S, vocab]
+        if every:
+            return scores
+        out = logits.to(scores.dtype, copy=True)
+        out[self._tensor(sampled, torch.long)] = scores
+        return out
+
+    def _exponentials(self, infos: list[SamplingInfo], rows: list[int], vocab: int, ahead: int) -> torch.Tensor:
+        """[len(rows), vocab] float32 on the device: rows `rows`' E ~ Exp(1), as `Tensor.exponential_` draws
+        them: the unseeded rows in order from the sampler's generator, a seeded row from its (seed, output
+        index) generator."""
+        seeds = [infos[r].params.seed for r in rows]
+        out_index = [infos[r].num_output_tokens + ahead for r in rows]
+        if self.device.type == "cpu":
+            # exponential_ computes -log1p(-u) per id in double, in a serial loop (~15 ns an id); the same uniform
+            # doubles drawn by uniform_ and numpy's vectorised log1p give the same float32 E (see
+            # _exp_from_uniform) in about a third of the time
+            u = torch.empty(len(rows), vocab, dtype=torch.float64)
+            for k, seed in enumerate(seeds):
+                if seed is None:
+                    u[k].uniform_(generator=self.generator)
+                else:
+                    self._seeded.manual_seed(_mix(seed, out_index[k]))
+                    u[k].uniform_(generator=self._seeded)
+            return torch.from_numpy(_exp_from_uniform(u.numpy()))
+        e = torch.empty(len(rows), vocab, device=self.device)
+        unseeded = [k for k, seed in enumerate(seeds) if seed is None]
         if unseeded:
-            draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device, dtype=probs.dtype)
-            noise[self._tensor(unseeded, torch.long)] = draws.exponential_(generator=self.generator)
-        for r, info in enumerate(infos):
-            p = info.params
-            if p.seed is not None and not p.is_greedy:
-                self._seeded.manual_seed(_mix(p.seed, info.num_output_tokens + ahead))
-                noise[r].exponential_(generator=self._seeded)
-        drawn = _argmax(probs / noise)
-        is_greedy = self._tensor([i.params.is_greedy for i in infos], torch.bool)
-        return torch.where(is_greedy, greedy, drawn)
+            draws = torch.empty(len(unseeded), vocab, device=self.device).exponential_(generator=self.generator)
+            e[self._tensor(unseeded, torch.long)] = draws
+        for k, seed in enumerate(seeds):
+            if seed is not None:
+                self._seeded.manual_seed(_mix(seed, out_index[k]))
+                e[k].exponential_(generator=self._seeded)
+        return e
+
+
+def needs_mask_first(params: SamplingParams) -> bool:
+    """Whether a row's draw reads its grammar's whole mask before it draws: top-k, top-p and min-p choose from
+    the masked distribution. Other rows (greedy, or temperature alone) can ask their grammar about their
+    unmasked winner first (see `Sampler._sample_under_grammar`)."""
+    return not params.is_greedy and bool(params.top_k or params.top_p < 1.0 or params.min_p > 0)
+
+
+def _exp_from_uniform(u: np.ndarray) -> np.ndarray:
+    """u: [R, vocab] float64 uniform draws as `uniform_` makes them (53 random bits) -> [R, vocab] float32
+    E = float32(-log1p(-u)), what torch's CPU `exponential_` computes from the same draws. numpy's log1p (SIMD)
+    and the C library's differ by one double ulp in a few percent of inputs, which moves the float32 E only where
+    the double lies that close to halfway between two floats (about 1 id in 10^10); E was equal to
+    exponential_'s in all 120 million ids compared."""
+    d = np.negative(u)
+    np.log1p(d, out=d)                               # log1p(-u) = -E, in double
+    e = d.astype(np.float32)
+    return np.negative(e, out=e)
+
+
+def _neg_log_(e: torch.Tensor) -> torch.Tensor:
+    """-log E in place, E below the smallest normal float (a uniform draw of exactly 0 gives E = 0) taken as it:
+    a score stays finite, so a banned id's stays -inf. numpy's log on the host (4x torch's there)."""
+    if e.device.type != "cpu":
+        return e.clamp_(min=_TINY).log_().neg_()
+    x = e.numpy()
+    np.maximum(x, _TINY, out=x)
+    np.log(x, out=x)
+    np.negative(x, out=x)
+    return e
 
 
 def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask: TokenMask) -> list[int]:
@@ -249,17 +329,17 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def _filter(probs: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
-    """Zero out tokens removed by top-k, top-p and min-p (per row; rows without filters untouched)."""
-    rows = [r for r, i in enumerate(infos)
-            if not i.params.is_greedy and (i.params.top_k or i.params.top_p < 1.0 or i.params.min_p > 0)]
+def _filter(x: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
+    """x: [N, vocab] logits over temperature of sampled rows; the ids top-k, top-p and min-p remove from each
+    row's distribution softmax(x) set to -inf (rows without filters untouched)."""
+    rows = [r for r, i in enumerate(infos) if needs_mask_first(i.params)]
     if not rows:
-        return probs
-    probs = probs.clone()
+        return x
+    x = x.clone()
     for r in rows:
         p = infos[r].params
-        row = probs[r]
-        sorted_p, idx = row.sort(descending=True)
+        row = x[r]
+        sorted_p, idx = torch.softmax(row, dim=-1).sort(descending=True)
         keep = torch.ones_like(sorted_p, dtype=torch.bool)
         if p.top_k:
             keep[p.top_k:] = False
@@ -271,8 +351,8 @@ def _filter(probs: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
         keep[0] = True
         mask = torch.zeros_like(keep)
         mask[idx] = keep
-        row.masked_fill_(~mask, 0.0)
-    return probs
+        row.masked_fill_(~mask, float("-inf"))
+    return x
 
 
 def _mix(seed: int, step: int) -> int:

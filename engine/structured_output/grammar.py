@@ -175,9 +175,9 @@ class RowCheck(Protocol):
 
 class TokenMask:
     """A host sampler's view of a step's grammar mask over its sampling rows (`rows[k]`: row k's row of the
-    bitmask, None for a row without a grammar), filled only as far as it is read: greedy decoding asks whether
-    each row's grammar allows its argmax (one accept and rollback of the matcher, ~1 us, against a fill of
-    1-15 us a row on a 32,000-token vocabulary) and needs the mask of the rows it does not allow only."""
+    bitmask, None for a row without a grammar), filled only as far as it is read: the sampler asks whether
+    each row's grammar allows its unmasked winner (argmax or race; one accept of the matcher, ~1 us, against a
+    fill of 1-15 us a row on a 32,000-token vocabulary) and needs the mask of the rows it does not allow only."""
 
     __slots__ = ("_bitmask", "_rows", "_vocab_size")
 

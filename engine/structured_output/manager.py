@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from affinity_serve.engine.sampler import needs_mask_first
 from affinity_serve.engine.structured_output.grammar import GrammarBitmask, GrammarState
 from affinity_serve.engine.structured_output.spec import StructuredOutputSpec, import_xgrammar
 
@@ -73,9 +74,10 @@ class StructuredOutputManager:
     each step's bitmask is filled on a worker thread from the moment the step is scheduled; otherwise when the
     sampler reads it (see `GrammarBitmask`); a step with fewer than `_THREAD_FILL_MIN_ROWS` constrained rows
     fills when read either way. `pin_memory`: the bitmask is filled in pinned host memory (it
-    crosses to a CUDA device without a staging copy). `check_first` (host sampling): a step whose every row
-    samples greedily fills nothing ahead; the sampler asks each constrained row's matcher whether it allows the
-    row's argmax and fills the rows it does not allow alone (see `TokenMask`)."""
+    crosses to a CUDA device without a staging copy). `check_first` (host sampling): a step whose constrained
+    rows sample greedily or by temperature alone (no top-k, top-p, min-p) fills nothing ahead; the sampler asks
+    each constrained row's matcher whether it allows the row's unmasked winner (its argmax, or its race's) and
+    fills the rows it does not allow alone (see `TokenMask`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], *,
                  fill_on_thread: bool = False, pin_memory: bool = False, check_first: bool = True):
@@ -170,6 +172,7 @@ class StructuredOutputManager:
         req_ids: list[str] = []
         states: list[GrammarState] = []
         json_rows: list[int] = []
+        ask = self.check_first and not self.pin_memory
         for req_id in so.num_scheduled_tokens:
             req = requests.get(req_id)
             st = req.structured_output if req is not None else None
@@ -180,13 +183,14 @@ class StructuredOutputManager:
                     json_rows.append(len(states))
                 req_ids.append(req_id)
                 states.append(st)
+                if ask and needs_mask_first(req.sampling_params):
+                    ask = False
         if not states:
             return None
         matchers = [st._matcher if st._matcher is not None else st.matcher for st in states]
-        # every row greedy on a host sampler: most rows' argmax is allowed, so ask first and fill only the rest
-        check = (_StepRows(self, states, json_rows) if self.check_first and not self.pin_memory and all(
-            (q := requests.get(r)) is None or q.sampling_params.is_greedy for r in so.num_scheduled_tokens)
-            else None)
+        # a host sampler whose constrained rows are greedy or draw by temperature alone: most rows' winner is
+        # allowed, so ask first and fill only the rest (a row with top-k/top-p/min-p reads its whole mask)
+        check = _StepRows(self, states, json_rows) if ask else None
         on_thread = self.fill_on_thread and len(states) >= _THREAD_FILL_MIN_ROWS and check is None
         if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")

@@ -148,3 +148,35 @@ def test_argmax_helper_picks_what_argmax_picks_on_ties_and_nan():
     for t in (x, x.bfloat16()):
         assert torch.equal(_argmax(t), t.argmax(dim=-1))
     assert _argmax(x)[[3, 5, 7]].tolist() == [10, 0, 4]
+
+
+def test_the_race_draws_exponentials_as_exponential_does_from_the_same_generators():
+    """The CPU race's -log E: E exactly as `Tensor.exponential_` draws it (the unseeded rows in order from the
+    sampler's generator, a seeded row from its (seed, output index) generator), computed faster."""
+    from affinity_serve.engine.sampler import _mix
+    rows = [info(temperature=1.0), info(temperature=0.5, seed=7, out=[3, 4]), info(temperature=0.0),
+            info(temperature=1.0), info(temperature=2.0, seed=9)]
+    sampled = [0, 1, 3, 4]
+    got = Sampler(11)._exponentials(rows, sampled, 20000, ahead=1)
+    gen = torch.Generator().manual_seed(11)
+    unseeded = torch.empty(2, 20000).exponential_(generator=gen)
+    seeded = [torch.empty(20000).exponential_(generator=torch.Generator().manual_seed(_mix(s, n + 1)))
+              for s, n in ((7, 2), (9, 0))]
+    want = torch.stack([unseeded[0], seeded[0], unseeded[1], seeded[1]])
+    assert torch.equal(got, want)
+
+
+def test_the_race_draws_from_the_tempered_distribution():
+    """Draws in log space (logits / T - log E) follow softmax(logits / T), and an id whose probability
+    underflows in float32 still wins where it is the only one left (a grammar may leave only such ids)."""
+    lg = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    s = Sampler(3)
+    for temp in (0.7, 1.0):
+        draws = torch.tensor([s.sample(lg, [info(temperature=temp)]).item() for _ in range(4000)])
+        freq = torch.bincount(draws, minlength=5).float() / len(draws)
+        assert torch.allclose(freq, torch.softmax(lg[0] / temp, -1), atol=0.03), (temp, freq)
+    far = torch.tensor([[0.0, -200.0, -201.0]])
+    assert float(torch.softmax(far[0], -1)[1]) == 0.0            # underflows
+    allowed = torch.tensor([[False, True, True]])
+    draws = {Sampler(k).sample(far, [info(temperature=1.0)], allowed=allowed).item() for k in range(200)}
+    assert draws == {1, 2}                                     # by their logits: 2 at 27%

@@ -126,3 +126,45 @@ def test_a_token_mask_asks_the_banned_rows_next_argmax_and_fills_only_what_askin
                 assert len(filled) < len(banned) or not banned     # most settled by asking
         else:                                              # most banned: the whole mask, filled once
             assert bitmask._packed is not None
+
+
+def _mixed_infos(n: int) -> list[SamplingInfo]:
+    """Greedy, seeded and unseeded temperature rows, biased and penalised ones, and rows with top-k, top-p and
+    min-p (which read the masked distribution, so are masked first)."""
+    kinds = [dict(temperature=0.0), dict(temperature=1.0, seed=5), dict(temperature=0.7),
+             dict(temperature=1.3, seed=2, logit_bias={4: 3.0}, repetition_penalty=1.2),
+             dict(temperature=1.0, top_k=5, seed=1), dict(temperature=0.9, top_p=0.8),
+             dict(temperature=1.0, min_p=0.2, seed=8), dict(temperature=1.0, seed=9, frequency_penalty=0.5)]
+    return [SamplingInfo(SamplingParams(**kinds[k % len(kinds)]), [1, 2, 3, 3, k], 3) for k in range(n)]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensor", "token_mask"])
+def test_sampled_rows_under_a_grammar_draw_what_masking_first_draws(lazy):
+    """Sampled rows (temperature alone, seeded or not) take their unmasked race winner where the grammar
+    allows it and otherwise search on: the tokens are exactly those of masking first, whatever share of
+    rows the grammar bans; rows with top-k, top-p or min-p are filled (alone) before their filters run."""
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask, TokenMask
+    from affinity_serve.engine.structured_output.manager import _pack_bits
+    g = torch.Generator().manual_seed(3)
+    infos = _mixed_infos(16)
+    for step in range(40):
+        vocab = 400 + step
+        logits = torch.randn(16, vocab, generator=g) * 2
+        density = (0.9, 0.3, 0.02)[step % 3]
+        allowed = torch.rand(16, vocab, generator=g) < density
+        allowed[:, 3] = True
+        sampler, ref = Sampler(step), Sampler(step)          # unseeded rows: the same generator stream
+        want = ref.sample(torch.where(allowed, logits, float("-inf")), infos)
+        if lazy:
+            check = _Check(allowed)
+            mask = TokenMask(GrammarBitmask([f"r{k}" for k in range(16)],
+                                            lambda: torch.stack([_pack_bits(allowed[i]) for i in range(16)]),
+                                            check=check), list(range(16)), vocab)
+        else:
+            mask = allowed
+        got = sampler.sample(logits.clone(), infos, allowed=mask)
+        assert torch.equal(got, want), step
+        assert allowed[torch.arange(16), got].all()
+        if lazy and density == 0.9:
+            filtered = [k for k, i in enumerate(infos) if i.params.top_k or i.params.top_p < 1 or i.params.min_p]
+            assert check.asked >= 16 and check.filled[0] == filtered      # the filtered rows, filled first

@@ -202,6 +202,17 @@ def test_a_failed_step_waits_for_its_fill_and_frees_the_rows(checkpoints, monkey
     _assert_released(eng)
 
 
+def _counting(eng: LLMEngine, monkeypatch) -> tuple[list[int], list[int]]:
+    """[rows filled], [tokens asked] of `eng`'s manager, counted as it runs."""
+    filled, asked = [0], [0]
+    fill, ask = eng.structured_output._fill, eng.structured_output._ask
+    monkeypatch.setattr(eng.structured_output, "_fill",
+                        lambda m, j: (filled.__setitem__(0, filled[0] + len(m)), fill(m, j))[1])
+    monkeypatch.setattr(eng.structured_output, "_ask",
+                        lambda *a: (asked.__setitem__(0, asked[0] + len(a[2])), ask(*a))[1])
+    return filled, asked
+
+
 def _greedy_workload(eng: LLMEngine) -> None:
     """Every row greedy (so steps ask first): JSON schemas (n = 1 and 2), regexes, a choice (n = 3), free rows.
     The loose regex's rows mostly allow the random model's argmax (only those are not filled)."""
@@ -233,26 +244,17 @@ def test_greedy_steps_that_ask_first_give_exactly_the_whole_fills_outputs(checkp
     """check_first: a greedy step asks each row's matcher about its argmax and fills only the rows it bans;
     the tokens are exactly those of the whole fill (on the thread or when read), batched and under preemption
     with chunked prefill, and fewer rows are filled."""
-    def counting(eng: LLMEngine) -> tuple[list[int], list[int]]:
-        filled, asked = [0], [0]            # rows filled, tokens asked
-        fill, ask = eng.structured_output._fill, eng.structured_output._ask
-        monkeypatch.setattr(eng.structured_output, "_fill",
-                            lambda m, j: (filled.__setitem__(0, filled[0] + len(m)), fill(m, j))[1])
-        monkeypatch.setattr(eng.structured_output, "_ask",
-                            lambda *a: (asked.__setitem__(0, asked[0] + len(a[2])), ask(*a))[1])
-        return filled, asked
-
     want = whole = None
     for fill_on_thread in (False, True):
         ref = _engine(checkpoints, fill_on_thread, **kw)
-        filled, _ = counting(ref)
+        filled, _ = _counting(ref, monkeypatch)
         _greedy_workload(ref)
         out = _run(ref)
         assert want is None or out == want
         want, whole = out, filled[0]
         _assert_released(ref)
     eng = _engine(checkpoints, fill_on_thread=True, check_first=True, **kw)
-    filled, asked = counting(eng)
+    filled, asked = _counting(eng, monkeypatch)
     _greedy_workload(eng)
     got = _run(eng)
     assert got == want
@@ -359,3 +361,56 @@ def test_a_token_kept_when_asked_is_accepted_once_and_undone_when_not_taken(tmp_
             st.settle()
         assert st._ahead is None and torch.equal(mgr._fill([st.matcher], []), bits), undo
     mgr.close()
+
+
+def _sampled_workload(eng: LLMEngine, top_k: bool = False) -> None:
+    """Sampled constrained rows: seeded at temperature 0.7 to 1.4 (n = 1 to 3), loose regexes whose rows mostly
+    allow the random model's winner, a greedy row; unconstrained rows with top-p beside them. All seeded: an
+    unseeded row's draw depends on which rows share its steps, which the compiles' timing decides (the
+    sampler's tests cover unseeded rows). `top_k`: one constrained request samples with top-k (its filter
+    reads the masked distribution, so steps with it fill the whole mask)."""
+    for i, schema in enumerate(SCHEMAS):
+        eng.add_request(eng.make_request(f"Item {i} as JSON", SamplingParams(
+            n=2, max_tokens=120, temperature=(1.0, 0.7)[i % 2], seed=10 + i,
+            structured_output=StructuredOutputSpec.from_schema(schema)), req_id=f"json{i}"))
+    eng.add_request(eng.make_request("Code:", SamplingParams(
+        max_tokens=12, temperature=0.0, structured_output=StructuredOutputSpec(regex=r"[A-Z]{3}-\d{4}")),
+        req_id="regex"))
+    eng.add_request(eng.make_request("Mood:", SamplingParams(
+        n=3, max_tokens=8, temperature=1.0, seed=3, top_k=2 if top_k else None,
+        structured_output=StructuredOutputSpec(choice=("good", "bad"))), req_id="choice"))
+    for i in range(4):
+        eng.add_request(eng.make_request(f"Words {i}:", SamplingParams(
+            max_tokens=24, temperature=0.8 + 0.2 * i, seed=40 + i,
+            structured_output=StructuredOutputSpec(regex="[^{}]+")), req_id=f"loose{i}"))
+    for i in range(3):
+        eng.add_request(eng.make_request([5 + i, 6, 7, 8], SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9,
+                                                                    seed=i, ignore_eos=True), req_id=f"free{i}"))
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"cache": {"num_blocks": 40, "block_size": 4},
+     "scheduler": {"long_prefill_token_threshold": 4, "max_num_batched_tokens": 16}},
+], ids=["batched", "preempted"])
+def test_sampled_steps_that_ask_first_give_exactly_the_whole_fills_outputs(checkpoints, kw, monkeypatch):
+    """check_first with sampled rows: a row drawing by temperature alone takes its unmasked race winner where
+    its grammar allows it (the masked race's winner too), so the step asks instead of filling; the tokens are
+    exactly those of the whole fill, seeded, n > 1, batched and under preemption with chunked
+    prefill. With a constrained top-k row running, its steps fill the whole mask (and still agree)."""
+    for top_k in (False, True):
+        ref = _engine(checkpoints, fill_on_thread=True, **kw)
+        whole, _ = _counting(ref, monkeypatch)
+        _sampled_workload(ref, top_k)
+        want = _run(ref)
+        _assert_released(ref)
+        eng = _engine(checkpoints, fill_on_thread=True, check_first=True, **kw)
+        filled, asked = _counting(eng, monkeypatch)
+        _sampled_workload(eng, top_k)
+        got = _run(eng)
+        assert got == want, top_k
+        _check_valid(got)
+        assert asked[0] > 0 and filled[0] < whole[0]
+        if kw:
+            assert eng.last_stats.num_preemptions_total > 0
+        _assert_released(eng)
