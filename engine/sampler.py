@@ -336,23 +336,39 @@ def _filter(x: torch.Tensor, infos: list[SamplingInfo]) -> torch.Tensor:
     if not rows:
         return x
     x = x.clone()
-    for r in rows:
-        p = infos[r].params
-        row = x[r]
-        sorted_p, idx = torch.softmax(row, dim=-1).sort(descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if p.top_k:
-            keep[p.top_k:] = False
-        if p.top_p < 1.0:
-            cum = sorted_p.cumsum(0)
-            keep &= (cum - sorted_p) < p.top_p          # keep the smallest prefix reaching top_p
-        if p.min_p > 0:
-            keep &= sorted_p >= p.min_p * sorted_p[0]
-        keep[0] = True
-        mask = torch.zeros_like(keep)
-        mask[idx] = keep
-        row.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(x[rows], dim=-1)                                   # [R, vocab]
+    for j, r in enumerate(rows):
+        x[r].masked_fill_(~_kept(probs[j], infos[r].params), float("-inf"))
     return x
+
+
+def _kept(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """[vocab] bool: the ids top-k, top-p and min-p keep of one row's distribution, always its most likely:
+    the k most likely; of those, the smallest prefix (most likely first) whose mass reaches top_p; of those, the
+    ones at least min_p times as likely as the first. Only the prefix top-p needs is ordered: the most likely
+    256, then 4x as many while their mass is short of top_p (a model's distribution is mostly in its first few
+    hundred ids; sorting a 32,000-id row took ~1-3 ms here, the top 256 ~25 us)."""
+    vocab = probs.shape[0]
+    if not p.top_k and p.top_p >= 1.0:                 # min-p alone: no order needed
+        keep = probs >= p.min_p * probs.max()
+        return keep
+    limit = min(p.top_k or vocab, vocab)
+    n = limit if p.top_p >= 1.0 else min(limit, 256)
+    while True:
+        vals, idx = probs.topk(n)                      # [n], most likely first
+        keep = torch.ones(n, dtype=torch.bool, device=probs.device)
+        if p.top_p < 1.0:
+            keep = (vals.cumsum(0) - vals) < p.top_p    # the smallest prefix reaching top_p
+            if keep[-1] and n < limit:                 # it goes on past these: order more
+                n = min(4 * n, limit)
+                continue
+        break
+    if p.min_p > 0:
+        keep &= vals >= p.min_p * vals[0]
+    keep[0] = True
+    mask = torch.zeros(vocab, dtype=torch.bool, device=probs.device)
+    mask[idx[keep]] = True
+    return mask
 
 
 def _mix(seed: int, step: int) -> int:

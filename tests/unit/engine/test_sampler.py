@@ -180,3 +180,35 @@ def test_the_race_draws_from_the_tempered_distribution():
     allowed = torch.tensor([[False, True, True]])
     draws = {Sampler(k).sample(far, [info(temperature=1.0)], allowed=allowed).item() for k in range(200)}
     assert draws == {1, 2}                                     # by their logits: 2 at 27%
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_k=7), dict(top_k=300), dict(top_p=0.3), dict(top_p=0.9),
+                                dict(top_p=0.999), dict(min_p=0.1), dict(top_k=40, top_p=0.8, min_p=0.02),
+                                dict(top_p=1e-6), dict(min_p=1.0), dict(top_k=5000)])
+def test_the_filters_keep_what_sorting_the_whole_row_keeps(kw):
+    """Top-k, top-p and min-p order only the prefix they need (the most likely 256 ids, then 4x as many while
+    top-p's mass is short): the kept ids are those of the definition over the whole sorted row, on flat rows
+    (top-p needs thousands of ids) and peaked ones (a few)."""
+    from affinity_serve.engine.sampler import _kept
+
+    def definition(probs, p):
+        sorted_p, idx = probs.sort(descending=True)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if p.top_k:
+            keep[p.top_k:] = False
+        if p.top_p < 1.0:
+            keep &= (sorted_p.cumsum(0) - sorted_p) < p.top_p
+        if p.min_p > 0:
+            keep &= sorted_p >= p.min_p * sorted_p[0]
+        keep[0] = True
+        mask = torch.zeros_like(keep)
+        mask[idx] = keep
+        return mask
+
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0, **kw)
+    for scale, peak in ((1.0, 0.0), (3.0, 0.0), (3.0, 12.0)):
+        x = torch.randn(4, 4000, generator=g) * scale
+        x[:, :20] += peak
+        for row in torch.softmax(x, -1):
+            assert torch.equal(_kept(row, params), definition(row, params)), (kw, scale, peak)
