@@ -137,14 +137,18 @@ class Sampler:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
+        # every row's logit_bias in one indexed add (each (row, id) once: the same sums as a row at a time)
+        biased = [(r, t, v) for r in rows for t, v in (infos[r].params.logit_bias or {}).items() if t < vocab]
+        if biased:
+            at_rows, at_ids, vals = zip(*biased)
+            logits.index_put_((self._tensor(list(at_rows), torch.long), self._tensor(list(at_ids), torch.long)),
+                              self._tensor(list(vals), logits.dtype), accumulate=True)
         for r in rows:
             p = infos[r].params
+            if not (p.needs_penalties or blocked[r]):
+                continue
             row = logits[r]
             last = None if pending is None else pending[r:r + 1]          # [1]: an output id not on the host yet
-            if p.logit_bias:
-                ids = self._tensor([t for t in p.logit_bias if t < vocab], torch.long)
-                vals = self._tensor([p.logit_bias[t] for t in p.logit_bias if t < vocab], row.dtype)
-                row.index_add_(0, ids, vals)
             if p.repetition_penalty != 1.0:
                 rp = p.repetition_penalty
                 seen = self._tensor(sorted(set(infos[r].prompt_token_ids) | set(infos[r].output_token_ids)),

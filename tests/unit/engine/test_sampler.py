@@ -212,3 +212,20 @@ def test_the_filters_keep_what_sorting_the_whole_row_keeps(kw):
         x[:, :20] += peak
         for row in torch.softmax(x, -1):
             assert torch.equal(_kept(row, params), definition(row, params)), (kw, scale, peak)
+
+
+def test_logit_bias_of_every_row_adds_to_its_own_row():
+    """The batch's logit_bias entries go in as one indexed add: each row gets its own (ids past the vocabulary
+    ignored), beside rows with penalties and rows with neither."""
+    lg = logits_rows(4, vocab=10, seed=6)
+    rows = [info(logit_bias={1: 2.0, 9: -1.5, 99: 5.0}), info(), info(logit_bias={1: -3.0}, presence_penalty=1.0,
+                                                                    out=[4]),
+            info(logit_bias={0: 0.25})]
+    got = Sampler(0)._apply_bias_and_penalties(lg, rows)
+    want = lg.clone()
+    want[0, 1] += 2.0
+    want[0, 9] -= 1.5
+    want[2, 1] -= 3.0
+    want[2, 4] -= 1.0
+    want[3, 0] += 0.25
+    assert torch.equal(got, want)
