@@ -108,6 +108,21 @@ class PolicyConfig(BaseModel):
                                       "start-up, the prefill the prefix cache saves now if it stopped hitting: "
                                       "replicas >= (load + saved prefill) / (1 + ttft_slo_s / start-up time)")
 
+    forecast_error_band: bool = Field(False, description="size the scale-down band by the load's measured "
+                                      "forecast error instead of target_utilization / downscale_utilization "
+                                      "alone: the band is the 90th percentile ratio, over the last "
+                                      "forecast_error_window_s, of the mean load within one start-up to the "
+                                      "load projected for it, between 1 + downscale_band_floor and "
+                                      "target_utilization / downscale_utilization (the widest, used until the "
+                                      "errors span half the window)")
+    forecast_error_window_s: float = Field(120.0, gt=0, description="forecast errors older than this no longer "
+                                           "size the scale-down band")
+    downscale_band_floor: float = Field(0.1, ge=0, description="the scale-down band is at least 1 + this (the "
+                                        "hysteresis a forecast-error band keeps on a perfectly forecast load)")
+    trend_scale_in: bool = Field(True, description="on a falling trend the down rule sizes for the load one "
+                                 "start-up ahead (the up rule projects only a rising one) and follows its current "
+                                 "target rather than the largest of its downscale_delay_s window")
+
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
         if self.max_replicas < self.min_replicas:
@@ -136,6 +151,7 @@ class FleetLoad:
     requests_per_s: float = 0.0    # arrivals (first tokens) per second, fleet-wide
     trend_units: float = 0.0       # the rising trend's extra load at trend_lead_s ahead (>= 0)
     cached_units: float = 0.0      # the prefill the prefix cache saves (all prompt tokens - uncached) / R
+    falling_units: float = 0.0     # the falling trend's change at the lead ahead (<= 0)
 
     @property
     def load_units(self) -> float:
@@ -165,6 +181,11 @@ class PolicyState:
     starting: tuple[tuple[float, int], ...] = ()
     #: the last STARTUP_SAMPLES measured start-up times (scale-up to first report), oldest first
     startup_samples: tuple[float, ...] = ()
+    #: projections still coming due: (due time, projected units, sum and count of the load units seen since),
+    #: oldest first
+    forecasts: tuple[tuple[float, float, float, int], ...] = ()
+    #: (time, mean load within the lead / its projection) of the projections that came due, oldest first
+    forecast_errors: tuple[tuple[float, float], ...] = ()
 
     @property
     def startup_s(self) -> float | None:
@@ -345,10 +366,9 @@ def trend_lead_s(state: PolicyState, cfg: PolicyConfig) -> float:
 
 
 def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
-           cfg: PolicyConfig, lead_s: float | None = None) -> tuple[tuple[tuple[float, float], ...], float]:
+           cfg: PolicyConfig) -> tuple[tuple[tuple[float, float], ...], float]:
     """The load history with (now, units) added (one sample per trend_window_s / TREND_POINTS) and the
-    rising trend's extra load at trend_lead_s ahead: the least-squares slope of the samples, once they span
-    half the window, times the lead; 0 when the load is flat or falling."""
+    load's least-squares slope over it (units per second) once the samples span half the window, else 0."""
     if cfg.trend_window_s <= 0 or cfg.trend_lead_s <= 0:
         return (), 0.0
     if not history or now - history[-1][0] >= cfg.trend_window_s / TREND_POINTS:
@@ -361,8 +381,56 @@ def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
     mt = sum(t for t, _ in history) / n
     mu = sum(u for _, u in history) / n
     var = sum((t - mt) ** 2 for t, _ in history)
-    slope = sum((t - mt) * (u - mu) for t, u in history) / var if var > 0 else 0.0
-    return history, max(0.0, slope) * (cfg.trend_lead_s if lead_s is None else lead_s)
+    return history, sum((t - mt) * (u - mu) for t, u in history) / var if var > 0 else 0.0
+
+
+#: projections of less load than this (replica units) give no forecast error: on a fleet near idle a
+#: request or two is a large ratio that says nothing about the band a loaded fleet needs
+MIN_FORECAST_UNITS = 0.5
+
+
+def _track_forecasts(state: PolicyState, now: float, load: FleetLoad, lead_s: float,
+                     cfg: PolicyConfig) -> PolicyState:
+    """Each projection made (one per trend sample, for the load `lead_s` ahead) keeps the mean load seen
+    until it comes due; then that mean over the projection is one forecast error. A replica let go now can be
+    back only one start-up later, so the load over that whole time, not at its end, is what the band covers;
+    its mean, not its peak: a few seconds' spike queues less than the TTFT SLO (with the peak, the diurnal
+    trace's 5 s noise held the widest band throughout)."""
+    if not cfg.forecast_error_band:
+        return state
+    pending, errors = [], list(state.forecast_errors)
+    for due, projected, total, n in state.forecasts:
+        total, n = total + load.load_units, n + 1
+        if now + 1e-9 >= due:
+            errors.append((now, total / n / projected))
+        else:
+            pending.append((due, projected, total, n))
+    made = state.forecasts[-1][0] - lead_s if state.forecasts else None
+    if (load.projected_units >= MIN_FORECAST_UNITS and lead_s > 0
+            and (made is None or now - made >= cfg.trend_window_s / TREND_POINTS)):
+        pending.append((now + lead_s, load.projected_units, load.load_units, 1))
+    start = now - cfg.forecast_error_window_s
+    return replace(state, forecasts=tuple(pending), forecast_errors=tuple(e for e in errors if e[0] >= start))
+
+
+#: the forecast error the band covers: this quantile of the window's errors (one noisy spike of the load
+#: signal does not widen the band for a whole window)
+FORECAST_ERROR_QUANTILE = 0.9
+
+
+def downscale_band(state: PolicyState, cfg: PolicyConfig) -> float:
+    """How much the down rule inflates the load: target_utilization / downscale_utilization, or with
+    `forecast_error_band` the FORECAST_ERROR_QUANTILE of the window's forecast errors (mean load within a
+    start-up over its projection), kept between 1 + downscale_band_floor and that ratio. Until the errors
+    span half of forecast_error_window_s the widest band holds."""
+    widest = cfg.target_utilization / cfg.downscale_utilization
+    errors = state.forecast_errors
+    if (not cfg.forecast_error_band or len(errors) < 2
+            or errors[-1][0] - errors[0][0] < cfg.forecast_error_window_s / 2):
+        return widest
+    ratios = sorted(r for _, r in errors)
+    worst = ratios[min(len(ratios) - 1, int(FORECAST_ERROR_QUANTILE * len(ratios)))]
+    return min(widest, max(1.0 + cfg.downscale_band_floor, worst))
 
 
 def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0) -> float:
@@ -414,9 +482,11 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     load = fleet_load(signals, cfg, num_queued_at_callers)
     state = _track_startup(state, now, len(signals), current)
     if signals:
-        history, trend = _trend(state.load_history, now, load.load_units, cfg, trend_lead_s(state, cfg))
-        load = replace(load, trend_units=trend)
-        state = replace(state, load_history=history)
+        lead = trend_lead_s(state, cfg)
+        history, slope = _trend(state.load_history, now, load.load_units, cfg)
+        load = replace(load, trend_units=max(0.0, slope) * lead,
+                       falling_units=max(-load.load_units, min(0.0, slope) * lead) if cfg.trend_scale_in else 0.0)
+        state = _track_forecasts(replace(state, load_history=history), now, load, lead, cfg)
     # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
     # are sampled (every metrics interval): a request shorter than the interval can fall between two samples,
     # and with in-flight alone a fleet whose requests all did would go to zero under steady traffic.
@@ -460,8 +530,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
             slo_target = max(slo_target, math.ceil(reporting * min(ratio, cfg.max_upscale_factor)))
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
-    inflate = cfg.target_utilization / cfg.downscale_utilization
-    down_need = replicas_needed(load.projected_units * inflate, cfg, per_unit)
+    inflate = downscale_band(state, cfg)
+    down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit)
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9))
 
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
@@ -505,7 +575,9 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         # The largest down target of the last downscale_delay_s: a dip does not take the fleet below what
         # the busier moments of the window needed. The condition stays on, so the count keeps following
         # that window down without a fresh delay per step.
-        floor = max(t for _, t in history)
+        # On a falling trend (`trend_scale_in`) the window's busier moments are behind the fleet, not a dip
+        # to ride out: it follows today's down target, itself sized for the load one start-up ahead.
+        floor = down_target if load.falling_units < 0 else max(t for _, t in history)
         return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)
     return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
 

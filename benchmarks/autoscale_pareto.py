@@ -10,7 +10,8 @@ For each workload and fleet size it runs
   point (the defaults: 0.8, 2);
 - ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom, no
   queued-cost projection, no overload skip of the up delay, neither of those two (the policy before them), no
-  cache-loss headroom, and the trend projected over trend_lead_s instead of the measured start-up;
+  cache-loss headroom, the trend projected over trend_lead_s instead of the measured start-up, no scale-in
+  on a falling trend, and the scale-down band sized by the measured forecast error (off by default);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
   arrivals and their work by the timing model and asks for the replicas that load needs one start-up ahead,
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict
@@ -269,7 +271,9 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("neither (the policy before)", dict(queued_cost_projection=False,
                                                                  overload_skips_delay=False)),
                             ("no cache-loss headroom", dict(cache_loss_headroom=False)),
-                            ("no measured start-up", dict(measured_startup=False))):
+                            ("no measured start-up", dict(measured_startup=False)),
+                            ("no falling-trend scale-in", dict(trend_scale_in=False)),
+                            ("forecast-error band", dict(forecast_error_band=True))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
@@ -410,8 +414,8 @@ def main() -> None:
     p.add_argument("--dynamo-utils", default="0.8,1.0", help="the Dynamo-style planner's utilization")
     p.add_argument("--oracle-utils", default="0.8,1.0,1.2,1.4,1.7,2.0",
                    help="the clairvoyant schedule's utilization (its frontier over these; empty: none)")
-    p.add_argument("--only", default="", help="run only the policies whose name contains one of these "
-                   "('|'-separated, e.g. 'util 0.8, z 2|Serve|clairvoyant'): for short checks")
+    p.add_argument("--only", default="", help="run only the policies whose name this regular expression finds "
+                   "(e.g. 'z 2$|Serve|clairvoyant': ours' operating point, Serve's rule, the clairvoyant schedule)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false")
     p.add_argument("--ttft-slo", type=float, default=1.0)
     p.add_argument("--tpot-slo", type=float, default=0.15)
@@ -464,9 +468,7 @@ def main() -> None:
                             max_ongoing=a.max_ongoing, startup_s=a.startup)
             results = []
             oracles = [ClairvoyantPolicy(trace, TimingModel(), spec, a.startup, 1, n, u) for u in a.oracle_utils]
-            keep = [x for x in a.only.split("|") if x]
-            for pol in [q for q in policies(n, spec, a_run) + oracles
-                        if not keep or any(x in q.name for x in keep)]:
+            for pol in [q for q in policies(n, spec, a_run) + oracles if re.search(a.only, q.name)]:
                 res = AutoscaleSim(trace, pol, cfg, spec, TimingModel(), a.seed).run()
                 say(f"  {kind} n={n} {res.policy}: att {res.ttft_slo_attainment:.4f}, {res.replica_seconds:.0f} "
                     f"replica-s, failed {res.failed} ({res.wall_s:.0f} s wall)")
