@@ -278,7 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_config(args, model: str, url: str, num_prefill: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_config(args: argparse.Namespace, model: str, url: str, num_prefill: int | None) -> dict[str, Any]:
+    """Deploy one configuration, send the unloaded requests and the trace, summarize, delete the app."""
     from ray import serve
     k = args.time_dilation
     n = args.num_replicas
@@ -300,7 +301,7 @@ def run_config(args, model: str, url: str, num_prefill: int | None) -> tuple[dic
         counted = {key: v - before[key] if key in COUNTERS else v for key, v in after.items()}   # the trace's own
         row = summarize(name, results, k) | counted
         row["unloaded"] = idle
-        return row, idle
+        return row
     finally:
         serve.delete(APP)
 
@@ -352,8 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     try:
         for num_prefill in [None, *(int(x) for x in args.splits.split(",") if x)]:
-            row, _ = run_config(args, model, url, num_prefill)
-            results.append(row)
+            results.append(run_config(args, model, url, num_prefill))
     finally:
         stop_cluster()
     base = results[0]
