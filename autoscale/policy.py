@@ -120,8 +120,8 @@ class PolicyConfig(BaseModel):
     downscale_band_floor: float = Field(0.1, ge=0, description="the scale-down band is at least 1 + this (the "
                                         "hysteresis a forecast-error band keeps on a perfectly forecast load)")
     trend_scale_in: bool = Field(True, description="on a falling trend the down rule sizes for the load one "
-                                 "start-up ahead (the up rule projects only a rising one) and follows its current "
-                                 "target rather than the largest of its downscale_delay_s window")
+                                 "start-up ahead (the up rule projects only a rising one); the largest down target "
+                                 "of the downscale_delay_s window still holds")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -575,9 +575,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         # The largest down target of the last downscale_delay_s: a dip does not take the fleet below what
         # the busier moments of the window needed. The condition stays on, so the count keeps following
         # that window down without a fresh delay per step.
-        # On a falling trend (`trend_scale_in`) the window's busier moments are behind the fleet, not a dip
-        # to ride out: it follows today's down target, itself sized for the load one start-up ahead.
-        floor = down_target if load.falling_units < 0 else max(t for _, t in history)
+        floor = max(t for _, t in history)
         return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)
     return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
 
