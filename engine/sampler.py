@@ -185,7 +185,15 @@ class Sampler:
         if self._mask_all_steps > 0:
             self._mask_all_steps -= 1
             return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
-        tokens = _argmax(logits)                                                    # [N]
+        num_ids = allowed.num_ids if lazy else logits.shape[1]
+        if num_ids < logits.shape[1]:
+            # ids past the tokenizer (a padded vocabulary) no grammar allows: a constrained row's winner is among
+            # the others (a random model's is mostly past them, and would be refused)
+            tokens = _argmax(logits[:, :num_ids])                                   # [N]
+            if free := allowed.rows_without_grammar():
+                tokens[free] = _argmax(logits[free])
+        else:
+            tokens = _argmax(logits)                                                # [N]
         if lazy:
             # a matcher that allows its row's argmax takes it now (it is that row's token): the engine's
             # accept then only confirms it; undone if the whole mask is filled below
@@ -199,7 +207,7 @@ class Sampler:
             return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
         self._mask_all_backoff = 1
         if bad and lazy:
-            tokens[bad] = torch.tensor(_next_allowed(logits, bad, [token_list[r] for r in bad], allowed))
+            tokens[bad] = torch.tensor(_next_allowed(logits, bad, [token_list[r] for r in bad], allowed, num_ids))
         elif bad:
             tokens[bad] = _argmax(torch.where(allowed[bad], logits[bad], float("-inf")))
         return tokens
@@ -287,13 +295,15 @@ def _neg_log_(e: torch.Tensor) -> torch.Tensor:
     return e
 
 
-def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask: TokenMask) -> list[int]:
+def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask: TokenMask,
+                  num_ids: int | None = None) -> list[int]:
     """The masked argmax of rows `bad` (whose raw argmax, `refused`, their grammar bans), asking before filling:
     argmax visits a row's ids by value down, then index up, so the first one the grammar allows in that order
     is the masked argmax (the first maximum among the allowed). Up to _ASK_TRIES times the id just refused is
     set to -inf and the next argmax asked (numpy on the host, in place on those rows, restored before
     returning: a few rows, where torch's per-op cost would dominate); an allowed one is kept by its matcher
-    (see `TokenMask.allows`). Rows still without one take their filled mask."""
+    (see `TokenMask.allows`). Rows still without one take their filled mask. Only ids below `num_ids` are
+    searched (the others are never allowed: `TokenMask.num_ids`)."""
     out = list(refused)
     left = list(range(len(bad)))
     if _ASK_TRIES:
@@ -308,7 +318,7 @@ def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask
                     r, t = at[k], out[k]
                     saved.append((r, t, float(x[r, t])))
                     x[r, t] = -np.inf
-                ids = [int(x[at[k]].argmax()) for k in left]
+                ids = [int(x[at[k], :num_ids].argmax()) for k in left]
                 ok = mask.allows(ids, [bad[k] for k in left], keep=True)
                 still = []
                 for k, t, a in zip(left, ids, ok):

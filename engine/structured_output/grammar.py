@@ -166,6 +166,9 @@ class RowCheck(Protocol):
         then a matcher that allows its token keeps it (taken ahead: the engine's accept of that token then
         only confirms it), until `release`."""
 
+    #: no grammar allows an id at or past this (the tokenizer's ids end here; the logits may be wider)
+    num_ids: int
+
     def release(self) -> None:
         """Undo every token kept by `allows(keep=True)` and not accepted yet."""
 
@@ -188,6 +191,16 @@ class TokenMask:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    @property
+    def num_ids(self) -> int:
+        """No grammar allows an id at or past this: the tokenizer's ids end here in a padded vocabulary."""
+        check = self._bitmask._check
+        return min(self._vocab_size, getattr(check, "num_ids", self._vocab_size))
+
+    def rows_without_grammar(self) -> list[int]:
+        """The sampling rows no grammar constrains (every id allowed)."""
+        return [k for k, i in enumerate(self._rows) if i is None]
 
     def allows(self, token_ids: Sequence[int], rows: Sequence[int] | None = None, keep: bool = False
                ) -> list[bool]:

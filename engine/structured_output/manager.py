@@ -307,6 +307,10 @@ class _StepRows:
             self._kept += [i for i, ok in zip(rows, out) if ok]
         return out
 
+    @property
+    def num_ids(self) -> int:
+        return self._manager._fill_vocab_size
+
     def release(self) -> None:
         for i in self._kept:
             self._states[i].settle()

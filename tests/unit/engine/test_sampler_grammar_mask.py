@@ -168,3 +168,32 @@ def test_sampled_rows_under_a_grammar_draw_what_masking_first_draws(lazy):
         if lazy and density == 0.9:
             filtered = [k for k, i in enumerate(infos) if i.params.top_k or i.params.top_p < 1 or i.params.min_p]
             assert check.asked >= 16 and check.filled[0] == filtered      # the filtered rows, filled first
+
+
+def test_a_padded_vocabulary_searches_constrained_rows_below_the_tokenizers_ids():
+    """Ids past the tokenizer (a padded vocabulary's; `TokenMask.num_ids`) are never allowed, so a constrained
+    row's winner is taken among the others (a random model's raw winner is mostly past them); a row without
+    a grammar still takes any id. The tokens equal masking first, greedy and sampled."""
+    from affinity_serve.engine.structured_output.grammar import GrammarBitmask, TokenMask
+    from affinity_serve.engine.structured_output.manager import _pack_bits
+    g = torch.Generator().manual_seed(4)
+    vocab, num_ids = 600, 90
+    infos = _infos(4) + [SamplingInfo(SamplingParams(temperature=1.0, seed=k), [1, 2], 2) for k in range(4)]
+    for step in range(20):
+        logits = torch.randn(8, vocab, generator=g)
+        logits[:, num_ids:] += 2.0                          # the raw winners lie past the tokenizer's ids
+        allowed = torch.rand(8, vocab, generator=g) < 0.8
+        allowed[:, num_ids:] = False
+        allowed[:, 0] = True
+        rows = [None if k in (3, 7) else k for k in range(8)]
+        allowed[[3, 7]] = True
+        want = Sampler(step).sample(torch.where(allowed, logits, float("-inf")), infos)
+        check = _Check(allowed)
+        check.num_ids = num_ids
+        bitmask = GrammarBitmask([f"r{k}" for k in range(8)],
+                                 lambda: torch.stack([_pack_bits(allowed[i]) for i in range(8)]), check=check)
+        mask = TokenMask(bitmask, rows, vocab)
+        assert mask.num_ids == num_ids and mask.rows_without_grammar() == [3, 7]
+        got = Sampler(step).sample(logits.clone(), infos, allowed=mask)
+        assert torch.equal(got, want), step
+        assert (got[[3, 7]] >= num_ids).all() and bitmask._packed is None      # asked, never filled whole
