@@ -42,9 +42,6 @@ class AffinityConfig(BaseModel):
     # -- affinity release
     release_slack: float = Field(0.6, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
     release_slack_abs_s: float = Field(0.3, ge=0, description="the absolute part of that bound, seconds")
-    release_slack_on_wait: bool = Field(False, description="the relative slack scales the best other's "
-                                        "predicted queue wait only, not its whole TTFT: a long uncached "
-                                        "prompt's own prefill there adds no slack")
     release_recompute_weight: float = Field(1.0, ge=0, description="a release must also beat this x fleet "
                                             "saturation x the time to recompute the prefix it gives up")
     release_busy_horizon_s: float = Field(0.25, ge=0, description="the least queued replica's prefill "

@@ -272,12 +272,7 @@ class AffinityPolicy:
         if not outside:
             return best_in, reason
         out = self._pick(outside, ttft, cands, request)
-        if cfg.release_slack_on_wait:
-            # the other's own prefill is certain (its length), only the wait ahead of it is uncertain
-            wait = max(0.0, ttft[out] - (request.num_prompt_tokens - cached[out]) / self.model.prefill_tokens_per_s)
-            bound = ttft[out] + wait * cfg.release_slack + cfg.release_slack_abs_s
-        else:
-            bound = ttft[out] * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s
+        bound = ttft[out] * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s
         if ttft[best_in] <= bound:
             return best_in, reason
         extra = cached[best_in] - cached[out]

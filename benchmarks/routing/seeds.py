@@ -57,8 +57,8 @@ def _spec(a: argparse.Namespace):
 
 
 def _label(cfg: dict) -> str:
-    return (f"{cfg['replicas']} × ρ {cfg['pressure_target']}, load {cfg['load_target']}, "
-            f"events {cfg['events_period_s']} s")
+    shape = "hot prefix" if cfg.get("hot_prefix") else f"ρ {cfg['pressure_target']}"
+    return f"{cfg['replicas']} × {shape}, load {cfg['load_target']}, events {cfg['events_period_s']} s"
 
 
 def summarize(docs: list[dict]) -> str:
@@ -69,9 +69,9 @@ def summarize(docs: list[dict]) -> str:
         by_cfg[_label(d["config"])].append(d)
     rows = ["| configuration | router | seeds | hit ÷ bound: mean (min-max) | seeds ≥ 0.97 | TTFT p99 ÷ "
             f"{REFERENCE}: geo-mean (min-max) | TTFT p99 s: mean |", "|---|---|---|---|---|---|---|"]
-    for label in sorted(by_cfg, key=lambda s: tuple(by_cfg[s][0]["config"][k] for k in
-                                                    ("replicas", "events_period_s", "pressure_target",
-                                                     "load_target"))):
+    for label in sorted(by_cfg, key=lambda s: tuple(by_cfg[s][0]["config"].get(k, False) for k in
+                                                    ("replicas", "events_period_s", "hot_prefix",
+                                                     "pressure_target", "load_target"))):
         per_router: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
         for d in sorted(by_cfg[label], key=lambda d: d["config"]["seed"]):
             ref = next((r for r in d["results"] if r["router"].startswith(REFERENCE)), None)

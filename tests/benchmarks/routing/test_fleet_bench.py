@@ -123,3 +123,37 @@ def test_seed_summary_pairs_each_trace_with_its_reference():
     row = next(line for line in table.splitlines() if "ours" in line)
     # hit: mean 0.97, one seed of two meets 0.97; p99 ratios 0.5 and 2.0: geometric mean 1.0
     assert "0.970 (0.960-0.980)" in row and "1/2" in row and "1.000 (0.50-2.00)" in row
+
+
+def test_seed_summary_keeps_a_hot_prefix_cell_apart_from_the_mixed_cell_of_the_same_shape():
+    from benchmarks.routing.seeds import summarize
+
+    def doc(hot, p99):
+        return {"config": {"replicas": 8, "pressure_target": 0.75, "load_target": 1.0, "events_period_s": 0.5,
+                           "seed": 0, "hot_prefix": hot},
+                "results": [{"router": "llm-d precise (sticky)", "hit_vs_separate_bound": 1.0, "ttft_p99_s": 1.0},
+                            {"router": "ours (prefix affinity)", "hit_vs_separate_bound": 1.0, "ttft_p99_s": p99}]}
+    rows = [line for line in summarize([doc(False, 0.5), doc(True, 0.25)]).splitlines() if "ours" in line]
+    assert len(rows) == 2
+    assert any("hot prefix" in r and "0.250" in r for r in rows) and any("ρ 0.75" in r and "0.500" in r for r in rows)
+
+
+def test_the_tail_decomposition_adds_up_and_names_the_router_reason(long_trace):
+    """benchmarks/routing/tail.py: queue + own prefill + interference is each request's TTFT; the queue is
+    never negative; own prefill is at least one step; ours' rows carry its decision reasons."""
+    from benchmarks.routing import tail
+    from benchmarks.routing.replica import TimingModel
+    from benchmarks.routing.simulator import FeedPeriods
+    prepared = prepare(long_trace)
+    text = TokenText(long_trace.meta.spec.vocab_size)
+    s = tail._TracedSimulation(prepared, make_router("ours", prepared, text), periods=FeedPeriods(0.5), seed=0)
+    res = s.run()
+    rows = tail.decompose(s, TimingModel())
+    assert len(rows) == res.num_measured
+    for r in rows:
+        assert r["queue"] >= 0 and r["own"] >= TimingModel().step_base_s
+        assert r["queue"] + r["own"] + r["interference"] == pytest.approx(r["ttft"])
+        assert r["reason"] in {"affinity", "released", "new_group", "spill", "hot_replica"}
+    assert np.percentile([r["ttft"] for r in rows], 99) == pytest.approx(res.ttft_p99_s)
+    t = tail.tail_summary(rows, 95)
+    assert t["n"] == sum(r["ttft"] > t["cut_s"] for r in rows) > 0

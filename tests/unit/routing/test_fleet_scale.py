@@ -169,43 +169,6 @@ def test_the_default_cache_weight_keeps_a_request_whose_move_would_evict_more_th
     assert d.chosen == "r2" and d.reason == Reason.RELEASED
 
 
-def _long_uncached_case(**cfg):
-    """A 16k-token prompt whose holder r0 has only a 2k-token prefix, behind 10k tokens of queue (TTFT 2.4 s);
-    r2 is idle with an empty pool (TTFT 1.6 s: the whole prompt, all of it its own prefill)."""
-    core, clock, ids = make(3, **cfg)
-    prefix = chain("tenant", 2_000 // BS)
-    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
-    for r, q in (("r0", 10_000), ("r1", 10_000), ("r2", 0)):
-        stats(core, r, num_queued_prefill_tokens=q, num_blocks=2000)
-    clock.t += 0.01
-    return core.route(RouteRequest("q", prefix + chain("question", 14_000 // BS), 16_003, 32), ids)
-
-
-def test_slack_on_wait_releases_a_long_uncached_prompt_from_a_queued_holder():
-    """Slack on the whole TTFT (default): 2.4 s <= 1.6 s x 1.6 + 0.3 s, the request waits 1 s behind r0's queue
-    to save 0.2 s of prefill. On the wait only: r2 has no wait, bound 1.6 + 0.3 s, it moves."""
-    d = _long_uncached_case()
-    assert d.chosen == "r0" and d.reason == Reason.AFFINITY
-    assert score(d, "r0").predicted_ttft_s == pytest.approx(2.4, abs=0.01)
-    assert score(d, "r2").predicted_ttft_s == pytest.approx(1.6, abs=0.01)
-    d = _long_uncached_case(release_slack_on_wait=True)
-    assert d.chosen == "r2" and d.reason == Reason.RELEASED
-
-
-def test_slack_on_wait_still_scales_with_the_others_queue():
-    """r0 behind 16k queued tokens (TTFT 3.0 s), r2 behind 8k (TTFT 2.4 s, of which 0.8 s wait): bound
-    2.4 + 0.6 x 0.8 + 0.3 = 3.18 s, r0 stays."""
-    core, clock, ids = make(3, release_slack_on_wait=True)
-    prefix = chain("tenant", 2_000 // BS)
-    core.on_kv_events(KVEventBatch("r0", "e0", 0, [stored(prefix)]))
-    for r, q in (("r0", 16_000), ("r1", 10_000), ("r2", 8_000)):
-        stats(core, r, num_queued_prefill_tokens=q, num_blocks=2000)
-    clock.t += 0.01
-    d = core.route(RouteRequest("q", prefix + chain("question", 14_000 // BS), 16_003, 32), ids)
-    assert score(d, "r0").predicted_ttft_s == pytest.approx(3.0, abs=0.01)
-    assert d.chosen == "r0" and d.reason == Reason.AFFINITY
-
-
 def test_recompute_weight_zero_is_the_old_rule():
     core, clock, ids = make(3, release_recompute_weight=0.0, release_cache_weight=0.0, release_slack=0.3,
                             release_slack_abs_s=0.1)
