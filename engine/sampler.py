@@ -182,10 +182,10 @@ class Sampler:
         model, a forbidding state): 1, then 2, 4, ... up to _MASK_ALL_STEPS steps while that repeats; a step
         where most argmaxes are allowed starts over at 1."""
         lazy = isinstance(allowed, TokenMask)
+        num_ids = allowed.num_ids if lazy else logits.shape[1]
         if self._mask_all_steps > 0:
             self._mask_all_steps -= 1
-            return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
-        num_ids = allowed.num_ids if lazy else logits.shape[1]
+            return _whole_masked_argmax(logits, allowed, num_ids)
         if num_ids < logits.shape[1]:
             # ids past the tokenizer (a padded vocabulary) no grammar allows: a constrained row's winner is among
             # the others (a random model's is mostly past them, and would be refused)
@@ -204,7 +204,7 @@ class Sampler:
         if 2 * len(bad) > len(tokens):
             self._mask_all_steps = self._mask_all_backoff
             self._mask_all_backoff = min(2 * self._mask_all_backoff, _MASK_ALL_STEPS)
-            return _argmax(torch.where(allowed.full() if lazy else allowed, logits, float("-inf")))
+            return _whole_masked_argmax(logits, allowed, num_ids)
         self._mask_all_backoff = 1
         if bad and lazy:
             tokens[bad] = torch.tensor(_next_allowed(logits, bad, [token_list[r] for r in bad], allowed, num_ids))
@@ -293,6 +293,20 @@ def _neg_log_(e: torch.Tensor) -> torch.Tensor:
     np.log(x, out=x)
     np.negative(x, out=x)
     return e
+
+
+def _whole_masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | TokenMask, num_ids: int) -> torch.Tensor:
+    """The masked argmax of every row, the mask filled whole; with a padded vocabulary (`num_ids` below the
+    logits' width) only the tokenizer's ids are unpacked and searched for constrained rows (no grammar allows
+    the others), rows without a grammar over all ids."""
+    if not isinstance(allowed, TokenMask):
+        return _argmax(torch.where(allowed, logits, float("-inf")))
+    if num_ids >= logits.shape[1]:
+        return _argmax(torch.where(allowed.full(), logits, float("-inf")))
+    tokens = _argmax(torch.where(allowed.full(num_ids), logits[:, :num_ids], float("-inf")))
+    if free := allowed.rows_without_grammar():
+        tokens[free] = _argmax(logits[free])
+    return tokens
 
 
 def _next_allowed(logits: torch.Tensor, bad: list[int], refused: list[int], mask: TokenMask,

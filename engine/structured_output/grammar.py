@@ -240,14 +240,15 @@ class TokenMask:
             packed[hit] = src
         return unpack_bitmask(packed, self._vocab_size)
 
-    def full(self) -> torch.Tensor:
-        """[len(rows), vocab_size] bool: every sampling row's mask (the whole bitmask, filled now)."""
+    def full(self, num_ids: int | None = None) -> torch.Tensor:
+        """[len(rows), vocab_size] bool: every sampling row's mask (the whole bitmask, filled now); its first
+        `num_ids` ids only, if given."""
         bm = self._bitmask
         if bm._check is not None:
             bm._check.release()           # the fill reads the matchers as the step found them
         bm._check = None                  # filled whole from here on
-        return bm.token_mask([bm.req_ids[i] if i is not None else None for i in self._rows], self._vocab_size,
-                             torch.device("cpu"))
+        return bm.token_mask([bm.req_ids[i] if i is not None else None for i in self._rows],
+                             num_ids or self._vocab_size, torch.device("cpu"))
 
 
 def _fill_and_unpack(fill: Callable[[], torch.Tensor], vocab_size: int | None

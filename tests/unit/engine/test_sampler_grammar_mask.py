@@ -173,7 +173,8 @@ def test_sampled_rows_under_a_grammar_draw_what_masking_first_draws(lazy):
 def test_a_padded_vocabulary_searches_constrained_rows_below_the_tokenizers_ids():
     """Ids past the tokenizer (a padded vocabulary's; `TokenMask.num_ids`) are never allowed, so a constrained
     row's winner is taken among the others (a random model's raw winner is mostly past them); a row without
-    a grammar still takes any id. The tokens equal masking first, greedy and sampled."""
+    a grammar still takes any id, also where most rows are banned and the whole mask is filled (only its
+    tokenizer's ids unpacked). The tokens equal masking first, greedy and sampled."""
     from affinity_serve.engine.structured_output.grammar import GrammarBitmask, TokenMask
     from affinity_serve.engine.structured_output.manager import _pack_bits
     g = torch.Generator().manual_seed(4)
@@ -182,7 +183,10 @@ def test_a_padded_vocabulary_searches_constrained_rows_below_the_tokenizers_ids(
     for step in range(20):
         logits = torch.randn(8, vocab, generator=g)
         logits[:, num_ids:] += 2.0                          # the raw winners lie past the tokenizer's ids
-        allowed = torch.rand(8, vocab, generator=g) < 0.8
+        density = 0.8 if step % 2 else 0.0                 # most rows banned: the whole mask, its prefix
+        if not density:
+            logits[:, 0] -= 10.0                            # the one allowed id is never a raw winner
+        allowed = torch.rand(8, vocab, generator=g) < density
         allowed[:, num_ids:] = False
         allowed[:, 0] = True
         rows = [None if k in (3, 7) else k for k in range(8)]
@@ -196,4 +200,5 @@ def test_a_padded_vocabulary_searches_constrained_rows_below_the_tokenizers_ids(
         assert mask.num_ids == num_ids and mask.rows_without_grammar() == [3, 7]
         got = Sampler(step).sample(logits.clone(), infos, allowed=mask)
         assert torch.equal(got, want), step
-        assert (got[[3, 7]] >= num_ids).all() and bitmask._packed is None      # asked, never filled whole
+        assert (got[[3, 7]] >= num_ids).all()
+        assert (bitmask._packed is None) == (density == 0.8), step    # asked, or filled whole
