@@ -381,7 +381,8 @@ def _kept(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep = probs >= p.min_p * probs.max()
         return keep
     limit = min(p.top_k or vocab, vocab)
-    n = limit if p.top_p >= 1.0 else min(limit, 256)
+    # on a device, reading top-p's mass on the host would wait for it: order the whole prefix there
+    n = limit if p.top_p >= 1.0 or probs.device.type != "cpu" else min(limit, 256)
     while True:
         vals, idx = probs.topk(n)                      # [n], most likely first
         keep = torch.ones(n, dtype=torch.bool, device=probs.device)
