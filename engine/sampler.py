@@ -396,7 +396,7 @@ def _kept(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep &= vals >= p.min_p * vals[0]
     keep[0] = True
     mask = torch.zeros(vocab, dtype=torch.bool, device=probs.device)
-    mask[idx[keep]] = True
+    mask[idx] = keep
     return mask
 
 
