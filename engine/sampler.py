@@ -388,7 +388,7 @@ def _kept(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         keep = torch.ones(n, dtype=torch.bool, device=probs.device)
         if p.top_p < 1.0:
             keep = (vals.cumsum(0) - vals) < p.top_p    # the smallest prefix reaching top_p
-            if keep[-1] and n < limit:                 # it goes on past these: order more
+            if n < limit and keep[-1]:                 # it goes on past these: order more
                 n = min(4 * n, limit)
                 continue
         break
