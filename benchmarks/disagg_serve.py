@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.disagg import PROFILES, _pct, paced_costs, verdicts
+from benchmarks.disagg import PROFILES, _pct, _trace, paced_costs, verdicts
+from benchmarks.serve_wait import wait_running
 
 APP = "disagg-serve-bench"
 ROUTE = "/pd"
@@ -96,15 +97,7 @@ def start_cluster() -> str:
 
 
 def _wait_running(deployment: str, n: int, timeout_s: float = 180) -> None:
-    from ray import serve
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = serve.status().applications.get(APP)
-        dep = st.deployments.get(deployment) if st is not None else None
-        if dep is not None and dep.replica_states.get("RUNNING", 0) == n and len(dep.replica_states) == 1:
-            return
-        time.sleep(0.25)
-    raise TimeoutError(f"{APP}/{deployment} did not reach {n} running replicas")
+    wait_running(APP, deployment, n, timeout_s)
 
 
 def deploy(cfg: dict[str, Any]) -> None:
@@ -239,13 +232,7 @@ def pool_counters(num_prefill: int | None, num_replicas: int) -> dict[str, Any]:
 def trace(args: argparse.Namespace, seed: int) -> list[tuple[float, list[int]]]:
     """Poisson arrivals at `wall_rate`, prompts uniform in [min_prompt, max_prompt] (benchmarks.disagg's trace:
     the same seed and rate give the same requests)."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(args.num_requests):
-        t += rng.expovariate(args.wall_rate)
-        n = rng.randrange(args.min_prompt, args.max_prompt + 1)
-        out.append((t, [rng.randrange(10, 700) for _ in range(n)]))
-    return out
+    return _trace(args, seed)
 
 
 # ---------------------------------------------------------------- main

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest
+from benchmarks.serve_wait import wait_running
 
 POLICIES = ("prefix_affinity", "power_of_two", "round_robin")
 EMULATED_POLICIES = ("prefix_affinity", "llm_d_precise", "power_of_two")
@@ -225,15 +226,7 @@ def undeploy() -> None:
 
 
 def _wait_running(deployment: str, n: int, timeout_s: float = 120) -> None:
-    from ray import serve
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = serve.status().applications.get(APP_NAME)
-        dep = st.deployments.get(deployment) if st is not None else None
-        if dep is not None and dep.replica_states.get("RUNNING", 0) == n and len(dep.replica_states) == 1:
-            return
-        time.sleep(0.25)
-    raise TimeoutError(f"{APP_NAME}/{deployment} did not reach {n} running replicas")
+    wait_running(APP_NAME, deployment, n, timeout_s)
 
 
 def replica_counters(num_replicas: int, max_calls: int = 100) -> dict[str, tuple[int, int]]:
