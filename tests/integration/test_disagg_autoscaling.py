@@ -5,24 +5,17 @@ returns to 1. Every request completes whole."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
+from tests.integration.pool_scaling import debug_state, scale_out_and_in
 
 pytestmark = pytest.mark.slow
 
 APP = "affinity-disagg-autoscale"
-
-
-def _running(deployment: str) -> int:
-    from ray import serve
-    st = serve.status().applications.get(APP)
-    dep = st.deployments.get(deployment) if st else None
-    return dep.replica_states.get("RUNNING", 0) if dep else 0
 
 
 def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_stays(ray_serve, checkpoints):
@@ -45,7 +38,6 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
     url = f"{ray_serve}/disagg-autoscale"
     stop, light_stop = threading.Event(), threading.Event()
     outcomes: list[Outcome] = []
-    counts: list[tuple[float, int, int]] = []       # (time, decode RUNNING, prefill RUNNING) when either changed
 
     def client(i: int, until: threading.Event) -> None:
         with httpx.Client(timeout=60) as c:
@@ -55,43 +47,17 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
                 outcomes.append(send(c, url, prompt, 120, stream=j % 3 != 2))
                 j += 1
 
-    def poll(until: int, limit_s: float) -> None:
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            now = (_running("LLMReplica"), _running("PrefillReplica"))
-            if not counts or counts[-1][1:] != now:
-                counts.append((time.monotonic(), *now))
-            if now[0] == until:
-                return
-            time.sleep(0.2)
-
     try:
         wait_running(APP, "LLMReplica", 1)
         wait_running(APP, "PrefillReplica", 1)
-        t0 = time.monotonic()
         light = threading.Thread(target=client, args=(0, light_stop), daemon=True)
         heavy = [threading.Thread(target=client, args=(i, stop), daemon=True) for i in range(1, 6)]
-        light.start()
-        for t in heavy:
-            t.start()
-        poll(2, 90)                                  # replica start-up dominates on a busy machine
-        time.sleep(2.0)                              # requests reach the new decode replica
-        stop.set()
-        for t in heavy:
-            t.join(timeout=60)
-        poll(1, 45)
-        light_stop.set()
-        light.join(timeout=60)
-        seen = [(round(t - t0, 1), d, p) for t, d, p in counts]
-        assert max(d for _, d, _ in seen) == 2, f"decode/prefill replicas seen: {seen}"
-        assert seen[-1][1] == 1, f"the decode pool did not return to 1: {seen}"
-        assert {p for _, _, p in seen} == {1}, f"the prefill pool moved: {seen}"
+        seen = scale_out_and_in(APP, "LLMReplica", "PrefillReplica", heavy, stop, light, light_stop)
         bad = [o for o in outcomes if not o.completed]
         assert outcomes and not bad, [(o.status, o.transport_error, o.payloads[-2:]) for o in bad[:5]]
         served = {o.replica for o in outcomes if o.replica}
         assert len(served) == 2, served                 # the second decode replica took requests
-        from ray import serve as _serve
-        state = _serve.get_deployment_handle("LLMReplica", app_name=APP).debug_state.remote().result(timeout_s=30)
+        state = debug_state(APP, "LLMReplica")
         assert state["disaggregation"]["remote"] > 0    # decodes of prompts the prefill pool prefilled
         print(f"decode/prefill replicas {seen}; {len(outcomes)} requests")
     finally:

@@ -16,6 +16,7 @@ import pytest
 
 from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
+from tests.integration.pool_scaling import debug_state, scale_out_and_in
 from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -24,16 +25,8 @@ APP = "affinity-disagg-prefill-autoscale"
 MIN_REMOTE = 16
 
 
-def _running(deployment: str) -> int:
-    from ray import serve
-    st = serve.status().applications.get(APP)
-    dep = st.deployments.get(deployment) if st else None
-    return dep.replica_states.get("RUNNING", 0) if dep else 0
-
-
 def _state(deployment: str) -> dict:
-    from ray import serve
-    return serve.get_deployment_handle(deployment, app_name=APP).debug_state.remote().result(timeout_s=30)
+    return debug_state(APP, deployment)
 
 
 def _pools_empty() -> bool:
@@ -68,7 +61,6 @@ def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_s
     url = f"{ray_serve}/disagg-prefill-autoscale"
     heavy_stop, light_stop = threading.Event(), threading.Event()
     outcomes: list[Outcome] = []
-    counts: list[tuple[float, int, int]] = []       # (time, prefill RUNNING, decode RUNNING) when either changed
 
     def heavy(i: int) -> None:                      # long uncached prompts: the prefill pool prefills them
         rng = random.Random(i)
@@ -87,37 +79,12 @@ def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_s
                 j += 1
                 time.sleep(0.2)
 
-    def poll(until: int, limit_s: float) -> None:
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            now = (_running("PrefillReplica"), _running("LLMReplica"))
-            if not counts or counts[-1][1:] != now:
-                counts.append((time.monotonic(), *now))
-            if now[0] == until:
-                return
-            time.sleep(0.2)
-
     try:
         wait_running(APP, "LLMReplica", 1)
         wait_running(APP, "PrefillReplica", 1)
-        t0 = time.monotonic()
         threads = [threading.Thread(target=heavy, args=(i,), daemon=True) for i in range(4)]
         light_thread = threading.Thread(target=light, daemon=True)
-        light_thread.start()
-        for t in threads:
-            t.start()
-        poll(2, 90)                                  # replica start-up dominates on a busy machine
-        time.sleep(2.0)                              # requests reach the new prefill replica
-        heavy_stop.set()
-        for t in threads:
-            t.join(timeout=60)
-        poll(1, 45)
-        light_stop.set()
-        light_thread.join(timeout=60)
-        seen = [(round(t - t0, 1), p, d) for t, p, d in counts]
-        assert max(p for _, p, _ in seen) == 2, f"prefill/decode replicas seen: {seen}"
-        assert seen[-1][1] == 1, f"the prefill pool did not return to 1: {seen}"
-        assert {d for _, _, d in seen} == {1}, f"the decode pool moved: {seen}"
+        seen = scale_out_and_in(APP, "PrefillReplica", "LLMReplica", threads, heavy_stop, light_thread, light_stop)
         bad = [o for o in outcomes if not o.completed]
         assert outcomes and not bad, [(o.status, o.transport_error, o.payloads[-2:]) for o in bad[:5]]
         state = _state("LLMReplica")["disaggregation"]
