@@ -134,8 +134,8 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs)
     decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode),
                           request_router_config=request_router_config(
-                              config, PDDecodeRouter, disaggregation=d.model_dump(
-                                  mode="json", include={"min_remote_prefill_tokens", "same_node_slack_s"})))
+                              config, PDDecodeRouter, disaggregation=d.model_dump(mode="json", include={
+                                  "min_remote_prefill_tokens", "same_node_slack_s", "same_node_slack_requests"})))
     return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d)
 
 

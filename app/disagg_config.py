@@ -44,7 +44,13 @@ class DisaggregationSection(BaseModel):
         0.05, ge=0, description="the ingress chooses a request's prefill replica first (prefix affinity on the "
         "prefill pool), then prefers a decode replica on that replica's node (the KV copy stays in the node's "
         "object store) over a better one elsewhere when the node's best is predicted at most this many seconds "
-        "slower and to hold as much of the prompt (a decode replica holding earlier turns keeps its request)")
+        "slower and to hold as much of the prompt (a decode replica holding earlier turns keeps its request); "
+        "with routing.policy prefix_affinity or llm_d_precise (the policies that predict TTFT)")
+    same_node_slack_requests: int = Field(
+        2, ge=0, description="the same preference under the load-only routing policies (power_of_two, "
+        "round_robin), which predict no TTFT: the decode replica on the prefill replica's node with the fewest "
+        "ongoing requests (running at its last stats plus this ingress's sends since) goes first when, with the "
+        "request counted there, it has at most this many more than the policy's own choice has with it")
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="a prefill replica frees a request's held KV blocks if they were not copied out "
         "by then (the caller left)")

@@ -18,8 +18,13 @@ The decode pool's router in the ingress process (`PDDecodeRouter`) decides in th
    the prefill pool goes through `PrefillPoolRouter` there too, which ranks that replica first (Serve walks down
    the ranks when it is full or gone).
 
-Load-only routing policies (power_of_two, round_robin) give no per-replica predictions: step 1's rule and step 3
-are skipped (the prefill replica is still pinned, the decode choice is Serve's).
+Load-only routing policies (power_of_two, round_robin) predict neither cached tokens nor TTFT. Step 1's rule then
+sees nothing cached (the decode replica still applies it on its own cache), and step 3 compares ongoing requests
+instead (`same_node_choice_by_load`): the decode replica on the prefill replica's node with the fewest goes first
+when, with this request counted there, it has at most `same_node_slack_requests` more than the policy's choice.
+
+Each ingress process (`serve.ingress_replicas`) builds its own pair of routers over both pools and decides on its
+own view: its own sends, both pools' stats and KV events; none sees another ingress's in-flight requests.
 
 Serve pickles a router class's module by value into every process that routes: this module keeps no state of
 its own at module level (routers find each other through app/routing/debug.py, imported by reference).
@@ -42,6 +47,8 @@ logger = logging.getLogger("affinity.router")
 
 #: the prefill pool's deployment name (app/builder.py: disagg_deployments)
 PREFILL_DEPLOYMENT = "PrefillReplica"
+#: routing policies whose decisions carry loads but no predictions (app/routing/baselines.py)
+LOAD_ONLY_POLICIES = frozenset({"power_of_two", "round_robin"})
 
 
 def same_node_choice(decision: Decision, node_of: dict[str, str | None], node: str | None,
@@ -63,6 +70,26 @@ def same_node_choice(decision: Decision, node_of: dict[str, str | None], node: s
         if best is None or sc.predicted_ttft_s[i] < sc.predicted_ttft_s[best]:
             best = i
     return sc.replica_ids[best] if best is not None else None
+
+
+def same_node_choice_by_load(decision: Decision, node_of: dict[str, str | None], node: str | None,
+                             slack_requests: int) -> str | None:
+    """`same_node_choice` for a load-only policy's decision (its scores carry loads, no predictions): the
+    candidate on `node` with the fewest ongoing requests (`decode_load`: running at the replica's last stats
+    plus this router's sends since; then fewer queued prompt tokens) when, with this request counted there, it
+    has at most `slack_requests` more than the chosen one has with it. The load-only cores record the request
+    on their choice before they take the scores, so the chosen one's count includes it already. None to keep
+    the decision: the chosen one is on `node` already, no candidate there is within the slack, or no scores."""
+    sc = decision.scores
+    if node is None or not len(sc) or node_of.get(decision.chosen) == node or decision.chosen not in sc.replica_ids:
+        return None
+    limit = sc.decode_load[sc.replica_ids.index(decision.chosen)] + slack_requests
+    on_node = [i for i, rid in enumerate(sc.replica_ids)
+               if node_of.get(rid) == node and sc.decode_load[i] + 1 <= limit]
+    if not on_node:
+        return None
+    best = min(on_node, key=lambda i: (sc.decode_load[i], sc.queued_prefill_tokens[i]))
+    return sc.replica_ids[best]
 
 
 def _first(ranks: list[list[RunningReplica]], key: str) -> list[list[RunningReplica]]:
@@ -131,6 +158,7 @@ class PDDecodeRouter(AffinityRequestRouter):
         d = DisaggregationSection.model_validate(disaggregation or {})
         self.min_remote_prefill_tokens = d.min_remote_prefill_tokens
         self.same_node_slack_s = d.same_node_slack_s
+        self.same_node_slack_requests = d.same_node_slack_requests
         self.node_of: dict[str, str | None] = {}
         self._picks: dict[str, PrefillPoolRouter] = {}
         self.pd_counters = {"prefill_picked": 0, "local": 0, "same_node": 0, "moved_to_prefill_node": 0,
@@ -183,7 +211,7 @@ class PDDecodeRouter(AffinityRequestRouter):
         req.prefill_replica = key
         self._picks[req.req_id] = prefill
         self.pd_counters["prefill_picked"] += 1
-        move = same_node_choice(decision, self.node_of, node, self.same_node_slack_s) if decision else None
+        move = self._same_node(decision, node) if decision is not None else None
         if move is not None:
             ranks = _first(ranks, move)
             decision.chosen = move
@@ -193,6 +221,12 @@ class PDDecodeRouter(AffinityRequestRouter):
         if first is not None and node is not None:
             self.pd_counters["same_node" if first.node_id == node else "other_node"] += 1
         return ranks
+
+    def _same_node(self, decision: Decision, node: str | None) -> str | None:
+        """Step 3: the decode replica to put first so that the request decodes on `node` (None: keep)."""
+        if self.policy in LOAD_ONLY_POLICIES:
+            return same_node_choice_by_load(decision, self.node_of, node, self.same_node_slack_requests)
+        return same_node_choice(decision, self.node_of, node, self.same_node_slack_s)
 
     def _release(self, req_id: str, first_token: bool) -> None:
         prefill = self._picks.pop(req_id, None)
@@ -233,4 +267,5 @@ def open_prefill_view(app_name: str) -> Any:
     return handle
 
 
-__all__ = ["PDDecodeRouter", "PrefillPoolRouter", "PREFILL_DEPLOYMENT", "open_prefill_view", "same_node_choice"]
+__all__ = ["LOAD_ONLY_POLICIES", "PDDecodeRouter", "PrefillPoolRouter", "PREFILL_DEPLOYMENT", "open_prefill_view",
+           "same_node_choice", "same_node_choice_by_load"]

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 from affinity_serve.app.builder import router_kwargs
 from affinity_serve.app.config import AppConfig
-from affinity_serve.app.disagg_router import PDDecodeRouter, PrefillPoolRouter, same_node_choice
+from affinity_serve.app.disagg_router import (PDDecodeRouter, PrefillPoolRouter, same_node_choice,
+                                              same_node_choice_by_load)
 from affinity_serve.app.protocol import GenerateRequest
 from affinity_serve.app.routing import KVSnapshot
 from affinity_serve.app.routing.api import CandidateScores, Decision, Reason
@@ -24,8 +25,9 @@ def _hashes(seed: int, n: int) -> list[bytes]:
     return [bytes([seed, i]) * 4 for i in range(n)]
 
 
-def _kwargs() -> dict:
-    return router_kwargs(AppConfig.model_validate({"engine": {"cache": {"block_size": BS}}}))
+def _kwargs(policy: str = "prefix_affinity") -> dict:
+    return router_kwargs(AppConfig.model_validate({"engine": {"cache": {"block_size": BS}},
+                                                   "routing": {"policy": policy}}))
 
 
 def _replica(app: str, dep: str, key: str, node: str, stats: dict | None = None):
@@ -35,17 +37,18 @@ def _replica(app: str, dep: str, key: str, node: str, stats: dict | None = None)
 
 
 def _routers(decode_nodes: dict[str, str], prefill_nodes: dict[str, str], decode_stats: dict | None = None,
-             slack_s: float = 0.05):
+             slack_s: float = 0.05, policy: str = "prefix_affinity", slack_requests: int = 2):
     """The ingress's two routers (decode pool, prefill pool) over stand-ins; caller node 'head'."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     app = f"pd{next(_apps)}"
     dec = PDDecodeRouter(deployment_id=DeploymentID(name="LLMReplica", app_name=app),
                          handle_source=DeploymentHandleSource.REPLICA, self_node_id="head")
-    dec.initialize_state(**_kwargs(), disaggregation={"min_remote_prefill_tokens": MIN_REMOTE,
-                                                      "same_node_slack_s": slack_s})
+    dec.initialize_state(**_kwargs(policy), disaggregation={"min_remote_prefill_tokens": MIN_REMOTE,
+                                                            "same_node_slack_s": slack_s,
+                                                            "same_node_slack_requests": slack_requests})
     pre = PrefillPoolRouter(deployment_id=DeploymentID(name="PrefillReplica", app_name=app),
                             handle_source=DeploymentHandleSource.REPLICA, self_node_id="head")
-    pre.initialize_state(**_kwargs())
+    pre.initialize_state(**_kwargs(policy))
     decs = [_replica(app, "LLMReplica", k, n, (decode_stats or {}).get(k)) for k, n in decode_nodes.items()]
     pres = [_replica(app, "PrefillReplica", k, n) for k, n in prefill_nodes.items()]
     dec._sync_members(decs)
@@ -194,3 +197,70 @@ def test_same_node_choice_rules():
     assert same_node_choice(held, nodes, "B", 0.01) is None
     assert same_node_choice(Decision("r", ["a"], "a", Reason.LOAD, CandidateScores.empty(), 0.0),
                             nodes, "B", 1.0) is None                  # load-only policies: no scores
+
+
+# ------------------------------------------------------------ load-only policies: node preference by ongoing requests
+
+LOAD_ONLY = ("power_of_two", "round_robin")
+
+
+async def test_load_only_policies_decode_each_request_on_its_prefill_replicas_node():
+    """power_of_two and round_robin, two nodes with one prefill and two decode replicas each, requests that
+    never finish (each one's decode load stays): every request decodes on its prefill replica's node, and the
+    four decode replicas' loads stay balanced (the prefill picks alternate nodes by load)."""
+    for policy in LOAD_ONLY:
+        dec, pre, decs, _ = _routers({"dA1": "A", "dA2": "A", "dB1": "B", "dB2": "B"}, {"pA": "A", "pB": "B"},
+                                     policy=policy)
+        prefill_node = {"pA": "A", "pB": "B"}
+        for i in range(16):
+            pending = _pending(f"{policy}-{i}", _hashes(i, 6))
+            ranks = await dec.choose_replicas(decs, pending)
+            dec.on_request_routed(pending, ranks[0][0].replica_id, None)
+            req = pending.args[0]
+            assert req.prefill_replica in prefill_node, policy
+            assert len(ranks[0]) == 1 and ranks[0][0].node_id == prefill_node[req.prefill_replica], (policy, i)
+            assert req.routing.value.chosen == _first(ranks)
+        c = dec.state(0)["disaggregation"]
+        assert c["prefill_picked"] == 16 and c["same_node"] == 16 and c["other_node"] == 0, (policy, c)
+        loads = [dec.core.loads.get(k).decode_load for k in ("dA1", "dA2", "dB1", "dB2")]
+        assert max(loads) - min(loads) <= 1 and sum(loads) == 16, (policy, loads)
+
+
+async def test_load_only_policies_keep_their_choice_when_the_prefill_nodes_replica_is_busier_than_the_slack():
+    """dB (node B, where the only prefill replica is) runs 3 requests, dA none; the policy's choice is dA.
+    With the request counted, dB would have 4 against dA's 1: kept on dA with same_node_slack_requests 2,
+    moved to dB with 3 (the bound is inclusive). (round_robin's first turn is the first candidate, dA.)"""
+    busy = {"dB": {"num_running_reqs": 3}}
+    for policy in LOAD_ONLY:
+        for slack, want in ((2, "dA"), (3, "dB")):
+            dec, pre, decs, _ = _routers({"dA": "A", "dB": "B"}, {"pB": "B"}, decode_stats=busy, policy=policy,
+                                         slack_requests=slack)
+            pending = _pending(f"{policy}-{slack}", _hashes(40 + slack, 6))
+            ranks = await dec.choose_replicas(decs, pending)
+            assert pending.args[0].prefill_replica == "pB"
+            assert _first(ranks) == want, (policy, slack)
+            c = dec.state(0)["disaggregation"]
+            assert c["moved_to_prefill_node"] == (want == "dB") and c["same_node" if want == "dB" else
+                                                                       "other_node"] == 1, (policy, slack, c)
+
+
+def test_same_node_choice_by_load_rules():
+    """The chosen one's decode_load counts the request already (the load-only cores record it first)."""
+    def decision(chosen, load, queued=None):
+        ids = list(load)
+        q = queued or {}
+        return Decision("r", ids, chosen, Reason.LOAD,
+                        CandidateScores(ids, [0] * len(ids), [0.0] * len(ids), [q.get(i, 0) for i in ids],
+                                        [load[i] for i in ids], [0.0] * len(ids)), 0.0)
+    nodes = {"a": "A", "b": "B", "c": "B"}
+    d = decision("a", {"a": 3, "b": 4, "c": 5})                     # a: 2 running + this request
+    assert same_node_choice_by_load(d, nodes, "B", 2) == "b"          # b would have 5 <= 3 + 2
+    assert same_node_choice_by_load(d, nodes, "B", 1) is None         # 5 > 4
+    assert same_node_choice_by_load(decision("a", {"a": 1, "b": 0, "c": 0}), nodes, "B", 0) == "b"   # a tie moves
+    tie = decision("a", {"a": 3, "b": 2, "c": 2}, queued={"b": 50, "c": 10})
+    assert same_node_choice_by_load(tie, nodes, "B", 0) == "c"        # fewer queued prompt tokens breaks ties
+    assert same_node_choice_by_load(d, nodes, "A", 5) is None         # already on the node
+    assert same_node_choice_by_load(d, nodes, None, 5) is None
+    assert same_node_choice_by_load(d, {"a": "A"}, "B", 5) is None    # no candidate known on the node
+    assert same_node_choice_by_load(Decision("r", ["a"], "a", Reason.FALLBACK, CandidateScores.empty(), 0.0),
+                                    nodes, "B", 5) is None
