@@ -52,6 +52,16 @@ class AffinityConfig(BaseModel):
                                         "which their next requests recompute); 0: off. 0.5 raised the fleet "
                                         "benchmark's hit rate by 0.006 of the bound over 19 traces at TTFT p99 "
                                         "1.01x of 0 (1: +0.007 at 1.03x; docs/benchmarks/routing.md)")
+    evict_cost_weight: float = Field(0.0, ge=0, description="new groups, spills and releases also pay this x "
+                                     "the predicted later recompute of the long prefixes their new blocks "
+                                     "would evict on a candidate (app/routing/eviction.py); 0: off")
+    evict_tail_tokens: int = Field(4096, ge=0, description="an evicted prefix costs only its recompute beyond "
+                                   "this many tokens (shorter recomputes stay out of the TTFT tail)")
+    evict_key_blocks: int = Field(64, ge=1, description="the eviction estimate tracks a replica's prefixes "
+                                  "keyed by the block hash at this depth")
+    queue_drain: bool = Field(False, description="predict a replica's queue as its snapshot's part drained "
+                              "at the calibrated prefill rate since the snapshot was taken (else: as the "
+                              "snapshot says until its requests start)")
     min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
     # -- hot prefix groups
     group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from affinity_serve.app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
                              ReplicaLoadView, RouterCore, RouterCounters, RouteRequest)
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
+from affinity_serve.app.routing.eviction import EvictionShadow
 from affinity_serve.app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
 from affinity_serve.app.routing.policy import AffinityPolicy
 from affinity_serve.app.routing.prefix_index import PrefixIndex
@@ -38,6 +39,10 @@ class PrefixAffinityRouterCore:
         self.model = TTFTModel(config)
         self.policy = AffinityPolicy(config, block_size, self.model, self.rng)
         self.hot = HotPrefixes(block_size, config.group_blocks, config.hot_window_s)
+        #: the replicas' LRU order as this router's decisions imply it (only with evict_cost_weight > 0)
+        self.shadow = (EvictionShadow(block_size, config.evict_key_blocks, config.evict_tail_tokens,
+                                      default_capacity=config.index_blocks_per_unknown_replica)
+                       if config.evict_cost_weight > 0 else None)
         self._nodes: dict[str, str | None] = {}
         self._decisions: deque[Decision] = deque(maxlen=config.recent_decisions)
         self._counters = RouterCounters()
@@ -48,6 +53,8 @@ class PrefixAffinityRouterCore:
         for rid in [r for r in self._nodes if r not in new]:
             self.index.remove_replica(rid)
             self.loads.remove_replica(rid)
+            if self.shadow is not None:
+                self.shadow.remove_replica(rid)
         for rid, node_id in new.items():
             self.index.add_replica(rid, node_id)
             self.loads.add_replica(rid, node_id)
@@ -59,6 +66,8 @@ class PrefixAffinityRouterCore:
         self.loads.set_stats(replica_id, load, self.clock())
         if load.num_blocks != before:
             self._size_index()
+            if self.shadow is not None:
+                self.shadow.set_capacity(replica_id, load.num_blocks)
 
     def _size_index(self) -> None:
         """The index holds what the fleet's pools hold: the sum of the replicas' reported pool sizes
@@ -104,7 +113,8 @@ class PrefixAffinityRouterCore:
         cands = [self.loads.get(rid) for rid in candidate_ids]
         held_elsewhere = (not matched and not tier and bool(request.block_hashes)
                           and self.index.holds_any(request.block_hashes[0]))
-        result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now, tier)
+        result = self.policy.decide(request, cands, matched, held_elsewhere, self._occupancy, now, tier,
+                                    self._evict_cost if self.shadow is not None else None)
         chosen = cands[result.chosen_index].replica_id
         cached = result.scores.predicted_cached_tokens[result.chosen_index]
         self.loads.add(request.req_id, chosen, uncached_tokens=request.num_prompt_tokens - cached,
@@ -113,6 +123,10 @@ class PrefixAffinityRouterCore:
                        tier_tokens=result.scores.tier_cached(result.chosen_index),
                        kv_blocks=-(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size))
         self.index.insert_speculative(chosen, request.block_hashes, now, start=matched.get(chosen, 0))
+        if self.shadow is not None:
+            self.shadow.on_route(chosen, request.block_hashes,
+                                 -(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size),
+                                 matched.get(chosen, 0), now)
         self.hot.on_route(request.block_hashes, request.num_prompt_tokens - cached, now)
         return Decision(request.req_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
@@ -136,6 +150,9 @@ class PrefixAffinityRouterCore:
         own_blocks = [-(-(prompt - c + out_tokens) // bs) for c in cached]
         return min(self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None,
                                            own_blocks))
+
+    def _evict_cost(self, load: ReplicaLoad, new_blocks: int) -> float:
+        return self.shadow.cost_s(load.replica_id, new_blocks, self.model.prefill_tokens_per_s)
 
     def _occupancy(self, load: ReplicaLoad) -> float:
         """Cache fill for new-group placement: the indexed share of the pool if its size is known."""
@@ -219,6 +236,8 @@ class PrefixAffinityRouterCore:
 
     def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
         f = self.loads.finish(req_id, self.clock())
+        if f is not None and self.shadow is not None:
+            self.shadow.on_finished(f.replica_id, f.block_hashes)
         if f is not None and num_output_tokens is not None:
             self.policy.groups.observe_output(self.policy.group_key_of(f.block_hashes), num_output_tokens)
 

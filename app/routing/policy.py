@@ -22,6 +22,9 @@ The rule (README "Routing core API" writes it out with the defaults):
      TTFT(A) <= TTFT(best other) x (1 + release_slack) + release_slack_abs_s + the move's cost to the fleet
      (recompute time of the prefix it gives up x max(recompute weight x prefill saturation, cache weight x
      the other's cache fill)): AFFINITY; else RELEASED to the best TTFT.
+  5. With evict_cost_weight > 0 the placements of 2 and 4 (and the hot holders' release) rank candidates by
+     TTFT + evict_cost_weight x what the request's new blocks would later cost there (app/routing/eviction.py:
+     the recompute beyond evict_tail_tokens of the least recently used prefixes they evict).
 Scores within tie_tolerance_s of the best count as tied: a random one, the caller's node first.
 """
 from __future__ import annotations
@@ -175,10 +178,13 @@ class AffinityPolicy:
 
     def decide(self, request: RouteRequest, cands: list[ReplicaLoad], matched: dict[str, int],
                held_elsewhere: bool, occupancy: Callable[[ReplicaLoad], float], now: float,
-               tier: dict[str, int] | None = None) -> PolicyResult:
+               tier: dict[str, int] | None = None,
+               evict_cost: Callable[[ReplicaLoad, int], float] | None = None) -> PolicyResult:
         """Choose among `cands` (non-empty). `matched`: leading blocks each holds in its pool (absent = 0);
         `tier`: blocks after those it can load from a KV tier (absent = 0); `held_elsewhere`: a
-        non-candidate holds the first block; `occupancy(c)`: its cache fill (0-1)."""
+        non-candidate holds the first block; `occupancy(c)`: its cache fill (0-1); `evict_cost(c, blocks)`: the
+        later recompute (s) that allocating `blocks` new blocks on c would cause (with evict_cost_weight > 0,
+        new groups, spills and releases are ranked by TTFT plus that cost times the weight)."""
         cfg, bs, prompt = self.config, self.block_size, request.num_prompt_tokens
         max_blocks = max(0, prompt - 1) // bs
         pool = [matched.get(c.replica_id, 0) for c in cands] if matched else [0] * len(cands)
@@ -192,7 +198,14 @@ class AffinityPolicy:
         key = self.group_key(request)
         out_tokens = int(self.groups.expected_output(key, request.max_tokens))
         own_blocks = [-(-(prompt - k + out_tokens) // bs) for k in cached]
-        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
+        queued = ([c.drained_queue(now, self.model.prefill_tokens_per_s) for c in cands] if cfg.queue_drain
+                  else None)
+        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks, queued)
+        if evict_cost is not None and cfg.evict_cost_weight > 0:
+            w = cfg.evict_cost_weight
+            place = [t + w * evict_cost(c, b) for t, c, b in zip(ttft, cands, own_blocks)]
+        else:
+            place = ttft
         everyone = range(len(cands))
         holders = [i for i in everyone if blocks[i] >= cfg.min_affinity_blocks]
         k = self._hot_k(key, len(cands), now)
@@ -209,23 +222,23 @@ class AffinityPolicy:
             k_for_request = k
         if not holders:
             if held_elsewhere:
-                chosen, reason = self._pick(everyone, ttft, cands, request), Reason.SPILL
+                chosen, reason = self._pick(everyone, place, cands, request), Reason.SPILL
             else:
-                chosen, reason = self._pick_room(ttft, cands, occupancy, request), Reason.NEW_GROUP
+                chosen, reason = self._pick_room(place, cands, occupancy, request), Reason.NEW_GROUP
         elif k_for_request > 1:
             group = [i for i in holders if blocks[i] >= group_len]
             if len(group) < k:        # grow: place by load as if every candidate held what the best holds
                 grow = self.model.predict_many(cands, [prompt - max(cached)] * len(cands))
                 chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
-                chosen, reason = self._pick_released(group, ttft, cands, request, Reason.HOT_REPLICA, cached,
+                chosen, reason = self._pick_released(group, place, cands, request, Reason.HOT_REPLICA, cached,
                                                  occupancy)
         else:
             most = max(cached[i] for i in holders)
             tops = [i for i in holders if cached[i] == most]
             most_pool = max(pool_cached[i] for i in tops)     # equal reuse: the pool's is free
             affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
-            chosen, reason = self._pick_released([affinity], ttft, cands, request, Reason.AFFINITY, cached,
+            chosen, reason = self._pick_released([affinity], place, cands, request, Reason.AFFINITY, cached,
                                                  occupancy)
         if key is not None:
             self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * out_tokens, now,
