@@ -46,6 +46,7 @@ class Reason(str, Enum):
     COLD_START = "cold_start"              # zero replicas and requests waiting
     UP_PREDICTED = "up_predicted"          # the predicted load needs more replicas
     UP_SLO = "up_slo"                      # observed TTFT/TPOT past its SLO, or preemptions
+    UP_SATURATED = "up_saturated"          # a replica at its batch cap with requests waiting
     UP_PENDING = "up_pending"              # an up condition holds; waiting out upscale_delay_s
     DOWN = "down"
     DOWN_PENDING = "down_pending"
@@ -122,6 +123,14 @@ class PolicyConfig(BaseModel):
     trend_scale_in: bool = Field(True, description="on a falling trend the down rule sizes for the load one "
                                  "start-up ahead (the up rule projects only a rising one); the largest down target "
                                  "of the downscale_delay_s window still holds")
+    falling_trend_hold_s: float | None = Field(None, ge=0, description="on a falling trend (trend_scale_in) the "
+                                               "fleet goes to the largest down target of this many seconds "
+                                               "instead of the downscale_delay_s window (0: today's target); "
+                                               "null: the whole window")
+    saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
+                                       "running sequences at least 95% of max_num_seqs) with requests waiting is "
+                                       "short of capacity whatever the fleet's mean load says: ask for one more "
+                                       "replica than report, and scale in nothing while one is")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -152,6 +161,7 @@ class FleetLoad:
     trend_units: float = 0.0       # the rising trend's extra load at trend_lead_s ahead (>= 0)
     cached_units: float = 0.0      # the prefill the prefix cache saves (all prompt tokens - uncached) / R
     falling_units: float = 0.0     # the falling trend's change at the lead ahead (<= 0)
+    num_saturated: int = 0         # replicas at their batch cap with requests waiting (SATURATED_FRACTION)
 
     @property
     def load_units(self) -> float:
@@ -297,7 +307,24 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
         num_recent_requests=recent, num_replicas=len(signals),
-        requests_per_s=sum(s.requests_per_s for s in signals))
+        requests_per_s=sum(s.requests_per_s for s in signals),
+        num_saturated=sum(1 for s in signals if saturated(s)))
+
+
+#: a replica whose look-back mean of running sequences is at least this share of its batch cap ran at the
+#: cap nearly all of the look-back (a mean cannot reach it otherwise)
+SATURATED_FRACTION = 0.95
+#: and at least this many requests waiting (look-back mean): new requests there queue behind full slots
+MIN_WAITING_SATURATED = 1.0
+
+
+def saturated(s: ReplicaSignals) -> bool:
+    """The replica ran at its batch cap (`max_num_seqs`, when it reports one) with requests waiting: a request
+    routed there waits for a sequence to finish, however idle the rest of the fleet is. The fleet's sums
+    cannot see it: an affinity router keeps a hot prefix group on its replica, so one replica can be full
+    while the fleet's mean load fits fewer replicas than it has."""
+    return (s.max_num_seqs > 0 and s.num_running >= SATURATED_FRACTION * s.max_num_seqs
+            and s.num_waiting >= MIN_WAITING_SATURATED)
 
 
 #: fewer requests waiting than this (Serve's look-back mean) say too little about their cost
@@ -528,6 +555,11 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         slo_target = reporting + 1
         if ratio > 1.0:
             slo_target = max(slo_target, math.ceil(reporting * min(ratio, cfg.max_upscale_factor)))
+    # A replica at its batch cap with a queue is short of capacity whatever the fleet's sums say: one more
+    # replica (the router moves new requests to it), not a factor: the queue says little about how far short.
+    # It lags like the SLO (the capped replica's sequences drain over their outputs), so it shares the cooldown.
+    full = cfg.saturation_scale_out and load.num_saturated > 0
+    sat_target = reporting + 1 if full and not cooling and reporting > 0 else 0
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = downscale_band(state, cfg)
@@ -551,14 +583,15 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     if not signals:
         return done(current, Reason.NO_METRICS, state)
 
-    want_up = max(up_target, slo_target)
+    want_up = max(up_target, slo_target, sat_target)
     if want_up > current and current < cfg.max_replicas:
         up_since = state.up_since if state.up_since is not None else now
         st = replace(state, up_since=up_since, down_since=None, down_history=())
         overloaded = cfg.overload_skips_delay and load.load_units > current
         if now - up_since + 1e-9 < cfg.upscale_delay_s and not overloaded:
             return done(current, Reason.UP_PENDING, st)
-        reason = Reason.UP_SLO if slo_target > up_target else Reason.UP_PREDICTED
+        reason = (Reason.UP_SLO if slo_target > up_target else Reason.UP_SATURATED if sat_target > up_target
+                  else Reason.UP_PREDICTED)
         return done(want_up, reason, replace(st, up_since=None, last_up_time=now))
 
     st = replace(state, up_since=None)
@@ -566,7 +599,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         if now - state.idle_since + 1e-9 >= cfg.downscale_to_zero_delay_s:
             return done(0, Reason.TO_ZERO, replace(st, down_since=None, down_history=()))
         return done(current, Reason.TO_ZERO_PENDING, st)
-    if down_target < current and not slo_breached and num_queued_at_callers <= 0:
+    if down_target < current and not slo_breached and not full and num_queued_at_callers <= 0:
         down_since = state.down_since if state.down_since is not None else now
         history = _down_history(state.down_history, now, down_target, cfg.downscale_delay_s)
         st = replace(st, down_since=down_since, down_history=history)
@@ -574,10 +607,23 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
             return done(current, Reason.DOWN_PENDING, st)
         # The largest down target of the last downscale_delay_s: a dip does not take the fleet below what
         # the busier moments of the window needed. The condition stays on, so the count keeps following
-        # that window down without a fresh delay per step.
-        floor = max(t for _, t in history)
+        # that window down without a fresh delay per step. On a falling trend the window can be shorter
+        # (falling_trend_hold_s): there the window's largest is its oldest, the load of a window ago.
+        hold_s = cfg.downscale_delay_s
+        if load.falling_units < 0 and cfg.falling_trend_hold_s is not None:
+            hold_s = min(hold_s, cfg.falling_trend_hold_s)
+        floor = _window_max(history, now, hold_s)
         return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)
     return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
+
+
+def _window_max(history: tuple[tuple[float, int], ...], now: float, window_s: float) -> int:
+    """The largest down target in force over the last `window_s` of `history` (its newest entry at 0)."""
+    start = now - window_s
+    i = 0
+    while i + 1 < len(history) and history[i + 1][0] <= start:
+        i += 1
+    return max(t for _, t in history[i:])
 
 
 def _down_history(history: tuple[tuple[float, int], ...], now: float, down_target: int,

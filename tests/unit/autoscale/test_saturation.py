@@ -1,0 +1,79 @@
+"""A replica at its batch cap with requests waiting (`saturation_scale_out`) and the shorter hold on a falling
+trend (`falling_trend_hold_s`), autoscale/policy.py: decisions the fleet's sums alone would not make."""
+from __future__ import annotations
+
+import pytest
+
+from affinity_serve.autoscale.policy import PolicyState, Reason, decide, fleet_load, saturated
+from affinity_serve.autoscale.signals import ReplicaSignals as S
+from tests.unit.autoscale.test_forecast_band import BAND, run
+from tests.unit.autoscale.test_policy import CFG, OK_LATENCY
+
+NOW = 1000.0
+#: the C prior 64 (the batch cap): a replica is full at 64 sequences, whatever their lengths
+SAT = CFG.model_copy(update=dict(decode_seqs_per_replica=64.0, saturation_scale_out=True, max_replicas=8))
+
+
+def rep(running: float, waiting: float = 0.0, cap: float = 64.0) -> S:
+    return S(num_running=running, num_waiting=waiting, num_in_flight=running + waiting, kv_cache_usage=0.3,
+             max_num_seqs=cap, **OK_LATENCY)
+
+
+# the output shift's run with the narrow band: one replica full with 10 waiting, the other at 30 sequences
+SKEWED = [rep(64, 10), rep(30)]
+
+
+def test_a_capped_replica_with_a_queue_asks_for_one_more_replica_the_fleet_mean_would_not():
+    load = fleet_load(SKEWED, SAT)
+    assert load.num_saturated == 1
+    # the sums: 94 sequences of 2 x 64 slots, 1.47 replicas of load; at 0.8 utilization 2 replicas suffice
+    assert load.load_units == pytest.approx(94 / 64)
+    off = decide(SKEWED, 2, NOW, PolicyState(), SAT.model_copy(update=dict(saturation_scale_out=False)))
+    assert (off.up_target, off.target_replicas, off.reason) == (2, 2, Reason.HOLD)
+    on = decide(SKEWED, 2, NOW, PolicyState(), SAT)
+    assert (on.up_target, on.target_replicas, on.reason) == (2, 3, Reason.UP_SATURATED)
+
+
+def test_it_asks_once_per_replica_starting_and_waits_out_the_cooldown_after_one_comes_up():
+    # a replica already asked for and starting (3 heading, 2 reporting): nothing more
+    assert decide(SKEWED, 3, NOW, PolicyState(), SAT).target_replicas == 3
+    # it came up 2 s ago (3 report, the full one still drains its long sequences): no fourth yet
+    came_up = PolicyState(num_reporting=3, ready_time=NOW - 2)
+    three = SKEWED + [rep(5)]
+    assert decide(three, 3, NOW, came_up, SAT).target_replicas == 3
+    assert decide(three, 3, NOW, PolicyState(num_reporting=3, ready_time=NOW - 6), SAT).target_replicas == 4
+
+
+def test_a_full_batch_without_a_queue_or_a_queue_below_the_cap_is_not_saturation():
+    assert not saturated(rep(64, 0.5))                  # at the cap, nothing waiting: every request has a slot
+    assert not saturated(rep(50, 10))                   # waiting below the cap: KV or the prefill budget, not slots
+    assert not saturated(rep(64, 10, cap=0))            # no cap reported
+    assert saturated(rep(0.95 * 64, 1.0))
+    d = decide([rep(64, 0), rep(30)], 2, NOW, PolicyState(), SAT)
+    assert (d.target_replicas, d.reason) == (2, Reason.HOLD)
+
+
+def test_a_saturated_replica_blocks_scale_in_that_the_fleet_mean_allows():
+    # 70 sequences on 4 replicas: 1.1 units, the down rule allows ceil(1.1 x 1.6 / 0.8) = 3 after its delay
+    fleet = [rep(64, 3), rep(2), rep(2), rep(2)]
+    long_down = PolicyState(down_since=NOW - 60, num_reporting=4, ready_time=NOW - 60, last_up_time=NOW - 60)
+    off = decide(fleet, 4, NOW, long_down, SAT.model_copy(update=dict(saturation_scale_out=False)))
+    assert (off.target_replicas, off.reason) == (3, Reason.DOWN)
+    on = decide(fleet, 4, NOW, long_down, SAT)
+    assert on.target_replicas >= 4 and on.reason != Reason.DOWN
+
+
+def test_a_falling_trend_with_a_short_hold_follows_the_recent_down_targets_not_the_window_s_oldest():
+    """The load falls 0.05 units/s, the down condition held for the 30 s window: by default the fleet stays at
+    the window's largest down target (its oldest, the load of 30 s ago); with a 10 s hold at the largest of
+    the last 10 s; with 0 at today's."""
+    cfg = BAND.model_copy(update=dict(forecast_error_band=False, downscale_delay_s=30.0))
+    falling = lambda t: max(0.5, 5.0 - 0.05 * t)       # noqa: E731
+    whole = run(falling, cfg, 70.0)
+    ten = run(falling, cfg.model_copy(update=dict(falling_trend_hold_s=10.0)), 70.0)
+    zero = run(falling, cfg.model_copy(update=dict(falling_trend_hold_s=0.0)), 70.0)
+    # at t=69.5 (1.525 units, 1.025 one start-up ahead): today's down target ceil(1.025 x 2) = 3; 10 s ago
+    # (2.025 units, 1.525 ahead) ceil(3.05) = 4; 30 s ago ceil(2.525 x 2) = 6
+    assert zero.down_target == ten.down_target == whole.down_target == 3
+    assert (whole.target_replicas, ten.target_replicas, zero.target_replicas) == (6, 4, 3)
+
