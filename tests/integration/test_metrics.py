@@ -83,15 +83,30 @@ def test_replica_gauges_read_running_requests_while_they_run(url):
         assert max(r for r, _, _ in seen) >= num_streams // 2, seen
         assert max(v for _, v, _ in seen) >= num_streams // 2, seen
         assert max(k for _, _, k in seen) > 0, seen
-        # and they come back to 0 once the streams end, without another request
-        wait_until(lambda: _total(c.get(f"{url}/metrics").text, "affinity_replica_running_requests") == 0, 10,
-                   "the running gauges to return to 0")
-        text = c.get(f"{url}/metrics").text
-    assert _total(text, "affinity_requests_finished_total", finish_reason="length") >= num_streams
-    assert _total(text, "vllm:request_success_total", finished_reason="length") >= num_streams
-    for phase in ("queue", "prefill", "decode"):
-        assert _total(text, f"affinity_request_{phase}_time_seconds_count") >= num_streams, phase
-    assert _total(text, "affinity_request_decode_time_seconds_sum") >= num_streams * (max_tokens - 1) * STEP_S * 0.9
+        # and they come back to 0 once the streams end, without another request. Each replica's gauges and
+        # counters reach the hub on its own push, so a scrape can read one replica's 0 before the other's
+        # counts: wait for one that reads both replicas idle and every stream counted (asserted below).
+        def settled() -> str | None:
+            text = c.get(f"{url}/metrics").text
+            gauges = _samples(text, "affinity_replica_running_requests")
+            idle = len({lab.get("replica") for lab, _ in gauges}) == 2 and all(v == 0 for _, v in gauges)
+            return text if idle and all(ok for _, ok in _stream_counts(text, num_streams, max_tokens)) else None
+        text = wait_until(settled, 30, "both replicas idle and every stream counted on /metrics")
+    for what, ok in _stream_counts(text, num_streams, max_tokens):
+        assert ok, what
+
+
+def _stream_counts(text: str, num_streams: int, max_tokens: int) -> list[tuple[str, bool]]:
+    """What /metrics must count once `num_streams` streams of `max_tokens` paced tokens have finished."""
+    checks = [("affinity_requests_finished_total",
+               _total(text, "affinity_requests_finished_total", finish_reason="length") >= num_streams),
+              ("vllm:request_success_total",
+               _total(text, "vllm:request_success_total", finished_reason="length") >= num_streams)]
+    checks += [(phase, _total(text, f"affinity_request_{phase}_time_seconds_count") >= num_streams)
+               for phase in ("queue", "prefill", "decode")]
+    decode_s = _total(text, "affinity_request_decode_time_seconds_sum")
+    checks.append((f"decode time {decode_s}", decode_s >= num_streams * (max_tokens - 1) * STEP_S * 0.9))
+    return checks
 
 
 def test_counters_only_grow_across_scrapes_with_two_ingress_replicas(url):
@@ -112,7 +127,7 @@ def test_counters_only_grow_across_scrapes_with_two_ingress_replicas(url):
             readings.append(count(c.get(f"{url}/metrics").text))
         assert all(b >= a for a, b in zip([before, *readings], readings)), (before, readings)
         # once both ingress replicas have pushed, every scrape reads all 20, whichever replica answers
-        wait_until(lambda: count(c.get(f"{url}/metrics").text) == before + 20, 10,
+        wait_until(lambda: count(c.get(f"{url}/metrics").text) == before + 20, 30,
                    "the scrapes to read every request")
         settled = [count(c.get(f"{url}/metrics").text) for _ in range(8)]
         assert settled == [before + 20] * 8, settled

@@ -5,6 +5,8 @@ import httpx
 import openai
 import pytest
 
+from tests.integration.waiting import wait_until
+
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 
@@ -230,14 +232,23 @@ def test_openai_client_raises_typed_errors(client):
 def test_health_and_metrics(app_url):
     r = httpx.get(f"{app_url}/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    httpx.post(f"{app_url}/v1/completions", json={"prompt": "metrics please", "max_tokens": 3}, timeout=30)
-    text = httpx.get(f"{app_url}/metrics", timeout=10).text
-    for name in ("affinity_time_to_first_token", "affinity_time_per_output_token", "affinity_e2e_request_latency",
-                 "affinity_prompt_tokens_total", "affinity_generation_tokens_total",
-                 "affinity_cached_prompt_tokens_total", "affinity_http_requests_total",
-                 "affinity_replica_running_requests", "affinity_replica_kv_cache_usage",
-                 "affinity_replica_prefix_cache_hit_rate", "affinity_replica_recent_prefix_cache_hit_rate",
-                 "affinity_replica_waiting_requests"):
+    r = httpx.post(f"{app_url}/v1/completions", json={"prompt": "metrics please", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{app_url}/v1/completions", json={"prompt": "", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 400, r.text           # counted too (the test needs no earlier test's 400s)
+    names = ("affinity_time_to_first_token", "affinity_time_per_output_token", "affinity_e2e_request_latency",
+             "affinity_prompt_tokens_total", "affinity_generation_tokens_total",
+             "affinity_cached_prompt_tokens_total", "affinity_http_requests_total",
+             "affinity_replica_running_requests", "affinity_replica_kv_cache_usage",
+             "affinity_replica_prefix_cache_hit_rate", "affinity_replica_recent_prefix_cache_hit_rate",
+             "affinity_replica_waiting_requests")
+    # the replica gauges reach /metrics on the replicas' own pushes (app/metrics_hub.py), not with the
+    # request: wait for a scrape that has every series (each is asserted below)
+    def scraped() -> str | None:
+        text = httpx.get(f"{app_url}/metrics", timeout=10).text
+        return text if all(name in text for name in (*names, 'status="200"', 'status="400"')) else None
+    text = wait_until(scraped, 30, "every series on /metrics")
+    for name in names:
         assert name in text, name
     assert 'status="200"' in text and 'status="400"' in text
     assert "_bucket{" in text and 'replica="' in text
