@@ -14,6 +14,7 @@ import pytest
 
 from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
+from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -103,37 +104,49 @@ def elastic_url(ray_serve, checkpoints):
 
 def test_scale_out_and_in_under_load_fails_nothing(elastic_url):
     with SteadyLoad(elastic_url) as load:
-        time.sleep(2.0)
+        outs = load.outcomes
+        wait_until(lambda: len([o for o in outs if o.completed]) >= 4, 60, "the load to get going")
         t_out = time.monotonic()
+        original = {o.replica for o in outs if o.end < t_out}
         _scale(ELASTIC_APP, 3)
         wait_running(ELASTIC_APP, "LLMReplica", 3, timeout_s=60)
         t_up = time.monotonic()
-        time.sleep(3.0)
+        # Serve announces the new replicas to the router on its own time: wait until they took traffic and
+        # the router warmed each (its warm-up call, off the request path, would fail on a replica stopped
+        # first), both asserted below
+        wait_until(lambda: len({o.replica for o in outs if o.start > t_out and o.replica}) >= 2
+                   and sum(r["num_warmups"] for r in _routers(ELASTIC_APP)) == 2, 60,
+                   "the new replicas to take traffic and be warmed")
         t_in = time.monotonic()
         _scale(ELASTIC_APP, 1)
+        # Serve stops the newest replicas and drops them from every router while they drain: from then on
+        # every request goes to the original replica (asserted below)
+        survivor = next(iter(original)).removeprefix("replica:") if len(original) == 1 else None
+        wait_until(lambda: all(set(r["replicas"]) == {survivor} for r in _routers(ELASTIC_APP)), 60,
+                   "the router to drop the stopping replicas")
+        t_dropped = time.monotonic()
         wait_running(ELASTIC_APP, "LLMReplica", 1, timeout_s=60)    # the two stopping replicas drained
         t_down = time.monotonic()
-        time.sleep(1.0)
-    print(f"scale-out {t_up - t_out:.1f}s, scale-in (drain) {t_down - t_in:.1f}s, {len(load.outcomes)} requests")
-    outs = load.outcomes
+        wait_until(lambda: [o for o in outs if o.start > t_dropped], 60, "a request sent after the drop to end")
+    print(f"scale-out {t_up - t_out:.1f}s, router dropped the stopping replicas {t_dropped - t_in:.1f}s after the "
+          f"scale-in, drain {t_down - t_in:.1f}s, {len(outs)} requests")
     bad = [o for o in outs if not o.completed]
     assert not bad, [(o.status, o.transport_error, o.payloads[-2:]) for o in bad[:5]]
-    original = {o.replica for o in outs if o.end < t_out}
     assert len(original) == 1, original
     assert len({o.replica for o in outs if t_out < o.start < t_in}) >= 2      # the new replicas took traffic
     draining = [o for o in outs if o.stream and o.start < t_in < o.end]
     assert draining, "no stream was in flight when the scale-in began"
-    # Serve stops the newest replicas and drops them from every router at once: what started a moment
-    # after the scale-in all went to the original replica, and the routers' view is that replica alone.
-    late = [o for o in outs if o.start > t_in + 1.0]
+    late = [o for o in outs if o.start > t_dropped]
     assert late and {o.replica for o in late} == original
-    survivor = next(iter(original)).removeprefix("replica:")
     routers = _routers(ELASTIC_APP)
     assert routers and all(set(r["replicas"]) == {survivor} for r in routers)
     assert sum(r["num_warmups"] for r in routers) == 2       # each joining replica got the hot prefixes
     from ray import serve
-    st = serve.get_deployment_handle("LLMReplica", app_name=ELASTIC_APP).debug_state.remote().result(timeout_s=30)
-    assert st["num_requests"] == 0 and st["num_free_blocks"] == st["num_blocks"] - 1    # every KV block back
+    h = serve.get_deployment_handle("LLMReplica", app_name=ELASTIC_APP)
+    # every KV block back: the last requests' blocks are freed by the engine's step, on its own time
+    st = wait_until(lambda: (s := h.debug_state.remote().result(timeout_s=30))["num_requests"] == 0
+                    and s["num_free_blocks"] == s["num_blocks"] - 1 and s, 30, "every KV block back")
+    assert st["num_requests"] == 0 and st["num_free_blocks"] == st["num_blocks"] - 1
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +237,6 @@ def test_a_request_to_a_deployment_scaled_to_zero_starts_a_replica_and_is_served
         with httpx.Client(timeout=90) as c:
             o = send(c, f"{ray_serve}/zero", _prompt(7, 7), 8, stream=True)
         assert o.completed, (o.status, o.payloads[-2:], o.transport_error)
-        wait_running(ZERO_APP, "LLMReplica", 1, timeout_s=10)
+        wait_running(ZERO_APP, "LLMReplica", 1, timeout_s=30)
     finally:
         serve.delete(ZERO_APP)
