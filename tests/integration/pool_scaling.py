@@ -20,6 +20,20 @@ def debug_state(app: str, deployment: str) -> dict[str, Any]:
     return serve.get_deployment_handle(deployment, app_name=app).debug_state.remote().result(timeout_s=30)
 
 
+def _served_by_two(app: str, deployment: str, timeout_s: float) -> None:
+    """Until two replicas of `deployment` have each given a first token (Serve announces a new replica to the
+    routers on its own time, seconds on a loaded machine), or `timeout_s` passed: the callers assert what
+    they need of it (the decode pool's test, that both replicas served)."""
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = debug_state(app, deployment)
+        seen[st["replica_id"]] = st["signal_totals"]["num_first_tokens"]
+        if sum(1 for n in seen.values() if n > 0) >= 2:
+            return
+        time.sleep(0.2)
+
+
 def scale_out_and_in(app: str, scaling: str, other: str, heavy: list[threading.Thread], heavy_stop: threading.Event,
                      light: threading.Thread, light_stop: threading.Event) -> list[tuple[float, int, int]]:
     """Runs the load and returns [(seconds since start, `scaling` RUNNING, `other` RUNNING)] at every change;
@@ -41,11 +55,12 @@ def scale_out_and_in(app: str, scaling: str, other: str, heavy: list[threading.T
     for t in heavy:
         t.start()
     poll(2, 90)                                  # replica start-up dominates on a busy machine
-    time.sleep(2.0)                              # requests reach the new replica
+    if counts[-1][1] == 2:
+        _served_by_two(app, scaling, 60)         # requests reach the new replica
     heavy_stop.set()
     for t in heavy:
         t.join(timeout=60)
-    poll(1, 45)
+    poll(1, 90)
     light_stop.set()
     light.join(timeout=60)
     seen = [(round(t - t0, 1), s, o) for t, s, o in counts]

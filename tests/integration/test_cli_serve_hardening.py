@@ -213,7 +213,8 @@ def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoi
         t = time.monotonic()
         cli.proc.send_signal(sig)
         refused = None
-        while time.monotonic() - t < 5 and refused is None:
+        # the signal reaches the ingress through the CLI's drain call: seconds on a loaded machine
+        while time.monotonic() - t < 30 and refused is None:
             try:
                 r = httpx.get(f"{cli.url}/health", timeout=5)
                 if r.status_code == 503 and r.json()["error"]["code"] == "draining":

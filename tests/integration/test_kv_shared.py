@@ -80,7 +80,7 @@ def test_a_prefix_computed_on_one_replica_is_loaded_from_the_shared_store_on_the
             st = _connector_stats()
             writers = [rid for rid, s in st.items() if s["stored_blocks"] >= num_loadable // BLOCK]
             return st if len(writers) == 1 else None
-        before = wait_until(stored_once, 20, "the first replica to write the prompt's blocks to the store")
+        before = wait_until(stored_once, 60, "the first replica to write the prompt's blocks to the store")
         (a,) = [rid for rid, s in before.items() if s["stored_blocks"]]
         (b,) = [rid for rid in before if rid != a]
         assert before[b]["loaded_blocks"] == 0
@@ -117,7 +117,7 @@ def test_a_damaged_block_in_the_store_is_recomputed_counted_and_repaired(shared_
         first, _ = _complete(c, url, prompt)
         (ns,) = [d for d in os.listdir(store) if not d.startswith(".")]
         path = os.path.join(store, ns, hashes[4].hex())
-        wait_until(lambda: os.path.exists(path), 20, "the prompt's blocks in the store")
+        wait_until(lambda: os.path.exists(path), 60, "the prompt's blocks in the store")
         raw = bytearray(open(path, "rb").read())
         raw[HEADER_BYTES + 5] ^= 0x10
         with open(path, "wb") as f:
@@ -130,7 +130,7 @@ def test_a_damaged_block_in_the_store_is_recomputed_counted_and_repaired(shared_
             now = _connector_stats()
             hit = [rid for rid in now if now[rid]["load_failures_damaged"] > before[rid]["load_failures_damaged"]]
             return (hit, now) if hit else None
-        (reader,), now = wait_until(damaged_on_one, 30, "a replica to read the damaged block")
+        (reader,), now = wait_until(damaged_on_one, 60, "a replica to read the damaged block")
         assert now[reader]["loads_failed"] - before[reader]["loads_failed"] == 1
 
         def repaired():
@@ -141,7 +141,7 @@ def test_a_damaged_block_in_the_store_is_recomputed_counted_and_repaired(shared_
                 return check.read(hashes[4], memoryview(bytearray(check.block_bytes))) is BlockRead.OK
             finally:
                 check.close()
-        assert wait_until(repaired, 20, "the recompute to store the block again")
+        assert wait_until(repaired, 60, "the recompute to store the block again")
         assert all(st["kv_tier"] == "shared" for st in _debug_states().values())
 
 
@@ -172,5 +172,5 @@ def test_the_tier_counters_reach_the_ingress_metrics(shared_url):
             lines = [ln for ln in text.splitlines() if ln.startswith("affinity_kv_tier_lookups")
                      and 'tier="shared"' in ln]
             return lines if lines and any(float(ln.rsplit(" ", 1)[1]) > 0 for ln in lines) else None
-        lines = wait_until(exported, 20, "affinity_kv_tier_lookups on /metrics")
+        lines = wait_until(exported, 60, "affinity_kv_tier_lookups on /metrics")
     assert all('replica="' in ln for ln in lines)
