@@ -54,7 +54,7 @@ def scale_out_and_in(app: str, scaling: str, other: str, heavy: list[threading.T
     light.start()
     for t in heavy:
         t.start()
-    poll(2, 90)                                  # replica start-up dominates on a busy machine
+    poll(2, 120)                                 # replica start-up dominates on a busy machine
     if counts[-1][1] == 2:
         _served_by_two(app, scaling, 60)         # requests reach the new replica
     heavy_stop.set()

@@ -109,7 +109,7 @@ def test_scale_out_and_in_under_load_fails_nothing(elastic_url):
         t_out = time.monotonic()
         original = {o.replica for o in outs if o.end < t_out}
         _scale(ELASTIC_APP, 3)
-        wait_running(ELASTIC_APP, "LLMReplica", 3, timeout_s=60)
+        wait_running(ELASTIC_APP, "LLMReplica", 3, timeout_s=120)     # start-up: 45 s seen on a loaded machine
         t_up = time.monotonic()
         # Serve announces the new replicas to the router on its own time: wait until they took traffic and
         # the router warmed each (its warm-up call, off the request path, would fail on a replica stopped
@@ -125,7 +125,7 @@ def test_scale_out_and_in_under_load_fails_nothing(elastic_url):
         wait_until(lambda: all(set(r["replicas"]) == {survivor} for r in _routers(ELASTIC_APP)), 60,
                    "the router to drop the stopping replicas")
         t_dropped = time.monotonic()
-        wait_running(ELASTIC_APP, "LLMReplica", 1, timeout_s=60)    # the two stopping replicas drained
+        wait_running(ELASTIC_APP, "LLMReplica", 1, timeout_s=120)   # the two stopping replicas drained
         t_down = time.monotonic()
         wait_until(lambda: [o for o in outs if o.start > t_dropped], 60, "a request sent after the drop to end")
     print(f"scale-out {t_up - t_out:.1f}s, router dropped the stopping replicas {t_dropped - t_in:.1f}s after the "
@@ -196,7 +196,7 @@ def test_streams_cut_past_the_graceful_timeout_end_with_an_error_event(forced_ur
             if o.status == 503:
                 assert json.loads(o.payloads[0])["error"]["code"] == "replica_unavailable"
                 assert o.payloads[1] == "1"                                         # Retry-After
-    wait_running(FORCED_APP, "LLMReplica", 1, timeout_s=60)
+    wait_running(FORCED_APP, "LLMReplica", 1, timeout_s=120)
     with httpx.Client(timeout=60) as c:
         assert send(c, forced_url, _prompt(1, 1), 4, stream=True).completed
 
