@@ -2,9 +2,11 @@
 cluster, and pytest's session Ray lives in the test process): `python -m tests.integration.disagg_multinode_scenario
 WORKDIR`. A ray.cluster_utils.Cluster on 127.0.0.1: the head (ingress, controller, proxy; `cpu_node`), node A
 (`prefill_slot` and `decode_slot`) and node B (`decode_slot`), so 1 prefill replica runs on A and the 2 decode
-replicas on A and B. It sends distinct prompts, each long enough for the prefill pool, one at a time and records
-which decode replica served each (the response's system_fingerprint), the ingress's P/D routing counters and
-the greedy tokens, against one unified engine's. The last stdout line is one JSON object;
+replicas on A and B; 2 ingress replicas on the head, each with its own routers over both pools. It sends
+distinct prompts, each long enough for the prefill pool, one at a time (Serve's proxy spreads them over the two
+ingress replicas; more are sent until each has routed `MIN_PER_INGRESS`) and records which decode replica served
+each (the response's system_fingerprint), each ingress replica's P/D routing counters and the greedy tokens,
+against one unified engine's. The last stdout line is one JSON object;
 tests/integration/test_disagg_multinode.py asserts on it."""
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ APP = "pdmultinode"
 BLOCK = 4
 MIN_REMOTE = 12
 NUM_PROMPTS = 8
+MAX_PROMPTS = 20            # 8 requests land all on one of 2 ingress replicas 1 time in 128: send more then
+MIN_PER_INGRESS = 2
+INGRESS_REPLICAS = 2
 MAX_TOKENS = 8
 
 
@@ -61,10 +66,21 @@ def _placement() -> dict[str, dict[str, str]]:
     return out
 
 
-def _pd_counters() -> dict:
+def _pd_counters(tries: int = 40) -> dict[str, dict]:
+    """Each ingress replica's P/D routing counters ({} before its decode-pool router exists: Serve builds it
+    on the first request). A call lands on one ingress replica: ask until each answered."""
     from ray import serve
-    st = serve.get_app_handle(APP).routing_decisions.remote(0).result(timeout_s=30)
-    return st["routers"][0].get("disaggregation", {}) if st["routers"] else {}
+    h, out = serve.get_app_handle(APP), {}
+    for _ in range(tries):
+        st = h.routing_decisions.remote(0).result(timeout_s=30)
+        out[st["ingress_replica_id"]] = st["routers"][0].get("disaggregation", {}) if st["routers"] else {}
+        if len(out) == INGRESS_REPLICAS:
+            break
+    return out
+
+
+def _delta(after: dict[str, dict], before: dict[str, dict], key: str) -> dict[str, int]:
+    return {i: c.get(key, 0) - before.get(i, {}).get(key, 0) for i, c in after.items()}
 
 
 def _complete(c: httpx.Client, url: str, prompt: list[int]) -> dict:
@@ -104,6 +120,7 @@ def scenario(workdir: Path) -> dict:
         cfg = AppConfig.from_dict({
             "engine": engine,
             "serve": {"port": port, "replica_num_cpus": 0.5, "ingress_resources": {"cpu_node": 1},
+                      "ingress_replicas": INGRESS_REPLICAS,
                       "max_ongoing_requests": 4, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
                       "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 60.0, "model_name": "demo"},
             "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
@@ -115,22 +132,28 @@ def scenario(workdir: Path) -> dict:
             "observability": {"traces": "none"}})
         serve.start(**serve_start_options(cfg))
         serve.run(build_app(cfg), name=APP, route_prefix="/")
-        wait_until(lambda: _states("LLMReplica") == {"RUNNING": 2} and _states("PrefillReplica") == {"RUNNING": 1},
-                   120, "1 prefill and 2 decode replicas running")
+        wait_until(lambda: _states("LLMReplica") == {"RUNNING": 2} and _states("PrefillReplica") == {"RUNNING": 1}
+                   and _states("Ingress") == {"RUNNING": INGRESS_REPLICAS}, 120,
+                   "1 prefill, 2 decode and 2 ingress replicas running")
         out["timings_s"]["deployed"] = time.monotonic() - t0
         out["placement"] = _placement()
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=120) as c:
-            # the ingress's router over the prefill pool needs to know its replica (it follows that pool
-            # from the ingress's start; a short prompt is served by a decode replica alone)
+            # each ingress's router over the prefill pool needs to know its replica (it follows that pool
+            # from the ingress's start) and its decode-pool router must exist (built on its first request)
             for k in range(60):
                 warm = _complete(c, url, _prompt(10_000 + k))
-                if warm["status"] != 200 or _pd_counters().get("prefill_picked", 0) > 0:
+                counters = _pd_counters()
+                if warm["status"] != 200 or (len(counters) == INGRESS_REPLICAS and all(
+                        v.get("prefill_picked", 0) > 0 for v in counters.values())):
                     break
-                time.sleep(0.5)
+                time.sleep(0.2)
             out["warmup"] = {"requests": k + 1, "status": warm["status"]}
             before = _pd_counters()
             results = [_complete(c, url, _prompt(i)) for i in range(NUM_PROMPTS)]
+            while len(results) < MAX_PROMPTS and min(
+                    _delta(_pd_counters(), before, "prefill_picked").values(), default=0) < MIN_PER_INGRESS:
+                results.append(_complete(c, url, _prompt(len(results))))
             import re
 
             def reads() -> float:
@@ -138,14 +161,15 @@ def scenario(workdir: Path) -> dict:
                 return sum(float(v) for v in re.findall(
                     r'^affinity_pd_transfers_total\{[^}]*outcome="read"[^}]*\} (\S+)$', text, re.M))
             try:
-                out["kv_reads"] = wait_until(lambda: (n := reads()) >= NUM_PROMPTS and n, 30, "the KV reads")
+                out["kv_reads"] = wait_until(lambda: (n := reads()) >= len(results) and n, 30, "the KV reads")
             except AssertionError:
                 out["kv_reads"] = reads()
         out["pd_counters_before"] = before
         out["pd_counters"] = _pd_counters()
         llm = LLM(str(model), cache={"num_blocks": 256, "block_size": BLOCK})
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids for i in range(NUM_PROMPTS)]
+        unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids
+                   for i in range(len(results))]
         out["requests"] = [{**r, "unified": list(u)} for r, u in zip(results, unified)]
         out["timings_s"]["total"] = time.monotonic() - t0
         return out
