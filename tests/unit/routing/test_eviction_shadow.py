@@ -166,3 +166,17 @@ def test_the_drained_queue_never_drops_below_what_was_sent_since_nor_rises_above
     clock.t += 10.0
     assert load.drained_queue(clock.t, RATE) == 1_600           # the snapshot's part is gone, a's is not
     assert core.loads.get("r1").drained_queue(clock.t - 10.0, RATE) == pytest.approx(49_000)
+
+
+def test_the_density_cost_charges_every_block_for_the_value_of_the_cold_region():
+    """Pool 2,000: a 600-block prefix used twice, then 400 blocks of a single-use entry. The coldest quarter
+    (500 blocks; the first entry is walked whole) is the long prefix: 9,600 - 4,096 tokens of value over 600
+    blocks; 10 new blocks pay 10/600 of it, though none of them evicts anything yet."""
+    s = EvictionShadow(BS, tail_tokens=4096)
+    s.set_capacity("r", 2000)
+    s.on_route("r", chain("long", 600), 600, 0)
+    s.on_route("r", chain("long", 600), 600, 600, 2.0)
+    s.on_route("r", chain("d", 400), 400, 0, 3.0)
+    assert s.cost_s("r", 10, RATE) == 0.0
+    assert s.density_cost_s("r", 10, RATE, 0.25) == pytest.approx(10 * (600 * BS - 4096) / 600 / RATE)
+    assert s.density_cost_s("other", 10, RATE, 0.25) == 0.0
