@@ -203,7 +203,10 @@ async def test_the_router_warms_only_a_replica_that_joins_with_its_hottest_prefi
         router.core.on_finished(router.core.route(req, ["a"]).req_id)
     router.core.on_kv_events(KVEventBatch("a", "e0", 0, [_stored(_tokens(0))]))
     router._sync_members([a, _replica("n")])
-    await asyncio.sleep(0.01)
+    for _ in range(500):                # the warm-up is a task of the router loop: a few loop turns
+        if router.num_warmups:
+            break
+        await asyncio.sleep(0.01)
     assert warmed == [("n", [SYSTEM])] and router.num_warmups == 1
     router._sync_members([a, _replica("n")])                   # no change: no second warm-up
     await asyncio.sleep(0.01)
