@@ -127,6 +127,14 @@ class PolicyConfig(BaseModel):
                                                "fleet goes to the largest down target of this many seconds "
                                                "instead of the downscale_delay_s window (0: today's target); "
                                                "null: the whole window")
+    falling_trend_confirm: bool = Field(False, description="the shorter hold (falling_trend_hold_s) applies "
+                                        "only while the load also falls over the last start-up (its slope over "
+                                        "that time below 0): a load that stepped down to a plateau falls over "
+                                        "trend_window_s but not over the last start-up")
+    fast_trend_window_s: float = Field(0.0, ge=0, description="also fit the load's slope over this shorter "
+                                       "window (at least 3 samples spanning half of it) and project the larger "
+                                       "rising slope of the two: a step in the load shows within seconds, where "
+                                       "trend_window_s lags it by half its length (0: off)")
     saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
@@ -402,13 +410,20 @@ def _trend(history: tuple[tuple[float, float], ...], now: float, units: float,
         history = history + ((now, units),)
     start = now - cfg.trend_window_s
     history = tuple(p for p in history if p[0] >= start)
-    if len(history) < 3 or history[-1][0] - history[0][0] < cfg.trend_window_s / 2:
-        return history, 0.0
-    n = len(history)
-    mt = sum(t for t, _ in history) / n
-    mu = sum(u for _, u in history) / n
-    var = sum((t - mt) ** 2 for t, _ in history)
-    return history, sum((t - mt) * (u - mu) for t, u in history) / var if var > 0 else 0.0
+    return history, _slope(history, now, cfg.trend_window_s)
+
+
+def _slope(history: tuple[tuple[float, float], ...], now: float, window_s: float) -> float:
+    """The least-squares slope of the samples of the last `window_s` (units per second), once at least 3 of
+    them span half of it, else 0."""
+    pts = [p for p in history if p[0] >= now - window_s]
+    if len(pts) < 3 or pts[-1][0] - pts[0][0] < window_s / 2:
+        return 0.0
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mu = sum(u for _, u in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return sum((t - mt) * (u - mu) for t, u in pts) / var if var > 0 else 0.0
 
 
 #: projections of less load than this (replica units) give no forecast error: on a fleet near idle a
@@ -508,10 +523,13 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     reporting replicas' `signals` and `num_queued_at_callers` requests waiting for any replica."""
     load = fleet_load(signals, cfg, num_queued_at_callers)
     state = _track_startup(state, now, len(signals), current)
+    still_falling = True
     if signals:
         lead = trend_lead_s(state, cfg)
         history, slope = _trend(state.load_history, now, load.load_units, cfg)
-        load = replace(load, trend_units=max(0.0, slope) * lead,
+        rising = max(slope, _slope(history, now, cfg.fast_trend_window_s)) if cfg.fast_trend_window_s > 0 else slope
+        still_falling = _slope(history, now, lead) < 0 if cfg.falling_trend_confirm else True
+        load = replace(load, trend_units=max(0.0, rising) * lead,
                        falling_units=max(-load.load_units, min(0.0, slope) * lead) if cfg.trend_scale_in else 0.0)
         state = _track_forecasts(replace(state, load_history=history), now, load, lead, cfg)
     # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
@@ -610,7 +628,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         # that window down without a fresh delay per step. On a falling trend the window can be shorter
         # (falling_trend_hold_s): there the window's largest is its oldest, the load of a window ago.
         hold_s = cfg.downscale_delay_s
-        if load.falling_units < 0 and cfg.falling_trend_hold_s is not None:
+        if load.falling_units < 0 and cfg.falling_trend_hold_s is not None and still_falling:
             hold_s = min(hold_s, cfg.falling_trend_hold_s)
         floor = _window_max(history, now, hold_s)
         return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)

@@ -77,3 +77,22 @@ def test_a_falling_trend_with_a_short_hold_follows_the_recent_down_targets_not_t
     assert zero.down_target == ten.down_target == whole.down_target == 3
     assert (whole.target_replicas, ten.target_replicas, zero.target_replicas) == (6, 4, 3)
 
+
+
+def test_the_short_hold_needs_the_fall_confirmed_over_the_last_start_up():
+    """`falling_trend_confirm`: a load that stepped down to a plateau (5 -> 2 units at t=45) still falls over
+    the 30 s trend window but not over the last start-up (10 s), so the window's largest down target holds
+    (the base trace's post-burst plateau); a load that keeps falling follows today's target as before."""
+    cfg = BAND.model_copy(update=dict(forecast_error_band=False, downscale_delay_s=10.0))
+    short = cfg.model_copy(update=dict(falling_trend_hold_s=0.0))
+    confirmed = short.model_copy(update=dict(falling_trend_confirm=True))
+    step = lambda t: 5.0 if t < 45 else 2.0            # noqa: E731
+    at_58 = [run(step, c, 58.0) for c in (cfg, short, confirmed)]
+    assert all(d.load.falling_units < 0 for d in at_58)                    # the 30 s slope still falls
+    assert [d.down_target for d in at_58] == [2, 2, 2]
+    assert [d.target_replicas for d in at_58] == [3, 2, 3]
+    falling = lambda t: max(0.5, 5.0 - 0.05 * t)       # noqa: E731
+    slow = cfg.model_copy(update=dict(downscale_delay_s=30.0))
+    assert [run(falling, c, 70.0).target_replicas for c in (
+        slow, slow.model_copy(update=dict(falling_trend_hold_s=0.0)),
+        slow.model_copy(update=dict(falling_trend_hold_s=0.0, falling_trend_confirm=True)))] == [6, 3, 3]
