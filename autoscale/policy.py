@@ -131,10 +131,6 @@ class PolicyConfig(BaseModel):
                                         "only while the load also falls over the last start-up (its slope over "
                                         "that time below 0): a load that stepped down to a plateau falls over "
                                         "trend_window_s but not over the last start-up")
-    fast_trend_window_s: float = Field(0.0, ge=0, description="also fit the load's slope over this shorter "
-                                       "window (at least 3 samples spanning half of it) and project the larger "
-                                       "rising slope of the two: a step in the load shows within seconds, where "
-                                       "trend_window_s lags it by half its length (0: off)")
     saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
@@ -527,9 +523,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     if signals:
         lead = trend_lead_s(state, cfg)
         history, slope = _trend(state.load_history, now, load.load_units, cfg)
-        rising = max(slope, _slope(history, now, cfg.fast_trend_window_s)) if cfg.fast_trend_window_s > 0 else slope
         still_falling = _slope(history, now, lead) < 0 if cfg.falling_trend_confirm else True
-        load = replace(load, trend_units=max(0.0, rising) * lead,
+        load = replace(load, trend_units=max(0.0, slope) * lead,
                        falling_units=max(-load.load_units, min(0.0, slope) * lead) if cfg.trend_scale_in else 0.0)
         state = _track_forecasts(replace(state, load_history=history), now, load, lead, cfg)
     # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
