@@ -57,15 +57,8 @@ class AffinityConfig(BaseModel):
                                      "would evict on a candidate (app/routing/eviction.py); 0: off")
     evict_tail_tokens: int = Field(4096, ge=0, description="an evicted prefix costs only its recompute beyond "
                                    "this many tokens (shorter recomputes stay out of the TTFT tail)")
-    evict_horizon: float = Field(0.0, ge=0, le=1, description="0: charge what the new blocks evict now; "
-                                 "above 0: charge the new blocks x the tail value per block of the coldest "
-                                 "this share of the candidate's pool (every allocation brings them nearer "
-                                 "eviction)")
     evict_key_blocks: int = Field(64, ge=1, description="the eviction estimate tracks a replica's prefixes "
                                   "keyed by the block hash at this depth")
-    queue_drain: bool = Field(False, description="predict a replica's queue as its snapshot's part drained "
-                              "at the calibrated prefill rate since the snapshot was taken (else: as the "
-                              "snapshot says until its requests start)")
     min_affinity_blocks: int = Field(1, ge=1, description="fewer matched blocks count as no affinity")
     # -- hot prefix groups
     group_blocks: int = Field(4, ge=1, description="a prefix group is the first K block hashes")

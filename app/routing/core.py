@@ -152,9 +152,6 @@ class PrefixAffinityRouterCore:
                                            own_blocks))
 
     def _evict_cost(self, load: ReplicaLoad, new_blocks: int) -> float:
-        if self.config.evict_horizon > 0:
-            return self.shadow.density_cost_s(load.replica_id, new_blocks, self.model.prefill_tokens_per_s,
-                                              self.config.evict_horizon)
         return self.shadow.cost_s(load.replica_id, new_blocks, self.model.prefill_tokens_per_s)
 
     def _occupancy(self, load: ReplicaLoad) -> float:

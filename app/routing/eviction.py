@@ -115,27 +115,6 @@ class EvictionShadow:
                 lost_tokens += over * (1.0 if uses > 1 else p1)
         return lost_tokens / prefill_tokens_per_s
 
-    def density_cost_s(self, replica_id: str, new_blocks: int, prefill_tokens_per_s: float,
-                       horizon: float) -> float:
-        """`new_blocks` x the tail value per block of the replica's coldest `horizon` share of its pool:
-        every block allocated there brings each entry of that region one block nearer eviction, whether or
-        not this allocation evicts it."""
-        lru = self._lru.get(replica_id)
-        if not lru:
-            return 0.0
-        region = int(horizon * self._capacity.get(replica_id, self.default_capacity))
-        bs, tail, p1 = self.block_size, self.tail_tokens, self.single_use_reuse_share()
-        seen = 0
-        value_tokens = 0.0
-        for walked, (blocks, uses, _) in enumerate(lru.values()):
-            if walked >= 4 * self.max_walk or seen >= region:
-                break
-            seen += blocks
-            over = blocks * bs - tail
-            if over > 0:
-                value_tokens += over * (1.0 if uses > 1 else p1)
-        return new_blocks * value_tokens / max(seen, 1) / prefill_tokens_per_s
-
     def _shrink(self, replica_id: str) -> None:
         lru = self._lru.get(replica_id)
         if not lru:

@@ -63,15 +63,6 @@ class ReplicaLoad:
     #: snapshot was taken: a later snapshot taken before they finished still counts them
     finished: deque = field(default_factory=deque)
 
-    def drained_queue(self, now: float, tokens_per_s: float) -> float:
-        """Queued prefill tokens with the snapshot's part drained at `tokens_per_s` since it was taken (a
-        replica prefills between snapshots; its requests that started since are off it already, so the
-        drained part is at most the snapshot's less those): what the queue is now if the replica prefilled
-        at that rate throughout. This router's requests sent since the snapshot count in full."""
-        s = self.stats
-        left = s.num_queued_prefill_tokens - tokens_per_s * max(0.0, now - self.taken_at)
-        return min(max(0, s.num_queued_prefill_tokens - self.retired_tokens), max(0.0, left)) + self.pending_tokens
-
     def refresh(self) -> None:
         s = self.stats
         self.queued_prefill_tokens = max(0, s.num_queued_prefill_tokens - self.retired_tokens) + self.pending_tokens
@@ -286,8 +277,7 @@ class TTFTModel:
         self._sy = [0.0] * 3                          # decayed sums of z_i * y
 
     def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int],
-                     tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None,
-                     queued: list[float] | None = None) -> list[float]:
+                     tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None) -> list[float]:
         """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]` and
         `tier_tokens[i]` to load from a KV tier there.
 
@@ -296,8 +286,7 @@ class TTFTModel:
         usage. The penalty rises linearly from 0 at `kv_pressure_threshold` by `kv_pressure_penalty_s` per
         pool's worth of usage above it (over 1 - threshold when the threshold is below 1), at most twice the
         penalty. At threshold 1 (the default) only a request that does not fit pays, in proportion to its
-        overage: a full small pool must not shed the requests of the prefixes it caches. `queued[i]`, when
-        given, replaces replica i's queued prefill tokens (ReplicaLoad.drained_queue)."""
+        overage: a full small pool must not shed the requests of the prefixes it caches."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
         if own_blocks is None:
@@ -305,11 +294,9 @@ class TTFTModel:
         else:
             usage = [c.kv_usage + b / c.stats.num_blocks if c.stats.num_blocks else c.kv_usage
                      for c, b in zip(loads, own_blocks)]
-        if queued is None:
-            queued = [c.queued_prefill_tokens for c in loads]
-        out = [(q + u) / rate + c.decode_load * step
+        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
                + (pen * min(2.0, (k - thr) / span) if k > thr else 0.0)
-               for c, q, u, k in zip(loads, queued, own_tokens, usage)]
+               for c, u, k in zip(loads, own_tokens, usage)]
         if tier_tokens:
             load_rate = self.tier_load_tokens_per_s
             out = [t + n / load_rate for t, n in zip(out, tier_tokens)]

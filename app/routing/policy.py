@@ -198,9 +198,7 @@ class AffinityPolicy:
         key = self.group_key(request)
         out_tokens = int(self.groups.expected_output(key, request.max_tokens))
         own_blocks = [-(-(prompt - k + out_tokens) // bs) for k in cached]
-        queued = ([c.drained_queue(now, self.model.prefill_tokens_per_s) for c in cands] if cfg.queue_drain
-                  else None)
-        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks, queued)
+        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
         if evict_cost is not None and cfg.evict_cost_weight > 0:
             w = cfg.evict_cost_weight
             place = [t + w * evict_cost(c, b) for t, c, b in zip(ttft, cands, own_blocks)]
