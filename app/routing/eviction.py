@@ -18,8 +18,9 @@ charges, per entry, the recompute time of the part of it lost beyond `tail_token
 recomputes a few thousand tokens stays out of the TTFT tail; one that recomputes a 15k-token prefix sets
 it), times the chance the entry is used again: 1 for an entry used twice or more (uses closer together than
 REUSE_GAP_S count as one: a burst's siblings), else the measured share of single-use entries that got a
-second use before they left the shadow. At most `max_walk` entries are
-walked per call, so a decision stays O(candidates x max_walk).
+second use before they left the shadow. At most `max_walk` entries are walked per call, so a decision stays
+O(candidates x max_walk). Tried on the fleet suite's loaded 8-replica cells, it did not lower the TTFT p99
+beyond noise (docs/benchmarks/routing.md, "Placement against eviction"), so AffinityConfig leaves it off.
 """
 from __future__ import annotations
 
