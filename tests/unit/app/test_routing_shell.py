@@ -91,7 +91,10 @@ async def test_feed_skips_a_replica_that_does_not_answer_without_delaying_the_ot
     await asyncio.wait_for(started[0], 1.0)    # a's pull finished while b's hangs
     assert core.index.num_held("a") == 1
     assert [t.done() for t in feed.tick()] == [False] and len(slow.calls) == 1   # b still in flight: not re-sent
-    await asyncio.sleep(0.1)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0                # the 0.05 s timeout fires on this loop: poll, a stall can't fail it
+    while feed.counters.num_timeouts == 0 and loop.time() < deadline:
+        await asyncio.sleep(0.01)
     assert feed.counters.num_timeouts == 1
     await _ticks(feed)
     assert len(slow.calls) == 2                # retried next period
