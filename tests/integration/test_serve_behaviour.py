@@ -29,9 +29,18 @@ def _all_idle(states):
     return all(s["num_free_blocks"] == s["num_blocks"] - 1 and s["num_requests"] == 0 for s in states.values())
 
 
+def _aborted(c: httpx.Client, app_url: str) -> float:
+    """Sequences the replicas ended as aborted, from /metrics (summed over replicas)."""
+    import re
+    text = c.get(f"{app_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return sum(float(v) for v in re.findall(
+        r'^affinity_requests_finished_total\{[^}]*finish_reason="abort"[^}]*\} (\S+)$', text, re.M))
+
+
 def test_client_disconnect_aborts_and_frees_kv(app_url):
     body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.Client(timeout=30) as c:
+        aborted_before = _aborted(c, app_url)
         with c.stream("POST", f"{app_url}/v1/completions", json=body) as r:
             assert r.status_code == 200
             n = 0
@@ -49,6 +58,13 @@ def test_client_disconnect_aborts_and_frees_kv(app_url):
             break
         time.sleep(0.2)
     assert len(states) == 2 and _all_idle(states), states
+    # ended by the disconnect, not by running to max_tokens (400 tiny-model tokens end in a second or two):
+    # the replica counts it as aborted (each replica's counters reach /metrics on its own push: wait for it)
+    with httpx.Client(timeout=30) as c:
+        deadline = time.monotonic() + 30
+        while _aborted(c, app_url) <= aborted_before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _aborted(c, app_url) > aborted_before
 
 
 def test_two_replicas_share_load(app_url):
