@@ -6,12 +6,13 @@ replicas on A and B; 2 ingress replicas on the head, each with its own routers o
 distinct prompts, each long enough for the prefill pool, one at a time (Serve's proxy spreads them over the two
 ingress replicas; more are sent until each has routed `MIN_PER_INGRESS`) and records which decode replica served
 each (the response's system_fingerprint), each ingress replica's P/D routing counters and the greedy tokens,
-against one unified engine's. The last stdout line is one JSON object;
-tests/integration/test_disagg_multinode.py asserts on it."""
+against one unified engine's; then the same on fresh replicas under `routing.policy: power_of_two`. The last
+stdout line is one JSON object; tests/integration/test_disagg_multinode.py asserts on it."""
 from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import sys
 import time
@@ -31,8 +32,15 @@ MIN_REMOTE = 12
 NUM_PROMPTS = 8
 MAX_PROMPTS = 20            # 8 requests land all on one of 2 ingress replicas 1 time in 128: send more then
 MIN_PER_INGRESS = 2
+NUM_PROMPTS_LOAD_ONLY = 4   # the power_of_two phase: 4 requests, more (up to 12) until each ingress routed 1
+MAX_PROMPTS_LOAD_ONLY = 12
 INGRESS_REPLICAS = 2
 MAX_TOKENS = 8
+
+
+def _log(msg: str) -> None:
+    """Progress on stderr (run_scenario shows its tail when the scenario fails)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -93,13 +101,77 @@ def _complete(c: httpx.Client, url: str, prompt: list[int]) -> dict:
             "token_ids": body["choices"][0]["token_ids"]}
 
 
+def _config(model: Path, port: int, policy: str):
+    from affinity_serve.app.config import AppConfig
+    engine = {"model": str(model), "num_threads": 1, "cache": {"num_blocks": 512, "block_size": BLOCK}}
+    return AppConfig.from_dict({
+        "engine": engine,
+        "serve": {"port": port, "replica_num_cpus": 0.5, "ingress_resources": {"cpu_node": 1},
+                  "ingress_replicas": INGRESS_REPLICAS,
+                  "max_ongoing_requests": 4, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+                  "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 60.0, "model_name": "demo"},
+        "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
+        # idle decode replicas, but stale stats on this busy machine can put tens of ms between their
+        # predictions: a slack of 0.5 s keeps "comparable" meaning comparable here (power_of_two compares
+        # ongoing requests instead: same_node_slack_requests, default 2)
+        "disaggregation": {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "same_node_slack_s": 0.5,
+                           "prefill": {"num_replicas": 1, "replica_resources": {"prefill_slot": 1}},
+                           "decode": {"num_replicas": 2, "replica_resources": {"decode_slot": 1}}},
+        "observability": {"traces": "none"}})
+
+
+def _deploy(cfg) -> None:
+    from ray import serve
+
+    from affinity_serve.app.builder import build_app
+    _log(f"deploying ({cfg.routing.policy})")
+    serve.run(build_app(cfg), name=APP, route_prefix="/")
+    wait_until(lambda: _states("LLMReplica") == {"RUNNING": 2} and _states("PrefillReplica") == {"RUNNING": 1}
+               and _states("Ingress") == {"RUNNING": INGRESS_REPLICAS}, 120,
+               "1 prefill, 2 decode and 2 ingress replicas running")
+
+
+def _reads(c: httpx.Client, url: str) -> float:
+    text = c.get(f"{url}/metrics").text
+    return sum(float(v) for v in re.findall(
+        r'^affinity_pd_transfers_total\{[^}]*outcome="read"[^}]*\} (\S+)$', text, re.M))
+
+
+def _measure(c: httpx.Client, url: str, first_seed: int, num: int, max_num: int, min_per_ingress: int) -> dict:
+    """Warm both ingress replicas, then send `num` prompts one at a time (seeds from `first_seed`), and more,
+    up to `max_num` in all, until each ingress replica has routed `min_per_ingress` of them."""
+    # each ingress's router over the prefill pool needs to know its replica (it follows that pool from the
+    # ingress's start) and its decode-pool router must exist (built on its first request)
+    for k in range(60):
+        warm = _complete(c, url, _prompt(10_000 + first_seed + k))
+        counters = _pd_counters()
+        if warm["status"] != 200 or (len(counters) == INGRESS_REPLICAS and all(
+                v.get("prefill_picked", 0) > 0 for v in counters.values())):
+            break
+        time.sleep(0.2)
+    _log(f"warmed up after {k + 1} requests")
+    reads_before = _reads(c, url)
+    before = _pd_counters()
+    seeds = list(range(first_seed, first_seed + max_num))
+    results = [_complete(c, url, _prompt(i)) for i in seeds[:num]]
+    while len(results) < max_num and min(
+            _delta(_pd_counters(), before, "prefill_picked").values(), default=0) < min_per_ingress:
+        results.append(_complete(c, url, _prompt(seeds[len(results)])))
+    _log(f"sent {len(results)} requests")
+    try:
+        reads = wait_until(lambda: (n := _reads(c, url) - reads_before) >= len(results) and n, 30, "the KV reads")
+    except AssertionError:
+        reads = _reads(c, url) - reads_before
+    return {"warmup": {"requests": k + 1, "status": warm["status"]}, "seeds": seeds[:len(results)],
+            "results": results, "kv_reads": reads, "pd_counters_before": before, "pd_counters": _pd_counters()}
+
+
 def scenario(workdir: Path) -> dict:
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from affinity_serve.app.builder import build_app, serve_start_options
-    from affinity_serve.app.config import AppConfig
+    from affinity_serve.app.builder import serve_start_options
     from affinity_serve.engine import LLM, SamplingParams
     from affinity_serve.engine.demo import write_demo_model
 
@@ -116,61 +188,29 @@ def scenario(workdir: Path) -> dict:
     try:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         port = _free_port()
-        engine = {"model": str(model), "num_threads": 1, "cache": {"num_blocks": 512, "block_size": BLOCK}}
-        cfg = AppConfig.from_dict({
-            "engine": engine,
-            "serve": {"port": port, "replica_num_cpus": 0.5, "ingress_resources": {"cpu_node": 1},
-                      "ingress_replicas": INGRESS_REPLICAS,
-                      "max_ongoing_requests": 4, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
-                      "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 60.0, "model_name": "demo"},
-            "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
-            # idle decode replicas, but stale stats on this busy machine can put tens of ms between their
-            # predictions: a slack of 0.5 s keeps "comparable" meaning comparable here
-            "disaggregation": {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "same_node_slack_s": 0.5,
-                               "prefill": {"num_replicas": 1, "replica_resources": {"prefill_slot": 1}},
-                               "decode": {"num_replicas": 2, "replica_resources": {"decode_slot": 1}}},
-            "observability": {"traces": "none"}})
-        serve.start(**serve_start_options(cfg))
-        serve.run(build_app(cfg), name=APP, route_prefix="/")
-        wait_until(lambda: _states("LLMReplica") == {"RUNNING": 2} and _states("PrefillReplica") == {"RUNNING": 1}
-                   and _states("Ingress") == {"RUNNING": INGRESS_REPLICAS}, 120,
-                   "1 prefill, 2 decode and 2 ingress replicas running")
-        out["timings_s"]["deployed"] = time.monotonic() - t0
-        out["placement"] = _placement()
         url = f"http://127.0.0.1:{port}"
+        cfg = _config(model, port, "prefix_affinity")
+        serve.start(**serve_start_options(cfg))
+        phases = {}
         with httpx.Client(timeout=120) as c:
-            # each ingress's router over the prefill pool needs to know its replica (it follows that pool
-            # from the ingress's start) and its decode-pool router must exist (built on its first request)
-            for k in range(60):
-                warm = _complete(c, url, _prompt(10_000 + k))
-                counters = _pd_counters()
-                if warm["status"] != 200 or (len(counters) == INGRESS_REPLICAS and all(
-                        v.get("prefill_picked", 0) > 0 for v in counters.values())):
-                    break
-                time.sleep(0.2)
-            out["warmup"] = {"requests": k + 1, "status": warm["status"]}
-            before = _pd_counters()
-            results = [_complete(c, url, _prompt(i)) for i in range(NUM_PROMPTS)]
-            while len(results) < MAX_PROMPTS and min(
-                    _delta(_pd_counters(), before, "prefill_picked").values(), default=0) < MIN_PER_INGRESS:
-                results.append(_complete(c, url, _prompt(len(results))))
-            import re
-
-            def reads() -> float:
-                text = c.get(f"{url}/metrics").text
-                return sum(float(v) for v in re.findall(
-                    r'^affinity_pd_transfers_total\{[^}]*outcome="read"[^}]*\} (\S+)$', text, re.M))
-            try:
-                out["kv_reads"] = wait_until(lambda: (n := reads()) >= len(results) and n, 30, "the KV reads")
-            except AssertionError:
-                out["kv_reads"] = reads()
-        out["pd_counters_before"] = before
-        out["pd_counters"] = _pd_counters()
+            # prefix_affinity: NUM_PROMPTS, more until each ingress routed MIN_PER_INGRESS
+            _deploy(cfg)
+            out["timings_s"]["deployed"] = time.monotonic() - t0
+            phases["prefix_affinity"] = {"placement": _placement(), **_measure(
+                c, url, 0, NUM_PROMPTS, MAX_PROMPTS, MIN_PER_INGRESS)}
+            # a load-only policy (node preference by ongoing requests), on fresh replicas
+            _log("deleting the app")
+            serve.delete(APP)
+            _deploy(_config(model, port, "power_of_two"))
+            out["timings_s"]["redeployed"] = time.monotonic() - t0
+            phases["power_of_two"] = {"placement": _placement(), **_measure(
+                c, url, 100, NUM_PROMPTS_LOAD_ONLY, MAX_PROMPTS_LOAD_ONLY, 1)}
         llm = LLM(str(model), cache={"num_blocks": 256, "block_size": BLOCK})
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids
-                   for i in range(len(results))]
-        out["requests"] = [{**r, "unified": list(u)} for r, u in zip(results, unified)]
+        for ph in phases.values():
+            unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids for i in ph["seeds"]]
+            ph["requests"] = [{**r, "unified": list(u)} for r, u in zip(ph.pop("results"), unified)]
+        out["phases"] = phases
         out["timings_s"]["total"] = time.monotonic() - t0
         return out
     finally:

@@ -14,10 +14,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_scenario(module: str, workdir: pathlib.Path, timeout_s: float) -> dict:
-    """Run `python -m module workdir` from the repository root without the caller's RAY_ADDRESS."""
+    """Run `python -m module workdir` from the repository root without the caller's RAY_ADDRESS; AssertionError
+    with the tail of its stderr if it fails or runs past `timeout_s`."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", module, str(workdir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, str(workdir)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:      # say where it stood (give timeout_s below pytest's timeout)
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"scenario {module} ran past {timeout_s:.0f}s:\n{err[-4000:]}") from None
     assert proc.returncode == 0, f"scenario {module} failed:\n{proc.stderr[-4000:]}"
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(res["timings_s"]))
