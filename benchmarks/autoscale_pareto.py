@@ -11,8 +11,10 @@ For each workload and fleet size it runs
 - ablations at the operating point: priors only (no online R/C, no KV growth), no trend, no headroom, no
   queued-cost projection, no overload skip of the up delay, neither of those two (the policy before them), no
   cache-loss headroom, the trend projected over trend_lead_s instead of the measured start-up, no scale-in
-  on a falling trend, the scale-down band sized by the measured forecast error (off by default), and a
-  fixed narrow band (1.23 instead of 1.6);
+  on a falling trend, the scale-down band sized by the measured forecast error (off by default), a
+  fixed narrow band (1.23 instead of 1.6), a replica at its batch cap with a queue asking for one more
+  (`saturation_scale_out`), following today's down target on a falling trend (`falling_trend_hold_s` 0),
+  the same only while the last start-up also falls (`falling_trend_confirm`), and the narrow band with both;
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
   arrivals and their work by the timing model and asks for the replicas that load needs one start-up ahead,
@@ -275,7 +277,14 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("no measured start-up", dict(measured_startup=False)),
                             ("no falling-trend scale-in", dict(trend_scale_in=False)),
                             ("forecast-error band", dict(forecast_error_band=True)),
-                            ("narrow band (downscale_utilization 0.65)", dict(downscale_utilization=0.65))):
+                            ("narrow band (downscale_utilization 0.65)", dict(downscale_utilization=0.65)),
+                            ("saturation scale-out", dict(saturation_scale_out=True)),
+                            ("falling trend: today's down target", dict(falling_trend_hold_s=0.0)),
+                            ("falling trend: today's, confirmed", dict(falling_trend_hold_s=0.0,
+                                                                       falling_trend_confirm=True)),
+                            ("narrow, saturation, today's confirmed", dict(
+                                downscale_utilization=0.65, saturation_scale_out=True, falling_trend_hold_s=0.0,
+                                falling_trend_confirm=True))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
