@@ -159,7 +159,7 @@ def _measure(c: httpx.Client, url: str, first_seed: int, num: int, max_num: int,
         results.append(_complete(c, url, _prompt(seeds[len(results)])))
     _log(f"sent {len(results)} requests")
     try:
-        reads = wait_until(lambda: (n := _reads(c, url) - reads_before) >= len(results) and n, 30, "the KV reads")
+        reads = wait_until(lambda: (n := _reads(c, url) - reads_before) >= len(results) and n, 60, "the KV reads")
     except AssertionError:
         reads = _reads(c, url) - reads_before
     return {"warmup": {"requests": k + 1, "status": warm["status"]}, "seeds": seeds[:len(results)],

@@ -86,12 +86,14 @@ def _unified(checkpoints, prompt, max_tokens):
 
 
 async def _pools_empty(*replicas) -> bool:
-    for _ in range(100):
+    deadline = asyncio.get_running_loop().time() + 30       # a loaded 2-core machine: seconds, not 50 ms steps
+    while True:
         states = [await r.debug_state() for r in replicas]
         if all(s["num_free_blocks"] == s["num_blocks"] - 1 and not s["num_requests"] for s in states):
             return True
+        if asyncio.get_running_loop().time() > deadline:
+            return False
         await asyncio.sleep(0.05)
-    return False
 
 
 async def test_prefill_transfer_and_decode_each_have_a_span_with_the_transfers_size_and_time(pd, checkpoints):
