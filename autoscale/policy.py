@@ -131,6 +131,9 @@ class PolicyConfig(BaseModel):
                                         "only while the load also falls over the last start-up (its slope over "
                                         "that time below 0): a load that stepped down to a plateau falls over "
                                         "trend_window_s but not over the last start-up")
+    downscale_spare_replicas: int = Field(0, ge=0, description="the down rule keeps at least this many replicas "
+                                          "above what the up rule asks for now (a floor beside the band: a small "
+                                          "fleet keeps a whole spare replica where the band's share is less)")
     saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
@@ -577,7 +580,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = downscale_band(state, cfg)
     down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit)
-    down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9))
+    down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
+                      up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
 
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
         target = max(cfg.min_replicas, min(cfg.max_replicas, target))

@@ -96,3 +96,15 @@ def test_the_short_hold_needs_the_fall_confirmed_over_the_last_start_up():
     assert [run(falling, c, 70.0).target_replicas for c in (
         slow, slow.model_copy(update=dict(falling_trend_hold_s=0.0)),
         slow.model_copy(update=dict(falling_trend_hold_s=0.0, falling_trend_confirm=True)))] == [6, 3, 3]
+
+
+def test_a_spare_replica_floor_keeps_a_small_fleet_one_above_its_up_target_under_a_narrow_band():
+    """`downscale_spare_replicas`: 9 sequences a replica-unit of 10 on 3 replicas (0.9 units): the up rule asks
+    for ceil(0.9 / 0.8) = 2, a narrow band (0.65: x 1.23) allows 2 as well; one spare replica keeps 3."""
+    cfg = CFG.model_copy(update=dict(downscale_utilization=0.65))
+    fleet = [S(num_running=3, num_in_flight=3, kv_cache_usage=0.1, **OK_LATENCY)] * 3
+    long_down = PolicyState(down_since=NOW - 60)
+    narrow = decide(fleet, 3, NOW, long_down, cfg)
+    assert (narrow.up_target, narrow.down_target, narrow.target_replicas) == (2, 2, 2)
+    spare = decide(fleet, 3, NOW, long_down, cfg.model_copy(update=dict(downscale_spare_replicas=1)))
+    assert (spare.down_target, spare.target_replicas, spare.reason) == (3, 3, Reason.HOLD)
