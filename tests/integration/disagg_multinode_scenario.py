@@ -112,9 +112,12 @@ def _config(model: Path, port: int, policy: str):
                   "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 60.0, "model_name": "demo"},
         "routing": {"policy": policy, "request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25},
         # idle decode replicas, but stale stats on this busy machine can put tens of ms between their
-        # predictions: a slack of 0.5 s keeps "comparable" meaning comparable here (power_of_two compares
-        # ongoing requests instead: same_node_slack_requests, default 2)
+        # predictions: a slack of 0.5 s keeps "comparable" meaning comparable here. power_of_two compares
+        # ongoing requests instead (same_node_slack_requests, default 2; its bound is unit-tested): a router
+        # learns that a request finished from the replica's next stats (every 0.5 s), so requests sent one
+        # at a time faster than that pile up on node A's count; 16 keeps this test on the node preference
         "disaggregation": {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "same_node_slack_s": 0.5,
+                           "same_node_slack_requests": 16,
                            "prefill": {"num_replicas": 1, "replica_resources": {"prefill_slot": 1}},
                            "decode": {"num_replicas": 2, "replica_resources": {"decode_slot": 1}}},
         "observability": {"traces": "none"}})
