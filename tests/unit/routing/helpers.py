@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 from affinity_serve.engine.types import BlockStored
 
@@ -28,3 +29,18 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def synced_core(n: int, prefill_tokens_per_s: float, **cfg):
+    """A PrefixAffinityRouterCore over replicas r0..r{n-1}, each synced to an empty cache (epoch "e0"), not
+    calibrating; (core, clock, replica ids)."""
+    from affinity_serve.app.routing import AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo
+    cfg.setdefault("calibrate", False)
+    clock = Clock()
+    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=prefill_tokens_per_s, **cfg), BS,
+                                    clock=clock, rng=random.Random(0))
+    ids = [f"r{i}" for i in range(n)]
+    core.set_replicas([ReplicaInfo(r) for r in ids])
+    for r in ids:
+        assert core.on_kv_events(KVEventBatch(r, "e0", 0, []))
+    return core, clock, ids

@@ -2,16 +2,14 @@
 blocks evict the least long, reused prefix."""
 from __future__ import annotations
 
-import random
 
-import pytest
 
-from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo,
+from affinity_serve.app.routing import (AffinityConfig, ReplicaInfo,
                                         ReplicaLoadView)
 from affinity_serve.app.routing.api import Reason, RouteRequest
 from affinity_serve.app.routing.eviction import EvictionShadow
 
-from .helpers import BS, Clock, chain
+from .helpers import BS, chain, synced_core
 
 RATE = 10_000.0
 
@@ -91,14 +89,8 @@ def test_a_session_turn_grows_its_entry_by_the_blocks_the_replica_did_not_hold()
 
 
 def _core(n=2, **cfg):
-    cfg.setdefault("calibrate", False)
-    clock = Clock()
-    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=RATE, **cfg), BS, clock=clock,
-                                    rng=random.Random(0))
-    ids = [f"r{i}" for i in range(n)]
-    core.set_replicas([ReplicaInfo(r) for r in ids])
+    core, clock, ids = synced_core(n, RATE, **cfg)
     for r in ids:
-        assert core.on_kv_events(KVEventBatch(r, "e0", 0, []))
         core.on_stats(r, ReplicaLoadView(num_blocks=1000))
     return core, clock, ids
 

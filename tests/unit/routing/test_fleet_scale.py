@@ -3,32 +3,23 @@ report, decisions whose work does not grow with the prompt, a release that weigh
 snapshots applied as of when they were taken, and group demand from observed output lengths."""
 from __future__ import annotations
 
-import random
 
 import pytest
 
-from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, PrefixAffinityRouterCore, ReplicaInfo,
+from affinity_serve.app.routing import (AffinityConfig, KVEventBatch, ReplicaInfo,
                                         ReplicaLoadView)
 from affinity_serve.app.routing.api import Reason, RouteRequest
 from affinity_serve.app.routing.prefix_index import SPEC_STRIDE
 from affinity_serve.app.stats import ROUTING_STATS_FIELDS
 from affinity_serve.engine.types import BlockStored
 
-from .helpers import BS, Clock, chain, stored
+from .helpers import BS, chain, stored, synced_core
 
 RATE = 10_000.0
 
 
 def make(n: int = 3, **cfg):
-    cfg.setdefault("calibrate", False)
-    clock = Clock()
-    core = PrefixAffinityRouterCore(AffinityConfig(prefill_tokens_per_s=RATE, **cfg), BS, clock=clock,
-                                    rng=random.Random(0))
-    ids = [f"r{i}" for i in range(n)]
-    core.set_replicas([ReplicaInfo(r) for r in ids])
-    for r in ids:
-        assert core.on_kv_events(KVEventBatch(r, "e0", 0, []))
-    return core, clock, ids
+    return synced_core(n, RATE, **cfg)
 
 
 def stats(core, rid, **kw):
