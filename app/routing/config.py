@@ -54,8 +54,9 @@ class AffinityConfig(BaseModel):
                                         "1.01x of 0 (1: +0.007 at 1.03x; docs/benchmarks/routing.md)")
     evict_cost_weight: float = Field(0.0, ge=0, description="new groups, spills and releases also pay this x "
                                      "the predicted later recompute of the long prefixes their new blocks "
-                                     "would evict on a candidate (app/routing/eviction.py); 0: off (1 and 0.3 did not lower the fleet "
-                                     "benchmark's TTFT p99 beyond noise: docs/benchmarks/routing.md)")
+                                     "would evict on a candidate (app/routing/eviction.py); 0: off (1 and 0.3 "
+                                     "did not lower the fleet benchmark's TTFT p99 beyond noise: "
+                                     "docs/benchmarks/routing.md)")
     evict_tail_tokens: int = Field(4096, ge=0, description="an evicted prefix costs only its recompute beyond "
                                    "this many tokens (shorter recomputes stay out of the TTFT tail)")
     evict_key_blocks: int = Field(64, ge=1, description="the eviction estimate tracks a replica's prefixes "
