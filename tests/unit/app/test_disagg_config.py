@@ -41,6 +41,8 @@ def test_pools_get_their_engine_overrides_and_the_pd_connector():
     ({"disaggregation": {"enabled": True, "prefill": {"engine": {"scheduler": {"max_num_seqs": 0}}}}},
      "disaggregation.prefill.engine"),
     ({"disaggregation": {"enabled": True, "decode": {"replicas": 2}}}, "disaggregation.decode.replicas"),
+    ({"disaggregation": {"enabled": True, "same_node_slack_requests": -1}},
+     "disaggregation.same_node_slack_requests: Input should be greater than or equal to 0"),
 ])
 def test_bad_disaggregation_configs_say_what_to_change(data, problem):
     data = {"disaggregation": {"enabled": True}, **data}
