@@ -442,7 +442,7 @@ def parse_args(argv=None):
     ap.add_argument("--budget", type=int, default=2048, help="unified and decode engines' max_num_batched_tokens")
     ap.add_argument("--unified-budgets", default="",
                     help="comma list: run unified once per token budget (chunked prefill), e.g. 512,1024,2048; "
-                         "default: --budget only")
+                         "a budget listed twice runs twice (row '#2': how far unified repeats); default: --budget only")
     ap.add_argument("--prefill-budget", type=int, default=4096)
     ap.add_argument("--device-profile", choices=sorted(PROFILES),
                     help="derive the pace costs and the KV link's time from a GPU and model (DeviceProfile)")
@@ -487,6 +487,15 @@ def parse_args(argv=None):
     return args
 
 
+def unified_name(num_engines: int, budgets: list[int], i: int) -> str:
+    """The row name of unified run `i` of `budgets` (--unified-budgets); a budget listed again is a repeat
+    of the same run, named '#2', '#3' so that rows stay distinct (to see how far unified's numbers move
+    between two runs of one trace)."""
+    name = f"unified x{num_engines}" + (f" b{budgets[i]}" if len(budgets) > 1 else "")
+    nth = budgets[:i + 1].count(budgets[i])
+    return name + (f" #{nth}" if nth > 1 else "")
+
+
 def verdicts(results):
     """Each P/D row against each unified row: the issue's target is TPOT p99 <= 0.6x and TTFT p99 <= 1.2x
     with no failed request; P/D meets it only if it does so against every unified budget tried."""
@@ -509,9 +518,8 @@ def main():
                      max_position_embeddings=8192, seed=1)
     budgets = [int(x) for x in args.unified_budgets.split(",") if x] or [args.budget]
     results = []
-    for b in budgets:
-        name = f"unified x{args.num_engines}" + (f" b{b}" if len(budgets) > 1 else "")
-        results.append(summarize(name, *run(model, args, None, budget=b)))
+    for i, b in enumerate(budgets):
+        results.append(summarize(unified_name(args.num_engines, budgets, i), *run(model, args, None, budget=b)))
     for p in (int(x) for x in args.splits.split(",")):
         results.append(summarize(f"P/D {p}:{args.num_engines - p}", *run(model, args, p)))
     for p in (int(x) for x in args.late_read_splits.split(",") if x):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.disagg import PROFILES, DeviceProfile, paced_costs, parse_args, verdicts
+from benchmarks.disagg import PROFILES, DeviceProfile, paced_costs, parse_args, unified_name, verdicts
 
 H100 = PROFILES["h100-llama8b"]
 
@@ -92,3 +92,11 @@ def test_target_is_met_only_against_every_unified_budget():
     rows[2] = row("P/D 2:2", 1.3, 0.05)    # TTFT 1.3x the b2048 row's
     v = {(x["pd"], x["unified"]): x["met"] for x in verdicts(rows)}
     assert v[("P/D 2:2", "unified x4 b512")] and not v[("P/D 2:2", "unified x4 b2048")]
+
+
+def test_a_unified_budget_listed_twice_runs_twice_under_distinct_names():
+    budgets = [512, 2048, 2048, 512]
+    names = [unified_name(8, budgets, i) for i in range(len(budgets))]
+    assert names == ["unified x8 b512", "unified x8 b2048", "unified x8 b2048 #2", "unified x8 b512 #2"]
+    assert unified_name(4, [2048], 0) == "unified x4"
+    assert parse_args(["--unified-budgets", "2048,2048"]).unified_budgets == "2048,2048"
