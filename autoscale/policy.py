@@ -138,6 +138,16 @@ class PolicyConfig(BaseModel):
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
                                        "replica than report, and scale in nothing while one is")
+    feedforward_target: bool = Field(False, description="size the fleet in steady state like a planner: the "
+                                     "arrivals x each request's work by the replicas' learned costs (its uncached "
+                                     "prefill over R, its output's decode steps at the batch C), over "
+                                     "target_utilization, plus the rising trend, the KV floor and the cache-loss "
+                                     "headroom; the headroom for arrival noise joins only while evidence fires (an "
+                                     "SLO breach, persistent preemptions, a queue, an overload), and without any "
+                                     "for downscale_delay_s the fleet goes down to the largest feed-forward target "
+                                     "of feedforward_hold_s instead of the scale-down band")
+    feedforward_hold_s: float = Field(10.0, ge=0, description="with feedforward_target, scale-in follows the "
+                                      "largest feed-forward target of this many seconds (a planner's interval)")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -169,6 +179,9 @@ class FleetLoad:
     cached_units: float = 0.0      # the prefill the prefix cache saves (all prompt tokens - uncached) / R
     falling_units: float = 0.0     # the falling trend's change at the lead ahead (<= 0)
     num_saturated: int = 0         # replicas at their batch cap with requests waiting (SATURATED_FRACTION)
+    #: the planner-style load: arrivals x work per request (served prefill / R + outputs' decode steps / C)
+    feedforward_units: float = 0.0
+    num_queued_replicas: int = 0   # replicas whose queued prefill holds a new request QUEUE_EVIDENCE_SLO_SHARE
 
     @property
     def load_units(self) -> float:
@@ -203,6 +216,10 @@ class PolicyState:
     forecasts: tuple[tuple[float, float, float, int], ...] = ()
     #: (time, mean load within the lead / its projection) of the projections that came due, oldest first
     forecast_errors: tuple[tuple[float, float], ...] = ()
+    #: feedforward_target: when evidence for more than it last fired (at first, the first decision)
+    evidence_time: float | None = None
+    #: feedforward_target: (time, feed-forward target) whenever it changed, newest last
+    feedforward_history: tuple[tuple[float, int], ...] = ()
 
     @property
     def startup_s(self) -> float | None:
@@ -218,6 +235,7 @@ class ScalingDecision:
     state: PolicyState
     up_target: int = 0                   # what the up rule wanted (before delays and bounds)
     down_target: int = 0                 # what the down rule would allow
+    feedforward_target: int = 0          # the planner-style target (feedforward_target only)
 
     def describe(self) -> str:
         ld = self.load
@@ -305,7 +323,11 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     # ones (replicas that do not report whole prompts count none).
     saved = sum(max(0.0, s.prompt_tokens_per_s - s.prefill_tokens_per_s) for s in signals
                 if s.prompt_tokens_per_s > 0)
+    served = sum(s.prefill_tokens_per_s for s in signals) - (1.0 - cfg.refill_weight) * refill_rate
+    ff_decode = sum(feedforward_decode_units(s, x, c_decode, cfg) for s, x in zip(signals, caps))
     return FleetLoad(
+        feedforward_units=served / r + ff_decode,
+        num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
@@ -316,6 +338,31 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         num_recent_requests=recent, num_replicas=len(signals),
         requests_per_s=sum(s.requests_per_s for s in signals),
         num_saturated=sum(1 for s in signals if saturated(s)))
+
+
+def feedforward_decode_units(s: ReplicaSignals, cap: Capacity, c: float, cfg: PolicyConfig) -> float:
+    """The replica's decode load as a planner sizes it: its arrivals x their outputs' tokens (the mean of the
+    sequences that finished in its window) x the time one decode step at the batch `c` gives each sequence,
+    over `c` (the step from its learned costs at its running sequences' mean context, at most the TPOT SLO;
+    the SLO itself on priors). At least its running sequences over `c`: after a shift to longer outputs the
+    running count rises at once, while the finished sequences' mean follows only as the long ones end."""
+    running = s.num_running / c
+    if s.requests_per_s <= 0 or s.mean_output_tokens <= 0:
+        return running
+    step = cfg.tpot_slo_s
+    if cfg.online_capacity and s.decode_s_per_context_token > 0 and s.mean_context_tokens > 0:
+        step = min(step, s.step_base_s + s.decode_s_per_context_token * s.mean_context_tokens * c)
+    return max(running, s.requests_per_s * s.mean_output_tokens * step / c)
+
+
+#: with feedforward_target, a replica whose queued prefill (look-back mean) would hold a new request longer
+#: than this share of the TTFT SLO is evidence that the feed-forward target is short
+QUEUE_EVIDENCE_SLO_SHARE = 0.5
+
+
+def queued_past_slo_share(s: ReplicaSignals, cap: Capacity, cfg: PolicyConfig) -> bool:
+    """The replica's queued prefill takes it longer than QUEUE_EVIDENCE_SLO_SHARE of the TTFT SLO at its R."""
+    return s.num_queued_prefill_tokens > QUEUE_EVIDENCE_SLO_SHARE * cfg.ttft_slo_s * cap.prefill_tokens_per_s
 
 
 #: a replica whose look-back mean of running sequences is at least this share of its batch cap ran at the
@@ -583,13 +630,24 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
                       up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
 
+    # The planner-style target (feedforward_target): the steady state both ways; the rule's headroom and band
+    # add capacity only while their evidence fires, and scale-in follows the feed-forward target once none
+    # has for downscale_delay_s.
+    ff_target, ff_down = 0, None
+    if cfg.feedforward_target and signals:
+        evidence = (slo_breached or full or num_queued_at_callers > 0 or load.num_queued_replicas > 0
+                    or load.load_units > current)
+        ff_target, ff_down, state = _feedforward(load, state, now, cfg, cache_floor, evidence)
+        up_target = max(up_target, ff_target) if evidence else ff_target
+        down_target = max(down_target, ff_target) if ff_down is None else ff_down
+
     def done(target: int, reason: Reason, st: PolicyState) -> ScalingDecision:
         target = max(cfg.min_replicas, min(cfg.max_replicas, target))
         if target > current:                     # the new replicas' start-up is measured when they report
             st = replace(st, starting=st.starting + ((now, target - current),))
         elif target < current:                   # Serve stops the replicas still starting first
             st = replace(st, starting=_trim_starting(st.starting, max(0, target - len(signals))))
-        return ScalingDecision(target, reason, load, st, up_target, down_target)
+        return ScalingDecision(target, reason, load, st, up_target, down_target, ff_target)
 
     if current == 0:
         if not idle:
@@ -616,6 +674,10 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         if now - state.idle_since + 1e-9 >= cfg.downscale_to_zero_delay_s:
             return done(0, Reason.TO_ZERO, replace(st, down_since=None, down_history=()))
         return done(current, Reason.TO_ZERO_PENDING, st)
+    if ff_down is not None:                  # no evidence for downscale_delay_s: the planner's target
+        if ff_down < current and not slo_breached and not full and num_queued_at_callers <= 0:
+            return done(ff_down, Reason.DOWN, replace(st, down_since=None, down_history=()))
+        return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
     if down_target < current and not slo_breached and not full and num_queued_at_callers <= 0:
         down_since = state.down_since if state.down_since is not None else now
         history = _down_history(state.down_history, now, down_target, cfg.downscale_delay_s)
@@ -632,6 +694,25 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         floor = _window_max(history, now, hold_s)
         return done(floor, Reason.DOWN if floor < current else Reason.DOWN_PENDING, st)
     return done(current, Reason.HOLD, replace(st, down_since=None, down_history=()))
+
+
+def _feedforward(load: FleetLoad, state: PolicyState, now: float, cfg: PolicyConfig, cache_floor: float,
+                 evidence: bool) -> tuple[int, int | None, PolicyState]:
+    """The feed-forward target (the planner-style load plus the rising trend over target_utilization, at least
+    the KV floor and the cache-loss headroom), and, once no evidence has fired for downscale_delay_s and its
+    history spans feedforward_hold_s, the largest of it over that hold (the scale-in target; else None)."""
+    target = math.ceil(max((load.feedforward_units + load.trend_units) / cfg.target_utilization,
+                           load.kv_units, cache_floor, 1.0) - 1e-9)
+    hold = cfg.feedforward_hold_s
+    history = _down_history(state.feedforward_history, now, target, hold)
+    # the quiet window counts from the first decision too: a fleet the policy has just begun to see has not
+    # been seen without evidence for downscale_delay_s
+    last = now if evidence or state.evidence_time is None else state.evidence_time
+    state = replace(state, feedforward_history=history, evidence_time=last)
+    quiet = now - last + 1e-9 >= cfg.downscale_delay_s
+    if not quiet or history[0][0] > now - hold + 1e-9:
+        return target, None, state
+    return target, _window_max(history, now, hold), state
 
 
 def _window_max(history: tuple[tuple[float, int], ...], now: float, window_s: float) -> int:

@@ -15,8 +15,10 @@ For each workload and fleet size it runs
   fixed narrow band (1.23 instead of 1.6), a replica at its batch cap with a queue asking for one more
   (`saturation_scale_out`), following today's down target on a falling trend (`falling_trend_hold_s` 0),
   the same only while the last start-up also falls (`falling_trend_confirm`), the narrow band with both,
-  and the narrow band with one spare replica above the up target (`downscale_spare_replicas`) and the
-  largest down target of the last 10 s on a falling trend;
+  the narrow band with one spare replica above the up target (`downscale_spare_replicas`) and the
+  largest down target of the last 10 s on a falling trend, and the planner-style feed-forward target
+  (`feedforward_target`: arrivals x learned work per request as the steady state both ways, the headroom and
+  band only while evidence fires);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
   arrivals and their work by the timing model and asks for the replicas that load needs one start-up ahead,
@@ -288,7 +290,8 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                                 downscale_utilization=0.65, saturation_scale_out=True, falling_trend_hold_s=0.0,
                                 falling_trend_confirm=True)),
                             ("narrow, one spare, 10 s falling hold", dict(
-                                downscale_utilization=0.65, downscale_spare_replicas=1, falling_trend_hold_s=10.0))):
+                                downscale_utilization=0.65, downscale_spare_replicas=1, falling_trend_hold_s=10.0)),
+                            ("feed-forward target", dict(feedforward_target=True))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
