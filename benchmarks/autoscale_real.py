@@ -76,6 +76,8 @@ Results, per policy:
 - peak replicas (all states), each replica's start-up time (STARTING -> RUNNING), ours' replica-seconds
   over the row's, and the issue's target: equal or better attainment with >= 20% fewer replica-seconds
   than Serve's default policy, and zero failed (or unsent) requests;
+- with `serve-t<N>` rows (issue 29): the replica-seconds the frontier of those tunings needs for ours' TTFT
+  attainment (linear between its non-dominated points, as benchmarks/autoscale_pareto.py), and ours over it;
 - the scale-out cliff: the requests each replica that joined during the trace got in its first 20 s
   (count, TTFT p50 / p90, attainment, prefix hit rate from the responses' cached tokens) beside all other
   requests.
@@ -128,6 +130,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.autoscale import BIN_S, BURST, SERVE_DEFAULTS, profile
+from benchmarks.autoscale_pareto import cost_at
 from benchmarks.routing import real
 from benchmarks.routing.workload import FIRST_TOKEN_ID, TraceRequest
 
@@ -473,6 +476,23 @@ def compare(ours: Summary, base: Summary) -> dict[str, Any]:
             "slo_attainment_delta": round(ours.ttft_slo_attainment - base.ttft_slo_attainment, 4),
             "target_met": bool(ours.ttft_slo_attainment >= base.ttft_slo_attainment and ratio <= 0.8
                                and ours.failed + ours.unsent == 0)}
+
+
+def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
+    """Ours against the frontier of Serve's tuned rule (the `serve-t<N>` rows): the replica-seconds that
+    frontier needs for ours' TTFT attainment, interpolated linearly between its non-dominated points
+    (benchmarks/autoscale_pareto.py:cost_at), and ours over that. `reached` False: no tuning run reached
+    ours' attainment, so the ratio is against the best one's cost (a bound: "<="). None without ours or a
+    tuned row."""
+    ours = next((r for r in results if r.role == "ours"), None)
+    tuned = [r for r in results if r.role == "sensitivity"]
+    if ours is None or not tuned:
+        return None
+    cost, reached = cost_at([(r.replica_seconds, r.ttft_slo_attainment) for r in tuned], ours.ttft_slo_attainment)
+    return {"ours_attainment": round(ours.ttft_slo_attainment, 4),
+            "ours_replica_seconds": round(ours.replica_seconds, 1),
+            "serve_replica_seconds": round(cost, 1), "reached": reached,
+            "ratio": round(ours.replica_seconds / cost, 3), "targets": [r.policy for r in tuned]}
 
 
 # ================================================================== policies
@@ -878,6 +898,12 @@ def table(results: list[Summary], spec: RealSpec) -> str:
                      f"{r.failed:>6} {r.unsent:>6} {r.peak_replicas:>5}")
     if base is None:
         lines.append("(no Serve default row: the target is judged against it)")
+    f = serve_frontier(results)
+    if f is not None:
+        lines.append(f"-> Serve's tuned frontier ({', '.join(f['targets'])}) at ours' attainment "
+                     f"{f['ours_attainment']:.3f}: {f['serve_replica_seconds']:.0f} replica-s"
+                     f"{'' if f['reached'] else ' (not reached: its best point)'}; ours / it = "
+                     f"{'' if f['reached'] else '<= '}{f['ratio']:.2f} (goal <= 0.80)")
     lines.append("replica start-up (STARTING -> RUNNING): " + "; ".join(
         f"{r.policy} {', '.join(f'{x:.0f}' for x in r.startup_s) or '-'} s" for r in results)
         + "; driver send lag p99: " + ", ".join(f"{r.send_lag_p99_s * 1e3:.0f} ms" for r in results))
@@ -1057,6 +1083,7 @@ def main() -> None:
                "pace": EMULATED_PACE if spec.emulate else None,
                "results": [asdict(r) for r in results],
                "ours_vs": [compare(ours, r) for r in results if not r.role.startswith("ours")] if ours else [],
+               "serve_frontier": serve_frontier(results),
                "runs": [{"policy": r.policy, "autoscaling": r.autoscaling, "deploy_s": r.deploy_s,
                          "scaling_log": r.scaling_log, "timeline": [asdict(s) for s in r.samples],
                          "requests": [asdict(o) for o in r.outcomes]} for r in runs]}

@@ -15,10 +15,10 @@ from affinity_serve.app.builder import autoscaling_config
 from affinity_serve.app.config import AppConfig
 from benchmarks.autoscale import BURST, PROFILE, profile
 from benchmarks.autoscale_real import (EMULATED_MAX_REPLICAS, EMULATED_PACE, Calibration, Outcome,
-                                       decode_capacity, PolicyRun, RealSpec, Sample, arrival_times,
+                                       decode_capacity, PolicyRun, RealSpec, Sample, Summary, arrival_times,
                                        autoscaling_section, binned, compare, joined_first_requests, joined_stats,
                                        load_trace, peak_rps, policy_role, real_app_config, recovery_s,
-                                       replica_seconds, span, startup_times, summarize)
+                                       replica_seconds, serve_frontier, span, startup_times, summarize)
 from benchmarks.routing.workload import FIRST_TOKEN_ID
 
 
@@ -158,6 +158,23 @@ def test_target_needs_equal_attainment_20_percent_fewer_replica_seconds_and_no_f
                              _samples((0.0, {"RUNNING": 1}))), spec, (0.0, 100.0))
     assert failing.ttft_slo_attainment == base.ttft_slo_attainment
     assert not compare(failing, base)["target_met"]                   # a failed request fails it
+
+
+def _row(policy: str, role: str, attainment: float, replica_s: float) -> Summary:
+    return Summary(policy, role, 100, attainment, math.nan, math.nan, replica_s, math.nan, math.nan, 0.0, 0, 0, 1,
+                   math.nan, (0.0, 100.0))
+
+
+def test_ours_is_judged_against_the_tuned_rules_frontier_at_ours_attainment():
+    tuned = [_row("serve-t2", "sensitivity", 0.99, 800.0), _row("serve-t4", "sensitivity", 0.95, 600.0),
+             _row("serve-t8", "sensitivity", 0.90, 650.0)]        # t=8 is dominated by t=4: off the frontier
+    f = serve_frontier([_row("engine", "ours", 0.97, 560.0), _row("serve-default", "baseline", 1.0, 2000.0), *tuned])
+    assert f["reached"] and f["serve_replica_seconds"] == pytest.approx(700.0)   # halfway from t=4 to t=2
+    assert f["ratio"] == pytest.approx(0.8) and f["targets"] == ["serve-t2", "serve-t4", "serve-t8"]
+    above = serve_frontier([_row("engine", "ours", 0.995, 700.0), *tuned])
+    assert not above["reached"] and above["serve_replica_seconds"] == 800.0        # a bound: its best point
+    assert serve_frontier([_row("engine", "ours", 0.9, 1.0), _row("serve-default", "baseline", 1.0, 2.0)]) is None
+    assert serve_frontier(tuned) is None
 
 
 def test_peak_overloads_one_replica_and_stays_under_two():
