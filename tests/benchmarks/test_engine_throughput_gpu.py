@@ -26,8 +26,10 @@ the cache; without cascade the step re-reads them, which the floor must not excu
         pytest.importorskip("triton", reason="needs the triton package")
         extra = ["--case", "shared"]
     out = tmp_path / "gpu.json"
+    # a 64 MiB KV pool holds every tiny case many times over; the default 16 GiB takes ~50 s to allocate on CPU
     r = subprocess.run([sys.executable, "-m", "benchmarks.engine_throughput_gpu", "--device", "cpu", "--tiny",
-                        "--reps", "1", "--dtype", "float32", "--backend", backend, "--json", str(out), *extra],
+                        "--reps", "1", "--dtype", "float32", "--backend", backend, "--kv-budget-gib", "0.0625",
+                        "--json", str(out), *extra],
                        cwd=ROOT, capture_output=True, text=True, timeout=480)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
