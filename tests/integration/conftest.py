@@ -95,6 +95,36 @@ def routing_url(ray_serve, checkpoints):
     return ray_serve + "/routing"
 
 
+_shared_cli: list = []
+
+
+@pytest.fixture(scope="session")
+def cli_server(checkpoints, tmp_path_factory):
+    """An `affinity-serve serve` subprocess (tests/integration/cli_process.py) shared by the CLI tests that only
+    talk to it: started on first use, stopped as soon as the next test does not use it (see
+    pytest_runtest_teardown), so it holds no Ray for the rest of the session."""
+    from tests.integration.cli_process import SharedCLI
+    shared = SharedCLI(checkpoints, tmp_path_factory.mktemp("cli"))
+    _shared_cli.append(shared)
+    yield shared
+    shared.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _shared_cli and (nextitem is None or "cli_server" not in nextitem.fixturenames):
+        _shared_cli[0].stop()
+
+
+@pytest.fixture(scope="session")
+def multinode_results(tmp_path_factory):
+    """{"disagg": ..., "multinode": ...}: the results of tests/integration/multinode_scenarios.py, both
+    multi-node scenarios run once, in a subprocess, on one simulated cluster (building it costs as much as a
+    scenario); test_disagg_multinode.py and test_multinode.py assert on them."""
+    from tests.integration.subprocess_scenario import run_scenario
+    # below pytest's 300 s (the first test's setup pays for it), so a stuck scenario fails with its stderr
+    return run_scenario("tests.integration.multinode_scenarios", tmp_path_factory.mktemp("multinode"), 285)
+
+
 def _wait_running(app: str, deployment: str, n: int, timeout_s: float = 120) -> None:
     from ray import serve
     deadline = time.monotonic() + timeout_s

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import httpx  # noqa: E402
 
-from tests.integration.subprocess_scenario import scenario_main, shutdown_cluster  # noqa: E402
+from tests.integration.subprocess_scenario import (  # noqa: E402
+    connect, scenario_main, shutdown_cluster, start_cluster)
 from tests.integration.waiting import wait_until  # noqa: E402
 
 APP = "pdmultinode"
@@ -41,12 +41,6 @@ MAX_TOKENS = 8
 def _log(msg: str) -> None:
     """Progress on stderr (run_scenario shows its tail when the scenario fails)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(seed: int) -> list[int]:
@@ -169,55 +163,57 @@ def _measure(c: httpx.Client, url: str, first_seed: int, num: int, max_num: int,
             "results": results, "kv_reads": reads, "pd_counters_before": before, "pd_counters": _pd_counters()}
 
 
-def scenario(workdir: Path) -> dict:
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
+NODE_A_RESOURCES = {"prefill_slot": 1, "decode_slot": 1}
+NODE_B_RESOURCES = {"decode_slot": 1}
 
-    from affinity_serve.app.builder import serve_start_options
-    from affinity_serve.engine import LLM, SamplingParams
+
+def scenario(workdir: Path) -> dict:
+    """The scenario on a 3-node cluster of its own."""
     from affinity_serve.engine.demo import write_demo_model
+
+    model = write_demo_model(workdir / "model", seed=11)
+    cluster, (node_a, node_b) = start_cluster({"cpu_node": 10}, [NODE_A_RESOURCES, NODE_B_RESOURCES])
+    try:
+        return run(cluster, node_a, node_b, model, connect(cluster))
+    finally:
+        shutdown_cluster(cluster)
+
+
+def run(cluster, node_a, node_b, model: Path, port: int) -> dict:
+    """The scenario on `cluster` (this process connected; Serve started with its HTTP proxy on `port`), whose head
+    declares `cpu_node`, `node_a` NODE_A_RESOURCES and `node_b` NODE_B_RESOURCES (and no node else those); it
+    deletes its app when done."""
+    from ray import serve
+
+    from affinity_serve.engine import LLM, SamplingParams
 
     out: dict = {"timings_s": {}}
     t0 = time.monotonic()
-    model = write_demo_model(workdir / "model", seed=11)
-    node_args = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(**node_args, include_dashboard=False,
-                                                                resources={"cpu_node": 10}))
-    node_a = cluster.add_node(**node_args, resources={"prefill_slot": 1, "decode_slot": 1})
-    node_b = cluster.add_node(**node_args, resources={"decode_slot": 1})
-    cluster.wait_for_nodes()
     out["nodes"] = {"head": cluster.head_node.node_id, "a": node_a.node_id, "b": node_b.node_id}
-    try:
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        cfg = _config(model, port, "prefix_affinity")
-        serve.start(**serve_start_options(cfg))
-        phases = {}
-        with httpx.Client(timeout=120) as c:
-            # prefix_affinity: NUM_PROMPTS, more until each ingress routed MIN_PER_INGRESS
-            _deploy(cfg)
-            out["timings_s"]["deployed"] = time.monotonic() - t0
-            phases["prefix_affinity"] = {"placement": _placement(), **_measure(
-                c, url, 0, NUM_PROMPTS, MAX_PROMPTS, MIN_PER_INGRESS)}
-            # a load-only policy (node preference by ongoing requests), on fresh replicas
-            _log("deleting the app")
-            serve.delete(APP)
-            _deploy(_config(model, port, "power_of_two"))
-            out["timings_s"]["redeployed"] = time.monotonic() - t0
-            phases["power_of_two"] = {"placement": _placement(), **_measure(
-                c, url, 100, NUM_PROMPTS_LOAD_ONLY, MAX_PROMPTS_LOAD_ONLY, 1)}
-        llm = LLM(str(model), cache={"num_blocks": 256, "block_size": BLOCK})
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        for ph in phases.values():
-            unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids for i in ph["seeds"]]
-            ph["requests"] = [{**r, "unified": list(u)} for r, u in zip(ph.pop("results"), unified)]
-        out["phases"] = phases
-        out["timings_s"]["total"] = time.monotonic() - t0
-        return out
-    finally:
-        shutdown_cluster(cluster)
+    url = f"http://127.0.0.1:{port}"
+    phases = {}
+    with httpx.Client(timeout=120) as c:
+        # prefix_affinity: NUM_PROMPTS, more until each ingress routed MIN_PER_INGRESS
+        _deploy(_config(model, port, "prefix_affinity"))
+        out["timings_s"]["deployed"] = time.monotonic() - t0
+        phases["prefix_affinity"] = {"placement": _placement(), **_measure(
+            c, url, 0, NUM_PROMPTS, MAX_PROMPTS, MIN_PER_INGRESS)}
+        # a load-only policy (node preference by ongoing requests), on fresh replicas
+        _log("deleting the app")
+        serve.delete(APP)
+        _deploy(_config(model, port, "power_of_two"))
+        out["timings_s"]["redeployed"] = time.monotonic() - t0
+        phases["power_of_two"] = {"placement": _placement(), **_measure(
+            c, url, 100, NUM_PROMPTS_LOAD_ONLY, MAX_PROMPTS_LOAD_ONLY, 1)}
+    serve.delete(APP)
+    llm = LLM(str(model), cache={"num_blocks": 256, "block_size": BLOCK})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for ph in phases.values():
+        unified = [llm.generate(_prompt(i), params, use_tqdm=False)[0].outputs[0].token_ids for i in ph["seeds"]]
+        ph["requests"] = [{**r, "unified": list(u)} for r, u in zip(ph.pop("results"), unified)]
+    out["phases"] = phases
+    out["timings_s"]["total"] = time.monotonic() - t0
+    return out
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -23,18 +22,13 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import httpx  # noqa: E402
 
-from tests.integration.subprocess_scenario import scenario_main, shutdown_cluster  # noqa: E402
+from tests.integration.subprocess_scenario import (  # noqa: E402
+    NODE_ARGS, connect, scenario_main, shutdown_cluster, start_cluster)
 from tests.integration.waiting import wait_until  # noqa: E402
 
 APP = "multinode"
 MAX_ONGOING = 3          # per replica: 9 concurrent streams fill all three replicas
 STREAM_TOKENS = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(seed: int, n: int = 12) -> list[int]:
@@ -125,120 +119,123 @@ class Stream(threading.Thread):
             self.started.set()
 
 
-def scenario(workdir: Path) -> dict:
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
+HEAD_RESOURCES = {"cpu_node": 10, "llm_slot": 2}
+WORKER_RESOURCES = {"llm_slot": 2}
 
-    from affinity_serve.app.builder import build_app, serve_start_options
-    from affinity_serve.app.config import AppConfig
+
+def scenario(workdir: Path) -> dict:
+    """The scenario on a 3-node cluster of its own."""
     from affinity_serve.engine.demo import write_demo_model
+
+    model = write_demo_model(workdir / "model", seed=11)
+    cluster, workers = start_cluster(HEAD_RESOURCES, [WORKER_RESOURCES] * 2)
+    try:
+        return run(cluster, workers, model, connect(cluster))
+    finally:
+        shutdown_cluster(cluster)
+
+
+def run(cluster, workers: list, model: Path, port: int) -> dict:
+    """The scenario on `cluster` (this process connected; Serve started with its HTTP proxy on `port`, on the head
+    only), whose head declares HEAD_RESOURCES and whose two `workers` each at least WORKER_RESOURCES and nothing
+    else running; it removes the worker that serves most streams and adds a node like it."""
+    from ray import serve
+
+    from affinity_serve.app.builder import build_app
+    from affinity_serve.app.config import AppConfig
 
     out: dict = {"timings_s": {}}
     t0 = time.monotonic()
-    model = write_demo_model(workdir / "model", seed=11)
-    node_args = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        **node_args, include_dashboard=False, resources={"cpu_node": 10, "llm_slot": 2}))
-    workers = [cluster.add_node(**node_args, resources={"llm_slot": 2}) for _ in range(2)]
-    cluster.wait_for_nodes()
-    head_id = cluster.head_node.node_id
-    out["nodes"] = {"head": head_id, "workers": [w.node_id for w in workers]}
-    try:
-        ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-        port = _free_port()
-        cfg = AppConfig.from_dict({
-            "engine": {"model": str(model), "num_threads": 1, "cache": {"num_blocks": 4096, "block_size": 4}},
-            "serve": {"port": port, "num_replicas": 3, "replica_num_cpus": 0.5, "max_replicas_per_node": 1,
-                      "replica_resources": {"llm_slot": 1}, "ingress_resources": {"cpu_node": 1},
-                      "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": 64,
-                      "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
-                      "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 30.0, "model_name": "demo"},
-            # occupancies within 5% and predicted TTFTs within 0.2 s count as equal, so idle replicas are
-            # equally good for new prompts (stale stats or a calibrated step cost on this busy machine can
-            # otherwise put tens of ms between them)
-            "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25,
-                        "affinity": {"new_group_room_tolerance": 0.05, "tie_tolerance_s": 0.2}},
-            "observability": {"traces": "none"}})
-        serve.start(**serve_start_options(cfg))
-        serve.run(build_app(cfg), name=APP, route_prefix="/")
-        wait_until(lambda: _replica_states() == {"RUNNING": 3}, 90, "3 running replicas")
-        out["timings_s"]["deployed"] = time.monotonic() - t0
-        url = f"http://127.0.0.1:{port}"
+    out["nodes"] = {"head": cluster.head_node.node_id, "workers": [w.node_id for w in workers]}
+    cfg = AppConfig.from_dict({
+        "engine": {"model": str(model), "num_threads": 1, "cache": {"num_blocks": 4096, "block_size": 4}},
+        "serve": {"port": port, "num_replicas": 3, "replica_num_cpus": 0.5, "max_replicas_per_node": 1,
+                  "replica_resources": {"llm_slot": 1}, "ingress_resources": {"cpu_node": 1},
+                  "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": 64,
+                  "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+                  "graceful_shutdown_timeout_s": 2.0, "first_token_timeout_s": 30.0, "model_name": "demo"},
+        # occupancies within 5% and predicted TTFTs within 0.2 s count as equal, so idle replicas are
+        # equally good for new prompts (stale stats or a calibrated step cost on this busy machine can
+        # otherwise put tens of ms between them)
+        "routing": {"request_routing_stats_period_s": 0.5, "kv_events_period_s": 0.25,
+                    "affinity": {"new_group_room_tolerance": 0.05, "tie_tolerance_s": 0.2}},
+        "observability": {"traces": "none"}})
+    serve.run(build_app(cfg), name=APP, route_prefix="/")
+    wait_until(lambda: _replica_states() == {"RUNNING": 3}, 90, "3 running replicas")
+    out["timings_s"]["deployed"] = time.monotonic() - t0
+    url = f"http://127.0.0.1:{port}"
 
-        # (a) where everything runs
-        out["placement"] = _placement()
+    # (a) where everything runs
+    out["placement"] = _placement()
 
-        # (b) warm the router up (it routes on load alone until its first KV pull), then equal candidates
-        for i in range(6):
-            _complete(url, _prompt(i))
-        wait_until(lambda: len(_router_state().get("replicas", {})) == 3 and not any(
-            r["needs_snapshot"] for r in _router_state()["replicas"].values()), 30, "the router to sync")
-        served = [_complete(url, _prompt(100 + i)) for i in range(12)]
-        router = _router_state()
-        out["caller_node"] = {"router_node": router["node_id"], "served": [fp for _, fp in served],
-                              "statuses": [s for s, _ in served],
-                              "decisions": [{k: d.get(k) for k in ("chosen", "reason", "candidates")}
-                                            for d in router["decisions"][:12]]}
+    # (b) warm the router up (it routes on load alone until its first KV pull), then equal candidates
+    for i in range(6):
+        _complete(url, _prompt(i))
+    wait_until(lambda: len(_router_state().get("replicas", {})) == 3 and not any(
+        r["needs_snapshot"] for r in _router_state()["replicas"].values()), 30, "the router to sync")
+    served = [_complete(url, _prompt(100 + i)) for i in range(12)]
+    router = _router_state()
+    out["caller_node"] = {"router_node": router["node_id"], "served": [fp for _, fp in served],
+                          "statuses": [s for s, _ in served],
+                          "decisions": [{k: d.get(k) for k in ("chosen", "reason", "candidates")}
+                                        for d in router["decisions"][:12]]}
 
-        # (c) streams on every replica, then a worker node that serves some of them goes away
-        streams = [Stream(url, i) for i in range(3 * MAX_ONGOING)]
-        for s in streams:
-            s.start()
-        for s in streams:
-            s.started.wait(60)
-        time.sleep(0.3)
-        placement = out["placement"]["replicas"]
-        by_node: dict[str, list[Stream]] = {}
-        for s in streams:
-            if s.replica is not None and s.ended_at is None:
-                by_node.setdefault(placement.get(s.replica, "?"), []).append(s)
-        victim_node = max((w for w in workers if w.node_id in by_node), key=lambda w: len(by_node[w.node_id]))
-        victim_replicas = [r for r, n in placement.items() if n == victim_node.node_id]
-        in_flight = {s.seed for s in by_node[victim_node.node_id]}
-        removed_at = time.monotonic()
-        cluster.remove_node(victim_node, allow_graceful=False)
-        out["timings_s"]["remove_node"] = time.monotonic() - removed_at
+    # (c) streams on every replica, then a worker node that serves some of them goes away
+    streams = [Stream(url, i) for i in range(3 * MAX_ONGOING)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.started.wait(60)
+    time.sleep(0.3)
+    placement = out["placement"]["replicas"]
+    by_node: dict[str, list[Stream]] = {}
+    for s in streams:
+        if s.replica is not None and s.ended_at is None:
+            by_node.setdefault(placement.get(s.replica, "?"), []).append(s)
+    victim_node = max((w for w in workers if w.node_id in by_node), key=lambda w: len(by_node[w.node_id]))
+    victim_replicas = [r for r, n in placement.items() if n == victim_node.node_id]
+    in_flight = {s.seed for s in by_node[victim_node.node_id]}
+    removed_at = time.monotonic()
+    cluster.remove_node(victim_node, allow_graceful=False)
+    out["timings_s"]["remove_node"] = time.monotonic() - removed_at
 
-        def dropped():
-            return not set(victim_replicas) & set(_router_state().get("replicas", {}))
-        wait_until(dropped, 60, "the router to drop the dead replica")
-        out["timings_s"]["router_dropped_dead"] = time.monotonic() - removed_at
-        after = [_complete(url, _prompt(300 + i)) for i in range(6)]
-        for s in streams:
-            s.join(90)
-        out["removal"] = {
-            "victim_node": victim_node.node_id, "victim_replicas": victim_replicas,
-            "streams": [{"replica": s.replica, "on_victim": s.seed in in_flight, "done": s.done,
-                         "error_code": s.error_code, "failure": s.failure, "num_chunks": s.num_chunks,
-                         "finish_reason": s.finish_reason,
-                         "ended_after_removal_s": None if s.ended_at is None else s.ended_at - removed_at}
-                        for s in streams],
-            "after_statuses": [s for s, _ in after], "after_served": [fp for _, fp in after]}
-        # max_replicas_per_node: 1 and 2 nodes left: the replacement must not start until a node joins
-        wait_until(lambda: _replica_states().get("RUNNING", 0) == 2, 60, "Serve to count 2 running replicas")
-        time.sleep(3.0)
-        out["states_with_two_nodes"] = _replica_states()
-        out["placement_with_two_nodes"] = _placement()["replicas"]
-        added_at = time.monotonic()
-        new_node = cluster.add_node(**node_args, resources={"llm_slot": 2})
-        # RUNNING 3, whatever else Serve still lists (the dead node's replica can linger as STOPPING)
-        deadline, states = time.monotonic() + 120, {}
-        while (states := _replica_states()).get("RUNNING", 0) != 3:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after 120s waiting for the replacement replica (states {states})")
-            time.sleep(0.2)
-        out["timings_s"]["replacement_running_after_add"] = time.monotonic() - added_at
-        final = _placement()["replicas"]
-        out["recovered"] = {"new_node": new_node.node_id, "placement": final}
-        wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30,
-                   "the router to see the replacement")
-        out["recovered"]["router_replicas"] = sorted(_router_state()["replicas"])
-        out["recovered"]["statuses"] = [_complete(url, _prompt(500 + i))[0] for i in range(6)]
-        out["timings_s"]["total"] = time.monotonic() - t0
-        return out
-    finally:
-        shutdown_cluster(cluster)
+    def dropped():
+        return not set(victim_replicas) & set(_router_state().get("replicas", {}))
+    wait_until(dropped, 60, "the router to drop the dead replica")
+    out["timings_s"]["router_dropped_dead"] = time.monotonic() - removed_at
+    after = [_complete(url, _prompt(300 + i)) for i in range(6)]
+    for s in streams:
+        s.join(90)
+    out["removal"] = {
+        "victim_node": victim_node.node_id, "victim_replicas": victim_replicas,
+        "streams": [{"replica": s.replica, "on_victim": s.seed in in_flight, "done": s.done,
+                     "error_code": s.error_code, "failure": s.failure, "num_chunks": s.num_chunks,
+                     "finish_reason": s.finish_reason,
+                     "ended_after_removal_s": None if s.ended_at is None else s.ended_at - removed_at}
+                    for s in streams],
+        "after_statuses": [s for s, _ in after], "after_served": [fp for _, fp in after]}
+    # max_replicas_per_node: 1 and 2 nodes left: the replacement must not start until a node joins
+    wait_until(lambda: _replica_states().get("RUNNING", 0) == 2, 60, "Serve to count 2 running replicas")
+    time.sleep(3.0)
+    out["states_with_two_nodes"] = _replica_states()
+    out["placement_with_two_nodes"] = _placement()["replicas"]
+    added_at = time.monotonic()
+    new_node = cluster.add_node(**NODE_ARGS, resources=WORKER_RESOURCES)
+    # RUNNING 3, whatever else Serve still lists (the dead node's replica can linger as STOPPING)
+    deadline, states = time.monotonic() + 120, {}
+    while (states := _replica_states()).get("RUNNING", 0) != 3:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after 120s waiting for the replacement replica (states {states})")
+        time.sleep(0.2)
+    out["timings_s"]["replacement_running_after_add"] = time.monotonic() - added_at
+    final = _placement()["replicas"]
+    out["recovered"] = {"new_node": new_node.node_id, "placement": final}
+    wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30,
+               "the router to see the replacement")
+    out["recovered"]["router_replicas"] = sorted(_router_state()["replicas"])
+    out["recovered"]["statuses"] = [_complete(url, _prompt(500 + i))[0] for i in range(6)]
+    out["timings_s"]["total"] = time.monotonic() - t0
+    return out
 
 
 if __name__ == "__main__":

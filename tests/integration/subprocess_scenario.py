@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: every simulated node: 2 CPUs, a small object store, bound to 127.0.0.1
+NODE_ARGS = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
 
 
 def run_scenario(module: str, workdir: pathlib.Path, timeout_s: float) -> dict:
@@ -35,6 +38,30 @@ def scenario_main(scenario: Callable[[pathlib.Path], dict], argv: list[str]) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     print(json.dumps(scenario(workdir)), flush=True)
     return 0
+
+
+def start_cluster(head_resources: dict[str, float], worker_resources: list[dict[str, float]]):
+    """(a ray.cluster_utils.Cluster on 127.0.0.1 whose head declares `head_resources`, its worker nodes: one per
+    entry of `worker_resources`), every node up."""
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True, head_node_args=dict(**NODE_ARGS, include_dashboard=False,
+                                                                resources=head_resources))
+    workers = [cluster.add_node(**NODE_ARGS, resources=r) for r in worker_resources]
+    cluster.wait_for_nodes()
+    return cluster, workers
+
+
+def connect(cluster) -> int:
+    """Join `cluster` and start Serve with its HTTP proxy on the head only (the default proxy_location) on a free
+    port of 127.0.0.1; that port."""
+    import ray
+    from ray import serve
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    return port
 
 
 def shutdown_cluster(cluster) -> None:

@@ -4,18 +4,16 @@ is decoded on A, next to its prefill replica, whichever ingress replica routed i
 both pools), under prefix_affinity and under the load-only power_of_two (which compares ongoing requests), and
 its greedy tokens equal one unified engine's.
 
-The scenario runs in a subprocess (tests/integration/disagg_multinode_scenario.py): one process can join only
-one Ray cluster, and this test process may already hold the session Ray of tests/integration/conftest.py."""
+The scenario (tests/integration/disagg_multinode_scenario.py) runs in a subprocess, on the cluster it shares with
+test_multinode.py's (the `multinode_results` fixture): one process can join only one Ray cluster, and this test
+process may already hold the session Ray of tests/integration/conftest.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.integration.subprocess_scenario import run_scenario
-
 pytestmark = pytest.mark.slow
-TIMEOUT_S = 270          # below pytest's 300 s, so a stuck scenario fails with its stderr
 POLICIES = ("prefix_affinity", "power_of_two")
 
 
@@ -26,9 +24,8 @@ def _picked(phase: dict, key: str = "prefill_picked") -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    res = run_scenario("tests.integration.disagg_multinode_scenario", tmp_path_factory.mktemp("pd-multinode"),
-                       TIMEOUT_S)
+def result(multinode_results):
+    res = multinode_results["disagg"]
     print(json.dumps({name: {"warmup": ph["warmup"], "requests": len(ph["requests"]), "per_ingress": {
         k: _picked(ph, k) for k in ("prefill_picked", "same_node", "moved_to_prefill_node", "other_node")}}
         for name, ph in res["phases"].items()}))

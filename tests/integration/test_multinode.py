@@ -1,22 +1,20 @@
 """Placement and node failure on a simulated 3-node cluster (ray.cluster_utils.Cluster on 127.0.0.1).
 
-The scenario runs in a subprocess (tests/integration/multinode_scenario.py): one process can join only one
-Ray cluster, and this test process may already hold the session Ray of tests/integration/conftest.py."""
+The scenario (tests/integration/multinode_scenario.py) runs in a subprocess, on the cluster it shares with
+test_disagg_multinode.py's (the `multinode_results` fixture): one process can join only one Ray cluster, and
+this test process may already hold the session Ray of tests/integration/conftest.py."""
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 
-from tests.integration.subprocess_scenario import run_scenario
-
 pytestmark = pytest.mark.slow
-TIMEOUT_S = 280
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    return run_scenario("tests.integration.multinode_scenario", tmp_path_factory.mktemp("multinode"), TIMEOUT_S)
+def result(multinode_results):
+    return multinode_results["multinode"]
 
 
 def test_replicas_spread_one_per_node_and_the_control_plane_stays_on_the_head(result):
