@@ -149,6 +149,21 @@ class PolicyConfig(BaseModel):
                                      "instead of the scale-down band")
     feedforward_hold_s: float = Field(10.0, ge=0, description="with feedforward_target, scale-in follows the "
                                       "largest feed-forward target of this many seconds (a planner's interval)")
+    feedforward_burst_hold_s: float | None = Field(None, ge=0, description="with feedforward_target, after an "
+                                                   "evidence episode that was a burst (an SLO breach, persistent "
+                                                   "preemptions, a replica at its batch cap or a queue fired in "
+                                                   "it, not an overload alone) scale-in follows the largest "
+                                                   "target of this many seconds instead of feedforward_hold_s, "
+                                                   "the rule's own up target counting while the burst's "
+                                                   "evidence fired (null: feedforward_hold_s after every "
+                                                   "episode)")
+    batching_headroom: bool = Field(False, description="the headroom for arrival noise (headroom_z) counts only "
+                                    "what a spike must get within the SLOs from a continuous-batching replica: "
+                                    "its requests' prefill within one TTFT SLO (headroom_z x prefill load / "
+                                    "sqrt(requests per SLO window)) and the batch slots its sequences take "
+                                    "(headroom_z standard deviations of the decoding sequences, over the decode "
+                                    "capacity C); the decode work of the spike's outputs is spread over their "
+                                    "lifetime inside the batch, not due within the TTFT SLO")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -183,6 +198,7 @@ class FleetLoad:
     #: the planner-style load: arrivals x work per request (whole prompts' prefill / R + outputs' decode / C)
     feedforward_units: float = 0.0
     num_queued_replicas: int = 0   # replicas whose queued prefill holds a new request QUEUE_EVIDENCE_SLO_SHARE
+    decode_capacity: float = 0.0   # C: sequences one (mean) replica decodes (decode_capacity())
 
     @property
     def load_units(self) -> float:
@@ -221,6 +237,9 @@ class PolicyState:
     evidence_time: float | None = None
     #: feedforward_target: (time, feed-forward target) whenever it changed, newest last
     feedforward_history: tuple[tuple[float, int], ...] = ()
+    #: feedforward_target: whether the current (or last) evidence episode had burst evidence in it (an SLO
+    #: breach, persistent preemptions, a saturated replica, a queue), not an overload alone
+    burst_episode: bool = False
 
     @property
     def startup_s(self) -> float | None:
@@ -333,6 +352,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     return FleetLoad(
         feedforward_units=served / r + ff_decode,
         num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
+        decode_capacity=c_decode,
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
@@ -526,18 +546,32 @@ def downscale_band(state: PolicyState, cfg: PolicyConfig) -> float:
     return min(widest, max(1.0 + cfg.downscale_band_floor, worst))
 
 
-def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0) -> float:
+def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0, *,
+                    prefill_share: float | None = None, decode_capacity: float = 0.0) -> float:
     """Replicas for `units` of load: each at most `target_utilization` busy, and spare capacity for
     `headroom_z` standard deviations of the arrivals within one TTFT SLO. `requests_per_unit` is the fleet's
     arrival rate per unit of load (requests/s): `units` of load bring n = units x requests_per_unit x
     ttft_slo_s requests per SLO window, Poisson with std sqrt(n), i.e. units / sqrt(n) replicas. A spike is a
     larger share of a small load (square-root staffing), so a small fleet keeps a larger share spare; at
-    large loads `target_utilization` sizes the fleet. Without arrivals there is no headroom term."""
+    large loads `target_utilization` sizes the fleet. Without arrivals there is no headroom term.
+
+    With `batching_headroom` (and the load's `prefill_share` given) the spike is priced as a
+    continuous-batching replica meets it: only its prefill is due within the TTFT SLO (z sqrt(n) requests x
+    prefill per request: z x prefill units / sqrt(n)); its sequences join the running batch, so the decode
+    needs room for z standard deviations of the decoding sequences (units x C of them, Poisson): z x
+    sqrt(decode units / C) replicas at `decode_capacity` C. At 0.4 units of chat decode (C = 48, one request
+    per SLO window) that is 0.18 replicas, where the whole-work headroom asks for 0.8 (a second replica)."""
     linear = units / cfg.target_utilization
     n = units * requests_per_unit * cfg.ttft_slo_s
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
-    return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
+    if not cfg.batching_headroom or prefill_share is None:
+        return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
+    prefill = units * min(1.0, max(0.0, prefill_share))
+    head = cfg.headroom_z * prefill / math.sqrt(max(n, 1.0))
+    if decode_capacity > 0:
+        head += cfg.headroom_z * math.sqrt((units - prefill) / decode_capacity)
+    return max(linear, units + head)
 
 
 def cache_loss_replicas(load: FleetLoad, cfg: PolicyConfig, startup_s: float) -> float:
@@ -600,8 +634,11 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
+    # the load's prefill share and C price a spike as a batching replica meets it (batching_headroom)
+    share = load.prefill_units / load.load_units if load.load_units > 0 else 1.0
+    batching = dict(prefill_share=share, decode_capacity=load.decode_capacity)
     cache_floor = cache_loss_replicas(load, cfg, trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0
-    up_need = max(replicas_needed(load.projected_units, cfg, per_unit), load.kv_units, cache_floor)
+    up_need = max(replicas_needed(load.projected_units, cfg, per_unit, **batching), load.kv_units, cache_floor)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
@@ -631,7 +668,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = downscale_band(state, cfg)
-    down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit)
+    down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit, **batching)
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
                       up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
 
@@ -642,7 +679,9 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     if cfg.feedforward_target and signals:
         evidence = (slo_breached or full or num_queued_at_callers > 0 or load.num_queued_replicas > 0
                     or load.load_units > current)
-        ff_target, ff_down, state = _feedforward(load, state, now, cfg, cache_floor, evidence)
+        burst = slo_breached or full or num_queued_at_callers > 0 or load.num_queued_replicas > 0
+        ff_target, ff_down, state = _feedforward(load, state, now, cfg, cache_floor, evidence, burst,
+                                                 max(up_target, slo_target))
         up_target = max(up_target, ff_target) if evidence else ff_target
         down_target = max(down_target, ff_target) if ff_down is None else ff_down
 
@@ -702,18 +741,29 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
 
 
 def _feedforward(load: FleetLoad, state: PolicyState, now: float, cfg: PolicyConfig, cache_floor: float,
-                 evidence: bool) -> tuple[int, int | None, PolicyState]:
+                 evidence: bool, burst: bool = False, rule_target: int = 0) -> tuple[int, int | None, PolicyState]:
     """The feed-forward target (the planner-style load plus the rising trend over target_utilization, at least
     the KV floor and the cache-loss headroom), and, once no evidence has fired for downscale_delay_s and its
-    history spans feedforward_hold_s, the largest of it over that hold (the scale-in target; else None)."""
+    history spans the hold, the largest of it over that hold (the scale-in target; else None). The hold is
+    feedforward_hold_s, or feedforward_burst_hold_s where the last evidence episode (evidence firing with
+    gaps shorter than downscale_delay_s) had `burst` evidence in it. While burst evidence fires the hold's
+    history records the rule's own target (`rule_target`: the up rule with its headroom, the SLO step), not
+    the feed-forward one: the fleet the burst needed is what the hold keeps, so the evidence ending does not
+    take the fleet below the plateau it rose to while the load may still be there."""
     target = math.ceil(max((load.feedforward_units + load.trend_units) / cfg.target_utilization,
                            load.kv_units, cache_floor, 1.0) - 1e-9)
-    hold = cfg.feedforward_hold_s
-    history = _down_history(state.feedforward_history, now, target, hold)
+    long_hold = cfg.feedforward_burst_hold_s
+    recorded = max(target, rule_target) if long_hold is not None and evidence and burst else target
+    history = _down_history(state.feedforward_history, now, recorded,
+                            max(cfg.feedforward_hold_s, long_hold or 0.0))
+    # an episode starts where evidence fires after downscale_delay_s without any (or at the first decision)
+    new_episode = state.evidence_time is None or now - state.evidence_time + 1e-9 >= cfg.downscale_delay_s
+    episode = (burst if new_episode else state.burst_episode or burst) if evidence else state.burst_episode
+    hold = long_hold if long_hold is not None and episode else cfg.feedforward_hold_s
     # the quiet window counts from the first decision too: a fleet the policy has just begun to see has not
     # been seen without evidence for downscale_delay_s
     last = now if evidence or state.evidence_time is None else state.evidence_time
-    state = replace(state, feedforward_history=history, evidence_time=last)
+    state = replace(state, feedforward_history=history, evidence_time=last, burst_episode=episode)
     quiet = now - last + 1e-9 >= cfg.downscale_delay_s
     if not quiet or history[0][0] > now - hold + 1e-9:
         return target, None, state
