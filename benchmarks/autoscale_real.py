@@ -90,6 +90,8 @@ Policies (`--policies`):
 - `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows;
 - `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
   false`), to measure whether warming a joining replica pays on a live fleet.
+- `engine-batching` (optional variant): ours with `batching_headroom` (the arrival headroom priced as a
+  batching replica meets a spike); the table gives its own ratio to Serve's frontier.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -483,34 +485,46 @@ def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
     frontier needs for ours' TTFT attainment, interpolated linearly between its non-dominated points
     (benchmarks/autoscale_pareto.py:cost_at), and ours over that. `reached` False: no tuning run reached
     ours' attainment, so the ratio is against the best one's cost (a bound: "<="). None without ours or a
-    tuned row."""
+    tuned row. `variants`: the same for each of ours' variant rows (run with or without `engine`)."""
     ours = next((r for r in results if r.role == "ours"), None)
     tuned = [r for r in results if r.role == "sensitivity"]
-    if ours is None or not tuned:
+    if not tuned:
         return None
-    cost, reached = cost_at([(r.replica_seconds, r.ttft_slo_attainment) for r in tuned], ours.ttft_slo_attainment)
-    return {"ours_attainment": round(ours.ttft_slo_attainment, 4),
-            "ours_replica_seconds": round(ours.replica_seconds, 1),
-            "serve_replica_seconds": round(cost, 1), "reached": reached,
-            "ratio": round(ours.replica_seconds / cost, 3), "targets": [r.policy for r in tuned]}
+    points = [(r.replica_seconds, r.ttft_slo_attainment) for r in tuned]
+
+    def at(r: Summary) -> dict[str, Any]:
+        cost, reached = cost_at(points, r.ttft_slo_attainment)
+        return {"policy": r.policy, "attainment": round(r.ttft_slo_attainment, 4),
+                "replica_seconds": round(r.replica_seconds, 1), "serve_replica_seconds": round(cost, 1),
+                "reached": reached, "ratio": round(r.replica_seconds / cost, 3)}
+
+    variants = [at(r) for r in results if r.role == "ours-variant"]
+    if ours is None:
+        return {"targets": [r.policy for r in tuned], "variants": variants} if variants else None
+    o = at(ours)
+    return {"ours_attainment": o["attainment"], "ours_replica_seconds": o["replica_seconds"],
+            "serve_replica_seconds": o["serve_replica_seconds"], "reached": o["reached"], "ratio": o["ratio"],
+            "targets": [r.policy for r in tuned], "variants": variants}
 
 
 # ================================================================== policies
 #: ours with the router's warm-up on join turned off (routing.warmup_on_join false): does warming pay?
 NO_WARMUP_POLICY = "engine-nowarm"
+#: ours with batching_headroom on (issue 29's variant A)
+BATCHING_POLICY = "engine-batching"
 
 
 def policy_role(policy: str) -> str:
     if policy == "engine":
         return "ours"
-    if policy == NO_WARMUP_POLICY:
+    if policy in (NO_WARMUP_POLICY, BATCHING_POLICY):
         return "ours-variant"
     if policy == SERVE_DEFAULT_POLICY:
         return "baseline"
     if policy.startswith("serve-t") and policy[7:].replace(".", "", 1).isdigit():
         return "sensitivity"
-    raise ValueError(f"unknown policy {policy!r}: engine, {NO_WARMUP_POLICY}, {SERVE_DEFAULT_POLICY} or "
-                     "serve-t<target>")
+    raise ValueError(f"unknown policy {policy!r}: engine, {NO_WARMUP_POLICY}, {BATCHING_POLICY}, "
+                     f"{SERVE_DEFAULT_POLICY} or serve-t<target>")
 
 
 def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[str, dict[str, Any]]:
@@ -518,9 +532,10 @@ def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[
     role = policy_role(policy)
     common = {"enabled": True, "min_replicas": 1, "max_replicas": spec.max_replicas}
     if role in ("ours", "ours-variant"):
+        extra = {"batching_headroom": True} if policy == BATCHING_POLICY else {}
         return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s, "tpot_slo_s": spec.tpot_slo_s,
                                "prefill_tokens_per_s": round(cal.prefill_tokens_per_s, 1),
-                               "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)}
+                               "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)} | extra
     if role == "baseline":
         d = SERVE_DEFAULTS
         return role, common | {"policy": "requests", "target_ongoing_requests": d["target_ongoing_requests"],
@@ -899,11 +914,15 @@ def table(results: list[Summary], spec: RealSpec) -> str:
     if base is None:
         lines.append("(no Serve default row: the target is judged against it)")
     f = serve_frontier(results)
-    if f is not None:
+    if f is not None and "ratio" in f:
         lines.append(f"-> Serve's tuned frontier ({', '.join(f['targets'])}) at ours' attainment "
                      f"{f['ours_attainment']:.3f}: {f['serve_replica_seconds']:.0f} replica-s"
                      f"{'' if f['reached'] else ' (not reached: its best point)'}; ours / it = "
                      f"{'' if f['reached'] else '<= '}{f['ratio']:.2f} (goal <= 0.80)")
+    for v in f["variants"] if f is not None else []:
+        lines.append(f"-> Serve's tuned frontier at {v['policy']}'s attainment {v['attainment']:.3f}: "
+                     f"{v['serve_replica_seconds']:.0f} replica-s; {v['policy']} / it = "
+                     f"{'' if v['reached'] else '<= '}{v['ratio']:.2f}")
     lines.append("replica start-up (STARTING -> RUNNING): " + "; ".join(
         f"{r.policy} {', '.join(f'{x:.0f}' for x in r.startup_s) or '-'} s" for r in results)
         + "; driver send lag p99: " + ", ".join(f"{r.send_lag_p99_s * 1e3:.0f} ms" for r in results))

@@ -175,6 +175,22 @@ def test_ours_is_judged_against_the_tuned_rules_frontier_at_ours_attainment():
     assert not above["reached"] and above["serve_replica_seconds"] == 800.0        # a bound: its best point
     assert serve_frontier([_row("engine", "ours", 0.9, 1.0), _row("serve-default", "baseline", 1.0, 2.0)]) is None
     assert serve_frontier(tuned) is None
+    # a variant row (engine-batching) gets its own ratio, with or without ours' row in the run
+    with_variant = serve_frontier([_row("engine", "ours", 0.97, 560.0),
+                                   _row("engine-batching", "ours-variant", 0.95, 480.0), *tuned])
+    assert with_variant["ratio"] == pytest.approx(0.8)
+    assert with_variant["variants"] == [{"policy": "engine-batching", "attainment": 0.95, "replica_seconds": 480.0,
+                                         "serve_replica_seconds": 600.0, "reached": True, "ratio": 0.8}]
+    alone = serve_frontier([_row("engine-batching", "ours-variant", 0.95, 480.0), *tuned])
+    assert "ratio" not in alone and alone["variants"][0]["ratio"] == pytest.approx(0.8)
+
+
+def test_the_batching_variant_is_ours_with_batching_headroom_on():
+    spec, cal = RealSpec(), _cal()
+    role, section = autoscaling_section("engine-batching", spec, cal)
+    assert role == "ours-variant"
+    assert section == autoscaling_section("engine", spec, cal)[1] | {"batching_headroom": True}
+    assert AppConfig.model_validate(real_app_config(spec, "/m", section)).autoscaling.batching_headroom is True
 
 
 def test_peak_overloads_one_replica_and_stays_under_two():
