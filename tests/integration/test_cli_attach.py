@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.integration.test_cli_serve_hardening import CLI, ROOT
+from tests.integration.cli_process import CLI, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +28,10 @@ print("RESULT", json.dumps({"models": models, "usage": out["usage"]}))
 """
 
 
-@pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory):
-    cli = CLI(checkpoints, tmp_path_factory.mktemp("attach"), {})
-    try:
-        yield cli
-    finally:
-        cli.stop()
+@pytest.fixture
+def served(cli_server):
+    """The CLI server these tests share with test_cli_serve_hardening.py."""
+    return cli_server.get()
 
 
 def _printed_env(out: list[str], prefix: str) -> tuple[dict[str, str], list[str]]:
@@ -48,6 +45,21 @@ def _printed_env(out: list[str], prefix: str) -> tuple[dict[str, str], list[str]
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+
+
+# first: it starts a CLI of its own, before the shared one starts
+def test_ctrl_c_during_start_up_is_one_line(checkpoints, tmp_path):
+    cli = CLI(checkpoints, tmp_path, {}, wait_ready=False)
+    try:
+        assert cli.wait_for("deploying 1 replica(s)", 120), "".join(cli.out)[-3000:]
+        rc = cli.stop(signal.SIGINT, timeout_s=60)
+    finally:
+        if cli.proc.poll() is None:
+            cli.stop(signal.SIGKILL)
+    text = "".join(cli.out)
+    assert rc == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert [l.strip() for l in cli.out if "interrupted" in l] == [
+        "[affinity-serve] interrupted during start-up; stopped."], text[-3000:]
 
 
 def test_a_second_driver_gets_answers_as_the_ready_message_says(served):
@@ -70,17 +82,3 @@ def test_serve_status_attaches_as_the_ready_message_says(served):
                        timeout=120)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "affinity:" in r.stdout and "status: RUNNING" in r.stdout and "LLMReplica:" in r.stdout, r.stdout
-
-
-def test_ctrl_c_during_start_up_is_one_line(checkpoints, tmp_path):
-    cli = CLI(checkpoints, tmp_path, {}, wait_ready=False)
-    try:
-        assert cli.wait_for("deploying 1 replica(s)", 120), "".join(cli.out)[-3000:]
-        rc = cli.stop(signal.SIGINT, timeout_s=60)
-    finally:
-        if cli.proc.poll() is None:
-            cli.stop(signal.SIGKILL)
-    text = "".join(cli.out)
-    assert rc == 130 and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    assert [l.strip() for l in cli.out if "interrupted" in l] == [
-        "[affinity-serve] interrupted during start-up; stopped."], text[-3000:]

@@ -6,89 +6,25 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.integration.cli_process import CLI, KEY, SHARED_ENGINE, SHARED_SERVE
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-KEY = "sk-test-cli-9f8e7d6c5b4a39281706"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class CLI:
-    """`affinity-serve serve` in a subprocess of its own session, its output collected line by line."""
-
-    def __init__(self, checkpoints, tmp: Path, serve: dict, engine: dict | None = None, wait_ready: bool = True):
-        ray_tmp = tempfile.mkdtemp(prefix="r33", dir="/tmp")        # short: Ray's socket paths must fit
-        # What a forgotten `ray start --head` leaves: Ray's current-cluster record, pointing nowhere now.
-        Path(ray_tmp, "ray").mkdir()
-        Path(ray_tmp, "ray", "ray_current_cluster").write_text("127.0.0.1:1")
-        cfg = tmp / "c.yaml"
-        cfg.write_text(json.dumps({
-            "engine": {"num_threads": 1, "cache": {"num_blocks": 128, "block_size": 4}, **(engine or {})},
-            "serve": {"model_name": "tiny", "replica_num_cpus": 0.5, **serve}}))
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-        env |= {"AFFINITY_SERVE_API_KEY": KEY, "RAY_TMPDIR": ray_tmp, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "affinity_serve.app.cli", "serve", "--config", str(cfg),
-                                      "--model",
-                                      checkpoints["llama"], "--port", str(self.port), "--replicas", "1",
-                                      "--dashboard-port", str(_free_port())],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(l) for l in self.proc.stdout], daemon=True).start()
-        self.out: list[str] = []
-        if wait_ready:
-            assert self.wait_for("Ctrl-C to stop", 240), "".join(self.out)[-4000:]
-
-    def wait_for(self, text: str, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not any(text in l for l in self.out):
-            try:
-                self.out.append(self._lines.get(timeout=0.5))
-            except queue.Empty:
-                if self.proc.poll() is not None and self._lines.empty():
-                    break
-        return any(text in l for l in self.out)
-
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-            raise
-        self.wait_for("\0never", 2)                                   # the rest of the output
-        return rc
-
-
-@pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory):
-    cli = CLI(checkpoints, tmp_path_factory.mktemp("cli"), {"body_read_timeout_s": 2, "max_header_bytes": 8192})
-    try:
-        yield cli.url, cli.proc, cli.out
-    finally:
-        cli.stop()
+@pytest.fixture
+def served(cli_server):
+    """The CLI server these tests share with test_cli_attach.py (its config: cli_process.SHARED_SERVE, the HTTP
+    limits checked here); the signal tests below start their own."""
+    cli = cli_server.get()
+    return cli.url, cli.proc, cli.out
 
 
 def test_it_started_its_own_ray_said_so_and_printed_no_key(served):
@@ -199,13 +135,19 @@ def _events(lines) -> list[str]:
 
 
 @pytest.mark.parametrize("sig,drain_s,expect", [(signal.SIGINT, 60, "finished"), (signal.SIGTERM, 1, "ended")])
-def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoints, tmp_path, sig, drain_s,
-                                                                       expect):
+def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoints, tmp_path, cli_server, sig,
+                                                                       drain_s, expect):
     """Paced steps (40 ms) make each stream last ~4 s. After the signal: new requests get 503 `draining`;
     with a long drain the streams finish, with a short one they end with an error event; every stream ends
-    with [DONE]; the process exits 0 with one closing line and no traceback."""
-    cli = CLI(checkpoints, tmp_path, {"drain_timeout_s": drain_s},
-              engine={"pace": {"enabled": True, "step_base_s": 0.04}})
+    with [DONE]; the process exits 0 with one closing line and no traceback. The long drain stops the server
+    the tests above used (its config: cli_process.SHARED_SERVE, SHARED_ENGINE), which also shows that one
+    that has served them still drains cleanly; the short one starts its own."""
+    if sig == signal.SIGINT:
+        cli = cli_server.get()
+        assert (SHARED_SERVE["drain_timeout_s"], SHARED_ENGINE["pace"]["step_base_s"]) == (drain_s, 0.04)
+    else:
+        cli = CLI(checkpoints, tmp_path, {"drain_timeout_s": drain_s},
+                  engine={"pace": {"enabled": True, "step_base_s": 0.04}})
     try:
         streams = [_stream(cli.url, 100) for _ in range(3)]
         firsts = [next(lines) for lines, _ in streams]
