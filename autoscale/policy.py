@@ -157,13 +157,15 @@ class PolicyConfig(BaseModel):
                                                    "the rule's own up target counting while the burst's "
                                                    "evidence fired (null: feedforward_hold_s after every "
                                                    "episode)")
-    batching_headroom: bool = Field(False, description="the headroom for arrival noise (headroom_z) counts only "
-                                    "what a spike must get within the SLOs from a continuous-batching replica: "
-                                    "its requests' prefill within one TTFT SLO (headroom_z x prefill load / "
-                                    "sqrt(requests per SLO window)) and the batch slots its sequences take "
-                                    "(headroom_z standard deviations of the decoding sequences, over the decode "
-                                    "capacity C); the decode work of the spike's outputs is spread over their "
-                                    "lifetime inside the batch, not due within the TTFT SLO")
+    batching_headroom: float = Field(0.0, ge=0, description="while the load fits this many replicas at "
+                                     "target_utilization (units / target_utilization at most this; 0: off), the "
+                                     "headroom for arrival noise (headroom_z) counts only what a spike must get "
+                                     "within the SLOs from a continuous-batching replica: its requests' prefill "
+                                     "within one TTFT SLO (headroom_z x prefill load / sqrt(requests per SLO "
+                                     "window)) and the batch slots its sequences take (headroom_z standard "
+                                     "deviations of the decoding sequences, over the decode capacity C); the "
+                                     "decode work of the spike's outputs is spread over their lifetime inside the "
+                                     "batch, not due within the TTFT SLO")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -555,17 +557,19 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
     larger share of a small load (square-root staffing), so a small fleet keeps a larger share spare; at
     large loads `target_utilization` sizes the fleet. Without arrivals there is no headroom term.
 
-    With `batching_headroom` (and the load's `prefill_share` given) the spike is priced as a
-    continuous-batching replica meets it: only its prefill is due within the TTFT SLO (z sqrt(n) requests x
-    prefill per request: z x prefill units / sqrt(n)); its sequences join the running batch, so the decode
-    needs room for z standard deviations of the decoding sequences (units x C of them, Poisson): z x
-    sqrt(decode units / C) replicas at `decode_capacity` C. At 0.4 units of chat decode (C = 48, one request
-    per SLO window) that is 0.18 replicas, where the whole-work headroom asks for 0.8 (a second replica)."""
+    While `linear` is at most `batching_headroom` replicas (and the load's `prefill_share` given) the spike is
+    priced as a continuous-batching replica meets it: only its prefill is due within the TTFT SLO (z sqrt(n)
+    requests x prefill per request: z x prefill units / sqrt(n)); its sequences join the running batch, so
+    the decode needs room for z standard deviations of the decoding sequences (units x C of them, Poisson):
+    z x sqrt(decode units / C) replicas at `decode_capacity` C. At 0.4 units of chat decode (C = 48, one
+    request per SLO window) that is 0.18 replicas, where the whole-work headroom asks for 0.8 (a second
+    replica). At any load it cost attainment in the simulator (docs/benchmarks/autoscaling.md): the
+    whole-work headroom is also what keeps a loaded fleet's TTFT; hence the bound on the fleet it applies to."""
     linear = units / cfg.target_utilization
     n = units * requests_per_unit * cfg.ttft_slo_s
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
-    if not cfg.batching_headroom or prefill_share is None:
+    if prefill_share is None or linear > cfg.batching_headroom + 1e-9:
         return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
     prefill = units * min(1.0, max(0.0, prefill_share))
     head = cfg.headroom_z * prefill / math.sqrt(max(n, 1.0))

@@ -19,7 +19,8 @@ For each workload and fleet size it runs
   largest down target of the last 10 s on a falling trend, and the planner-style feed-forward target
   (`feedforward_target`: arrivals x learned work per request as the steady state both ways, the headroom and
   band only while evidence fires), the arrival headroom priced as a batching replica meets a spike
-  (`batching_headroom`), the feed-forward target holding its largest for 60 s after a burst
+  (`batching_headroom`, at any load, and only while the load fits one replica), the feed-forward target
+  holding its largest for 60 s after a burst
   (`feedforward_burst_hold_s`), and both;
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
@@ -294,11 +295,12 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("narrow, one spare, 10 s falling hold", dict(
                                 downscale_utilization=0.65, downscale_spare_replicas=1, falling_trend_hold_s=10.0)),
                             ("feed-forward target", dict(feedforward_target=True)),
-                            ("batching headroom", dict(batching_headroom=True)),
+                            ("batching headroom", dict(batching_headroom=1e9)),
+                            ("batching headroom under 1 replica", dict(batching_headroom=1.0)),
                             ("feed-forward, 60 s hold after a burst", dict(feedforward_target=True,
                                                                           feedforward_burst_hold_s=60.0)),
                             ("batching headroom, feed-forward, 60 s burst hold", dict(
-                                batching_headroom=True, feedforward_target=True, feedforward_burst_hold_s=60.0))):
+                                batching_headroom=1e9, feedforward_target=True, feedforward_burst_hold_s=60.0))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"

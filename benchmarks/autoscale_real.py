@@ -90,8 +90,9 @@ Policies (`--policies`):
 - `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows;
 - `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
   false`), to measure whether warming a joining replica pays on a live fleet.
-- `engine-batching` (optional variant): ours with `batching_headroom` (the arrival headroom priced as a
-  batching replica meets a spike); the table gives its own ratio to Serve's frontier.
+- `engine-batching` (optional variant): ours with `batching_headroom: 1` (the arrival headroom priced as a
+  batching replica meets a spike while the load fits one replica); the table gives its own ratio to Serve's
+  frontier.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -510,7 +511,7 @@ def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
 # ================================================================== policies
 #: ours with the router's warm-up on join turned off (routing.warmup_on_join false): does warming pay?
 NO_WARMUP_POLICY = "engine-nowarm"
-#: ours with batching_headroom on (issue 29's variant A)
+#: ours with batching_headroom 1 (issue 29's variant A, bounded to a load that fits one replica)
 BATCHING_POLICY = "engine-batching"
 
 
@@ -532,7 +533,7 @@ def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[
     role = policy_role(policy)
     common = {"enabled": True, "min_replicas": 1, "max_replicas": spec.max_replicas}
     if role in ("ours", "ours-variant"):
-        extra = {"batching_headroom": True} if policy == BATCHING_POLICY else {}
+        extra = {"batching_headroom": 1.0} if policy == BATCHING_POLICY else {}
         return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s, "tpot_slo_s": spec.tpot_slo_s,
                                "prefill_tokens_per_s": round(cal.prefill_tokens_per_s, 1),
                                "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)} | extra

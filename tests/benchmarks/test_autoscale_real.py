@@ -189,8 +189,8 @@ def test_the_batching_variant_is_ours_with_batching_headroom_on():
     spec, cal = RealSpec(), _cal()
     role, section = autoscaling_section("engine-batching", spec, cal)
     assert role == "ours-variant"
-    assert section == autoscaling_section("engine", spec, cal)[1] | {"batching_headroom": True}
-    assert AppConfig.model_validate(real_app_config(spec, "/m", section)).autoscaling.batching_headroom is True
+    assert section == autoscaling_section("engine", spec, cal)[1] | {"batching_headroom": 1.0}
+    assert AppConfig.model_validate(real_app_config(spec, "/m", section)).autoscaling.batching_headroom == 1.0
 
 
 def test_peak_overloads_one_replica_and_stays_under_two():

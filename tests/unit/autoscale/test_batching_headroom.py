@@ -1,7 +1,8 @@
 """Two options of the scaling rule (autoscale/policy.py), issue 29:
 
-- `batching_headroom`: the headroom for arrival noise priced as a continuous-batching replica meets a spike
-  (its prefill due within the TTFT SLO, its sequences needing batch slots), not as the spike's whole work;
+- `batching_headroom`: while the load fits that many replicas, the headroom for arrival noise priced as a
+  continuous-batching replica meets a spike (its prefill due within the TTFT SLO, its sequences needing batch
+  slots), not as the spike's whole work;
 - `feedforward_burst_hold_s`: with `feedforward_target`, after an evidence episode that was a burst the fleet
   keeps the burst's largest target that long before the feed-forward target takes it down."""
 from __future__ import annotations
@@ -17,7 +18,8 @@ from tests.unit.autoscale.test_policy import CFG, busy
 
 # C = 48 sequences a replica (the mix pool's prior), R = 1000 tokens/s, TTFT SLO 1 s, z 2
 Z2 = CFG.model_copy(update=dict(decode_seqs_per_replica=48.0, headroom_z=2.0, downscale_delay_s=30.0))
-BATCH = Z2.model_copy(update=dict(batching_headroom=True))
+BATCH = Z2.model_copy(update=dict(batching_headroom=1e9))          # at any load
+BATCH1 = Z2.model_copy(update=dict(batching_headroom=1.0))          # while the load fits one replica
 
 
 def chat(units_decode: float, prefill_rate: float, rps: float, current: int, **kw) -> list[S]:
@@ -27,23 +29,24 @@ def chat(units_decode: float, prefill_rate: float, rps: float, current: int, **k
     return [one] * current
 
 
-def test_a_low_chat_load_keeps_one_replica_where_the_whole_work_headroom_asks_for_two():
+@pytest.mark.parametrize("batch", [BATCH, BATCH1], ids=["any load", "under 1 replica"])
+def test_a_low_chat_load_keeps_one_replica_where_the_whole_work_headroom_asks_for_two(batch):
     """0.4 units of decode (19 sequences) + 0.1 of prefill at 1 request/s: one request per SLO window, so
     the whole-work headroom is z x units = 1.0: 0.5 + 1.0 = 1.5 -> 2 replicas. A batching replica takes a
     spike of 2 requests inside its batch: their prefill is 2 x 0.1 = 0.2 of a replica within the SLO, and
     z std of the 19 decoding sequences is 2 x sqrt(19.2) / 48 = 0.18: 0.5 + 0.38 = 0.88 -> 1 replica."""
     sig = chat(0.4, 100.0, 1.0, 1)
     off = decide(sig, 1, 1000.0, PolicyState(), Z2)
-    on = decide(sig, 1, 1000.0, PolicyState(), BATCH)
+    on = decide(sig, 1, 1000.0, PolicyState(), batch)
     assert on.load.load_units == pytest.approx(0.5)
     assert (off.up_target, off.target_replicas, off.reason) == (2, 2, Reason.UP_PREDICTED)
     assert (on.up_target, on.target_replicas, on.reason) == (1, 1, Reason.HOLD)
-    assert replicas_needed(0.5, BATCH, 2.0, prefill_share=0.2, decode_capacity=48.0) == pytest.approx(
+    assert replicas_needed(0.5, batch, 2.0, prefill_share=0.2, decode_capacity=48.0) == pytest.approx(
         0.5 + 2 * 0.1 + 2 * math.sqrt(0.4 / 48))
     # the down rule still has its band: at 2 replicas the load x 1.6 (0.8 units, 1.6 requests per SLO) needs
     # 0.8 + 2 x 0.16 / sqrt(1.6) + 2 x sqrt(0.64 / 48) = 1.28 -> 2 are kept; the gain is in not asking for
     # the second one (today's down rule asks 0.8 + 2 x 0.8 / sqrt(1.6) = 2.06 -> 3 there)
-    down = decide(chat(0.4, 100.0, 1.0, 2), 2, 1000.0, PolicyState(down_since=900.0), BATCH)
+    down = decide(chat(0.4, 100.0, 1.0, 2), 2, 1000.0, PolicyState(down_since=900.0), batch)
     assert (down.down_target, down.target_replicas) == (2, 2)
     assert decide(chat(0.4, 100.0, 1.0, 2), 2, 1000.0, PolicyState(down_since=900.0), Z2).down_target == 3
 
@@ -87,6 +90,20 @@ def test_a_burst_still_scales_out_with_the_option():
     off = decide(burst, 1, 10.0, PolicyState(), cfg_off)
     assert (on.target_replicas, on.reason) == (13, Reason.UP_PREDICTED)
     assert (off.target_replicas, off.reason) == (14, Reason.UP_PREDICTED)
+    # bounded to a load that fits one replica, the burst's 10 replicas at 0.8 get the whole-work headroom
+    bounded = decide(burst, 1, 10.0, PolicyState(), BATCH1.model_copy(update=dict(max_replicas=16)))
+    assert bounded.target_replicas == 14
+
+
+def test_the_bound_applies_the_batching_price_only_while_the_load_fits_that_many_replicas():
+    """0.4 + 0.1 units: linear 0.625 <= 1, the batching price; 1.6 + 0.4 units at 4 requests/s: linear 2.5 > 1,
+    the whole-work headroom (2 + 2 x 2 / sqrt(4) = 4), as without the option; at any load, 2 + 2 x 0.4 / 2 +
+    2 x sqrt(1.6 / 48) = 2.77."""
+    assert replicas_needed(2.0, BATCH1, 2.0, prefill_share=0.2, decode_capacity=48.0) == pytest.approx(4.0)
+    assert replicas_needed(2.0, BATCH, 2.0, prefill_share=0.2, decode_capacity=48.0) == pytest.approx(
+        2.0 + 0.4 + 2 * math.sqrt(1.6 / 48))
+    assert replicas_needed(0.5, BATCH1, 2.0, prefill_share=0.2, decode_capacity=48.0) == pytest.approx(
+        0.5 + 0.2 + 2 * math.sqrt(0.4 / 48))
 
 
 # ---------------------------------------------------------------- feedforward_burst_hold_s
