@@ -111,7 +111,7 @@ def cli_server(checkpoints, tmp_path_factory):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    if _shared_cli and (nextitem is None or "cli_server" not in nextitem.fixturenames):
+    if _shared_cli and "cli_server" not in getattr(nextitem, "fixturenames", ()):
         _shared_cli[0].stop()
 
 
