@@ -119,7 +119,10 @@ def test_counters_only_grow_across_scrapes_with_two_ingress_replicas(url):
                    if lab.get("route", "").endswith(route) and lab.get("status") == "200")
 
     with httpx.Client(timeout=60) as c:
-        before = count(c.get(f"{url}/metrics").text)
+        # the baseline must include every earlier request of this module (the previous test's streams reach
+        # the hub on each ingress replica's own push): take it once the count has held for 1.5 s of scrapes
+        before = wait_until(lambda: _steady(lambda: count(c.get(f"{url}/metrics").text)), 30,
+                            "a steady request count before the test's requests")[0]
         readings = []
         for i in range(20):
             r = c.post(f"{url}{route}", json={"prompt": f"count me {i}", "max_tokens": 1})
@@ -133,3 +136,15 @@ def test_counters_only_grow_across_scrapes_with_two_ingress_replicas(url):
         assert settled == [before + 20] * 8, settled
         tokens = [_total(c.get(f"{url}/metrics").text, "vllm:generation_tokens_total") for _ in range(8)]
         assert tokens == sorted(tokens) and tokens[0] > 0, tokens
+
+
+def _steady(read, span_s: float = 1.5) -> tuple[float] | None:
+    """(value,) when `read()` returned the same value on every scrape for `span_s` (6 push intervals: every
+    replica's push has landed), else None."""
+    first = read()
+    start = time.monotonic()
+    while time.monotonic() - start < span_s:
+        if read() != first:
+            return None
+        time.sleep(0.1)
+    return (first,)
