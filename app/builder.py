@@ -131,12 +131,14 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     # router in the ingress, on a handle it opens), then a decode replica near it (app/disagg_router.py).
     prefill = base.options(func_or_class=PrefillReplica, name=PREFILL_DEPLOYMENT, **pool_options("prefill", d.prefill),
                            request_router_config=request_router_config(config, PrefillPoolRouter))
-    prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs)
+    prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs,
+                               autoscaling=pool_autoscaling(config.autoscaling, d.prefill))
     decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode),
                           request_router_config=request_router_config(
                               config, PDDecodeRouter, disaggregation=d.model_dump(mode="json", include={
                                   "min_remote_prefill_tokens", "same_node_slack_s", "same_node_slack_requests"})))
-    return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d)
+    return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d,
+                       autoscaling=pool_autoscaling(config.autoscaling, d.decode))
 
 
 def engine_policy_kwargs(config: AppConfig, section: AutoscalingSection | None = None) -> dict[str, Any]:
@@ -199,7 +201,8 @@ def build_app(config: AppConfig | dict | None = None):
     if config.disaggregation.enabled:
         replica = disagg_deployments(config, engine)
     else:
-        replica = replica_deployment(config).bind(engine, config.serve, config.observability)
+        replica = replica_deployment(config).bind(engine, config.serve, config.observability,
+                                                  autoscaling=config.autoscaling)
     return ingress_deployment(config).bind(replica, config, digest)
 
 

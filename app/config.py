@@ -148,6 +148,12 @@ class AutoscalingSection(PolicyConfig, _ServeAutoscaling):
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
+    signal_window_s: float = Field(
+        10.0, gt=0, description="each model replica's look-back for the request timings it reports (TTFT and "
+        "TPOT p90, requests and prefill tokens per second, recent request count): a request leaves these "
+        "signals this long after its first token, so a fleet is idle to the policy (and can go to zero) only "
+        "then; with P/D, each pool's own setting")
+
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSection":
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:

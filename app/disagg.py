@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from affinity_serve.app.config import ObservabilitySection, ServeSection
+from affinity_serve.app.config import AutoscalingSection, ObservabilitySection, ServeSection
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
@@ -243,8 +243,9 @@ class DecodeReplica(_PDMetrics):
     """A replica of the decode pool: takes the ingress's requests, has the prefill pool prefill them."""
 
     def __init__(self, engine: EngineConfig, serve: ServeSection, observability: ObservabilitySection,
-                 prefill: Any, disaggregation: DisaggregationSection):
-        super().__init__(engine, serve, observability)
+                 prefill: Any, disaggregation: DisaggregationSection, *,
+                 autoscaling: AutoscalingSection | None = None):
+        super().__init__(engine, serve, observability, autoscaling=autoscaling)
         self.prefill_handle = prefill
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()

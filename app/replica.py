@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from affinity_serve.app.config import ObservabilitySection, ServeSection
+from affinity_serve.app.config import AutoscalingSection, ObservabilitySection, ServeSection
 from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, to_api_error
 from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
@@ -49,12 +49,14 @@ def serving_engine_config(engine: EngineConfig) -> EngineConfig:
 class LLMReplica:
     """Takes its engine as configuration; can be built synchronously in tests without Serve.
 
-    `engine`, `serve`, `observability`: the app config's validated sections, as builder.build_app binds them
+    `engine`, `serve`, `observability`, `autoscaling`: the app config's validated sections (a P/D pool's own
+    autoscaling section), as builder.build_app binds them
     (Serve pickles them; nothing is validated again here). A section left out is that section's defaults:
     the replica has no defaults of its own."""
 
     def __init__(self, engine: EngineConfig, serve: ServeSection | None = None,
-                 observability: ObservabilitySection | None = None):
+                 observability: ObservabilitySection | None = None, *,
+                 autoscaling: AutoscalingSection | None = None):
         from affinity_serve.observability.logs import configure_json_logging
         from affinity_serve.observability.setup import setup_telemetry
 
@@ -83,7 +85,8 @@ class LLMReplica:
         self.metrics_exporter = MetricsExporter(telemetry.snapshot_reader, serve_ctx and serve_ctx[0],
                                                 f"replica:{self.replica_id}", obs.metrics_push_interval_s)
         self.wedge_timeout_s = serve.wedge_timeout_s
-        self.signals = SignalRecorder()          # recent TTFT / TPOT / prefill rate for the autoscaler
+        # recent TTFT / TPOT / prefill rate for the autoscaler, over the autoscaling section's window
+        self.signals = SignalRecorder(window_s=(autoscaling or AutoscalingSection()).signal_window_s)
         self._last_step_recorded = 0             # the engine's last step the signal recorder was given
         self._max_num_seqs = config.scheduler.max_num_seqs   # the batch cap bounds the learned decode capacity
         limits = self.engine.limits

@@ -61,7 +61,7 @@ def test_build_app_binds_the_validated_config_sections_themselves():
     from ray import cloudpickle
 
     from affinity_serve.app.builder import build_app
-    from affinity_serve.app.config import ObservabilitySection, ServeSection
+    from affinity_serve.app.config import AutoscalingSection, ObservabilitySection, ServeSection
     from affinity_serve.app.http import APIKeyDigest
     from affinity_serve.app.replica import LLMReplica
     from affinity_serve.engine import EngineConfig
@@ -75,11 +75,58 @@ def test_build_app_binds_the_validated_config_sections_themselves():
     assert type(serve_section) is ServeSection and serve_section.wedge_timeout_s == 7.0
     assert serve_section.api_key is None and serve_section == app_config.serve
     assert type(obs) is ObservabilitySection and obs.traces == "none"
-    for arg in (engine, serve_section, obs, app_config):
+    autoscaling = replica_app._bound_deployment.init_kwargs["autoscaling"]
+    assert type(autoscaling) is AutoscalingSection and autoscaling == app_config.autoscaling
+    for arg in (engine, serve_section, obs, app_config, autoscaling):
         assert cloudpickle.loads(cloudpickle.dumps(arg)) == arg
     # the replica keeps no defaults of its own: a section left out is that section's defaults
     defaults = [p.default for p in inspect.signature(LLMReplica).parameters.values()]
-    assert defaults == [inspect.Parameter.empty, None, None]
+    assert defaults == [inspect.Parameter.empty, None, None, None]
+
+
+async def test_the_autoscaling_signal_window_reaches_each_replicas_recorder(checkpoints):
+    """autoscaling.signal_window_s (default 10 s) is the look-back of the SignalRecorder a replica reports to the
+    autoscaler from: build_app binds the section to the replica (each P/D pool its own), which builds its
+    recorder with it, and a request's first token leaves the reported signals that long after it."""
+    import time
+
+    from affinity_serve.app.builder import build_app, disagg_deployments
+    from affinity_serve.app.config import AutoscalingSection
+    from affinity_serve.app.protocol import GenerateRequest
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.engine import EngineConfig, SamplingParams
+    assert AutoscalingSection().signal_window_s == 10.0
+    cfg = _cfg(autoscaling={"enabled": True, "signal_window_s": 2.5})
+    section = build_app(cfg)._bound_deployment.init_args[0]._bound_deployment.init_kwargs["autoscaling"]
+    assert section.signal_window_s == 2.5
+    pd = AppConfig.model_validate({
+        "engine": {"model": "/m", "cache": {"block_size": 4}},
+        "autoscaling": {"enabled": True, "signal_window_s": 4.0},
+        "disaggregation": {"enabled": True, "prefill": {"autoscaling": {"signal_window_s": 1.5}}}})
+    decode = disagg_deployments(pd, pd.engine.to_engine_config())._bound_deployment
+    prefill = decode.init_args[3]._bound_deployment
+    assert decode.init_kwargs["autoscaling"].signal_window_s == 4.0
+    assert prefill.init_kwargs["autoscaling"].signal_window_s == 1.5
+
+    engine = EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 32, "block_size": 4})
+    rep = LLMReplica(engine, autoscaling=section)
+    try:
+        assert rep.signals.window_s == 2.5
+        t0 = time.monotonic()
+        [c async for c in rep.generate(GenerateRequest("w", [5, 6, 7, 8], SamplingParams(max_tokens=2)))]
+        t1 = time.monotonic()
+        assert rep.record_autoscaling_stats()["num_recent_requests"] == 1
+        load = dict(num_running=0, num_waiting=0, num_in_flight=0, kv_cache_usage=0.0, num_queued_prefill_tokens=0,
+                    num_preemptions_total=0)
+        assert rep.signals.snapshot(t1 + 2.4, **load).num_recent_requests == 1
+        assert rep.signals.snapshot(t0 + 2.6, **load).num_recent_requests == 0     # the first token came >= t0
+    finally:
+        await rep.engine.shutdown()
+    plain = LLMReplica(engine)
+    try:
+        assert plain.signals.window_s == 10.0            # no autoscaling section: the section's default
+    finally:
+        await plain.engine.shutdown()
 
 
 def test_the_engine_policys_config_is_defined_once_and_embedded_by_the_autoscaling_section():
