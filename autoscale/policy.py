@@ -166,6 +166,19 @@ class PolicyConfig(BaseModel):
                                      "deviations of the decoding sequences, over the decode capacity C); the "
                                      "decode work of the spike's outputs is spread over their lifetime inside the "
                                      "batch, not due within the TTFT SLO")
+    warm_prefix_headroom: bool = Field(False, description="price the headroom for arrival noise at the prefill "
+                                       "the replicas will do once the prefixes now turning warm hit: while the "
+                                       "fleet's prefix-cache hit share (cached / whole prompt tokens of the "
+                                       "recent first tokens) rises, the share the requests arriving now hit is "
+                                       "taken as the window's share plus its slope x half the window the rates "
+                                       "cover, and the prompts' tokens between the two (first computations of "
+                                       "shared prefixes, a one-off) are left out of the spike's prefill; the "
+                                       "load itself still counts them")
+    headroom_round: float = Field(0.0, ge=0, lt=1, description="the headroom for arrival noise adds a replica "
+                                  "above those the load needs at target_utilization only for the part of its "
+                                  "excess past this fraction of a replica (0: off; 0.5: an excess of 1.3 "
+                                  "replicas adds 1, of 0.4 none), so a small fleet does not pay a whole replica "
+                                  "for a fraction of one")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -201,6 +214,10 @@ class FleetLoad:
     feedforward_units: float = 0.0
     num_queued_replicas: int = 0   # replicas whose queued prefill holds a new request QUEUE_EVIDENCE_SLO_SHARE
     decode_capacity: float = 0.0   # C: sequences one (mean) replica decodes (decode_capacity())
+    #: whole prompts' tokens per second (cached ones too) of the replicas that report them, over R
+    prompt_units: float = 0.0
+    signal_span_s: float = 0.0     # the recent window the replicas' rates cover (recent requests / their rate)
+    cold_units: float = 0.0        # warm_prefix_headroom: of prefill_units, prefixes turning warm (one-off)
 
     @property
     def load_units(self) -> float:
@@ -242,6 +259,8 @@ class PolicyState:
     #: feedforward_target: whether the current (or last) evidence episode had burst evidence in it (an SLO
     #: breach, persistent preemptions, a saturated replica, a queue), not an overload alone
     burst_episode: bool = False
+    #: warm_prefix_headroom: (time, fleet prefix-cache hit share) samples over the last signal span, oldest first
+    hit_history: tuple[tuple[float, float], ...] = ()
 
     @property
     def startup_s(self) -> float | None:
@@ -351,7 +370,10 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     whole = sum(max(s.prompt_tokens_per_s, s.prefill_tokens_per_s) for s in signals)
     served = whole - (1.0 - cfg.refill_weight) * refill_rate
     ff_decode = sum(feedforward_decode_units(s, x, c_decode, cfg) for s, x in zip(signals, caps))
+    rps = sum(s.requests_per_s for s in signals)
     return FleetLoad(
+        prompt_units=sum(s.prompt_tokens_per_s for s in signals if s.prompt_tokens_per_s > 0) / r,
+        signal_span_s=recent / rps if rps > 0 else 0.0,
         feedforward_units=served / r + ff_decode,
         num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
         decode_capacity=c_decode,
@@ -363,7 +385,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
         num_in_flight=sum(max(s.num_in_flight, s.num_running + s.num_waiting) for s in signals) + num_queued_at_callers,
         num_recent_requests=recent, num_replicas=len(signals),
-        requests_per_s=sum(s.requests_per_s for s in signals),
+        requests_per_s=rps,
         num_saturated=sum(1 for s in signals if saturated(s)))
 
 
@@ -549,7 +571,8 @@ def downscale_band(state: PolicyState, cfg: PolicyConfig) -> float:
 
 
 def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0, *,
-                    prefill_share: float | None = None, decode_capacity: float = 0.0) -> float:
+                    prefill_share: float | None = None, decode_capacity: float = 0.0,
+                    cold_units: float = 0.0) -> float:
     """Replicas for `units` of load: each at most `target_utilization` busy, and spare capacity for
     `headroom_z` standard deviations of the arrivals within one TTFT SLO. `requests_per_unit` is the fleet's
     arrival rate per unit of load (requests/s): `units` of load bring n = units x requests_per_unit x
@@ -564,18 +587,55 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
     z x sqrt(decode units / C) replicas at `decode_capacity` C. At 0.4 units of chat decode (C = 48, one
     request per SLO window) that is 0.18 replicas, where the whole-work headroom asks for 0.8 (a second
     replica). At any load it cost attainment in the simulator (docs/benchmarks/autoscaling.md): the
-    whole-work headroom is also what keeps a loaded fleet's TTFT; hence the bound on the fleet it applies to."""
+    whole-work headroom is also what keeps a loaded fleet's TTFT; hence the bound on the fleet it applies to.
+
+    `cold_units` of the load (warm_prefix_headroom) are first computations of prefixes that later requests
+    hit: a spike brings requests that hit them, so the headroom leaves them out. With `headroom_round` the
+    headroom adds a replica beyond those the load needs at target_utilization only past that fraction of one
+    (`_round_headroom`)."""
     linear = units / cfg.target_utilization
     n = units * requests_per_unit * cfg.ttft_slo_s
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
     if prefill_share is None or linear > cfg.batching_headroom + 1e-9:
-        return max(linear, units + cfg.headroom_z * units / math.sqrt(max(n, 1.0)))
+        head = cfg.headroom_z * max(0.0, units - cold_units) / math.sqrt(max(n, 1.0))
+        return _round_headroom(linear, units + head, cfg)
     prefill = units * min(1.0, max(0.0, prefill_share))
-    head = cfg.headroom_z * prefill / math.sqrt(max(n, 1.0))
+    head = cfg.headroom_z * max(0.0, prefill - cold_units) / math.sqrt(max(n, 1.0))
     if decode_capacity > 0:
         head += cfg.headroom_z * math.sqrt((units - prefill) / decode_capacity)
-    return max(linear, units + head)
+    return _round_headroom(linear, units + head, cfg)
+
+
+def _round_headroom(linear: float, need: float, cfg: PolicyConfig) -> float:
+    """The larger of `linear` (the load at target_utilization) and `need` (the load plus its headroom), where
+    with `headroom_round` the headroom's excess over the k = ceil(linear) replicas the load needs counts only
+    past that fraction of a replica: k + ceil(excess - headroom_round) at most. At 1-2 replicas a z-sigma
+    headroom of a few tenths of a replica otherwise costs a whole one."""
+    if cfg.headroom_round > 0 and need > linear:
+        k = math.ceil(linear - 1e-9)
+        need = min(need, k + max(0, math.ceil(need - k - cfg.headroom_round - 1e-9)))
+    return max(linear, need)
+
+
+def warm_prefix_units(history: tuple[tuple[float, float], ...], now: float,
+                      load: FleetLoad) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """Of the load's prefill, the units that are first computations of prefixes turning warm
+    (warm_prefix_headroom), and the hit-share history with this decision's sample. The fleet's hit share h
+    (what the prefix cache saves over the whole prompts) is a mean over the replicas' recent window
+    (`signal_span_s`); while it rises, the requests arriving now hit more than that mean: for a steady rise,
+    h + its slope x half the window. The prompts' tokens between the two shares are the cold part; 0 where
+    the share is flat or falls (a cache that stops hitting), before the samples span half the window, or
+    without whole-prompt reports."""
+    span = load.signal_span_s
+    if load.prompt_units <= 0 or span <= 0:
+        return 0.0, ()
+    share = min(1.0, load.cached_units / load.prompt_units)
+    if not history or now - history[-1][0] >= span / TREND_POINTS:
+        history = history + ((now, share),)
+    history = tuple(p for p in history if p[0] >= now - span)
+    warm = min(1.0, share + max(0.0, _slope(history, now, span)) * span / 2)
+    return min(load.prefill_units, load.prompt_units * (warm - share)), history
 
 
 def cache_loss_replicas(load: FleetLoad, cfg: PolicyConfig, startup_s: float) -> float:
@@ -620,6 +680,9 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
         load = replace(load, trend_units=max(0.0, slope) * lead,
                        falling_units=max(-load.load_units, min(0.0, slope) * lead) if cfg.trend_scale_in else 0.0)
         state = _track_forecasts(replace(state, load_history=history), now, load, lead, cfg)
+        if cfg.warm_prefix_headroom:
+            cold, hits = warm_prefix_units(state.hit_history, now, load)
+            load, state = replace(load, cold_units=cold), replace(state, hit_history=hits)
     # Idle: nothing in flight and no request started within the replicas' signal window. In-flight counts
     # are sampled (every metrics interval): a request shorter than the interval can fall between two samples,
     # and with in-flight alone a fleet whose requests all did would go to zero under steady traffic.
@@ -642,7 +705,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     share = load.prefill_units / load.load_units if load.load_units > 0 else 1.0
     batching = dict(prefill_share=share, decode_capacity=load.decode_capacity)
     cache_floor = cache_loss_replicas(load, cfg, trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0
-    up_need = max(replicas_needed(load.projected_units, cfg, per_unit, **batching), load.kv_units, cache_floor)
+    up_need = max(replicas_needed(load.projected_units, cfg, per_unit, cold_units=load.cold_units, **batching),
+                  load.kv_units, cache_floor)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
     # Persistent preemptions (KV is short: requests keep losing their progress) ask for one more replica;
@@ -672,7 +736,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # Down: the up rule at the load inflated by target / downscale utilization, so a count the fleet scaled
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = downscale_band(state, cfg)
-    down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit, **batching)
+    down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit,
+                                cold_units=load.cold_units * inflate, **batching)
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
                       up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
 
