@@ -93,6 +93,8 @@ Policies (`--policies`):
 - `engine-batching` (optional variant): ours with `batching_headroom: 1` (the arrival headroom priced as a
   batching replica meets a spike while the load fits one replica); the table gives its own ratio to Serve's
   frontier.
+- `engine-warm`, `engine-round`, `engine-warm-round` (optional variants, issue 29's fifth round): ours with
+  `warm_prefix_headroom: true`, `headroom_round: 0.5`, or both (`VARIANT_OPTIONS`); each with its own ratio.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -513,18 +515,25 @@ def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
 NO_WARMUP_POLICY = "engine-nowarm"
 #: ours with batching_headroom 1 (issue 29's variant A, bounded to a load that fits one replica)
 BATCHING_POLICY = "engine-batching"
+#: ours with one of the policy's off options on (issue 29): variant -> the autoscaling keys it sets
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
+    BATCHING_POLICY: {"batching_headroom": 1.0},
+    "engine-warm": {"warm_prefix_headroom": True},                  # round 5: prefixes turning warm
+    "engine-round": {"headroom_round": 0.5},                        # round 5: headroom rounded at 0.5
+    "engine-warm-round": {"warm_prefix_headroom": True, "headroom_round": 0.5},
+}
 
 
 def policy_role(policy: str) -> str:
     if policy == "engine":
         return "ours"
-    if policy in (NO_WARMUP_POLICY, BATCHING_POLICY):
+    if policy == NO_WARMUP_POLICY or policy in VARIANT_OPTIONS:
         return "ours-variant"
     if policy == SERVE_DEFAULT_POLICY:
         return "baseline"
     if policy.startswith("serve-t") and policy[7:].replace(".", "", 1).isdigit():
         return "sensitivity"
-    raise ValueError(f"unknown policy {policy!r}: engine, {NO_WARMUP_POLICY}, {BATCHING_POLICY}, "
+    raise ValueError(f"unknown policy {policy!r}: engine, {NO_WARMUP_POLICY}, {', '.join(VARIANT_OPTIONS)}, "
                      f"{SERVE_DEFAULT_POLICY} or serve-t<target>")
 
 
@@ -533,7 +542,7 @@ def autoscaling_section(policy: str, spec: RealSpec, cal: Calibration) -> tuple[
     role = policy_role(policy)
     common = {"enabled": True, "min_replicas": 1, "max_replicas": spec.max_replicas}
     if role in ("ours", "ours-variant"):
-        extra = {"batching_headroom": 1.0} if policy == BATCHING_POLICY else {}
+        extra = VARIANT_OPTIONS.get(policy, {})
         return role, common | {"policy": "engine", "ttft_slo_s": spec.ttft_slo_s, "tpot_slo_s": spec.tpot_slo_s,
                                "prefill_tokens_per_s": round(cal.prefill_tokens_per_s, 1),
                                "decode_seqs_per_replica": round(cal.decode_seqs_per_replica, 2)} | extra
@@ -1046,7 +1055,8 @@ def main() -> None:
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo_s, help="seconds; ours' ttft_slo_s too")
     p.add_argument("--policies", default=",".join(d.policies),
                    help=f"comma-separated: engine, {SERVE_DEFAULT_POLICY}, serve-t<N> (Serve's rule at target N "
-                        f"with this app's delays), {NO_WARMUP_POLICY} (ours without the warm-up on join)")
+                        f"with this app's delays), {NO_WARMUP_POLICY} (ours without the warm-up on join), "
+                        f"{', '.join(VARIANT_OPTIONS)} (ours with off options on: VARIANT_OPTIONS)")
     p.add_argument("--peak-rps", type=float, help="the burst's rate (default: --peak-factor x one replica's "
                    "measured saturation throughput)")
     p.add_argument("--peak-factor", type=float, help=f"the burst over one replica's saturation (default "

@@ -300,3 +300,15 @@ def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_d
     assert _DECISION_LINE.match(head + "affinity/Ingress: up_predicted -> 2") is None
     assert _DECISION_LINE.match(head + "affinity/LLMReplica: hold -> 2 (load 0.1)") is None     # no action
     assert _DECISION_LINE.match(head + "affinity/LLMReplica: up_pending -> 2 (load 0.1)") is None
+
+
+@pytest.mark.parametrize("policy,keys", [("engine-warm", {"warm_prefix_headroom": True}),
+                                         ("engine-round", {"headroom_round": 0.5}),
+                                         ("engine-warm-round", {"warm_prefix_headroom": True, "headroom_round": 0.5})])
+def test_the_round_5_variants_are_ours_with_their_options_on(policy, keys):
+    spec, cal = RealSpec(), _cal()
+    role, section = autoscaling_section(policy, spec, cal)
+    assert role == "ours-variant"
+    assert section == autoscaling_section("engine", spec, cal)[1] | keys
+    autoscaling = AppConfig.model_validate(real_app_config(spec, "/m", section)).autoscaling
+    assert {k: getattr(autoscaling, k) for k in keys} == keys
