@@ -179,6 +179,10 @@ class PolicyConfig(BaseModel):
                                   "excess past this fraction of a replica (0: off; 0.5: an excess of 1.3 "
                                   "replicas adds 1, of 0.4 none), so a small fleet does not pay a whole replica "
                                   "for a fraction of one")
+    headroom_full_replicas: int = Field(0, ge=0, description="headroom_z applies in full from this many "
+                                        "replicas up (those the load needs at target_utilization, rounded up); a "
+                                        "load that needs k fewer scales it by k / this (0: off; 2: one replica's "
+                                        "load gets half the z)")
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
@@ -592,18 +596,22 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
     `cold_units` of the load (warm_prefix_headroom) are first computations of prefixes that later requests
     hit: a spike brings requests that hit them, so the headroom leaves them out. With `headroom_round` the
     headroom adds a replica beyond those the load needs at target_utilization only past that fraction of one
-    (`_round_headroom`)."""
+    (`_round_headroom`); with `headroom_full_replicas` a load that needs fewer replicas than that gets that
+    share of `headroom_z`."""
     linear = units / cfg.target_utilization
     n = units * requests_per_unit * cfg.ttft_slo_s
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
+    z = cfg.headroom_z
+    if cfg.headroom_full_replicas > 0:          # a small fleet's z in proportion to the replicas it needs
+        z *= min(1.0, math.ceil(linear - 1e-9) / cfg.headroom_full_replicas)
     if prefill_share is None or linear > cfg.batching_headroom + 1e-9:
-        head = cfg.headroom_z * max(0.0, units - cold_units) / math.sqrt(max(n, 1.0))
+        head = z * max(0.0, units - cold_units) / math.sqrt(max(n, 1.0))
         return _round_headroom(linear, units + head, cfg)
     prefill = units * min(1.0, max(0.0, prefill_share))
-    head = cfg.headroom_z * max(0.0, prefill - cold_units) / math.sqrt(max(n, 1.0))
+    head = z * max(0.0, prefill - cold_units) / math.sqrt(max(n, 1.0))
     if decode_capacity > 0:
-        head += cfg.headroom_z * math.sqrt((units - prefill) / decode_capacity)
+        head += z * math.sqrt((units - prefill) / decode_capacity)
     return _round_headroom(linear, units + head, cfg)
 
 

@@ -4,7 +4,9 @@
   first time, then hit), the headroom prices the prefill the requests arriving now need, not the cold
   window's mean;
 - `headroom_round`: the headroom adds a replica beyond those the load needs at target_utilization only past
-  that fraction of one, so one or two replicas do not pay a whole replica for a few tenths of one."""
+  that fraction of one, so one or two replicas do not pay a whole replica for a few tenths of one;
+- `headroom_full_replicas`: `headroom_z` in full only from that many replicas up (of those the load needs),
+  in proportion below."""
 from __future__ import annotations
 
 import pytest
@@ -115,3 +117,25 @@ def test_the_rounded_headroom_still_scales_a_burst_out():
     units = off.load.load_units
     assert units == pytest.approx(3.0 + 3.0 + 50 / 48)
     assert off.target_replicas == 12 and on.target_replicas == 11
+
+
+# ---------------------------------------------------------------- headroom_full_replicas
+FULL2 = Z2.model_copy(update=dict(headroom_full_replicas=2))
+
+
+@pytest.mark.parametrize("units,rps,off,on", [
+    (0.44, 1.0, 1.32, 0.88),       # needs 1 replica: z 1, 0.44 + 0.44 -> 1 replica (2 at z 2)
+    (1.0, 2.0, 1.0 + 2 / 2 ** 0.5, 1.0 + 2 / 2 ** 0.5),   # needs 2 (1.25): z in full
+    (0.0, 1.0, 0.0, 0.0),          # no load, no headroom
+])
+def test_a_load_one_replica_carries_gets_half_the_z(units, rps, off, on):
+    per_unit = rps / units if units else 0.0
+    assert replicas_needed(units, Z2, per_unit) == pytest.approx(off)
+    assert replicas_needed(units, FULL2, per_unit) == pytest.approx(on)
+
+
+def test_the_chat_half_keeps_one_replica_with_half_the_z():
+    sig = [busy(10, rate=230.0, requests_per_s=1.0, num_recent_requests=10, kv=0.05)]
+    assert decide(sig, 1, 1000.0, PolicyState(), Z2).target_replicas == 2
+    on = decide(sig, 1, 1000.0, PolicyState(), FULL2)
+    assert (on.up_target, on.target_replicas, on.reason) == (1, 1, Reason.HOLD)
