@@ -47,9 +47,9 @@ def test_padded_decode_matches_transformers(checkpoints, hf_reference, backend):
     graphs.run = lambda ids, computed, blocks: (seen.append((len(ids), graphs.padded_size(len(ids)))),
                                                 run(ids, computed, blocks))[1]
     prompts = _prompts(7, seed=3)                      # 7 decoding together: padded to 8; fewer as they end
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=6 + 2 * i, **GREEDY) for i in range(7)],
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=3 + i, **GREEDY) for i in range(7)],
                         use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 6 + 2 * i) for i, p in enumerate(prompts)]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 3 + i) for i, p in enumerate(prompts)]
     assert (7, 8) in seen and (3, 4) in seen and (1, 1) in seen
     pool = llm.engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
@@ -100,16 +100,16 @@ def test_decode_steps_launched_ahead_give_transformers_tokens(checkpoints, hf_re
     llm = LLM(path, attention_backend=backend, cache={"num_blocks": 64, "block_size": 8})
     graphs = _overlapped(llm, [1, 2, 4, 8])
     prompts = _prompts(5, seed=11)
-    lens = [9, 20, 14, 27, 3]
+    lens = [5, 12, 9, 17, 3]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lens], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, n) for p, n in zip(prompts, lens)]
     runner = llm.engine.runner
     assert runner._ahead is None
-    # 26 decode steps (tokens 2..27). Run in order: the first, and the one after each step that ends a request
-    # (tokens 4, 10, 15 and 21, after 3, 9, 14 and 20): the other 21 were launched by the step before them.
-    assert runner.num_overlapped_steps == 26
-    assert runner.num_ahead_used == runner.num_launched_ahead == 21
-    assert graphs.num_steps == 26                     # 5 in order + 21 launched ahead: no forward wasted
+    # 16 decode steps (tokens 2..17). Run in order: the first, and the one after each step that ends a request
+    # (tokens 4, 6, 10 and 13, after 3, 5, 9 and 12): the other 11 were launched by the step before them.
+    assert runner.num_overlapped_steps == 16
+    assert runner.num_ahead_used == runner.num_launched_ahead == 11
+    assert graphs.num_steps == 16                     # 5 in order + 11 launched ahead: no forward wasted
     assert _free(llm)
 
 
