@@ -166,7 +166,7 @@ class PolicyConfig(BaseModel):
                                      "deviations of the decoding sequences, over the decode capacity C); the "
                                      "decode work of the spike's outputs is spread over their lifetime inside the "
                                      "batch, not due within the TTFT SLO")
-    warm_prefix_headroom: bool = Field(False, description="price the headroom for arrival noise at the prefill "
+    warm_prefix_headroom: bool = Field(True, description="price the headroom for arrival noise at the prefill "
                                        "the replicas will do once the prefixes now turning warm hit: while the "
                                        "fleet's prefix-cache hit share (cached / whole prompt tokens of the "
                                        "recent first tokens) rises, the share the requests arriving now hit is "

@@ -21,9 +21,10 @@ For each workload and fleet size it runs
   band only while evidence fires), the arrival headroom priced as a batching replica meets a spike
   (`batching_headroom`, at any load, and only while the load fits one replica), the feed-forward target
   holding its largest for 60 s after a burst
-  (`feedforward_burst_hold_s`), and both; the headroom left without the prefill of prefixes turning warm
-  (`warm_prefix_headroom`), the headroom adding a replica only past half of one (`headroom_round` 0.5), and
-  both, and `headroom_z` halved for a load one replica carries (`headroom_full_replicas` 2);
+  (`feedforward_burst_hold_s`), and both; the headroom pricing the prefill of prefixes turning warm as the
+  cold window shows it (`warm_prefix_headroom` off: the policy before round 5), the headroom adding a replica
+  only past half of one (`headroom_round` 0.5), and `headroom_z` halved for a load one replica carries
+  (`headroom_full_replicas` 2);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
   arrivals and their work by the timing model and asks for the replicas that load needs one start-up ahead,
@@ -303,10 +304,8 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                                                                           feedforward_burst_hold_s=60.0)),
                             ("batching headroom, feed-forward, 60 s burst hold", dict(
                                 batching_headroom=1e9, feedforward_target=True, feedforward_burst_hold_s=60.0)),
-                            ("warm-prefix headroom", dict(warm_prefix_headroom=True)),
+                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False)),
                             ("headroom rounded at 0.5", dict(headroom_round=0.5)),
-                            ("warm-prefix headroom, rounded at 0.5", dict(warm_prefix_headroom=True,
-                                                                          headroom_round=0.5)),
                             ("headroom z in full from 2 replicas", dict(headroom_full_replicas=2))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")

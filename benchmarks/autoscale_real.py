@@ -93,9 +93,9 @@ Policies (`--policies`):
 - `engine-batching` (optional variant): ours with `batching_headroom: 1` (the arrival headroom priced as a
   batching replica meets a spike while the load fits one replica); the table gives its own ratio to Serve's
   frontier.
-- `engine-warm`, `engine-round`, `engine-warm-round`, `engine-zhalf` (optional variants, issue 29's fifth
-  round): ours with `warm_prefix_headroom: true`, `headroom_round: 0.5`, both, or `headroom_full_replicas: 2`
-  (`VARIANT_OPTIONS`); each with its own ratio.
+- `engine-coldprefix`, `engine-round`, `engine-zhalf` (optional variants, issue 29's fifth round): ours with
+  `warm_prefix_headroom: false` (the policy before that round), `headroom_round: 0.5`, or
+  `headroom_full_replicas: 2` (`VARIANT_OPTIONS`); each with its own ratio.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -519,9 +519,8 @@ BATCHING_POLICY = "engine-batching"
 #: ours with one of the policy's off options on (issue 29): variant -> the autoscaling keys it sets
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
     BATCHING_POLICY: {"batching_headroom": 1.0},
-    "engine-warm": {"warm_prefix_headroom": True},                  # round 5: prefixes turning warm
+    "engine-coldprefix": {"warm_prefix_headroom": False},            # the policy before round 5
     "engine-round": {"headroom_round": 0.5},                        # round 5: headroom rounded at 0.5
-    "engine-warm-round": {"warm_prefix_headroom": True, "headroom_round": 0.5},
     "engine-zhalf": {"headroom_full_replicas": 2},                  # round 5: half the z at one replica
 }
 

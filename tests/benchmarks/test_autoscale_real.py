@@ -302,9 +302,8 @@ def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_d
     assert _DECISION_LINE.match(head + "affinity/LLMReplica: up_pending -> 2 (load 0.1)") is None
 
 
-@pytest.mark.parametrize("policy,keys", [("engine-warm", {"warm_prefix_headroom": True}),
+@pytest.mark.parametrize("policy,keys", [("engine-coldprefix", {"warm_prefix_headroom": False}),
                                          ("engine-round", {"headroom_round": 0.5}),
-                                         ("engine-warm-round", {"warm_prefix_headroom": True, "headroom_round": 0.5}),
                                          ("engine-zhalf", {"headroom_full_replicas": 2})])
 def test_the_round_5_variants_are_ours_with_their_options_on(policy, keys):
     spec, cal = RealSpec(), _cal()

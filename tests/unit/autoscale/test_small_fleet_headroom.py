@@ -1,8 +1,8 @@
 """Two options of the scaling rule's arrival headroom (autoscale/policy.py), issue 29, round 5:
 
-- `warm_prefix_headroom`: while the fleet's prefix-cache hit share rises (shared prefixes computed for the
-  first time, then hit), the headroom prices the prefill the requests arriving now need, not the cold
-  window's mean;
+- `warm_prefix_headroom` (on by default since round 5): while the fleet's prefix-cache hit share rises (shared
+  prefixes computed for the first time, then hit), the headroom prices the prefill the requests arriving now
+  need, not the cold window's mean;
 - `headroom_round`: the headroom adds a replica beyond those the load needs at target_utilization only past
   that fraction of one, so one or two replicas do not pay a whole replica for a few tenths of one;
 - `headroom_full_replicas`: `headroom_z` in full only from that many replicas up (of those the load needs),
@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import pytest
 
-from affinity_serve.autoscale.policy import PolicyState, Reason, decide, replicas_needed
+from affinity_serve.autoscale.policy import PolicyConfig, PolicyState, Reason, decide, replicas_needed
 from affinity_serve.autoscale.signals import ReplicaSignals as S
 from tests.unit.autoscale.test_policy import CFG, busy
 
-# C = 48, R = 1000 tokens/s, TTFT SLO 1 s, z 2, no trend, no up delay
-Z2 = CFG.model_copy(update=dict(decode_seqs_per_replica=48.0, headroom_z=2.0, downscale_delay_s=30.0))
+# C = 48, R = 1000 tokens/s, TTFT SLO 1 s, z 2, no trend, no up delay; the headroom as before round 5
+Z2 = CFG.model_copy(update=dict(decode_seqs_per_replica=48.0, headroom_z=2.0, downscale_delay_s=30.0,
+                                warm_prefix_headroom=False))
 WARM = Z2.model_copy(update=dict(warm_prefix_headroom=True))
 ROUND = Z2.model_copy(update=dict(headroom_round=0.5))
+
+
+def test_the_defaults():
+    """warm_prefix_headroom was adopted in round 5 (better or equal in 15 of 15 cells); the rounding and the
+    small fleet's z were not (docs/benchmarks/autoscaling.md)."""
+    d = PolicyConfig()
+    assert (d.warm_prefix_headroom, d.headroom_round, d.headroom_full_replicas) == (True, 0.0, 0)
 
 
 def chat(share: float, prompt_rate: float = 500.0) -> S:
