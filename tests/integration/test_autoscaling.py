@@ -116,7 +116,7 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, cold_start_timeout_s=60.0)
     cfg["autoscaling"] = _fast_engine_policy(min_replicas=0, max_replicas=1, decode_seqs_per_replica=3.0,
-                                             downscale_to_zero_delay_s=2.0)
+                                             downscale_to_zero_delay_s=2.0, signal_window_s=3.0)
     serve.run(build_app(cfg), name=ZERO_APP, route_prefix="/autoscale-zero")
     url = f"{ray_serve}/autoscale-zero"
     try:
@@ -131,7 +131,7 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
             to_zero_s = time.monotonic() - t_idle
             assert _running(ZERO_APP) == 0, "the idle fleet was not scaled to zero"
             # idle for downscale_to_zero_delay_s (2 s) once the look-back mean (1 s) reads nothing in flight
-            # and no request in the replica's signal window (10 s): a request shorter than the metrics
+            # and no request in the replica's signal window (3 s): a request shorter than the metrics
             # interval can fall between in-flight samples, but its first token stays in that window
             assert to_zero_s >= 2.0, to_zero_s
             again = send(c, url, [5, 6, 7, 9], 8, stream=True)
