@@ -268,14 +268,20 @@ def serve_cmd(args) -> int:
     check_extras(cfg)
     cfg = resolve_model(cfg)
     check_model(cfg)
-    previous = signal.signal(signal.SIGTERM, _interrupt)      # during start-up SIGTERM acts as Ctrl-C
+    # During start-up Ctrl-C and SIGTERM raise KeyboardInterrupt and are also recorded: Ray can swallow the
+    # exception when it lands inside its own calls (seen: Ctrl-C while Serve started, and the app deployed and
+    # waited for a signal that had already come), so each start-up step checks the record too.
+    _INTERRUPTED.clear()
+    previous = (signal.signal(signal.SIGINT, _interrupt), signal.signal(signal.SIGTERM, _interrupt))
     try:
         address = args.address or os.environ.get("RAY_ADDRESS")
         init_ray(address, cfg, dashboard_port=None if args.no_dashboard else args.dashboard_port)
+        _raise_if_interrupted()
         from ray import serve
         print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...",
               flush=True)
         start_serve(cfg)
+        _raise_if_interrupted()
         done = threading.Event()
         ticker = threading.Thread(target=_progress, args=(done,), daemon=True)
         ticker.start()
@@ -284,13 +290,16 @@ def serve_cmd(args) -> int:
                       blocking=False)
         finally:
             done.set()
+        _raise_if_interrupted()
     except KeyboardInterrupt:
         _ignore_signals()                 # a second Ctrl-C or SIGTERM must not cut the clean-up short
         _stop_ray()
         print("\n[affinity-serve] interrupted during start-up; stopped.", flush=True)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not _INTERRUPTED.is_set():
+            signal.signal(signal.SIGINT, previous[0])
+            signal.signal(signal.SIGTERM, previous[1])
     print(ready_message(cfg, "" if address else attach_message(cfg)), flush=True)
     signals: list[int] = []
     stop = threading.Event()
@@ -310,8 +319,19 @@ def serve_cmd(args) -> int:
     return 0
 
 
+#: set by a Ctrl-C or SIGTERM during `serve`'s start-up (see serve_cmd)
+_INTERRUPTED = threading.Event()
+
+
 def _interrupt(signum, _frame) -> None:
+    _INTERRUPTED.set()
     raise KeyboardInterrupt
+
+
+def _raise_if_interrupted() -> None:
+    """A start-up signal whose KeyboardInterrupt Ray swallowed still stops the start-up."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def _ignore_signals() -> None:

@@ -72,7 +72,9 @@ class CLI:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-            raise
+            self.wait_for("\0never", 2)
+            raise AssertionError(f"the CLI did not exit within {timeout_s} s of signal {sig}; its output:\n"
+                                 + "".join(self.out)[-4000:]) from None
         self.wait_for("\0never", 2)                                   # the rest of the output
         return rc
 

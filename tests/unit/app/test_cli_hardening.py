@@ -157,3 +157,46 @@ async def test_api_description_routes_are_off_when_a_key_is_set(checkpoints):
         assert r.status_code == 200
     spec = json.loads((await open_.http_openapi(http_request(b"", method="GET"))).body)
     assert "/v1/chat/completions" in spec["paths"] and "/docs" not in spec["paths"]
+
+
+# ------------------------------------------------- Ctrl-C that Ray swallows during start-up
+@pytest.mark.parametrize("swallowed_in", ["start_serve", "serve.run"])
+def test_a_ctrl_c_that_ray_swallows_during_start_up_still_stops_it(checkpoints, ray_init, capsys, monkeypatch,
+                                                                    swallowed_in):
+    """make test once saw Ctrl-C land while Serve started: the KeyboardInterrupt never reached the CLI, the app
+    deployed and the CLI waited for a signal that had already come. A start-up step that swallows the
+    interrupt (as Ray's calls can) must still end in the one-line stop with status 130, Serve not deployed
+    after the step that saw it, and Ray stopped."""
+    import signal
+
+    from ray import serve
+
+    from affinity_serve.app import cli
+    calls: list[str] = []
+
+    def swallowing(name):
+        def step(*args, **kwargs):
+            calls.append(name)
+            if name == swallowed_in:
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass                          # what a Ray call that catches everything does
+        return step
+    monkeypatch.setattr(cli, "init_ray", swallowing("init_ray"))
+    monkeypatch.setattr(cli, "start_serve", swallowing("start_serve"))
+    monkeypatch.setattr(serve, "run", swallowing("serve.run"))
+    monkeypatch.setattr(cli, "_stop_ray", lambda: calls.append("stop_ray"))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        rc = main(["serve", "--model", checkpoints["llama"]])
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    out = capsys.readouterr().out
+    assert rc == 130
+    assert calls == {"start_serve": ["init_ray", "start_serve", "stop_ray"],
+                     "serve.run": ["init_ray", "start_serve", "serve.run", "stop_ray"]}[swallowed_in]
+    assert [l.strip() for l in out.splitlines() if "interrupted" in l] == [
+        "[affinity-serve] interrupted during start-up; stopped."]
+    assert "Ctrl-C to stop" not in out
