@@ -157,15 +157,6 @@ class PolicyConfig(BaseModel):
                                                    "the rule's own up target counting while the burst's "
                                                    "evidence fired (null: feedforward_hold_s after every "
                                                    "episode)")
-    batching_headroom: float = Field(0.0, ge=0, description="while the load fits this many replicas at "
-                                     "target_utilization (units / target_utilization at most this; 0: off), the "
-                                     "headroom for arrival noise (headroom_z) counts only what a spike must get "
-                                     "within the SLOs from a continuous-batching replica: its requests' prefill "
-                                     "within one TTFT SLO (headroom_z x prefill load / sqrt(requests per SLO "
-                                     "window)) and the batch slots its sequences take (headroom_z standard "
-                                     "deviations of the decoding sequences, over the decode capacity C); the "
-                                     "decode work of the spike's outputs is spread over their lifetime inside the "
-                                     "batch, not due within the TTFT SLO")
     warm_prefix_headroom: bool = Field(True, description="price the headroom for arrival noise at the prefill "
                                        "the replicas will do once the prefixes now turning warm hit: while the "
                                        "fleet's prefix-cache hit share (cached / whole prompt tokens of the "
@@ -174,16 +165,6 @@ class PolicyConfig(BaseModel):
                                        "cover, and the prompts' tokens between the two (first computations of "
                                        "shared prefixes, a one-off) are left out of the spike's prefill; the "
                                        "load itself still counts them")
-    headroom_round: float = Field(0.0, ge=0, lt=1, description="the headroom for arrival noise adds a replica "
-                                  "above those the load needs at target_utilization only for the part of its "
-                                  "excess past this fraction of a replica (0: off; 0.5: an excess of 1.3 "
-                                  "replicas adds 1, of 0.4 none), so a small fleet does not pay a whole replica "
-                                  "for a fraction of one")
-    headroom_full_replicas: int = Field(0, ge=0, description="headroom_z applies in full from this many "
-                                        "replicas up (those the load needs at target_utilization, rounded up); a "
-                                        "load that needs k fewer scales it by k / this (0: off; 2: one replica's "
-                                        "load gets half the z)")
-
     @model_validator(mode="after")
     def _consistent(self) -> PolicyConfig:
         if self.max_replicas < self.min_replicas:
@@ -217,7 +198,6 @@ class FleetLoad:
     #: the planner-style load: arrivals x work per request (whole prompts' prefill / R + outputs' decode / C)
     feedforward_units: float = 0.0
     num_queued_replicas: int = 0   # replicas whose queued prefill holds a new request QUEUE_EVIDENCE_SLO_SHARE
-    decode_capacity: float = 0.0   # C: sequences one (mean) replica decodes (decode_capacity())
     #: whole prompts' tokens per second (cached ones too) of the replicas that report them, over R
     prompt_units: float = 0.0
     signal_span_s: float = 0.0     # the recent window the replicas' rates cover (recent requests / their rate)
@@ -380,7 +360,6 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         signal_span_s=recent / rps if rps > 0 else 0.0,
         feedforward_units=served / r + ff_decode,
         num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
-        decode_capacity=c_decode,
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
@@ -575,7 +554,6 @@ def downscale_band(state: PolicyState, cfg: PolicyConfig) -> float:
 
 
 def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 0.0, *,
-                    prefill_share: float | None = None, decode_capacity: float = 0.0,
                     cold_units: float = 0.0) -> float:
     """Replicas for `units` of load: each at most `target_utilization` busy, and spare capacity for
     `headroom_z` standard deviations of the arrivals within one TTFT SLO. `requests_per_unit` is the fleet's
@@ -584,46 +562,19 @@ def replicas_needed(units: float, cfg: PolicyConfig, requests_per_unit: float = 
     larger share of a small load (square-root staffing), so a small fleet keeps a larger share spare; at
     large loads `target_utilization` sizes the fleet. Without arrivals there is no headroom term.
 
-    While `linear` is at most `batching_headroom` replicas (and the load's `prefill_share` given) the spike is
-    priced as a continuous-batching replica meets it: only its prefill is due within the TTFT SLO (z sqrt(n)
-    requests x prefill per request: z x prefill units / sqrt(n)); its sequences join the running batch, so
-    the decode needs room for z standard deviations of the decoding sequences (units x C of them, Poisson):
-    z x sqrt(decode units / C) replicas at `decode_capacity` C. At 0.4 units of chat decode (C = 48, one
-    request per SLO window) that is 0.18 replicas, where the whole-work headroom asks for 0.8 (a second
-    replica). At any load it cost attainment in the simulator (docs/benchmarks/autoscaling.md): the
-    whole-work headroom is also what keeps a loaded fleet's TTFT; hence the bound on the fleet it applies to.
-
     `cold_units` of the load (warm_prefix_headroom) are first computations of prefixes that later requests
-    hit: a spike brings requests that hit them, so the headroom leaves them out. With `headroom_round` the
-    headroom adds a replica beyond those the load needs at target_utilization only past that fraction of one
-    (`_round_headroom`); with `headroom_full_replicas` a load that needs fewer replicas than that gets that
-    share of `headroom_z`."""
+    hit: a spike brings requests that hit them, so the headroom leaves them out.
+
+    Measured and removed (docs/benchmarks/autoscaling.md, rounds 4 and 5): pricing the spike as a batching
+    replica meets it (its prefill only, plus batch slots), rounding the headroom's fraction of a replica
+    away, and a smaller z at one or two replicas. Each lost attainment in the simulator: the whole-work
+    headroom is margin the TTFT SLO uses."""
     linear = units / cfg.target_utilization
     n = units * requests_per_unit * cfg.ttft_slo_s
     if cfg.headroom_z <= 0 or n <= 0:
         return linear
-    z = cfg.headroom_z
-    if cfg.headroom_full_replicas > 0:          # a small fleet's z in proportion to the replicas it needs
-        z *= min(1.0, math.ceil(linear - 1e-9) / cfg.headroom_full_replicas)
-    if prefill_share is None or linear > cfg.batching_headroom + 1e-9:
-        head = z * max(0.0, units - cold_units) / math.sqrt(max(n, 1.0))
-        return _round_headroom(linear, units + head, cfg)
-    prefill = units * min(1.0, max(0.0, prefill_share))
-    head = z * max(0.0, prefill - cold_units) / math.sqrt(max(n, 1.0))
-    if decode_capacity > 0:
-        head += z * math.sqrt((units - prefill) / decode_capacity)
-    return _round_headroom(linear, units + head, cfg)
-
-
-def _round_headroom(linear: float, need: float, cfg: PolicyConfig) -> float:
-    """The larger of `linear` (the load at target_utilization) and `need` (the load plus its headroom), where
-    with `headroom_round` the headroom's excess over the k = ceil(linear) replicas the load needs counts only
-    past that fraction of a replica: k + ceil(excess - headroom_round) at most. At 1-2 replicas a z-sigma
-    headroom of a few tenths of a replica otherwise costs a whole one."""
-    if cfg.headroom_round > 0 and need > linear:
-        k = math.ceil(linear - 1e-9)
-        need = min(need, k + max(0, math.ceil(need - k - cfg.headroom_round - 1e-9)))
-    return max(linear, need)
+    head = cfg.headroom_z * max(0.0, units - cold_units) / math.sqrt(max(n, 1.0))
+    return max(linear, units + head)
 
 
 def warm_prefix_units(history: tuple[tuple[float, float], ...], now: float,
@@ -709,11 +660,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
-    # the load's prefill share and C price a spike as a batching replica meets it (batching_headroom)
-    share = load.prefill_units / load.load_units if load.load_units > 0 else 1.0
-    batching = dict(prefill_share=share, decode_capacity=load.decode_capacity)
     cache_floor = cache_loss_replicas(load, cfg, trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0
-    up_need = max(replicas_needed(load.projected_units, cfg, per_unit, cold_units=load.cold_units, **batching),
+    up_need = max(replicas_needed(load.projected_units, cfg, per_unit, cold_units=load.cold_units),
                   load.kv_units, cache_floor)
     up_target = math.ceil(up_need - 1e-9)
     ratio = slo_ratio(load, cfg)
@@ -745,7 +693,7 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     # up to is kept until the load has fallen well below what asked for it (the hysteresis band).
     inflate = downscale_band(state, cfg)
     down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit,
-                                cold_units=load.cold_units * inflate, **batching)
+                                cold_units=load.cold_units * inflate)
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
                       up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
 

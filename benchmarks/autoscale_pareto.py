@@ -18,13 +18,11 @@ For each workload and fleet size it runs
   the narrow band with one spare replica above the up target (`downscale_spare_replicas`) and the
   largest down target of the last 10 s on a falling trend, and the planner-style feed-forward target
   (`feedforward_target`: arrivals x learned work per request as the steady state both ways, the headroom and
-  band only while evidence fires), the arrival headroom priced as a batching replica meets a spike
-  (`batching_headroom`, at any load, and only while the load fits one replica), the feed-forward target
-  holding its largest for 60 s after a burst
-  (`feedforward_burst_hold_s`), and both; the headroom pricing the prefill of prefixes turning warm as the
-  cold window shows it (`warm_prefix_headroom` off: the policy before round 5), the headroom adding a replica
-  only past half of one (`headroom_round` 0.5), and `headroom_z` halved for a load one replica carries
-  (`headroom_full_replicas` 2);
+  band only while evidence fires), the feed-forward target holding its largest for 60 s after a burst
+  (`feedforward_burst_hold_s`), and the headroom pricing the prefill of prefixes turning warm as the
+  cold window shows it (`warm_prefix_headroom` off: the policy before round 5). Rounds 4-5's batching
+  headroom, rounded headroom and small fleet's z were measured, lost and were removed
+  (docs/benchmarks/autoscaling.md);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
 - the clairvoyant schedule (`ClairvoyantPolicy`) at each `--oracle-utils`: it reads the trace's future
   arrivals and their work by the timing model and asks for the replicas that load needs one start-up ahead,
@@ -298,15 +296,9 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("narrow, one spare, 10 s falling hold", dict(
                                 downscale_utilization=0.65, downscale_spare_replicas=1, falling_trend_hold_s=10.0)),
                             ("feed-forward target", dict(feedforward_target=True)),
-                            ("batching headroom", dict(batching_headroom=1e9)),
-                            ("batching headroom under 1 replica", dict(batching_headroom=1.0)),
                             ("feed-forward, 60 s hold after a burst", dict(feedforward_target=True,
                                                                           feedforward_burst_hold_s=60.0)),
-                            ("batching headroom, feed-forward, 60 s burst hold", dict(
-                                batching_headroom=1e9, feedforward_target=True, feedforward_burst_hold_s=60.0)),
-                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False)),
-                            ("headroom rounded at 0.5", dict(headroom_round=0.5)),
-                            ("headroom z in full from 2 replicas", dict(headroom_full_replicas=2))):
+                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"

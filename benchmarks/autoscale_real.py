@@ -90,12 +90,8 @@ Policies (`--policies`):
 - `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows;
 - `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
   false`), to measure whether warming a joining replica pays on a live fleet.
-- `engine-batching` (optional variant): ours with `batching_headroom: 1` (the arrival headroom priced as a
-  batching replica meets a spike while the load fits one replica); the table gives its own ratio to Serve's
-  frontier.
-- `engine-coldprefix`, `engine-round`, `engine-zhalf` (optional variants, issue 29's fifth round): ours with
-  `warm_prefix_headroom: false` (the policy before that round), `headroom_round: 0.5`, or
-  `headroom_full_replicas: 2` (`VARIANT_OPTIONS`); each with its own ratio.
+- `engine-coldprefix` (optional variant, issue 29's fifth round): ours with `warm_prefix_headroom: false`
+  (the policy before that round; `VARIANT_OPTIONS`); the table gives its own ratio to Serve's frontier.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -514,14 +510,9 @@ def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
 # ================================================================== policies
 #: ours with the router's warm-up on join turned off (routing.warmup_on_join false): does warming pay?
 NO_WARMUP_POLICY = "engine-nowarm"
-#: ours with batching_headroom 1 (issue 29's variant A, bounded to a load that fits one replica)
-BATCHING_POLICY = "engine-batching"
-#: ours with one of the policy's off options on (issue 29): variant -> the autoscaling keys it sets
+#: ours with one of the policy's options flipped (issue 29): variant -> the autoscaling keys it sets
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
-    BATCHING_POLICY: {"batching_headroom": 1.0},
     "engine-coldprefix": {"warm_prefix_headroom": False},            # the policy before round 5
-    "engine-round": {"headroom_round": 0.5},                        # round 5: headroom rounded at 0.5
-    "engine-zhalf": {"headroom_full_replicas": 2},                  # round 5: half the z at one replica
 }
 
 
