@@ -171,9 +171,13 @@ def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
         t.start()
     deadline = time.monotonic() + 20
     victim = None
+    from ray import serve
+    handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
     while victim is None and time.monotonic() < deadline:
-        busy = [rid for rid, st in _replica_states().items() if st["num_requests"] > 0]
-        victim = busy[0] if busy else None
+        # one fresh state, killed at once: a state gathered over many calls can be seconds old, and the
+        # replica's requests done by the kill (make test saw all 8 answered 200)
+        st = handle.debug_state.remote().result(timeout_s=30)
+        victim = st["replica_id"] if st["num_requests"] > 0 else None
     assert victim is not None, "no replica had requests in flight"
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMReplica#{victim}", namespace="serve"), no_restart=True)
     for t in threads:

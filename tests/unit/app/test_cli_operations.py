@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 import logging
 
 import pytest
@@ -79,7 +80,11 @@ def test_serve_run_of_the_builder_starts_serve_on_the_configs_port(tmp_path, mon
 
     from affinity_serve.app import builder
     calls: list = []
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw)))
+    main_thread = threading.current_thread()
+    # only the builder's calls: with ray.is_initialized patched, a background thread of an earlier test's Ray
+    # client can auto-initialise meanwhile (make test once saw an extra ("init", {}))
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw))
+                        if threading.current_thread() is main_thread else None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("start", kw)))
     monkeypatch.setattr(builder, "build_app", lambda cfg: "app")

@@ -98,4 +98,6 @@ def test_a_large_text_tokenized_on_the_prepare_thread_leaves_no_memory_behind(ch
         assert len(ids) > 100_000
         del ids
         kept = _rss_mb() - before
-    assert kept < 60, f"{kept:.0f} MB kept after tokenizing 1 MB of text"
+    # without the release ~133 MB stay (see above); 90 leaves room for what the test process's other threads
+    # (a session's Ray driver) allocate meanwhile (make test once measured 60.5 MB)
+    assert kept < 90, f"{kept:.0f} MB kept after tokenizing 1 MB of text"
