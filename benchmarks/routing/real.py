@@ -13,6 +13,12 @@ request one of them plus a short question, `--max-tokens` lo..hi output tokens (
 (`--num-blocks` per replica) holds about half of all system prompts: a replica that sees every tenant
 thrashes, one that sees half of them keeps its tenants cached.
 
+`--rate R` replays the trace open loop instead: Poisson arrivals at R requests per second, each request sent
+at its arrival whatever is in flight, so queues build as they do under production overload (a closed loop
+slows its own arrivals down). `--doc-share F` puts a unique document (no reuse; lognormal length with a
+heavy tail, `--doc-tokens median,sigma,lo,hi`) between the system prompt and the question of that share of
+the requests: the long cold prefills that set a TTFT tail.
+
 `--emulate`: each replica's engine is paced to an emulated device (`engine.pace`: prefill 1 ms per token, a
 decode step 50 ms + 25 us per context token), so a prefix hit saves what it saves on a GPU relative to the
 step and TTFT differences between routers show above the CPU's noise; 4-6 replicas fit on 2 cores. Its
@@ -20,6 +26,7 @@ default policies add the llm-d-style baseline (`llm_d_precise`: sticky to the ho
 
     python -m benchmarks.routing.real --json real.json --png real.png
     python -m benchmarks.routing.real --emulate --replicas 4 --json real_emulated.json
+    python -m benchmarks.routing.real --emulate --replicas 4 --rate 5 --doc-share 0.3 --num-blocks 600
 """
 from __future__ import annotations
 
@@ -73,6 +80,10 @@ class BenchSpec:
     policies: tuple[str, ...] = POLICIES
     affinity: tuple[tuple[str, Any], ...] = ()      # routing.affinity knobs to override (name, JSON value)
     emulate: bool = False                # replicas paced to an emulated device (EMULATED_PACE)
+    rate: float = 0.0                    # > 0: open loop, Poisson arrivals at this many requests per second
+    doc_share: float = 0.0               # this share of the requests carries a unique document
+    doc_tokens: tuple[float, float, int, int] = (300.0, 1.0, 64, 1500)    # lognormal: median, sigma, lo, hi
+    max_model_len: int = 2048            # the demo model's context: every prompt + max_tokens must fit
 
 
 @dataclass(slots=True)
@@ -112,25 +123,56 @@ class PolicyResult:
     #: prompts, all sent at once, dominates a p99 over 300 requests otherwise)
     ttft_p50_steady_ms: float = float("nan")
     ttft_p99_steady_ms: float = float("nan")
+    #: open loop: TTFT of the requests with a document (the long cold prefills), after the cold start
+    ttft_p99_doc_ms: float = float("nan")
 
 
 # ================================================================== trace
 def build_trace(spec: BenchSpec, vocab_size: int) -> list[TraceRequest]:
-    """Seeded tenant trace: Zipf-popular system prompts + short questions; closed loop, so no arrival times."""
+    """Seeded tenant trace: Zipf-popular system prompts + short questions, `doc_share` of them with a unique
+    document in between; arrival times 0 (closed loop) or Poisson at `spec.rate`. The documents and the
+    arrivals come from their own generators, so a closed-loop trace without documents is the same as ever."""
     rng = np.random.default_rng(spec.seed)
+    doc_rng = np.random.default_rng(spec.seed + 1)
+    arrival_rng = np.random.default_rng(spec.seed + 2)
 
-    def tokens(n: int) -> list[int]:
-        return rng.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
+    def tokens(n: int, g: np.random.Generator = rng) -> list[int]:
+        return g.integers(FIRST_TOKEN_ID, vocab_size, n).tolist()
 
     systems = [tokens(int(spec.system_tokens * rng.uniform(0.8, 1.2))) for _ in range(spec.tenants)]
     weights = 1.0 / np.arange(1, spec.tenants + 1) ** spec.zipf_alpha
     picks = rng.choice(spec.tenants, size=spec.requests, p=weights / weights.sum())
+    median, sigma, lo, hi = spec.doc_tokens
+    longest = max(len(x) for x in systems) + (int(hi) if spec.doc_share > 0 else 0) + spec.question_tokens[1] \
+        + spec.max_tokens[1]
+    if longest > spec.max_model_len:
+        raise ValueError(f"the longest request ({longest} tokens: system prompt + document + question + output) "
+                         f"does not fit the model's {spec.max_model_len}: lower --system-tokens or the "
+                         f"document's upper bound (--doc-tokens)")
+    t = 0.0
     out = []
     for i, k in enumerate(picks):
         question = tokens(int(rng.integers(spec.question_tokens[0], spec.question_tokens[1] + 1)))
         output = [0] * int(rng.integers(spec.max_tokens[0], spec.max_tokens[1] + 1))   # only its length is used
-        out.append(TraceRequest(f"R{i:05d}", 0.0, "A", f"tenant{k}", systems[k] + question, output))
+        doc: list[int] = []
+        if spec.doc_share > 0 and doc_rng.random() < spec.doc_share:
+            n = int(np.clip(median * np.exp(sigma * doc_rng.standard_normal()), lo, hi))
+            doc = tokens(n, doc_rng)
+        if spec.rate > 0:
+            t += float(arrival_rng.exponential(1.0 / spec.rate))
+        out.append(TraceRequest(f"R{i:05d}", t, "D" if doc else "A", f"tenant{k}", systems[k] + doc + question,
+                                output))
     return out
+
+
+def offered_load(spec: BenchSpec, trace: list[TraceRequest]) -> float:
+    """The arrival rate over the fleet's no-cache prefill rate on the emulated device (prefill only: the
+    decode steps' base time makes the real saturation a little lower); nan when closed loop."""
+    if spec.rate <= 0 or not trace:
+        return float("nan")
+    mean_prompt = sum(len(r.prompt_token_ids) for r in trace) / len(trace)
+    per_replica_rps = 1.0 / (EMULATED_PACE["prefill_per_token_s"] * mean_prompt)
+    return spec.rate / (spec.replicas * per_replica_rps)
 
 
 def hit_rate_bound(trace: list[TraceRequest], block_size: int) -> float:
@@ -324,6 +366,38 @@ async def drive(url: str, trace: list[TraceRequest], concurrency: int, deadline:
     return results, time.monotonic() - start
 
 
+async def drive_open(url: str, trace: list[TraceRequest], deadline: float, timeout_s: float,
+                     label: str) -> tuple[list[RequestResult], float]:
+    """Send each request of `trace` at its arrival time (seconds from now), whatever is in flight; no new
+    request after `deadline` (monotonic). Returns the results of the requests sent, and the wall time."""
+    import httpx
+    results: list[RequestResult] = []
+    start = time.monotonic()
+
+    async def one(client: httpx.AsyncClient, r: TraceRequest) -> None:
+        due = start + r.arrival_s
+        if due >= deadline:
+            return
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        results.append(await _one_request(client, url, r, min(timeout_s, max(1.0, deadline - time.monotonic()))))
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            failed = sum(not r.ok for r in results)
+            print(f"  [{label}] {len(results)}/{len(trace)} done, {failed} failed, "
+                  f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits) as client:
+        ticker = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(one(client, r) for r in trace))
+        finally:
+            ticker.cancel()
+    return results, time.monotonic() - start
+
+
 # ================================================================== one policy
 def run_policy(spec: BenchSpec, policy: str, model: str, url: str, trace: list[TraceRequest],
                warmup: list[TraceRequest], deadline: float) -> PolicyResult:
@@ -334,12 +408,17 @@ def run_policy(spec: BenchSpec, policy: str, model: str, url: str, trace: list[T
     try:
         asyncio.run(drive(url, warmup, len(warmup), deadline, spec.request_timeout_s, f"{policy} warmup"))
         before = replica_counters(spec.replicas)
-        results, wall = asyncio.run(drive(url, trace, spec.concurrency, deadline, spec.request_timeout_s, policy))
+        if spec.rate > 0:
+            results, wall = asyncio.run(drive_open(url, trace, deadline, spec.request_timeout_s, policy))
+        else:
+            results, wall = asyncio.run(drive(url, trace, spec.concurrency, deadline, spec.request_timeout_s,
+                                              policy))
         after = replica_counters(spec.replicas)
         router = router_counters()
     finally:
         undeploy()
-    out = summarize(policy, results, wall, before, after, skip=2 * spec.concurrency)
+    docs = {r.req_id for r in trace if r.component == "D"}
+    out = summarize(policy, results, wall, before, after, skip=cold_start_requests(spec), doc_ids=docs)
     out.router = router
     print(f"[{policy}] {out.num_completed} ok, {out.num_failed} failed in {wall:.1f} s; hit rate "
           f"{out.token_hit_rate:.3f}, TTFT p50 {out.ttft_p50_ms:.0f} ms p99 {out.ttft_p99_ms:.0f} ms",
@@ -353,11 +432,21 @@ def run_policy(spec: BenchSpec, policy: str, model: str, url: str, trace: list[T
     return out
 
 
+def cold_start_requests(spec: BenchSpec) -> int:
+    """How many of the trace's first requests the steady-state figures leave out: closed loop, the first
+    2 x concurrency (all sent at once on cold caches); open loop, the first tenth."""
+    return spec.requests // 10 if spec.rate > 0 else 2 * spec.concurrency
+
+
 def summarize(policy: str, results: list[RequestResult], wall_s: float, before: dict[str, tuple[int, int]],
-              after: dict[str, tuple[int, int]], skip: int = 0) -> PolicyResult:
-    """`skip`: the first requests of the trace (by id) left out of the steady-state TTFT figures."""
+              after: dict[str, tuple[int, int]], skip: int = 0, doc_ids: set[str] | frozenset = frozenset()
+              ) -> PolicyResult:
+    """`skip`: the first requests of the trace (by id) left out of the steady-state TTFT figures;
+    `doc_ids`: the requests with a document (their own steady-state TTFT p99)."""
     ok = [r for r in results if r.ok]
-    steady = sorted(r.ttft_s * 1e3 for r in sorted(ok, key=lambda r: r.req_id)[skip:])
+    steady_ok = sorted(ok, key=lambda r: r.req_id)[skip:]
+    steady = sorted(r.ttft_s * 1e3 for r in steady_ok)
+    doc_steady = [r.ttft_s * 1e3 for r in steady_ok if r.req_id in doc_ids]
     queries = sum(q - before.get(rid, (0, 0))[0] for rid, (q, _) in after.items())
     hits = sum(h - before.get(rid, (0, 0))[1] for rid, (_, h) in after.items())
     ttfts = sorted(r.ttft_s * 1e3 for r in ok)
@@ -378,16 +467,18 @@ def summarize(policy: str, results: list[RequestResult], wall_s: float, before: 
         output_tokens_per_s=sum(r.num_output_tokens for r in ok) / wall_s, requests_per_s=len(ok) / wall_s,
         requests_per_replica=dict(sorted(per_replica.items())), ttfts_ms=ttfts,
         errors=sorted({r.error for r in results if not r.ok})[:5],
-        ttft_p50_steady_ms=pct(steady, 50), ttft_p99_steady_ms=pct(steady, 99))
+        ttft_p50_steady_ms=pct(steady, 50), ttft_p99_steady_ms=pct(steady, 99),
+        ttft_p99_doc_ms=pct(doc_steady, 99))
 
 
 # ================================================================== report
 def table(results: list[PolicyResult]) -> str:
     head = ("| policy | ok / sent | failed | token hit rate | TTFT p50 ms | TTFT p99 ms | after the cold start: p50 / "
-            "p99 ms | output tok/s | requests per replica |\n|---|---:|---:|---:|---:|---:|---:|---:|---|")
+            "p99 ms | with a document: p99 ms | output tok/s | requests per replica |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = [f"| {r.policy} | {r.num_completed} / {r.num_sent} | {r.num_failed} | {r.token_hit_rate:.3f} | "
             f"{r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.ttft_p50_steady_ms:.0f} / {r.ttft_p99_steady_ms:.0f} | "
-            f"{r.output_tokens_per_s:.0f} | "
+            f"{r.ttft_p99_doc_ms:.0f} | {r.output_tokens_per_s:.0f} | "
             f"{' / '.join(str(n) for n in r.requests_per_replica.values())} |" for r in results]
     return "\n".join([head, *rows])
 
@@ -405,6 +496,7 @@ def ratios(results: list[PolicyResult], ours: str = "prefix_affinity") -> dict[s
     return {p: {"token_hit_rate": div(o.token_hit_rate, b.token_hit_rate),
                 "ttft_p50": div(o.ttft_p50_ms, b.ttft_p50_ms), "ttft_p99": div(o.ttft_p99_ms, b.ttft_p99_ms),
                 "ttft_p99_after_cold_start": div(o.ttft_p99_steady_ms, b.ttft_p99_steady_ms),
+                "ttft_p50_after_cold_start": div(o.ttft_p50_steady_ms, b.ttft_p50_steady_ms),
                 "output_tokens_per_s": div(o.output_tokens_per_s, b.output_tokens_per_s)}
             for p, b in by.items() if p != ours}
 
@@ -456,8 +548,11 @@ def run(spec: BenchSpec) -> tuple[list[PolicyResult], float]:
     prefix_blocks = spec.tenants * spec.system_tokens // spec.block_size
     print(f"trace: {len(trace)} requests, {spec.tenants} tenants x ~{spec.system_tokens} tokens "
           f"(~{prefix_blocks} blocks of prefixes) on {spec.replicas} replicas x {spec.num_blocks - 1} KV blocks; "
-          f"concurrency {spec.concurrency}; hit rate bound (one unbounded cache) "
-          f"{bound:.3f}", file=sys.stderr, flush=True)
+          + (f"open loop at {spec.rate:g} requests/s over {trace[-1].arrival_s:.0f} s "
+             f"(~{offered_load(spec, trace):.2f}x the fleet's no-cache prefill rate), "
+             f"{sum(r.component == 'D' for r in trace)} with a document; "
+             if spec.rate > 0 else f"concurrency {spec.concurrency}; ")
+          + f"hit rate bound (one unbounded cache) {bound:.3f}", file=sys.stderr, flush=True)
     url = start_cluster(spec)
     results = []
     try:
@@ -469,6 +564,16 @@ def run(spec: BenchSpec) -> tuple[list[PolicyResult], float]:
         stop_cluster()
     print(f"total {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return results, bound
+
+
+def _doc_tokens(text: str) -> tuple[float, float, int, int]:
+    try:
+        median, sigma, lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--doc-tokens {text!r}: expected median,sigma,lo,hi, e.g. 300,1.0,64,1500") from None
+    if not (0 < lo <= median <= hi and sigma >= 0):
+        raise SystemExit(f"--doc-tokens {text!r}: need 0 < lo <= median <= hi and sigma >= 0")
+    return median, sigma, int(lo), int(hi)
 
 
 def _hard_stop(signum: int, frame: Any) -> None:
@@ -492,6 +597,12 @@ def main() -> None:
     p.add_argument("--affinity", action="append", default=[], metavar="KNOB=VALUE",
                    help="override a routing.affinity knob (repeatable), e.g. release_slack_abs_s=0.02")
     p.add_argument("--emulate", action="store_true", help="pace each replica to an emulated device (see above)")
+    p.add_argument("--rate", type=float, default=d.rate,
+                   help="open loop: Poisson arrivals at this many requests/s (0: closed loop at --concurrency)")
+    p.add_argument("--doc-share", type=float, default=d.doc_share,
+                   help="share of the requests with a unique document (no reuse) before the question")
+    p.add_argument("--doc-tokens", default=",".join(f"{x:g}" for x in d.doc_tokens),
+                   help="the document's lognormal length: median,sigma,lo,hi (tokens)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--png", help="write the figure (TTFT CDF, hit rate) here")
     a = p.parse_args()
@@ -500,7 +611,8 @@ def main() -> None:
                      system_tokens=a.system_tokens, requests=a.requests, concurrency=a.concurrency, seed=a.seed,
                      time_limit_s=a.time_limit_s, policies=tuple(policies.split(",")),
                      affinity=tuple((k, json.loads(v)) for k, v in (kv.split("=", 1) for kv in a.affinity)),
-                     emulate=a.emulate)
+                     emulate=a.emulate, rate=a.rate, doc_share=a.doc_share,
+                     doc_tokens=_doc_tokens(a.doc_tokens))
     # the hard stop: a hung deploy or shutdown must not outlive the limit by more than a minute
     signal.signal(signal.SIGALRM, _hard_stop)
     signal.alarm(int(spec.time_limit_s) + 60)
