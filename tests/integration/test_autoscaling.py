@@ -44,6 +44,9 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
     from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    # Paced steps (30 ms, engine.pace): the replicas hold the same requests in flight but leave the CPU to the
+    # replicas starting (on 2 cores, an unpaced replica serving 8 clients slowed each start-up to 11-15 s)
+    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
     # One replica "decodes" 3 sequences within its TPOT SLO. 8 concurrent clients: ~8 / 3 = 2.7 units of load
     # need ceil(2.7 / 0.8) = 4 replicas, capped at 3. One client streaming back to back: ~0.33 units, which
     # the down rule (load x 0.8 / 0.5, then the up rule) fits in 1 replica.
@@ -60,7 +63,7 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
             j = 0
             while not stop.is_set():
                 stream = always_stream or j % 2 == 0
-                outcomes.append(send(c, url, [5 + i, 6 + j % 50, 7, 8], 160 if always_stream else 24, stream))
+                outcomes.append(send(c, url, [5 + i, 6 + j % 50, 7, 8], 80 if always_stream else 24, stream))
                 j += 1
 
     def poll(until: int, limit_s: float) -> None:
