@@ -44,14 +44,18 @@ def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_s
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
     cfg["engine"]["cache"]["num_blocks"] = 512
+    # Paced steps (30 ms, engine.pace): the same prompts queued, the CPU left to the replica starting
+    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
     # Configured capacities (online_capacity off): one prefill replica is taken to prefill 300 tokens/s, so
     # 4 clients' 120-token prompts (a few per second each) plus what queues in the prefill engine against a
     # 1 s TTFT SLO need 2; the decode pool is taken to prefill 1e6 tokens/s and decode 100 sequences, out of
-    # reach. Short windows and delays (look-back 1 s).
+    # reach. Short windows and delays (look-back 1 s, the replicas' signal window 3 s: the prefill rate they
+    # report falls that soon after the long prompts stop).
     cfg["autoscaling"] = {"enabled": True, "policy": "engine", "online_capacity": False,
                           "ttft_slo_s": 1.0, "tpot_slo_s": 30.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
                           "metrics_interval_s": 0.25, "look_back_period_s": 1.0, "min_replicas": 1,
-                          "max_replicas": 2, "trend_lead_s": 0.0, "cache_loss_headroom": False}
+                          "max_replicas": 2, "trend_lead_s": 0.0, "cache_loss_headroom": False,
+                          "signal_window_s": 3.0}
     cfg["disaggregation"] = {
         "enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
         "prefill": {"num_replicas": 1, "autoscaling": {"prefill_tokens_per_s": 300.0},
