@@ -24,13 +24,16 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
     from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    # Paced steps (30 ms, engine.pace): the same sequences in flight, the CPU left to the replica starting
+    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
     # SLOs out of reach, configured capacity: one decode replica "decodes" 3 sequences; 6 streaming clients
-    # need 2 (the pool's max); one light client fits in 1. Short windows and delays (look-back 1 s).
+    # need 2 (the pool's max); one light client fits in 1. Short windows and delays (look-back 1 s, the
+    # replicas' signal window 3 s: the request rate it reports falls that soon after the load stops).
     cfg["autoscaling"] = {"enabled": True, "policy": "engine", "online_capacity": False,
                           "prefill_tokens_per_s": 1e6, "ttft_slo_s": 30.0, "tpot_slo_s": 30.0,
                           "upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "metrics_interval_s": 0.25,
                           "look_back_period_s": 1.0, "min_replicas": 1, "max_replicas": 2,
-                          "decode_seqs_per_replica": 3.0}
+                          "decode_seqs_per_replica": 3.0, "signal_window_s": 3.0}
     cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": 8, "transfer_timeout_s": 5.0,
                              "prefill": {"num_replicas": 1, "autoscaling": {"enabled": False}},
                              "decode": {"num_replicas": 1}}
@@ -44,7 +47,7 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
             j = 0
             while not until.is_set():
                 prompt = [5 + i, 6 + j % 50, *range(20, 36)]          # 18 tokens: the prefill pool prefills
-                outcomes.append(send(c, url, prompt, 120, stream=j % 3 != 2))
+                outcomes.append(send(c, url, prompt, 60, stream=j % 3 != 2))
                 j += 1
 
     try:
