@@ -96,6 +96,8 @@ def _routers(app: str) -> list[dict]:
 def elastic_url(ray_serve, checkpoints):
     from ray import serve
     cfg = app_config(checkpoints["llama"], num_replicas=1, graceful_shutdown_timeout_s=20.0)
+    # Paced steps (30 ms, engine.pace): the same load in flight, the CPU left to the replicas starting under it
+    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
     _deploy(cfg, ELASTIC_APP, "/elastic")
     wait_running(ELASTIC_APP, "LLMReplica", 1)
     yield ray_serve + "/elastic"
