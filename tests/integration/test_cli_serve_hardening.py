@@ -118,6 +118,25 @@ def test_its_proxy_enforces_the_http_limits(served):
 
 
 # ---------------------------------------------------------------- finding 14: drain on SIGINT and SIGTERM
+SHORT_DRAIN_S = 1
+PACE = {"pace": {"enabled": True, "step_base_s": 0.04}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_drain_cli(request, checkpoints, tmp_path_factory):
+    """The SIGTERM drain test's own server (a short drain), started with this module's first test so that its
+    start-up (~20 s) runs while the tests before it do; only when that test is selected (None otherwise)."""
+    if not any(item.module is request.module and getattr(item, "callspec", None) is not None
+               and item.callspec.params.get("sig") == signal.SIGTERM for item in request.session.items):
+        yield None
+        return
+    cli = CLI(checkpoints, tmp_path_factory.mktemp("short-drain"), {"drain_timeout_s": SHORT_DRAIN_S},
+              engine=PACE, wait_ready=False)
+    yield cli
+    if cli.proc.poll() is None:
+        cli.stop()
+
+
 def _stream(url: str, max_tokens: int):
     """Open a completion stream: (its line iterator, its client). One iterator per response: a dropped one
     closes the connection."""
@@ -134,20 +153,21 @@ def _events(lines) -> list[str]:
     return [line[6:] for line in lines if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("sig,drain_s,expect", [(signal.SIGINT, 60, "finished"), (signal.SIGTERM, 1, "ended")])
-def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(checkpoints, tmp_path, cli_server, sig,
-                                                                       drain_s, expect):
+@pytest.mark.parametrize("sig,drain_s,expect", [(signal.SIGINT, 60, "finished"),
+                                                (signal.SIGTERM, SHORT_DRAIN_S, "ended")])
+def test_a_signal_drains_in_flight_streams_refuses_new_ones_and_exits_0(cli_server, short_drain_cli, sig, drain_s,
+                                                                       expect):
     """Paced steps (40 ms) make each stream last ~4 s. After the signal: new requests get 503 `draining`;
     with a long drain the streams finish, with a short one they end with an error event; every stream ends
     with [DONE]; the process exits 0 with one closing line and no traceback. The long drain stops the server
     the tests above used (its config: cli_process.SHARED_SERVE, SHARED_ENGINE), which also shows that one
-    that has served them still drains cleanly; the short one starts its own."""
+    that has served them still drains cleanly; the short one has its own (`short_drain_cli`)."""
     if sig == signal.SIGINT:
         cli = cli_server.get()
-        assert (SHARED_SERVE["drain_timeout_s"], SHARED_ENGINE["pace"]["step_base_s"]) == (drain_s, 0.04)
+        assert (SHARED_SERVE["drain_timeout_s"], SHARED_ENGINE) == (drain_s, PACE)
     else:
-        cli = CLI(checkpoints, tmp_path, {"drain_timeout_s": drain_s},
-                  engine={"pace": {"enabled": True, "step_base_s": 0.04}})
+        cli = short_drain_cli
+        assert cli.wait_for("Ctrl-C to stop", 240), "".join(cli.out)[-4000:]
     try:
         streams = [_stream(cli.url, 100) for _ in range(3)]
         firsts = [next(lines) for lines, _ in streams]
