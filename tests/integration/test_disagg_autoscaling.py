@@ -24,8 +24,6 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
     from affinity_serve.app.builder import build_app
 
     cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
-    # Paced steps (30 ms, engine.pace): the same sequences in flight, the CPU left to the replica starting
-    cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
     # SLOs out of reach, configured capacity: one decode replica "decodes" 3 sequences; 6 streaming clients
     # need 2 (the pool's max); one light client fits in 1. Short windows and delays (look-back 1 s, the
     # replicas' signal window 3 s: the request rate it reports falls that soon after the load stops).
