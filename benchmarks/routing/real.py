@@ -349,20 +349,10 @@ async def drive(url: str, trace: list[TraceRequest], concurrency: int, deadline:
             next_idx += 1
             results.append(await _one_request(client, url, r, min(timeout_s, max(1.0, deadline - time.monotonic()))))
 
-    async def progress() -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_EVERY_S)
-            failed = sum(not r.ok for r in results)
-            print(f"  [{label}] {len(results)}/{len(trace)} done, {failed} failed, "
-                  f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
-
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits) as client:
-        ticker = asyncio.create_task(progress())
-        try:
-            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        finally:
-            ticker.cancel()
+        await _with_progress(asyncio.gather(*(worker(client) for _ in range(concurrency))), results, len(trace),
+                             start, label)
     return results, time.monotonic() - start
 
 
@@ -381,21 +371,26 @@ async def drive_open(url: str, trace: list[TraceRequest], deadline: float, timeo
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         results.append(await _one_request(client, url, r, min(timeout_s, max(1.0, deadline - time.monotonic()))))
 
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits) as client:
+        await _with_progress(asyncio.gather(*(one(client, r) for r in trace)), results, len(trace), start, label)
+    return results, time.monotonic() - start
+
+
+async def _with_progress(work: Any, results: list[RequestResult], total: int, start: float, label: str) -> None:
+    """Await `work`, printing a progress line every PROGRESS_EVERY_S meanwhile."""
     async def progress() -> None:
         while True:
             await asyncio.sleep(PROGRESS_EVERY_S)
             failed = sum(not r.ok for r in results)
-            print(f"  [{label}] {len(results)}/{len(trace)} done, {failed} failed, "
+            print(f"  [{label}] {len(results)}/{total} done, {failed} failed, "
                   f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits) as client:
-        ticker = asyncio.create_task(progress())
-        try:
-            await asyncio.gather(*(one(client, r) for r in trace))
-        finally:
-            ticker.cancel()
-    return results, time.monotonic() - start
+    ticker = asyncio.create_task(progress())
+    try:
+        await work
+    finally:
+        ticker.cancel()
 
 
 # ================================================================== one policy

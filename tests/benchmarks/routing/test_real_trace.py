@@ -100,3 +100,22 @@ def test_the_open_loop_driver_sends_each_request_at_its_arrival_whatever_is_in_f
     for i, off in enumerate(offsets):
         assert 0.1 * i - 0.01 <= off < 0.1 * i + 0.25, offsets     # sent on time, not after the one before
     assert max(offsets) < 0.6                 # the last was sent while the first was still in flight
+
+
+def test_the_closed_loop_driver_keeps_concurrency_requests_in_flight(monkeypatch):
+    """Concurrency 2, each fake request 0.4 s: two go at once, the next two when those finish, in trace order."""
+    sent: dict[str, float] = {}
+
+    async def fake(client, url, r, timeout_s):
+        sent[r.req_id] = time.monotonic()
+        await asyncio.sleep(0.4)
+        return RequestResult(r.req_id, ok=True, ttft_s=0.4, e2e_s=0.4)
+
+    monkeypatch.setattr(real, "_one_request", fake)
+    trace = [real.TraceRequest(f"R{i}", 0.0, "A", "g", [5, 6], [0]) for i in range(4)]
+    t0 = time.monotonic()
+    results, wall = asyncio.run(real.drive("http://unused", trace, 2, t0 + 10.0, 10.0, "test"))
+    assert sorted(r.req_id for r in results) == ["R0", "R1", "R2", "R3"]
+    offsets = [sent[f"R{i}"] - t0 for i in range(4)]
+    assert offsets[0] < 0.2 and offsets[1] < 0.2, offsets
+    assert 0.38 <= offsets[2] < 0.7 and 0.38 <= offsets[3] < 0.7, offsets
