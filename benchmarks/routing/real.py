@@ -167,8 +167,9 @@ def build_trace(spec: BenchSpec, vocab_size: int) -> list[TraceRequest]:
 
 def offered_load(spec: BenchSpec, trace: list[TraceRequest]) -> float:
     """The arrival rate over the fleet's no-cache prefill rate on the emulated device (prefill only: the
-    decode steps' base time makes the real saturation a little lower); nan when closed loop."""
-    if spec.rate <= 0 or not trace:
+    decode steps' base time makes the real saturation a little lower); nan when closed loop or not emulated
+    (the CPU's own prefill rate is not modelled)."""
+    if spec.rate <= 0 or not spec.emulate or not trace:
         return float("nan")
     mean_prompt = sum(len(r.prompt_token_ids) for r in trace) / len(trace)
     per_replica_rps = 1.0 / (EMULATED_PACE["prefill_per_token_s"] * mean_prompt)
@@ -543,9 +544,9 @@ def run(spec: BenchSpec) -> tuple[list[PolicyResult], float]:
     prefix_blocks = spec.tenants * spec.system_tokens // spec.block_size
     print(f"trace: {len(trace)} requests, {spec.tenants} tenants x ~{spec.system_tokens} tokens "
           f"(~{prefix_blocks} blocks of prefixes) on {spec.replicas} replicas x {spec.num_blocks - 1} KV blocks; "
-          + (f"open loop at {spec.rate:g} requests/s over {trace[-1].arrival_s:.0f} s "
-             f"(~{offered_load(spec, trace):.2f}x the fleet's no-cache prefill rate), "
-             f"{sum(r.component == 'D' for r in trace)} with a document; "
+          + (f"open loop at {spec.rate:g} requests/s over {trace[-1].arrival_s:.0f} s"
+             + (f" (~{offered_load(spec, trace):.2f}x the fleet's no-cache prefill rate)" if spec.emulate else "")
+             + f", {sum(r.component == 'D' for r in trace)} with a document; "
              if spec.rate > 0 else f"concurrency {spec.concurrency}; ")
           + f"hit rate bound (one unbounded cache) {bound:.3f}", file=sys.stderr, flush=True)
     url = start_cluster(spec)

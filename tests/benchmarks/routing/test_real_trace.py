@@ -119,3 +119,12 @@ def test_the_closed_loop_driver_keeps_concurrency_requests_in_flight(monkeypatch
     offsets = [sent[f"R{i}"] - t0 for i in range(4)]
     assert offsets[0] < 0.2 and offsets[1] < 0.2, offsets
     assert 0.38 <= offsets[2] < 0.7 and 0.38 <= offsets[3] < 0.7, offsets
+
+
+def test_the_offered_load_is_the_rate_over_the_emulated_fleets_prefill_rate_and_only_there():
+    spec = BenchSpec(requests=200, rate=4.0, replicas=2, emulate=True)
+    trace = build_trace(spec, VOCAB)
+    mean_prompt = sum(len(r.prompt_token_ids) for r in trace) / len(trace)
+    assert real.offered_load(spec, trace) == pytest.approx(4.0 * mean_prompt * 1e-3 / 2)
+    assert np.isnan(real.offered_load(BenchSpec(requests=200, rate=4.0), trace))       # not emulated
+    assert np.isnan(real.offered_load(BenchSpec(requests=200, emulate=True), trace))   # closed loop
