@@ -132,6 +132,10 @@ def build_trace(spec: BenchSpec, vocab_size: int) -> list[TraceRequest]:
     """Seeded tenant trace: Zipf-popular system prompts + short questions, `doc_share` of them with a unique
     document in between; arrival times 0 (closed loop) or Poisson at `spec.rate`. The documents and the
     arrivals come from their own generators, so a closed-loop trace without documents is the same as ever."""
+    if spec.rate < 0:
+        raise ValueError(f"--rate {spec.rate:g}: requests per second must be >= 0 (0: closed loop)")
+    if not 0 <= spec.doc_share <= 1:
+        raise ValueError(f"--doc-share {spec.doc_share:g}: a share of the requests, between 0 and 1")
     rng = np.random.default_rng(spec.seed)
     doc_rng = np.random.default_rng(spec.seed + 1)
     arrival_rng = np.random.default_rng(spec.seed + 2)
@@ -612,7 +616,10 @@ def main() -> None:
     # the hard stop: a hung deploy or shutdown must not outlive the limit by more than a minute
     signal.signal(signal.SIGALRM, _hard_stop)
     signal.alarm(int(spec.time_limit_s) + 60)
-    results, bound = run(spec)
+    try:
+        results, bound = run(spec)
+    except ValueError as e:          # a bad flag (the trace's checks, an unknown tier): one line, no traceback
+        raise SystemExit(f"error: {e}") from None
     signal.alarm(0)
     print(table(results))
     print(f"token hit rate bound (one shared unbounded cache): {bound:.3f}")

@@ -67,6 +67,13 @@ def test_a_request_longer_than_the_model_is_refused_naming_the_knob():
         build_trace(BenchSpec(system_tokens=400, doc_share=0.1, doc_tokens=(300.0, 1.0, 64, 2000)), VOCAB)
 
 
+@pytest.mark.parametrize("bad,match", [(dict(rate=-1.0), "--rate"), (dict(doc_share=1.5), "--doc-share"),
+                                       (dict(doc_share=-0.1), "--doc-share")])
+def test_a_negative_rate_or_a_share_outside_0_1_is_refused_naming_the_flag(bad, match):
+    with pytest.raises(ValueError, match=match):
+        build_trace(BenchSpec(**bad), VOCAB)
+
+
 def test_the_cold_start_left_out_is_a_tenth_open_loop_and_two_rounds_closed():
     assert cold_start_requests(BenchSpec(requests=300, rate=4.0)) == 30
     assert cold_start_requests(BenchSpec(requests=300, concurrency=16)) == 32
@@ -80,17 +87,23 @@ def test_the_document_p99_counts_only_requests_with_a_document_after_the_cold_st
     assert out.ttft_p99_steady_ms == pytest.approx(np.percentile([100.0, 200.0, 3000.0, 300.0, 2000.0], 99))
 
 
-def test_the_open_loop_driver_sends_each_request_at_its_arrival_whatever_is_in_flight(monkeypatch):
-    """Each fake request takes 0.6 s; arrivals are 0.1 s apart: a closed loop of one would send the third at
-    1.2 s, the open loop sends it at 0.2 s. Requests past the deadline are not sent."""
+def _fake_requests(monkeypatch, seconds: float) -> dict[str, float]:
+    """Replace the HTTP request with one that takes `seconds`; returns request id -> when it was sent."""
     sent: dict[str, float] = {}
 
     async def fake(client, url, r, timeout_s):
         sent[r.req_id] = time.monotonic()
-        await asyncio.sleep(0.6)
-        return RequestResult(r.req_id, ok=True, ttft_s=0.6, e2e_s=0.6)
+        await asyncio.sleep(seconds)
+        return RequestResult(r.req_id, ok=True, ttft_s=seconds, e2e_s=seconds)
 
     monkeypatch.setattr(real, "_one_request", fake)
+    return sent
+
+
+def test_the_open_loop_driver_sends_each_request_at_its_arrival_whatever_is_in_flight(monkeypatch):
+    """Each fake request takes 0.6 s; arrivals are 0.1 s apart: a closed loop of one would send the third at
+    1.2 s, the open loop sends it at 0.2 s. Requests past the deadline are not sent."""
+    sent = _fake_requests(monkeypatch, 0.6)
     trace = [real.TraceRequest(f"R{i}", 0.1 * i, "A", "g", [5, 6], [0]) for i in range(4)]
     trace.append(real.TraceRequest("late", 30.0, "A", "g", [5, 6], [0]))
     t0 = time.monotonic()
@@ -100,18 +113,12 @@ def test_the_open_loop_driver_sends_each_request_at_its_arrival_whatever_is_in_f
     for i, off in enumerate(offsets):
         assert 0.1 * i - 0.01 <= off < 0.1 * i + 0.25, offsets     # sent on time, not after the one before
     assert max(offsets) < 0.6                 # the last was sent while the first was still in flight
+    assert wall < 3.0                         # the late request was not waited for
 
 
 def test_the_closed_loop_driver_keeps_concurrency_requests_in_flight(monkeypatch):
-    """Concurrency 2, each fake request 0.4 s: two go at once, the next two when those finish, in trace order."""
-    sent: dict[str, float] = {}
-
-    async def fake(client, url, r, timeout_s):
-        sent[r.req_id] = time.monotonic()
-        await asyncio.sleep(0.4)
-        return RequestResult(r.req_id, ok=True, ttft_s=0.4, e2e_s=0.4)
-
-    monkeypatch.setattr(real, "_one_request", fake)
+    """Concurrency 2, each fake request 0.4 s: two go at once, the next two when those finish."""
+    sent = _fake_requests(monkeypatch, 0.4)
     trace = [real.TraceRequest(f"R{i}", 0.0, "A", "g", [5, 6], [0]) for i in range(4)]
     t0 = time.monotonic()
     results, wall = asyncio.run(real.drive("http://unused", trace, 2, t0 + 10.0, 10.0, "test"))
