@@ -9,6 +9,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 REPLICAS ?= 2
 PYTEST_ARGS ?=
+# pytest-xdist workers for the main suite (tests/conftest.py: the Ray tests stay together on one); 0 runs it in-process
+TEST_WORKERS ?= 2
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
 .PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu profile-gpu gpu-report clean docs docs-serve
@@ -30,7 +32,7 @@ serve: venv
 # pytest invocation after the main suite, so no `ray stop` can ever meet the main suite's Ray.
 test: venv
 	$(VENV)/bin/ruff check .
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not rayup" $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not rayup" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m rayup tests/cluster $(PYTEST_ARGS)
 	$(MKDOCS) build --strict --quiet
 

@@ -27,6 +27,44 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# `make test` runs two pytest-xdist workers with `--dist loadgroup`. The Ray tests (tests/integration: the
+# session's one Ray, and the multi-node scenario and CLI servers that start their own) form one group, so one
+# worker runs them all in their file order, as a plain `pytest` would. The other worker runs the rest (unit
+# tests, the simulators) at a lower CPU priority: it uses the time the Ray tests spend waiting on replica
+# start-ups and timers, and takes no CPU from them, so their timing bounds hold as in one process.
+RAY_GROUP = "ray"
+_niced: list[bool] = []
+
+
+def ray_group_scope(nodeid: str) -> str | None:
+    """The scheduling group of a test id: RAY_GROUP for the Ray tests, None for a test any worker may run."""
+    return RAY_GROUP if nodeid.startswith("tests/integration/") else None
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)   # optional: a plain `pytest` without xdist runs too
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadgroup`, the Ray tests are grouped by their path (ray_group_scope). xdist's own
+    `xdist_group` mark does not group here: it rewrites the item's private `_nodeid`, and under pytest 9.2 the
+    scheduler is sent `nodeid` without the group."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RayTogether(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return ray_group_scope(nodeid) or super()._split_scope(nodeid)
+
+    return RayTogether(config, log)
+
+
+def pytest_runtest_setup(item):
+    """Under xdist, a worker that runs a test outside the Ray group drops its CPU priority, once (xdist hands
+    the Ray group out first, so the worker that holds it gets others only after its last Ray test)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _niced and ray_group_scope(item.nodeid) is None:
+        os.nice(10)
+        _niced.append(True)
+
+
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
             max_position_embeddings=512)
 
