@@ -29,16 +29,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # `make test` runs two pytest-xdist workers with `--dist loadgroup`. The Ray tests (tests/integration: the
 # session's one Ray, and the multi-node scenario and CLI servers that start their own) form one group, so one
-# worker runs them all in their file order, as a plain `pytest` would. The other worker runs the rest (unit
-# tests, the simulators) at a lower CPU priority: it uses the time the Ray tests spend waiting on replica
-# start-ups and timers, and takes no CPU from them, so their timing bounds hold as in one process.
+# worker runs them all in their file order, as a plain `pytest` would. The few files outside it whose
+# assertions bound wall time (sub-second waits, drivers sending on time) join that group, so they run at full
+# priority too. The other worker runs the rest (unit tests, the simulators) at a lower CPU priority: it uses
+# the time the Ray tests spend waiting on replica start-ups and timers, and takes no CPU from them, so their
+# timing bounds hold as in one process.
 RAY_GROUP = "ray"
+TIMED_FILES = frozenset({
+    "tests/unit/app/test_http_limits.py",
+    "tests/unit/app/test_replica_wait.py",
+    "tests/unit/app/test_prompt_memory.py",
+    "tests/unit/engine/test_structured_output.py",
+    "tests/benchmarks/routing/test_real_trace.py",
+})
 _niced: list[bool] = []
 
 
 def ray_group_scope(nodeid: str) -> str | None:
-    """The scheduling group of a test id: RAY_GROUP for the Ray tests, None for a test any worker may run."""
-    return RAY_GROUP if nodeid.startswith("tests/integration/") else None
+    """The scheduling group of a test id: RAY_GROUP for the Ray tests and TIMED_FILES, None for a test any
+    worker may run."""
+    path = nodeid.split("::", 1)[0]
+    return RAY_GROUP if path.startswith("tests/integration/") or path in TIMED_FILES else None
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)   # optional: a plain `pytest` without xdist runs too
