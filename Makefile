@@ -28,12 +28,11 @@ serve: venv
 	$(VENV)/bin/affinity-serve serve --replicas $(REPLICAS) --host $(HOST) --port $(PORT)
 
 # Deterministic: the "ci" hypothesis profile replays fixed examples (tests/conftest.py).
-# The `rayup` test (tests/cluster/test_ray_up.py: `ray up` over a local sshd, then `ray down`) runs in its own
-# pytest invocation after the main suite, so no `ray stop` can ever meet the main suite's Ray.
+# The `rayup` test (tests/cluster/test_ray_up.py: `ray up` over a local sshd, then `ray down`) runs beside the Ray
+# tests, on the other worker: its cluster lives in a PID namespace of its own, so its `ray stop` sees nothing else.
 test: venv
 	$(VENV)/bin/ruff check .
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not rayup" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m rayup tests/cluster $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(MKDOCS) build --strict --quiet
 
 test-fast: venv

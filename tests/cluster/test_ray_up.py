@@ -8,9 +8,10 @@ Isolation: sshd runs as PID 1 of its own PID and /proc namespace (`unshare --pid
 everything started over SSH lives in it, and the `ray stop` of the start commands and of `ray down` (which
 kills every Ray process it can see) sees only this cluster's processes, not the pytest session's Ray or
 anyone else's. The session's HOME is a temporary directory (sshd SetEnv), so ~/ray_bootstrap_*.yaml and
-Ray's auth token land there. Still, `make test` runs this module in its own pytest invocation after the
-main suite (marker `rayup`). Skipped, with the reason, where sshd, ssh, rsync or unshare is missing or the
-namespace cannot be made."""
+Ray's auth token land there, and `ray start --temp-dir` writes the cluster's address file in its own
+temporary directory, so no `ray.init()` elsewhere on the machine finds it. So `make test` runs it in the main
+suite, on the worker beside the Ray tests (marker `rayup`, to select it alone). Skipped, with the reason,
+where sshd, ssh, rsync or unshare is missing or the namespace cannot be made."""
 from __future__ import annotations
 
 import getpass
