@@ -115,14 +115,36 @@ def pytest_runtest_teardown(item, nextitem):
         _shared_cli[0].stop()
 
 
+MULTINODE_SCENARIOS = "tests.integration.multinode_scenarios"
+_background: dict = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def multinode_in_background(request, tmp_path_factory):
+    """When this session will assert on `multinode_results`, its scenario starts with the first Ray test, in the
+    background at nice 10 (it and the simulated cluster it starts), so it runs in the CPU time the tests before
+    it leave idle while they wait on replica start-ups and timers, and takes none from their timing bounds."""
+    if not any("multinode_results" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield
+        return
+    from tests.integration.subprocess_scenario import BackgroundScenario
+    _background["multinode"] = bg = BackgroundScenario(MULTINODE_SCENARIOS, tmp_path_factory.mktemp("multinode"),
+                                                       nice=10)
+    yield
+    bg.stop()
+    _background.clear()
+
+
 @pytest.fixture(scope="session")
 def multinode_results(tmp_path_factory):
     """{"disagg": ..., "multinode": ...}: the results of tests/integration/multinode_scenarios.py, both
     multi-node scenarios run once, in a subprocess, on one simulated cluster (building it costs as much as a
-    scenario); test_disagg_multinode.py and test_multinode.py assert on them."""
-    from tests.integration.subprocess_scenario import run_scenario
-    # below pytest's 300 s (the first test's setup pays for it), so a stuck scenario fails with its stderr
-    return run_scenario("tests.integration.multinode_scenarios", tmp_path_factory.mktemp("multinode"), 285)
+    scenario); test_disagg_multinode.py and test_multinode.py assert on them. Started in the background with
+    the session's first Ray test (`multinode_in_background`), or here if it was not."""
+    from tests.integration.subprocess_scenario import BackgroundScenario
+    bg = _background.get("multinode") or BackgroundScenario(MULTINODE_SCENARIOS, tmp_path_factory.mktemp("multinode"))
+    # below pytest's 300 s (the first test's setup waits for it), so a stuck scenario fails with its stderr
+    return bg.result(285)
 
 
 def _wait_running(app: str, deployment: str, n: int, timeout_s: float = 120) -> None:

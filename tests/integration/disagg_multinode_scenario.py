@@ -39,7 +39,7 @@ MAX_TOKENS = 8
 
 
 def _log(msg: str) -> None:
-    """Progress on stderr (run_scenario shows its tail when the scenario fails)."""
+    """Progress on stderr (BackgroundScenario.result shows its tail when the scenario fails)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 

@@ -1,6 +1,6 @@
 """Multi-node scenarios run in a subprocess: one process can join only one Ray cluster, and a test process may
 already hold the session Ray of tests/integration/conftest.py. A scenario module's `main` prints its result as
-one JSON line; `run_scenario` runs that module and returns the parsed result."""
+one JSON line; `BackgroundScenario` runs that module and returns the parsed result."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,9 @@ import os
 import pathlib
 import socket
 import subprocess
+import signal
 import sys
+import time
 from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -16,26 +18,60 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NODE_ARGS = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
 
 
-def run_scenario(module: str, workdir: pathlib.Path, timeout_s: float) -> dict:
-    """Run `python -m module workdir` from the repository root without the caller's RAY_ADDRESS; AssertionError
-    with the tail of its stderr if it fails or runs past `timeout_s`."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    try:
-        proc = subprocess.run([sys.executable, "-m", module, str(workdir)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:      # say where it stood (give timeout_s below pytest's timeout)
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        raise AssertionError(f"scenario {module} ran past {timeout_s:.0f}s:\n{err[-4000:]}") from None
-    assert proc.returncode == 0, f"scenario {module} failed:\n{proc.stderr[-4000:]}"
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps(res["timings_s"]))
-    return res
+class BackgroundScenario:
+    """`python -m module workdir` started now, from the repository root without the caller's RAY_ADDRESS, at
+    `nice` (added to this process's niceness; inherited by every Ray process the scenario starts), its output
+    in files of `workdir`; `result` waits for it."""
+
+    def __init__(self, module: str, workdir: pathlib.Path, nice: int = 0):
+        self.module, self.started = module, time.monotonic()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.out, self.err = open(workdir / "stdout.txt", "w+"), open(workdir / "stderr.txt", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, str(workdir)], cwd=ROOT, env=env,
+                                     stdout=self.out, stderr=self.err, preexec_fn=(lambda: os.nice(nice)) if nice
+                                     else None)
+
+    def _stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+    def result(self, timeout_s: float) -> dict:
+        """Its parsed last stdout line; AssertionError with the tail of its stderr if it fails or is still
+        running `timeout_s` from now (then it is stopped)."""
+        try:
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                ran = time.monotonic() - self.started
+                raise AssertionError(f"scenario {self.module} ran past {ran:.0f}s:\n{self._stderr()[-4000:]}") \
+                    from None
+            assert self.proc.returncode == 0, f"scenario {self.module} failed:\n{self._stderr()[-4000:]}"
+            self.out.seek(0)
+            res = json.loads(self.out.read().strip().splitlines()[-1])
+        finally:
+            self.out.close()
+            self.err.close()
+        print(json.dumps({"started_s_ago": round(time.monotonic() - self.started, 1), **res["timings_s"]}))
+        return res
+
+    def stop(self) -> None:
+        """SIGTERM (the scenario shuts its cluster down: scenario_main), SIGKILL after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def scenario_main(scenario: Callable[[pathlib.Path], dict], argv: list[str]) -> int:
     """A scenario module's entry point: run `scenario(workdir)` and print its result as one JSON line."""
     workdir = pathlib.Path(argv[0]) if argv else pathlib.Path.cwd()
     workdir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (BackgroundScenario.stop) unwinds like an exception, so the scenario's `finally` stops its cluster
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(json.dumps(scenario(workdir)), flush=True)
     return 0
 
