@@ -134,6 +134,11 @@ class PolicyConfig(BaseModel):
     downscale_spare_replicas: int = Field(0, ge=0, description="the down rule keeps at least this many replicas "
                                           "above what the up rule asks for now (a floor beside the band: a small "
                                           "fleet keeps a whole spare replica where the band's share is less)")
+    kv_apart: bool = Field(False, description="count KV as its own resource: the decode load is the running "
+                           "sequences over the batch the TPOT SLO allows (compute, added to prefill's), and the KV "
+                           "they hold sizes the fleet on its own (kv_units, beside the compute need), instead of "
+                           "folding a KV-bound batch into the decode load, where the KV (already at "
+                           "kv_usage_target) also gets target_utilization and the headroom and adds to prefill")
     saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
@@ -362,7 +367,9 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
-        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
+        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / (
+            (sum(x.tpot_seqs for x in caps) / len(caps) if caps else cfg.decode_seqs_per_replica)
+            if cfg.kv_apart else c_decode),
         kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),

@@ -298,7 +298,8 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("feed-forward target", dict(feedforward_target=True)),
                             ("feed-forward, 60 s hold after a burst", dict(feedforward_target=True,
                                                                           feedforward_burst_hold_s=60.0)),
-                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False))):
+                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False)),
+                            ("KV apart", dict(kv_apart=True))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")
             pol.role = "ablation"
