@@ -1,0 +1,47 @@
+"""tests/integration/subprocess_scenario.py's BackgroundScenario, which runs the multi-node scenario beside the
+Ray tests: its result, a failure's stderr, and a stop that lets the scenario's `finally` run (where a real one
+shuts its simulated cluster down)."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.integration.subprocess_scenario import BackgroundScenario
+
+STUB = "tests.unit.scenario_stub"
+
+
+def _wait_for(path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_the_result_is_the_last_stdout_line_and_the_nice_value_is_applied(tmp_path):
+    (tmp_path / "hold").write_text("")
+    bg = BackgroundScenario(STUB, tmp_path, nice=5)
+    _wait_for(tmp_path / "started")
+    assert os.getpriority(os.PRIO_PROCESS, bg.proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+    (tmp_path / "hold").unlink()
+    assert bg.result(60)["answer"] == 42
+    assert (tmp_path / "cleaned").exists()
+
+
+def test_stop_unwinds_the_scenario_so_its_finally_runs(tmp_path):
+    (tmp_path / "hold").write_text("")
+    bg = BackgroundScenario(STUB, tmp_path)
+    _wait_for(tmp_path / "started")
+    bg.stop()
+    assert bg.proc.returncode == 143 and (tmp_path / "cleaned").exists()
+
+
+def test_a_scenario_still_running_past_the_wait_is_stopped_and_reported(tmp_path):
+    (tmp_path / "hold").write_text("")
+    bg = BackgroundScenario(STUB, tmp_path)
+    _wait_for(tmp_path / "started")
+    with pytest.raises(AssertionError, match="ran past"):
+        bg.result(0.5)
+    assert bg.proc.returncode is not None and (tmp_path / "cleaned").exists()
