@@ -318,12 +318,17 @@ def replica_capacity(s: ReplicaSignals, cfg: PolicyConfig) -> Capacity:
     return Capacity(r, c_tpot, growth)
 
 
+def tpot_batch(caps: Sequence[Capacity], cfg: PolicyConfig) -> float:
+    """C_tpot of the mean replica: the batch its decode step fits in the TPOT SLO (the prior without replicas)."""
+    return sum(x.tpot_seqs for x in caps) / len(caps) if caps else cfg.decode_seqs_per_replica
+
+
 def decode_capacity(signals: Sequence[ReplicaSignals], caps: Sequence[Capacity], cfg: PolicyConfig) -> float:
     """C, the sequences one (mean) replica decodes: min(C_tpot, C_kv). C_kv (online only) pools the fleet:
     the sequences the KV target holds at the KV a running sequence holds now (usage / running, a shared
     prefix included), grown to its life's mean; pooled because one replica holding a sequence or two reads
     mostly its shared prefix. Fewer than MIN_SEQS_FOR_KV running sequences per replica say too little."""
-    c = sum(x.tpot_seqs for x in caps) / len(caps) if caps else cfg.decode_seqs_per_replica
+    c = tpot_batch(caps, cfg)
     running = sum(s.num_running for s in signals)
     held = sum(s.kv_cache_usage * x.kv_growth for s, x in zip(signals, caps))
     if cfg.online_capacity and signals and running >= MIN_SEQS_FOR_KV * len(signals) and held > 0:
@@ -368,8 +373,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / (
-            (sum(x.tpot_seqs for x in caps) / len(caps) if caps else cfg.decode_seqs_per_replica)
-            if cfg.kv_apart else c_decode),
+            tpot_batch(caps, cfg) if cfg.kv_apart else c_decode),
         kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),

@@ -31,7 +31,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # session's one Ray, and the multi-node scenario and CLI servers that start their own) form one group, so one
 # worker runs them all in their file order, as a plain `pytest` would. The few files outside it whose
 # assertions bound wall time (sub-second waits, drivers sending on time) join that group, so they run at full
-# priority too. The other worker runs the rest (unit tests, the simulators) at a lower CPU priority: it uses
+# priority too. The other worker runs the rest (unit tests, the simulators, the `ray up` test, whose cluster
+# lives in a PID namespace of its own) at a lower CPU priority: it uses
 # the time the Ray tests spend waiting on replica start-ups and timers, and takes no CPU from them, so their
 # timing bounds hold as in one process.
 RAY_GROUP = "ray"

@@ -3,6 +3,7 @@ load, where it would add to prefill's compute and get target_utilization on top 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from affinity_serve.autoscale.policy import PolicyState, decide, fleet_load
 from affinity_serve.autoscale.signals import ReplicaSignals as S
@@ -39,3 +40,14 @@ def test_kv_still_scales_out_alone_and_a_compute_bound_fleet_decides_as_before()
     assert fleet_load(light_kv, APART).decode_units == pytest.approx(fleet_load(light_kv, CFG).decode_units)
     assert (decide(light_kv, 4, NOW, PolicyState(), APART).target_replicas
             == decide(light_kv, 4, NOW, PolicyState(), CFG).target_replicas == 5)    # (3.2 + 0.6) / 0.8
+
+
+def test_a_value_that_is_not_a_boolean_is_refused_naming_the_option():
+    from affinity_serve.app.config import AppConfig, ConfigError
+    with pytest.raises(ValidationError, match="kv_apart"):
+        CFG.model_validate({**CFG.model_dump(), "kv_apart": "sometimes"})
+    # through the app's YAML: one line naming the key and what it got
+    with pytest.raises(ConfigError, match=r"autoscaling\.kv_apart: Input should be a valid boolean.*'sometimes'"):
+        AppConfig.from_dict({"engine": {"model": "m"}, "autoscaling": {"enabled": True, "kv_apart": "sometimes"}})
+    assert AppConfig.from_dict({"engine": {"model": "m"}, "autoscaling": {"enabled": True, "kv_apart": True}}
+                               ).autoscaling.kv_apart is True
