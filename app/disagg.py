@@ -27,6 +27,7 @@ from affinity_serve.app.config import AutoscalingSection, ObservabilitySection, 
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.routing import debug
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
@@ -253,7 +254,17 @@ class DecodeReplica(_PDMetrics):
         self.disagg = DisaggCounters()
 
     async def debug_state(self) -> dict[str, Any]:
-        return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg)}
+        return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg),
+                "prefill_pool_size": self.prefill_pool_size()}
+
+    def prefill_pool_size(self) -> int | None:
+        """Running prefill replicas as this process's router over the prefill pool knows them (Serve's
+        replica set, pushed by its controller); None before the first call has made that router."""
+        h = self.prefill_handle
+        if h is None:
+            return None
+        routers = debug.routers_for(h.app_name, h.deployment_name)
+        return max(r.num_replicas() for r in routers) if routers else None
 
     def _prefill_failed(self) -> int:
         counters = getattr(self, "disagg", None)      # a collection may come before __init__ has set it
@@ -290,9 +301,14 @@ class DecodeReplica(_PDMetrics):
             "pd.prompt_tokens": len(req.prompt_token_ids)})
         results: list[PrefillResult] | None = None
         try:
-            # the prefill replica's spans (prefill, copy-out) are this span's children
-            call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
-            results = await self.prefill_handle.prefill.remote(call, skip)
+            if self.prefill_pool_size() == 0:
+                # Serve would hold the call until a replacement prefill replica has started (a model load)
+                span.set_attribute("pd.prefill_pool_empty", True)
+                logger.warning("the prefill pool has no running replica: recomputing here")
+            else:
+                # the prefill replica's spans (prefill, copy-out) are this span's children
+                call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
+                results = await self.prefill_handle.prefill.remote(call, skip)
         except asyncio.CancelledError:
             raise
         except APIError as e:

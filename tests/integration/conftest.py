@@ -123,7 +123,9 @@ _background: dict = {}
 def multinode_in_background(request, tmp_path_factory):
     """When this session will assert on `multinode_results`, its scenario starts with the first Ray test, in the
     background at nice 10 (it and the simulated cluster it starts), so it runs in the CPU time the tests before
-    it leave idle while they wait on replica start-ups and timers, and takes none from their timing bounds."""
+    it leave idle while they wait on replica start-ups and timers, and takes none from their timing bounds. Its
+    own timed part (routing choices, streams failing fast on a node's removal) waits at `wait_for_go` until
+    `multinode_results` asks for the result, so it does not run starved beside those tests either."""
     if not any("multinode_results" in getattr(item, "fixturenames", ()) for item in request.session.items):
         yield
         return

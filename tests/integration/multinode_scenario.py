@@ -23,7 +23,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import httpx  # noqa: E402
 
 from tests.integration.subprocess_scenario import (  # noqa: E402
-    NODE_ARGS, connect, scenario_main, shutdown_cluster, start_cluster)
+    NODE_ARGS, connect, scenario_main, shutdown_cluster, start_cluster, wait_for_go)
 from tests.integration.waiting import wait_until  # noqa: E402
 
 APP = "multinode"
@@ -68,7 +68,8 @@ def _router_state() -> dict:
 
 
 def _complete(url: str, prompt: list[int]) -> tuple[int, str | None]:
-    with httpx.Client(timeout=30) as c:
+    # generous: right after the node removal a request waits for a slot behind the survivors' long streams
+    with httpx.Client(timeout=120) as c:
         r = c.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
     body = r.json()
     fp = body.get("system_fingerprint") if r.status_code == 200 else None
@@ -167,6 +168,9 @@ def run(cluster, workers: list, model: Path, port: int) -> dict:
 
     # (a) where everything runs
     out["placement"] = _placement()
+    # what follows is timed (the router's choices, failing fast): run it when the test session waits for it,
+    # not beside the Ray tests this process starts next to (tests/integration/conftest.py)
+    out["timings_s"]["waited_for_go"] = wait_for_go()
 
     # (b) warm the router up (it routes on load alone until its first KV pull), then equal candidates
     for i in range(6):
@@ -205,7 +209,7 @@ def run(cluster, workers: list, model: Path, port: int) -> dict:
     out["timings_s"]["router_dropped_dead"] = time.monotonic() - removed_at
     after = [_complete(url, _prompt(300 + i)) for i in range(6)]
     for s in streams:
-        s.join(90)
+        s.join(240)
     out["removal"] = {
         "victim_node": victim_node.node_id, "victim_replicas": victim_replicas,
         "streams": [{"replica": s.replica, "on_victim": s.seed in in_flight, "done": s.done,

@@ -18,14 +18,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 NODE_ARGS = dict(num_cpus=2, object_store_memory=80 * 2**20, node_ip_address="127.0.0.1")
 
 
+#: the environment variable naming the file whose creation lets a scenario past `wait_for_go`
+GO_FILE_ENV = "AFFINITY_SCENARIO_GO_FILE"
+
+
 class BackgroundScenario:
     """`python -m module workdir` started now, from the repository root without the caller's RAY_ADDRESS, at
     `nice` (added to this process's niceness; inherited by every Ray process the scenario starts), its output
-    in files of `workdir`; `result` waits for it."""
+    in files of `workdir`; `result` lets it past `wait_for_go` and waits for it."""
 
     def __init__(self, module: str, workdir: pathlib.Path, nice: int = 0):
         self.module, self.started = module, time.monotonic()
+        self.go_file = workdir / "go"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env[GO_FILE_ENV] = str(self.go_file)
         self.out, self.err = open(workdir / "stdout.txt", "w+"), open(workdir / "stderr.txt", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", module, str(workdir)], cwd=ROOT, env=env,
                                      stdout=self.out, stderr=self.err, preexec_fn=(lambda: os.nice(nice)) if nice
@@ -38,6 +44,7 @@ class BackgroundScenario:
     def result(self, timeout_s: float) -> dict:
         """Its parsed last stdout line; AssertionError with the tail of its stderr if it fails or is still
         running `timeout_s` from now (then it is stopped)."""
+        self.go_file.touch()
         try:
             try:
                 self.proc.wait(timeout_s)
@@ -64,6 +71,17 @@ class BackgroundScenario:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def wait_for_go(limit_s: float = 900.0) -> float:
+    """In a scenario run by BackgroundScenario: wait until its caller asks for the result (the go file exists),
+    so the timed part that follows runs while that caller waits instead of beside its work; at most `limit_s`
+    (then go on). At once when not run that way. Returns the seconds waited."""
+    path = os.environ.get(GO_FILE_ENV)
+    t0 = time.monotonic()
+    while path and not os.path.exists(path) and time.monotonic() - t0 < limit_s:
+        time.sleep(0.2)
+    return time.monotonic() - t0
 
 
 def scenario_main(scenario: Callable[[pathlib.Path], dict], argv: list[str]) -> int:

@@ -1,13 +1,13 @@
 """A stand-in scenario for tests/unit/test_background_scenario.py: `python -m tests.unit.scenario_stub WORKDIR`
-returns at once unless WORKDIR/hold exists, in which case it waits (up to 60 s); either way its `finally` writes
-WORKDIR/cleaned, as a real scenario's stops its cluster."""
+waits while WORKDIR/hold exists (up to 60 s), then at `wait_for_go` (WORKDIR/past_go marks it passed), then returns;
+either way its `finally` writes WORKDIR/cleaned, as a real scenario's stops its cluster."""
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
 
-from tests.integration.subprocess_scenario import scenario_main
+from tests.integration.subprocess_scenario import scenario_main, wait_for_go
 
 
 def scenario(workdir: Path) -> dict:
@@ -16,7 +16,9 @@ def scenario(workdir: Path) -> dict:
         deadline = time.monotonic() + 60
         while (workdir / "hold").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        return {"answer": 42, "timings_s": {"total": 0.0}}
+        waited = wait_for_go(60)
+        (workdir / "past_go").write_text("")
+        return {"answer": 42, "timings_s": {"waited_for_go": waited}}
     finally:
         (workdir / "cleaned").write_text("")
 

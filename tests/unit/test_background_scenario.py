@@ -1,6 +1,6 @@
 """tests/integration/subprocess_scenario.py's BackgroundScenario, which runs the multi-node scenario beside the
-Ray tests: its result, a failure's stderr, and a stop that lets the scenario's `finally` run (where a real one
-shuts its simulated cluster down)."""
+Ray tests: its result, the gate that holds its timed part until the result is asked for, and a stop that lets
+the scenario's `finally` run (where a real one shuts its simulated cluster down)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.subprocess_scenario import BackgroundScenario
+from tests.integration.subprocess_scenario import GO_FILE_ENV, BackgroundScenario, wait_for_go
 
 STUB = "tests.unit.scenario_stub"
 
@@ -45,3 +45,18 @@ def test_a_scenario_still_running_past_the_wait_is_stopped_and_reported(tmp_path
     with pytest.raises(AssertionError, match="ran past"):
         bg.result(0.5)
     assert bg.proc.returncode is not None and (tmp_path / "cleaned").exists()
+
+
+def test_the_timed_part_waits_until_the_result_is_asked_for(tmp_path):
+    bg = BackgroundScenario(STUB, tmp_path)
+    _wait_for(tmp_path / "started")
+    time.sleep(1.0)
+    assert not (tmp_path / "past_go").exists() and bg.proc.poll() is None      # held at wait_for_go
+    res = bg.result(60)
+    assert res["answer"] == 42 and res["timings_s"]["waited_for_go"] >= 0.9
+    assert (tmp_path / "past_go").exists()
+
+
+def test_outside_a_background_scenario_there_is_no_gate(monkeypatch):
+    monkeypatch.delenv(GO_FILE_ENV, raising=False)
+    assert wait_for_go(30) < 0.1
