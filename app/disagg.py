@@ -261,9 +261,10 @@ class DecodeReplica(_PDMetrics):
         """Running prefill replicas as this process's router over the prefill pool knows them (Serve's
         replica set, pushed by its controller); None before the first call has made that router."""
         h = self.prefill_handle
-        if h is None:
+        app, name = getattr(h, "app_name", None), getattr(h, "deployment_name", None)
+        if app is None or name is None:        # no handle, or a stand-in without Serve's router (tests)
             return None
-        routers = debug.routers_for(h.app_name, h.deployment_name)
+        routers = debug.routers_for(app, name)
         return max(r.num_replicas() for r in routers) if routers else None
 
     def _prefill_failed(self) -> int:

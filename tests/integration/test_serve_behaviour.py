@@ -152,8 +152,10 @@ def test_traces_span_tree_and_w3c_propagation(app_url):
     assert children["llm.prefill"]["end"] <= children["llm.decode"]["start"] + 1
 
 
-def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
+def _kill_a_busy_replica(app_url) -> list:
+    """8 long completions, a replica with some in flight killed at once; each request's (status, body, s)."""
     import ray
+    from ray import serve
 
     results = []
 
@@ -171,25 +173,34 @@ def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
         t.start()
     deadline = time.monotonic() + 20
     victim = None
-    from ray import serve
     handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
     while victim is None and time.monotonic() < deadline:
-        # one fresh state, killed at once: a state gathered over many calls can be seconds old, and the
-        # replica's requests done by the kill (make test saw all 8 answered 200)
+        # one fresh state, killed at once: a state gathered over many calls can be seconds old
         st = handle.debug_state.remote().result(timeout_s=30)
         victim = st["replica_id"] if st["num_requests"] > 0 else None
     assert victim is not None, "no replica had requests in flight"
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMReplica#{victim}", namespace="serve"), no_restart=True)
     for t in threads:
         t.join(timeout=90)
-    statuses = [s for s, _, _ in results]
-    assert len(results) == 8 and None not in statuses
+    assert len(results) == 8 and None not in [s for s, _, _ in results], results
+    return results
+
+
+def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
+    # The victim's requests may all end between its state and the kill (a 400-token completion takes about a
+    # second here; make test saw all 8 answered 200 twice): then the round shows nothing, and another runs
+    # on the replaced fleet.
+    for _ in range(3):
+        results = _kill_a_busy_replica(app_url)
+        wait_running(APP, "LLMReplica", 2, timeout_s=90)
+        statuses = [s for s, _, _ in results]
+        if any(s != 200 for s in statuses):
+            break
     assert 200 in statuses and any(s != 200 for s in statuses), statuses
     for status, body, dt in results:
         if status != 200:
             assert status in (500, 503) and set(body["error"]) == {"message", "type", "param", "code"}
             assert "Traceback" not in json.dumps(body) and dt < 30
-    wait_running(APP, "LLMReplica", 2, timeout_s=90)
     r = httpx.post(f"{app_url}/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
 
