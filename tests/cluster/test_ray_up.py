@@ -20,7 +20,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +32,12 @@ import pytest
 import yaml
 
 from tests.cluster.node_env import offline_env, offline_venv
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.rayup]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent                 # this checkout's virtual environment
 SSHD = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/sbin/sshd") if os.access(p, os.X_OK)), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _skip_reason() -> str | None:
@@ -70,7 +64,7 @@ class LoopbackSSH:
     """A throwaway key pair and an sshd on a free 127.0.0.1 port, in its own PID namespace."""
 
     def __init__(self, root: Path, env: dict[str, str] | None = None):
-        self.root, self.home, self.port = root, root / "home", _free_port()
+        self.root, self.home, self.port = root, root / "home", free_port()
         self.home.mkdir(parents=True)
         self.key = root / "id_ed25519"
         for key in (self.key, root / "host_ed25519"):
@@ -171,7 +165,7 @@ def test_ray_up_deploys_the_app_serves_a_completion_and_ray_down_stops_it(tmp_pa
         pytest.skip(reason)
     ray_tmp = tempfile.mkdtemp(prefix="rayup-", dir="/tmp")   # short: Ray's socket paths must stay < 108 chars
     name = f"affinity-rayup-{uuid.uuid4().hex[:8]}"
-    http_port, gcs_port = _free_port(), _free_port()
+    http_port, gcs_port = free_port(), free_port()
     app_yaml = tmp_path / "app.yaml"
     app_yaml.write_text(yaml.safe_dump({
         "engine": {"model": checkpoints["llama"], "num_threads": 1, "cache": {"num_blocks": 128, "block_size": 4}},

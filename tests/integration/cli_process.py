@@ -7,22 +7,16 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-cli-9f8e7d6c5b4a39281706"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CLI:
@@ -37,7 +31,7 @@ class CLI:
         cfg.write_text(json.dumps({
             "engine": {"num_threads": 1, "cache": {"num_blocks": 128, "block_size": 4}, **(engine or {})},
             "serve": {"model_name": "tiny", "replica_num_cpus": 0.5, **serve}}))
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items()
                if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
@@ -45,7 +39,7 @@ class CLI:
         self.proc = subprocess.Popen([sys.executable, "-m", "affinity_serve.app.cli", "serve", "--config", str(cfg),
                                       "--model",
                                       checkpoints["llama"], "--port", str(self.port), "--replicas", "1",
-                                      "--dashboard-port", str(_free_port())],
+                                      "--dashboard-port", str(free_port())],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
+from tests.ports import free_port
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -16,18 +16,12 @@ ROUTING_APP = "affinity-routing"
 API_KEY = "test-secret-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ray_serve():
     import ray
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     # address="local": always a fresh cluster of our own, even when another Ray runs on the machine
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level="WARNING", log_to_driver=False)

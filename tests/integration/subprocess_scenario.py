@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import signal
 import sys
 import time
 from collections.abc import Callable
+
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: every simulated node: 2 CPUs, a small object store, bound to 127.0.0.1
@@ -110,9 +111,7 @@ def connect(cluster) -> int:
     port of 127.0.0.1; that port."""
     import ray
     from ray import serve
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     return port
