@@ -138,7 +138,9 @@ class PolicyConfig(BaseModel):
                            "sequences over the batch the TPOT SLO allows (compute, added to prefill's), and the KV "
                            "they hold sizes the fleet on its own (kv_units, beside the compute need), instead of "
                            "folding a KV-bound batch into the decode load, where the KV (already at "
-                           "kv_usage_target) also gets target_utilization and the headroom and adds to prefill")
+                           "kv_usage_target) also gets target_utilization and the headroom and adds to prefill. "
+                           "The cache-loss floor still counts the folded load (a KV-bound replica has no room to "
+                           "absorb a prefix cache's recompute)")
     saturation_scale_out: bool = Field(False, description="a replica at its batch cap (look-back mean of its "
                                        "running sequences at least 95% of max_num_seqs) with requests waiting is "
                                        "short of capacity whatever the fleet's mean load says: ask for one more "
@@ -188,6 +190,8 @@ class FleetLoad:
     refill_units: float = 0.0      # of the prefill rate, refills (prefixes another replica held), in units;
                                    # prefill_units counts them at refill_weight
     decode_units: float = 0.0      # sequences (running + queued at callers) / decode capacity
+    #: the same sequences over C = min(C_tpot, C_kv) whatever kv_apart says (the KV-bound batch folded in)
+    folded_decode_units: float = 0.0
     kv_units: float = 0.0          # held KV / kv_usage_target
     ttft_p90_s: float = 0.0        # recent p90s, weighted by each replica's recent requests
     tpot_p90_s: float = 0.0
@@ -374,6 +378,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         refill_units=refill_rate / r,
         decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / (
             tpot_batch(caps, cfg) if cfg.kv_apart else c_decode),
+        folded_decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
         kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),
@@ -671,7 +676,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
-    cache_floor = cache_loss_replicas(load, cfg, trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0
+    cache_floor = (cache_loss_replicas(replace(load, decode_units=load.folded_decode_units), cfg,
+                                       trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0)
     up_need = max(replicas_needed(load.projected_units, cfg, per_unit, cold_units=load.cold_units),
                   load.kv_units, cache_floor)
     up_target = math.ceil(up_need - 1e-9)

@@ -51,3 +51,19 @@ def test_a_value_that_is_not_a_boolean_is_refused_naming_the_option():
         AppConfig.from_dict({"engine": {"model": "m"}, "autoscaling": {"enabled": True, "kv_apart": "sometimes"}})
     assert AppConfig.from_dict({"engine": {"model": "m"}, "autoscaling": {"enabled": True, "kv_apart": True}}
                                ).autoscaling.kv_apart is True
+
+
+def test_the_cache_loss_floor_still_counts_a_kv_bound_batch_as_busy():
+    """A prefix cache that stops hitting must be absorbed by replicas whose pools the running sequences fill:
+    the floor (load + what the cache saves) takes the decode load folded with the KV, as without kv_apart.
+    Measured: with the compute-only decode load there, the reuse-collapse trace lost 0.034 attainment at seeds
+    0 and 1 (docs/autoscaling.md)."""
+    import dataclasses
+    fleet = [dataclasses.replace(rep(9, 0.8), prompt_tokens_per_s=600.0)] * 4     # the cache saves 1.2 units
+    load = fleet_load(fleet, APART)
+    assert load.cached_units == pytest.approx(1.2) and load.decode_units == pytest.approx(0.6)
+    assert load.folded_decode_units == pytest.approx(3.2 / 0.85)
+    # floor (trend lead 0: no slack): 1.2 prefill + 3.76 folded decode + 1.2 saved = 6.16 -> 7 replicas;
+    # with the compute-only 0.6 it would be 3.0, below the KV's own 3.76 -> 4
+    assert decide(fleet, 4, NOW, PolicyState(), APART).target_replicas == 7
+    assert decide(fleet, 4, NOW, PolicyState(), CFG).target_replicas == 7
