@@ -259,10 +259,14 @@ class DecodeReplica(_PDMetrics):
 
     def prefill_pool_size(self) -> int | None:
         """Running prefill replicas as this process's router over the prefill pool knows them (Serve's
-        replica set, pushed by its controller); None before the first call has made that router."""
+        replica set, pushed by its controller); None until that router has once known some (the first
+        call makes it, and its first set may come after a second call: that call waits, as before)."""
         h = self.prefill_handle
         app, name = getattr(h, "app_name", None), getattr(h, "deployment_name", None)
-        if app is None or name is None:        # no handle, or a stand-in without Serve's router (tests)
+        populated = getattr(h, "running_replicas_populated", None)
+        if app is None or name is None or populated is None:     # no handle, or a stand-in (tests)
+            return None
+        if not populated():
             return None
         routers = debug.routers_for(app, name)
         return max(r.num_replicas() for r in routers) if routers else None
