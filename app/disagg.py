@@ -28,6 +28,7 @@ from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.routing import debug
+from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
@@ -238,6 +239,7 @@ class DisaggCounters:
     local_short: int = 0        # served here: the uncached part was below min_remote_prefill_tokens
     local_ineligible: int = 0   # served here: max_tokens 1, or no prefill pool
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
+    prefill_pool_empty: int = 0  # of those, the pool had no running replica (not called)
 
 
 class DecodeReplica(_PDMetrics):
@@ -245,9 +247,12 @@ class DecodeReplica(_PDMetrics):
 
     def __init__(self, engine: EngineConfig, serve: ServeSection, observability: ObservabilitySection,
                  prefill: Any, disaggregation: DisaggregationSection, *,
-                 autoscaling: AutoscalingSection | None = None):
+                 autoscaling: AutoscalingSection | None = None, prefill_min_replicas: int = 1):
         super().__init__(engine, serve, observability, autoscaling=autoscaling)
         self.prefill_handle = prefill
+        # a prefill pool that may scale to zero comes back only on calls queued at its handles
+        self.prefill_min_replicas = prefill_min_replicas
+        self._pool_was_empty = False
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
@@ -263,13 +268,23 @@ class DecodeReplica(_PDMetrics):
         call makes it, and its first set may come after a second call: that call waits, as before)."""
         h = self.prefill_handle
         app, name = getattr(h, "app_name", None), getattr(h, "deployment_name", None)
-        populated = getattr(h, "running_replicas_populated", None)
-        if app is None or name is None or populated is None:     # no handle, or a stand-in (tests)
-            return None
-        if not populated():
+        if app is None or name is None or not handle_has_known_replicas(h):    # no handle, a stand-in, or new
             return None
         routers = debug.routers_for(app, name)
         return max(r.num_replicas() for r in routers) if routers else None
+
+    def _prefill_pool_down(self) -> bool:
+        """Whether to recompute here without calling the prefill pool: it had replicas and has none running
+        now (Serve would hold the call until a replacement has started, a model load). Never for a pool that
+        may scale to zero (prefill_min_replicas 0): its queued calls are what bring it back."""
+        empty = self.prefill_min_replicas >= 1 and self.prefill_pool_size() == 0
+        if empty != self._pool_was_empty:          # one line per change, not one per request
+            self._pool_was_empty = empty
+            if empty:
+                logger.warning("the prefill pool has no running replica: prefilling here until one runs")
+            else:
+                logger.info("the prefill pool has a running replica again")
+        return empty
 
     def _prefill_failed(self) -> int:
         counters = getattr(self, "disagg", None)      # a collection may come before __init__ has set it
@@ -305,11 +320,11 @@ class DecodeReplica(_PDMetrics):
             "replica": self.replica_id, "req_id": req.req_id, "pd.local_blocks": skip,
             "pd.prompt_tokens": len(req.prompt_token_ids)})
         results: list[PrefillResult] | None = None
+        pool_down = self._prefill_pool_down()
         try:
-            if self.prefill_pool_size() == 0:
-                # Serve would hold the call until a replacement prefill replica has started (a model load)
+            if pool_down:
                 span.set_attribute("pd.prefill_pool_empty", True)
-                logger.warning("the prefill pool has no running replica: recomputing here")
+                self.disagg.prefill_pool_empty += 1
             else:
                 # the prefill replica's spans (prefill, copy-out) are this span's children
                 call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))

@@ -676,6 +676,8 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
                          and now - state.preempt_since + 1e-9 >= cfg.preemption_persist_s)
 
     per_unit = load.requests_per_s / load.load_units if load.load_units > 0 else 0.0
+    # with kv_apart, the floor takes the folded decode load (a KV-bound replica has no room for the recompute)
+    # and the trend measured on the compute-only load: a slope, close enough for the lead it projects
     cache_floor = (cache_loss_replicas(replace(load, decode_units=load.folded_decode_units), cfg,
                                        trend_lead_s(state, cfg)) if cfg.cache_loss_headroom else 0.0)
     up_need = max(replicas_needed(load.projected_units, cfg, per_unit, cold_units=load.cold_units),

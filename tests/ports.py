@@ -10,17 +10,22 @@ import random
 import socket
 
 LOW, HIGH = 20000, 32768
+_given: set[int] = set()      # handed out by this process: two servers started together never share one
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 in [LOW, HIGH) that binds now, drawn at random (so parallel callers rarely meet)."""
+    """A port of 127.0.0.1 in [LOW, HIGH) that binds now and this process has not handed out before, drawn at
+    random (so parallel test workers rarely meet)."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(LOW, HIGH)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _given.add(port)
+        return port
     raise RuntimeError(f"no free port in [{LOW}, {HIGH}) after 200 tries")

@@ -8,6 +8,8 @@ tests/unit/app/test_serve_compat.py, so an upgrade that moves any of it fails th
 - `pending_args` / `internal_request_id`: what a `PendingRequest` carries (the call's positional arguments,
   Serve's own id for the call).
 - `DropKVFeedAccessLogs`: a filter on Serve's logger that knows the attributes of Serve's access records.
+- `handle_has_known_replicas`: whether a DeploymentHandle's router has once received a non-empty replica set
+  (`DeploymentHandle.running_replicas_populated`, undocumented).
 """
 from __future__ import annotations
 
@@ -84,3 +86,10 @@ def drop_kv_feed_access_logs() -> None:
     serve_logger = logging.getLogger("ray.serve")
     if not any(isinstance(f, DropKVFeedAccessLogs) for f in serve_logger.filters):
         serve_logger.addFilter(DropKVFeedAccessLogs())
+
+
+def handle_has_known_replicas(handle: Any) -> bool:
+    """Whether `handle`'s router (made by its first call) has once received a non-empty replica set from
+    Serve's controller; False for anything that is not a DeploymentHandle."""
+    populated = getattr(handle, "running_replicas_populated", None)
+    return bool(populated()) if callable(populated) else False

@@ -139,7 +139,8 @@ def multinode_results(tmp_path_factory):
     the session's first Ray test (`multinode_in_background`), or here if it was not."""
     from tests.integration.subprocess_scenario import BackgroundScenario
     bg = _background.get("multinode") or BackgroundScenario(MULTINODE_SCENARIOS, tmp_path_factory.mktemp("multinode"))
-    # below pytest's 300 s (the first test's setup waits for it), so a stuck scenario fails with its stderr
+    # below pytest's 300 s (the first test's setup waits for it), so a stuck scenario fails with its stderr;
+    # the scenario's timed part runs within it (it waits at wait_for_go until here), so this is its bound
     return bg.result(285)
 
 

@@ -82,6 +82,8 @@ def wait_for_go(limit_s: float = 900.0) -> float:
     t0 = time.monotonic()
     while path and not os.path.exists(path) and time.monotonic() - t0 < limit_s:
         time.sleep(0.2)
+    if path and not os.path.exists(path):
+        print(f"wait_for_go: no go after {limit_s:.0f}s, going on beside the caller's tests", file=sys.stderr)
     return time.monotonic() - t0
 
 

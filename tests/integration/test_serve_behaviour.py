@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import API_KEY, APP, wait_running
+from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -176,14 +177,24 @@ def _kill_a_busy_replica(app_url) -> list:
     handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
     while victim is None and time.monotonic() < deadline:
         # one fresh state, killed at once: a state gathered over many calls can be seconds old
-        st = handle.debug_state.remote().result(timeout_s=30)
+        try:
+            st = handle.debug_state.remote().result(timeout_s=30)
+        except ray.exceptions.RayActorError:       # a replica an earlier round killed, not yet dropped
+            continue
         victim = st["replica_id"] if st["num_requests"] > 0 else None
     assert victim is not None, "no replica had requests in flight"
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#LLMReplica#{victim}", namespace="serve"), no_restart=True)
     for t in threads:
         t.join(timeout=90)
     assert len(results) == 8 and None not in [s for s, _, _ in results], results
-    return results
+    return results, victim
+
+
+def _alive_replica_actors() -> set[str]:
+    from ray._private import state        # the GCS actor table: no dashboard needed
+    prefix = f"SERVE_REPLICA::{APP}#LLMReplica#"
+    return {a["Name"].removeprefix(prefix) for a in state.actors().values()
+            if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)}
 
 
 def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
@@ -191,7 +202,10 @@ def test_killing_a_replica_fails_its_requests_fast_and_is_replaced(app_url):
     # second here; make test saw all 8 answered 200 twice): then the round shows nothing, and another runs
     # on the replaced fleet.
     for _ in range(3):
-        results = _kill_a_busy_replica(app_url)
+        results, victim = _kill_a_busy_replica(app_url)
+        # the replacement alive and the victim gone, then Serve counting 2 running
+        wait_until(lambda: (alive := _alive_replica_actors()) and victim not in alive and len(alive) == 2,
+                   timeout_s=90, what="the replacement replica's actor")
         wait_running(APP, "LLMReplica", 2, timeout_s=90)
         statuses = [s for s, _, _ in results]
         if any(s != 200 for s in statuses):

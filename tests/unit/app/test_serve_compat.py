@@ -45,3 +45,23 @@ def test_the_router_hooks_it_overrides_exist_with_these_signatures():
     assert list(inspect.signature(RequestRouter.on_request_completed).parameters)[1:] == [
         "replica_id", "internal_request_id"]
     assert issubclass(AffinityRequestRouter, LocalityMixin)
+
+
+def test_a_handle_says_whether_its_router_has_known_replicas():
+    from ray.serve.handle import DeploymentHandle
+    # the handle's method and its router's flag, set on the first non-empty replica set
+    assert callable(DeploymentHandle.running_replicas_populated)
+    from ray.serve._private.router import AsyncioRouter
+    src = inspect.getsource(AsyncioRouter.update_deployment_targets)
+    assert "self._running_replicas_populated = True" in src
+    assert {"app_name", "deployment_name"} <= set(dir(DeploymentHandle))
+
+    class Stub:
+        def __init__(self, v):
+            self.v = v
+
+        def running_replicas_populated(self):
+            return self.v
+    assert serve_compat.handle_has_known_replicas(Stub(True)) is True
+    assert serve_compat.handle_has_known_replicas(Stub(False)) is False
+    assert serve_compat.handle_has_known_replicas(object()) is False

@@ -66,4 +66,3 @@ def test_the_cache_loss_floor_still_counts_a_kv_bound_batch_as_busy():
     # floor (trend lead 0: no slack): 1.2 prefill + 3.76 folded decode + 1.2 saved = 6.16 -> 7 replicas;
     # with the compute-only 0.6 it would be 3.0, below the KV's own 3.76 -> 4
     assert decide(fleet, 4, NOW, PolicyState(), APART).target_replicas == 7
-    assert decide(fleet, 4, NOW, PolicyState(), CFG).target_replicas == 7

@@ -1,0 +1,73 @@
+"""A decode replica skips the prefill pool when Serve's router over it knows no running replica (app/disagg.py:
+DecodeReplica.prefill_pool_size / _prefill_pool_down), except for a pool that may scale to zero, and the
+builder tells it which pool it has."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from affinity_serve.app.config import AppConfig
+from affinity_serve.app.disagg import DecodeReplica
+from affinity_serve.app.routing import debug
+
+
+class Handle:
+    app_name, deployment_name = "pd-unit", "PrefillReplica"
+
+    def __init__(self, populated: bool):
+        self.populated = populated
+
+    def running_replicas_populated(self) -> bool:
+        return self.populated
+
+
+class Router:
+    def __init__(self, n: int):
+        self.n = n
+
+    def num_replicas(self) -> int:
+        return self.n
+
+
+def _decode(handle, min_replicas: int = 1) -> SimpleNamespace:
+    d = SimpleNamespace(prefill_handle=handle, prefill_min_replicas=min_replicas, _pool_was_empty=False)
+    d.prefill_pool_size = lambda: DecodeReplica.prefill_pool_size(d)
+    return d
+
+
+def test_the_pool_size_is_what_the_router_knows_once_it_has_known_some():
+    router = Router(2)
+    debug.register(Handle.app_name, Handle.deployment_name, router)
+    assert DecodeReplica.prefill_pool_size(_decode(None)) is None               # no prefill pool
+    assert DecodeReplica.prefill_pool_size(_decode(object())) is None           # not a Serve handle
+    assert DecodeReplica.prefill_pool_size(_decode(Handle(populated=False))) is None     # no set seen yet
+    assert DecodeReplica.prefill_pool_size(_decode(Handle(populated=True))) == 2
+    router.n = 0
+    assert DecodeReplica.prefill_pool_size(_decode(Handle(populated=True))) == 0
+
+
+def test_an_empty_pool_is_skipped_unless_it_may_scale_to_zero(caplog):
+    router = Router(0)
+    debug.register(Handle.app_name, Handle.deployment_name, router)
+    fixed = _decode(Handle(populated=True))
+    with caplog.at_level("INFO", logger="affinity.disagg"):
+        assert DecodeReplica._prefill_pool_down(fixed) and DecodeReplica._prefill_pool_down(fixed)
+        router.n = 1
+        assert not DecodeReplica._prefill_pool_down(fixed)
+    # one line when it empties and one when it is back, not one per request
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    router.n = 0
+    assert not DecodeReplica._prefill_pool_down(_decode(Handle(populated=True), min_replicas=0))
+
+
+def test_the_builder_passes_the_prefill_pools_floor():
+    from affinity_serve.app.builder import disagg_deployments
+
+    def floor(cfg: dict) -> int:
+        pd = AppConfig.model_validate({"engine": {"model": "/m", "cache": {"block_size": 4}}, **cfg})
+        return disagg_deployments(pd, pd.engine.to_engine_config())._bound_deployment.init_kwargs[
+            "prefill_min_replicas"]
+    assert floor({"disaggregation": {"enabled": True, "prefill": {"num_replicas": 2}}}) == 2
+    assert floor({"autoscaling": {"enabled": True, "min_replicas": 0},
+                  "disaggregation": {"enabled": True}}) == 0
+    assert floor({"autoscaling": {"enabled": True, "min_replicas": 0},
+                  "disaggregation": {"enabled": True, "prefill": {"autoscaling": {"min_replicas": 1}}}}) == 1
