@@ -27,9 +27,9 @@ from affinity_serve.app.config import AutoscalingSection, ObservabilitySection, 
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+from affinity_serve.app.replica import LLMReplica
 from affinity_serve.app.routing import debug
 from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
-from affinity_serve.app.replica import LLMReplica
 from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 

@@ -369,6 +369,7 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
     served = whole - (1.0 - cfg.refill_weight) * refill_rate
     ff_decode = sum(feedforward_decode_units(s, x, c_decode, cfg) for s, x in zip(signals, caps))
     rps = sum(s.requests_per_s for s in signals)
+    seqs = sum(s.num_running for s in signals) + num_queued_at_callers
     return FleetLoad(
         prompt_units=sum(s.prompt_tokens_per_s for s in signals if s.prompt_tokens_per_s > 0) / r,
         signal_span_s=recent / rps if rps > 0 else 0.0,
@@ -376,9 +377,8 @@ def fleet_load(signals: Sequence[ReplicaSignals], cfg: PolicyConfig, num_queued_
         num_queued_replicas=sum(1 for s, x in zip(signals, caps) if queued_past_slo_share(s, x, cfg)),
         prefill_units=(prefill_rate + backlog / cfg.ttft_slo_s) / r, cached_units=saved / r,
         refill_units=refill_rate / r,
-        decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / (
-            tpot_batch(caps, cfg) if cfg.kv_apart else c_decode),
-        folded_decode_units=(sum(s.num_running for s in signals) + num_queued_at_callers) / c_decode,
+        decode_units=seqs / (tpot_batch(caps, cfg) if cfg.kv_apart else c_decode),
+        folded_decode_units=seqs / c_decode,
         kv_units=sum(s.kv_cache_usage * c.kv_growth for s, c in zip(signals, caps)) / cfg.kv_usage_target,
         ttft_p90_s=weighted("ttft_p90_s"), tpot_p90_s=weighted("tpot_p90_s"),
         preemptions_per_s=sum(s.preemptions_per_s for s in signals),

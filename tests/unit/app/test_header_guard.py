@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("httptools")
 
 from affinity_serve.app.http import HEADER_GUARD_SLACK_BYTES, install_header_guard  # noqa: E402
+from tests.ports import free_port
 
 
 async def _echo_app(scope, receive, send):
@@ -34,9 +35,7 @@ async def _echo_app(scope, receive, send):
 def server():
     import uvicorn
     install_header_guard(8192)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = uvicorn.Config(_echo_app, host="127.0.0.1", port=port, http="httptools", lifespan="off",
                             log_level="critical")
     srv = uvicorn.Server(config)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from affinity_serve.app.http import HTTPLimitsMiddleware
+from tests.ports import free_port
 
 
 class Inner:
@@ -144,9 +145,7 @@ def server():
             await inner(scope, receive, send)
 
     app = HTTPLimitsMiddleware(limited, body_read_timeout_s=1.0, max_connections_per_client=1000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off",
                                         log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
