@@ -10,6 +10,7 @@ second time, with its traceback; `drop_serve_duplicate_logs` filters those recor
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from affinity_serve.engine.errors import (ContextLengthExceededError, EngineDeadError, EngineError, InvalidRequestError,
@@ -105,10 +106,52 @@ def drop_serve_duplicate_logs() -> None:
         serve_logger.addFilter(_AlreadyLogged())
 
 
+#: pydantic's names for the branches of a union, as they appear in an error's location
+_TYPE_WORDS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _is_branch(seg: object) -> bool:
+    """A location segment that names a union's branch (`str`, `list[int]`, `literal['a','b']`, a model's
+    class name), not a field: our fields are snake_case."""
+    return isinstance(seg, str) and (seg in _TYPE_WORDS or re.fullmatch(r"[a-z_][a-z0-9_]*", seg) is None)
+
+
+def _shape(tag: str, msg: str) -> str:
+    """A union branch's name as a client reads it."""
+    if tag.startswith("literal["):
+        return msg.removeprefix("Input should be ")
+    words = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "none": "null",
+             "list[int]": "a list of token ids", "list[str]": "a list of strings",
+             "list[list[int]]": "a list of token-id lists"}
+    if tag in words:
+        return words[tag]
+    if tag == "list[ContentPart]":
+        return "a list of content parts"
+    if tag.startswith("list["):
+        return "a list"
+    return "an object"
+
+
 def pydantic_error(exc) -> APIError:
-    """A pydantic ValidationError -> 400 naming the first offending field."""
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    """A pydantic ValidationError -> 400 naming the first offending field (`param` is the field's path, never
+    a union branch's name). A value that fits none of a field's shapes names the shapes it accepts; a value
+    that picked a shape but is wrong inside it names the inner error."""
+    errs = [(tuple(p for p in e.get("loc", ()) if p != "body"), e) for e in exc.errors()]
+    loc, err = errs[0]
+    cut = next((i for i, p in enumerate(loc) if _is_branch(p)), None)
+    if cut is not None:
+        prefix = loc[:cut]
+        union = [(lc, e) for lc, e in errs if lc[:cut] == prefix and len(lc) > cut and _is_branch(lc[cut])]
+        inner = [(tuple(p for p in lc if not _is_branch(p)), e) for lc, e in union]
+        deep = max(inner, key=lambda x: len(x[0]))
+        if len(deep[0]) > len(prefix):           # one shape matched the outside: its own error
+            loc, err = deep
+        else:
+            shapes = list(dict.fromkeys(_shape(str(lc[cut]), e.get("msg", "")) for lc, e in union))
+            path = ".".join(str(p) for p in prefix)
+            return APIError(f"invalid value for '{path}': expected {' or '.join(shapes)}", 400,
+                            "invalid_request_error", path or None, "invalid_value")
+    path = ".".join(str(p) for p in loc if not _is_branch(p))
     msg = err.get("msg", "invalid value")
-    return APIError(f"invalid value for '{loc}': {msg}" if loc else msg, 400, "invalid_request_error",
-                    loc or None, "invalid_value")
+    return APIError(f"invalid value for '{path}': {msg}" if path else msg, 400, "invalid_request_error",
+                    path or None, "invalid_value")

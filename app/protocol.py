@@ -120,7 +120,23 @@ class _OpenAIRequest(BaseModel):
     @classmethod
     def _known_fields_only(cls, data: Any) -> Any:
         reject_unknown_fields(cls, data)
+        if isinstance(data, dict):
+            # OpenAI's schema makes the optional fields nullable: null means "the default", as in vLLM
+            data = {k: v for k, v in data.items() if v is not None}
+            top_k = data.get("top_k")
+            if type(top_k) is int and top_k in (0, -1):      # vLLM's "no top-k"
+                del data["top_k"]
+            elif type(top_k) is int and top_k < -1:
+                raise APIError(f"top_k must be >= 1, or -1 or 0 for no top-k; got {top_k}", 400,
+                               "invalid_request_error", "top_k", "invalid_value")
         return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_OpenAIRequest":
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream: true (remove it, or set stream)", 400,
+                           "invalid_request_error", "stream_options", "invalid_value")
+        return self
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -135,6 +151,7 @@ class _OpenAIRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     # extensions (vLLM-style)
+    #: -1 or 0 (vLLM's "disabled") mean no top-k, like leaving it out
     top_k: int | None = Field(None, ge=1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
@@ -170,9 +187,13 @@ class _OpenAIRequest(BaseModel):
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
             if any(not 0 <= k <= INT32_MAX for k in bias):
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
+        if self.min_tokens > max_tokens:
+            from affinity_serve.engine.errors import InvalidRequestError
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                                      param="min_tokens", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=n, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            n=n, max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, repetition_penalty=self.repetition_penalty,

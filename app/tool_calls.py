@@ -126,9 +126,13 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None, 
                        400, "invalid_request_error", "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                  "required": ["name", "arguments"], "additionalProperties": False} for n, p in params.items()]
+        defs: dict[str, Any] = {}
+        items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _nested(p, i, defs)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for i, (n, p) in enumerate(params.items())]
         schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+        if defs:
+            schema["$defs"] = defs
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return StructuredOutputSpec.from_schema(schema, "tools"), ToolCallMode(None)
@@ -137,6 +141,34 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None, 
         raise APIError(f"tool_choice names the function {name[:64]!r}, which is not in tools ({', '.join(names)})",
                        400, "invalid_request_error", "tool_choice.function.name", "invalid_value")
     return StructuredOutputSpec.from_schema(params[name], f"tools.{name}.parameters"), ToolCallMode(name)
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("$ref"), str) or any(_has_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_ref(v) for v in node)
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """`node` with every document-relative `$ref` ("#...") pointing under `base` instead of the root."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
+
+
+def _nested(parameters: Any, i: int, defs: dict[str, Any]) -> Any:
+    """A function's parameters schema to nest inside the "required" array schema. References in it
+    (`#/$defs/...`, `#/definitions/...`, `#`) are relative to the parameters' own root, which nesting moves:
+    such a schema is kept whole in the array schema's `$defs` (as `tool_<i>`) with its references rebased,
+    and referenced from there."""
+    if not _has_ref(parameters):
+        return parameters
+    key = f"tool_{i}"
+    defs[key] = _rebased(parameters, f"#/$defs/{key}")
+    return {"$ref": f"#/$defs/{key}"}
 
 
 def new_call_id() -> str:
@@ -365,13 +397,13 @@ class ToolCallStream:
             return self._feed_hermes()
         if self.mode.parser is not None:
             return self._feed_json()
-        out = []
+        out = []            # at most one entry per call index in one delta, as OpenAI streams them
         for i, (name, args, _) in enumerate(read_calls(self.text, self.mode)):
             if i == len(self.sent):
-                self.sent.append(0)
+                self.sent.append(len(args))
                 out.append({"index": i, "id": new_call_id(), "type": "function",
-                            "function": {"name": name, "arguments": ""}})
-            if len(args) > self.sent[i]:
+                            "function": {"name": name, "arguments": args}})
+            elif len(args) > self.sent[i]:
                 out.append({"index": i, "function": {"arguments": args[self.sent[i]:]}})
                 self.sent[i] = len(args)
         return out

@@ -140,6 +140,15 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise token_ids_only_error("stop")
 
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """A logit_bias key outside the vocabulary biases no token: refused rather than dropped."""
+        vocab = self.limits.vocab_size
+        if params.logit_bias and vocab is not None:
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"logit_bias key {bad} is outside this model's vocabulary (token ids "
+                                          f"0..{vocab - 1})", param="logit_bias", code="invalid_value")
+
     def _check_structured_output(self, params: SamplingParams) -> None:
         """A grammar needs the tokenizer (its token strings) and must parse; raises InvalidRequestError."""
         spec = params.structured_output
@@ -177,6 +186,7 @@ class LLMEngine:
         if request.checked_limits != limits:
             limits.check(request.prompt_token_ids, params.max_tokens)
         self._check_stop_strings(params)
+        self._check_logit_bias(params)
         self._check_structured_output(params)
         self._check_kv_transfer(request.kv_transfer, request.prompt_token_ids, params)
         return params

@@ -1,0 +1,143 @@
+"""What OpenAI's and vLLM's clients send and expect, found by trying the API as a user would: nullable optional
+fields, vLLM's top_k -1/0, min_tokens above max_tokens, stream_options without stream, error params that name
+the field (not a pydantic union branch), out-of-vocabulary logit_bias, `tool_choice: required` over tools whose
+parameters use `$ref`, and one entry per call index in a streamed tool-call delta."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest
+from affinity_serve.app.tool_calls import ToolCallMode, ToolCallStream, tool_call_grammar
+from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.errors import InvalidRequestError
+from affinity_serve.engine.llm_engine import LLMEngine
+from affinity_serve.engine.sampling_params import SamplingParams
+from affinity_serve.engine.types import EngineRequest
+from tests.unit.app.test_hostile_inputs import FakeReplica, http_request, ingress
+
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+async def _post(ing, kind: RequestKind, body: dict):
+    r = await asyncio.wait_for(ing._http(kind, http_request(json.dumps(body).encode())), 5)
+    return r.status_code, (json.loads(r.body) if hasattr(r, "body") else None)
+
+
+@pytest.mark.parametrize("kind,body", [
+    (RequestKind.COMPLETION, {"prompt": "hi", "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
+                              "presence_penalty": None, "frequency_penalty": None, "stream": None, "echo": None,
+                              "logprobs": None, "top_k": None, "seed": None, "stop": None}),
+    (RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
+                        "presence_penalty": None, "frequency_penalty": None, "stream": None, "logprobs": None,
+                        "top_logprobs": None, "tools": None, "tool_choice": None}),
+])
+async def test_null_optional_fields_mean_their_defaults(checkpoints, kind, body):
+    replica = FakeReplica()
+    ing, _ = ingress(checkpoints, replica)
+    status, out = await _post(ing, kind, body)
+    assert status == 200, out
+    p = replica.generated[0].sampling_params
+    assert (p.temperature, p.top_p, p.n, p.presence_penalty, p.frequency_penalty) == (1.0, 1.0, 1, 0.0, 0.0)
+
+
+def test_top_k_minus_one_and_zero_turn_top_k_off_and_below_is_a_400():
+    for k in (-1, 0):
+        req = CompletionRequest.model_validate({"prompt": "hi", "top_k": k})
+        assert req.top_k is None and req.sampling_params(4, None, 1).top_k is None
+    assert CompletionRequest.model_validate({"prompt": "hi", "top_k": 3}).sampling_params(4, None, 1).top_k == 3
+    from affinity_serve.app.errors import APIError
+    with pytest.raises(APIError) as e:
+        CompletionRequest.model_validate({"prompt": "hi", "top_k": -2})
+    assert e.value.param == "top_k" and "-1 or 0" in str(e.value)
+
+
+async def test_min_tokens_above_max_tokens_is_a_400_naming_both(checkpoints):
+    ing, handle = ingress(checkpoints)
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5})
+    assert status == 400 and out["error"]["param"] == "min_tokens", out
+    assert "min_tokens (5)" in out["error"]["message"] and "max_tokens (2)" in out["error"]["message"]
+    assert "generate" not in [name for name, _ in handle.calls]
+    status, _ = await _post(ing, RequestKind.COMPLETION, {"prompt": "hi", "max_tokens": 2, "min_tokens": 2})
+    assert status == 200
+
+
+async def test_stream_options_without_stream_is_a_400(checkpoints):
+    ing, _ = ingress(checkpoints)
+    status, out = await _post(ing, RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                                                      "stream_options": {"include_usage": True}})
+    assert status == 400 and out["error"]["param"] == "stream_options", out
+
+
+@pytest.mark.parametrize("kind,body,param,says", [
+    (RequestKind.COMPLETION, {"prompt": 5}, "prompt", ["a string", "a list of token ids"]),
+    (RequestKind.COMPLETION, {"prompt": "hi", "stop": 5}, "stop", ["a string", "a list of strings"]),
+    (RequestKind.COMPLETION, {"prompt": "hi", "stop": [1, 2]}, "stop.0", ["valid string"]),
+    (RequestKind.CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
+     ["a string", "a list of content parts"]),
+    (RequestKind.CHAT, {"messages": MESSAGES, "tools": [{"function": {"name": "f"}}], "tool_choice": "always"},
+     "tool_choice", ["'none', 'auto' or 'required'", "an object"]),
+    (RequestKind.CHAT, {"messages": MESSAGES, "tools": [{"function": {"name": "f"}}],
+                        "tool_choice": {"type": "function"}}, "tool_choice.function", ["Field required"]),
+])
+async def test_a_400_names_the_field_and_the_shapes_it_takes(checkpoints, kind, body, param, says):
+    ing, _ = ingress(checkpoints)
+    status, out = await _post(ing, kind, body)
+    err = out["error"]
+    assert status == 400 and err["param"] == param, err
+    assert all(s in err["message"] for s in says), err
+    assert "[" not in err["param"] and "literal" not in err["message"]
+
+
+def test_an_out_of_vocabulary_logit_bias_key_is_refused_by_the_engine(checkpoints):
+    eng = LLMEngine.from_config(EngineConfig(model=checkpoints["llama"], cache={"num_blocks": 16, "block_size": 4}))
+    vocab = eng.limits.vocab_size
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request(EngineRequest("a", [5, 6], SamplingParams(max_tokens=2, logit_bias={vocab: 5.0})))
+    assert e.value.param == "logit_bias" and str(vocab) in str(e.value)
+    assert not eng.has_unfinished_requests()
+    eng.add_request(EngineRequest("b", [5, 6], SamplingParams(max_tokens=2, logit_bias={vocab - 1: 5.0})))
+    assert eng.has_unfinished_requests()
+
+
+ADDRESS = {"type": "object", "$defs": {"Addr": {"type": "object", "properties": {"zip": {"type": "string"}},
+                                                "required": ["zip"], "additionalProperties": False}},
+           "properties": {"addr": {"$ref": "#/$defs/Addr"}}, "required": ["addr"], "additionalProperties": False}
+NODE = {"type": "object", "properties": {"kid": {"$ref": "#/definitions/Node"}}, "additionalProperties": False}
+TREE = {"type": "object", "definitions": {"Node": NODE},
+        "properties": {"root": {"$ref": "#/definitions/Node"}, "again": {"$ref": "#"}}, "required": ["root"]}
+
+
+def test_required_tool_choice_keeps_the_references_of_each_functions_parameters():
+    req = ChatCompletionRequest.model_validate({
+        "messages": MESSAGES, "tool_choice": "required",
+        "tools": [{"function": {"name": "ship", "parameters": ADDRESS}},
+                  {"function": {"name": "walk", "parameters": TREE}}, {"function": {"name": "ping"}}]})
+    spec, mode = tool_call_grammar(req)
+    spec.check()                                         # xgrammar builds it (it refused the nested $ref before)
+    schema = json.loads(spec.json)
+    ok = [[{"name": "ship", "arguments": {"addr": {"zip": "1"}}}],
+          [{"name": "walk", "arguments": {"root": {"kid": {"kid": {}}}, "again": {"root": {}}}}],
+          [{"name": "ping", "arguments": {}}, {"name": "ship", "arguments": {"addr": {"zip": "2"}}}]]
+    bad = [[{"name": "ship", "arguments": {"addr": {"zap": "1"}}}],
+           [{"name": "walk", "arguments": {"root": {"kid": {"x": 1}}}}],
+           [{"name": "walk", "arguments": {"root": {}, "again": {}}}]]
+    for inst in ok:
+        jsonschema.validate(inst, schema)
+    for inst in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(inst, schema)
+
+
+def test_a_streamed_named_call_sends_one_entry_per_index_in_each_delta():
+    stream = ToolCallStream(ToolCallMode("f"))
+    text = '{"city": "Paris", "days": 3}'
+    deltas = [stream.feed(piece) for piece in ("{", '"city": "Pa', 'ris", "days"', ": 3}")]
+    for d in deltas:
+        assert len({e["index"] for e in d}) == len(d), d
+    assert deltas[0][0]["function"]["name"] == "f" and deltas[0][0]["id"].startswith("call_")
+    assert "".join(e["function"]["arguments"] for d in deltas for e in d) == text
