@@ -108,7 +108,9 @@ class Ingress:
     async def http_models(self, request: Request) -> Response:
         try:
             check_api_key(request, self.api_key)
-            return JSONResponse(await self.models())
+            out = JSONResponse(await self.models())
+            self.metrics.record_http("/v1/models", 200)
+            return out
         except Exception as e:
             return error_response(self._fail(e, request.url.path))
 
@@ -117,7 +119,9 @@ class Ingress:
         """One model's card, as OpenAI's retrieve-model route (404 `model_not_found` for any other id)."""
         try:
             check_api_key(request, self.api_key)
-            return JSONResponse(await self.model(model_id))
+            out = JSONResponse(await self.model(model_id))
+            self.metrics.record_http("/v1/models/{model_id}", 200)
+            return out
         except Exception as e:
             return error_response(self._fail(e, "/v1/models/{model_id}"))
 

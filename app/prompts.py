@@ -264,20 +264,19 @@ def _engine_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> i
     return max(ks) if ks else None
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None, add_generation_prompt: bool = True
+def chat_prompt_ids(req: ChatCompletionRequest, tokenizer: Any | None, add_generation_prompt: bool | None = None
                     ) -> list[int]:
+    """The chat request's prompt as the model's template renders it; `add_generation_prompt` None: the
+    request's own (True unless it continues its final message)."""
     if tokenizer is None:
         raise token_ids_only_error("messages")
-    if not req.tools:
-        return apply_chat_template(tokenizer, req.rendered_messages(), add_generation_prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequestError("this model's tokenizer has no chat template; use the completions API",
-                                  param="messages")
+    if add_generation_prompt is None:
+        add_generation_prompt = req.add_generation_prompt
     # the tool definitions go through the model's own template (`tools=`), as transformers renders them
-    out = tokenizer.apply_chat_template(req.rendered_messages(), tools=[t.model_dump(exclude_none=True)
-                                                                        for t in req.tools],
-                                        add_generation_prompt=add_generation_prompt, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "input_ids") else out)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return apply_chat_template(tokenizer, req.rendered_messages(), add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               template_kwargs=req.chat_template_kwargs, tools=tools)
 
 
 def _chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -318,7 +317,7 @@ def tokenize_request(req: TokenizeRequest, tokenizer: Any | None) -> list[int]:
         raise token_ids_only_error("prompt" if req.prompt is not None else "messages")
     if req.prompt is not None:
         return list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-    return chat_prompt_ids(req.chat_request(), tokenizer, req.add_generation_prompt)
+    return chat_prompt_ids(req.chat_request(), tokenizer)
 
 
 def detokenize_request(req: DetokenizeRequest, tokenizer: Any | None) -> str:

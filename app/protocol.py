@@ -271,6 +271,17 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: vLLM's extensions to the chat template: extra template variables (e.g. Qwen3's `enable_thinking`),
+    #: the assistant turn's opening (default on), and leaving the last (assistant) message open to continue it
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _generation_prompt_default(self) -> "ChatCompletionRequest":
+        if self.add_generation_prompt is None:
+            self.add_generation_prompt = not self.continue_final_message
+        return self
 
     def rendered_messages(self) -> list[dict[str, Any]]:
         out = []
@@ -294,9 +305,11 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -309,7 +322,10 @@ class TokenizeRequest(_Strict):
 
     def chat_request(self) -> "ChatCompletionRequest":
         """The chat request whose prompt this is (for rendering with the chat API's own code)."""
-        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message)
 
 
 class DetokenizeRequest(_Strict):

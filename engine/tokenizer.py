@@ -34,7 +34,30 @@ def token_ids_only_error(param: str) -> InvalidRequestError:
         + ", or turn skip_tokenizer_init off", param=param, code="tokenizer_not_loaded")
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+#: apply_chat_template's own parameters: a template variable may not take one of these names
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The extra variables a request hands the chat template (e.g. Qwen3's `enable_thinking`): names only, none
+    of apply_chat_template's own parameters; raises InvalidRequestError naming the key."""
+    out = dict(kwargs or {})
+    for k in out:
+        if not isinstance(k, str) or not k.isidentifier() or k in _TEMPLATE_RESERVED:
+            raise InvalidRequestError(f"{param}: {str(k)[:40]!r} cannot be a chat template variable (use a name "
+                                      f"that is none of {', '.join(sorted(_TEMPLATE_RESERVED))})", param=param)
+    return out
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                        continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt's token ids as the model's chat template renders `messages` (and `tools`); `template_kwargs`
+    are extra template variables (checked by check_template_kwargs); `continue_final_message` leaves the last
+    message open for the model to continue (then no generation prompt)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
@@ -44,7 +67,19 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError("this model's tokenizer has no chat template; use the completions API",
                                   param="messages")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true (set "
+                                  "add_generation_prompt: false)", param="continue_final_message")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise InvalidRequestError("continue_final_message continues the last message, which must be the "
+                                  "assistant's", param="continue_final_message")
+    extra = check_template_kwargs(template_kwargs)
+    if tools is not None:
+        extra["tools"] = tools
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **extra)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

@@ -141,3 +141,62 @@ def test_a_streamed_named_call_sends_one_entry_per_index_in_each_delta():
         assert len({e["index"] for e in d}) == len(d), d
     assert deltas[0][0]["function"]["name"] == "f" and deltas[0][0]["id"].startswith("call_")
     assert "".join(e["function"]["arguments"] for d in deltas for e in d) == text
+
+
+# Qwen3's switch, as its template reads it
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def _chat(body: dict) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(checkpoints):
+    from affinity_serve.app.prompts import chat_prompt_ids
+    from affinity_serve.engine import load_tokenizer
+    tok = load_tokenizer(checkpoints["llama"])
+    tok.chat_template = THINK_TEMPLATE
+    plain = tok.decode(chat_prompt_ids(_chat({}), tok))
+    off = tok.decode(chat_prompt_ids(_chat({"chat_template_kwargs": {"enable_thinking": False}}), tok))
+    on = tok.decode(chat_prompt_ids(_chat({"chat_template_kwargs": {"enable_thinking": True}}), tok))
+    assert "<think>" not in plain and plain == on and off.endswith("<think>\n\n</think>\n\n")
+    for bad in ({"tokenize": False}, {"add_generation_prompt": False}, {"not a name": 1}):
+        with pytest.raises(InvalidRequestError) as e:
+            chat_prompt_ids(_chat({"chat_template_kwargs": bad}), tok)
+        assert e.value.param == "chat_template_kwargs"
+
+
+async def test_continue_final_message_leaves_the_assistant_turn_open(checkpoints):
+    replica = FakeReplica()
+    ing, _ = ingress(checkpoints, replica)
+    turns = [{"role": "user", "content": "Say a word"}, {"role": "assistant", "content": "The word is"}]
+    status, out = await _post(ing, RequestKind.CHAT, {"messages": turns, "max_tokens": 2,
+                                                      "continue_final_message": True})
+    assert status == 200, out
+    from affinity_serve.engine import load_tokenizer
+    tok = load_tokenizer(checkpoints["llama"])
+    prompt = tok.decode(replica.generated[0].prompt_token_ids)
+    assert prompt.rstrip().endswith("The word is") and prompt.count("assistant") == 1
+    for body, param in (({"messages": turns, "continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message"),
+                        ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message")):
+        status, out = await _post(ing, RequestKind.CHAT, {**body, "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == param, out
+    assert len(replica.generated) == 1
+
+
+async def test_the_models_routes_are_counted_as_http_responses(checkpoints):
+    ing, _ = ingress(checkpoints)
+    seen = []
+    ing.metrics.record_http = lambda route, status: seen.append((route, status))
+    get = http_request(b"", path="/v1/models", method="GET")
+    assert (await ing.http_models(get)).status_code == 200
+    model_id = ing.model_name
+    assert (await ing.http_model(model_id, http_request(b"", path=f"/v1/models/{model_id}", method="GET"))
+            ).status_code == 200
+    assert (await ing.http_model("other", http_request(b"", path="/v1/models/other", method="GET"))
+            ).status_code == 404
+    assert seen == [("/v1/models", 200), ("/v1/models/{model_id}", 200), ("/v1/models/{model_id}", 404)]
