@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -92,6 +93,7 @@ class Ingress:
             max_queue_wait_s=self.cfg.serve.max_queue_wait_s, tool_call_parser=self.cfg.serve.tool_call_parser)
         self._limits_task: asyncio.Future | None = None
         self.draining = False
+        self.started_at = int(time.time())   # the model card's `created`
         self.num_in_flight = 0           # HTTP inference requests, streams until their last event
         self._end_streams = asyncio.Event()
 
@@ -297,7 +299,7 @@ class Ingress:
 
     async def models(self) -> dict:
         limits = await self.serving.limits()
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started_at,
                                             "owned_by": "affinity-serve", "max_model_len": limits.max_model_len}]}
 
     async def model(self, model_id: str) -> dict:

@@ -188,12 +188,15 @@ async def test_continue_final_message_leaves_the_assistant_turn_open(checkpoints
     assert len(replica.generated) == 1
 
 
-async def test_the_models_routes_are_counted_as_http_responses(checkpoints):
+async def test_the_models_routes_are_counted_as_http_responses_and_the_card_has_a_creation_time(checkpoints):
+    import time
+    t0 = int(time.time())
     ing, _ = ingress(checkpoints)
     seen = []
     ing.metrics.record_http = lambda route, status: seen.append((route, status))
     get = http_request(b"", path="/v1/models", method="GET")
-    assert (await ing.http_models(get)).status_code == 200
+    r = await ing.http_models(get)
+    assert r.status_code == 200 and t0 <= json.loads(r.body)["data"][0]["created"] <= time.time()
     model_id = ing.model_name
     assert (await ing.http_model(model_id, http_request(b"", path=f"/v1/models/{model_id}", method="GET"))
             ).status_code == 200
