@@ -302,8 +302,14 @@ def _num_seqs(req: CompletionRequest | ChatCompletionRequest) -> int:
 
 def _check_limits(kind: RequestKind, limits: EngineLimits, prompts: list[list[int]], max_tokens: int) -> None:
     try:
-        for ids in prompts:
-            limits.check_fits_context(ids, max_tokens)
+        for i, ids in enumerate(prompts):
+            try:
+                limits.check_fits_context(ids, max_tokens)
+            except InvalidRequestError as e:
+                if len(prompts) > 1:                  # a batch: say which prompt
+                    e.message = f"prompt {i} of {len(prompts)}: {e.message}"
+                    e.args = (e.message,)
+                raise
     except InvalidRequestError as e:
         if kind is RequestKind.CHAT and e.param == "prompt":       # the chat API has no `prompt`
             raise APIError(e.message, 400, "invalid_request_error", "messages", e.code) from None

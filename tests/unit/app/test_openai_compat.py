@@ -203,3 +203,13 @@ async def test_the_models_routes_are_counted_as_http_responses_and_the_card_has_
     assert (await ing.http_model("other", http_request(b"", path="/v1/models/other", method="GET"))
             ).status_code == 404
     assert seen == [("/v1/models", 200), ("/v1/models/{model_id}", 200), ("/v1/models/{model_id}", 404)]
+
+
+async def test_a_batch_prompt_that_does_not_fit_is_named_by_its_index(checkpoints):
+    ing, handle = ingress(checkpoints)                        # max_model_len 64
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": [[1, 2], [3] * 70, [4]], "max_tokens": 2})
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    assert out["error"]["message"].startswith("prompt 1 of 3: ")
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": [3] * 70, "max_tokens": 2})
+    assert status == 400 and not out["error"]["message"].startswith("prompt ")
+    assert "generate" not in [name for name, _ in handle.calls]
