@@ -167,6 +167,8 @@ class _OpenAIRequest(BaseModel):
     return_token_ids: bool = False
     #: OpenAI's end-user identifier: accepted (clients send it) and used for nothing, as in vLLM
     user: str | None = None
+    #: OpenAI's "keep this completion on the platform": nothing is stored here, so both values answer alike
+    store: bool | None = None
     #: structured output (docs/structured-outputs.md): OpenAI's response_format, and vLLM's extensions
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None

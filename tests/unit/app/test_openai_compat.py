@@ -34,7 +34,7 @@ async def _post(ing, kind: RequestKind, body: dict):
                               "logprobs": None, "top_k": None, "seed": None, "stop": None}),
     (RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
                         "presence_penalty": None, "frequency_penalty": None, "stream": None, "logprobs": None,
-                        "top_logprobs": None, "tools": None, "tool_choice": None}),
+                        "top_logprobs": None, "tools": None, "tool_choice": None, "store": True}),
 ])
 async def test_null_optional_fields_mean_their_defaults(checkpoints, kind, body):
     replica = FakeReplica()
