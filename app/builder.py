@@ -212,8 +212,11 @@ def build_app(config: AppConfig | dict | None = None):
 def app_builder(args: dict[str, Any]):
     """`serve run app.builder:app_builder config=path.yaml` (or with no args: the demo defaults). Under
     `serve run` the config's serve.host, serve.port and proxy_location apply (start_serve_for_serve_run)."""
+    from affinity_serve.app.http import HTTP_LIMITS_ENV, parse_http_limits
     path = args.get("config") or os.environ.get("AFFINITY_SERVE_CONFIG")
     config = AppConfig.from_yaml(path) if path else AppConfig()
+    if os.environ.get(HTTP_LIMITS_ENV):          # a node's own limits: refused here, before the proxy starts
+        parse_http_limits(os.environ[HTTP_LIMITS_ENV])
     start_serve_for_serve_run(config)
     return build_app(config)
 

@@ -230,9 +230,35 @@ def proxy_middlewares() -> list:
     JSON in HTTP_LIMITS_ENV gives (HTTPLimitsMiddleware's keyword arguments; the defaults where unset), and
     the header guard on the proxy's HTTP parser (install_header_guard)."""
     from starlette.middleware import Middleware
-    limits = json.loads(os.environ.get(HTTP_LIMITS_ENV) or "{}")
+    limits = parse_http_limits(os.environ.get(HTTP_LIMITS_ENV) or "{}")
     install_header_guard(limits.get("max_header_bytes", 16 * 1024))
     return [Middleware(HTTPLimitsMiddleware, **limits)]
+
+
+#: the limits HTTP_LIMITS_ENV may set (HTTPLimitsMiddleware's numeric keyword arguments)
+HTTP_LIMIT_KEYS = ("max_header_bytes", "max_body_bytes", "body_read_timeout_s", "max_connections",
+                   "max_connections_per_client", "retry_after_s")
+
+
+def parse_http_limits(text: str) -> dict[str, Any]:
+    """HTTP_LIMITS_ENV's JSON, checked: an object of HTTP_LIMIT_KEYS with positive numbers. Raises ValueError in
+    one line naming the variable and the key (a misspelled key would otherwise fail the proxy's start-up with a
+    TypeError far from its cause)."""
+    import difflib
+    try:
+        limits = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{HTTP_LIMITS_ENV} is not valid JSON: {e}") from None
+    if not isinstance(limits, dict):
+        raise ValueError(f"{HTTP_LIMITS_ENV} must be a JSON object of limits ({', '.join(HTTP_LIMIT_KEYS)})")
+    for key, value in limits.items():
+        if key not in HTTP_LIMIT_KEYS:
+            near = difflib.get_close_matches(str(key), HTTP_LIMIT_KEYS, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(HTTP_LIMIT_KEYS)})"
+            raise ValueError(f"{HTTP_LIMITS_ENV}: unknown limit '{key}'{hint}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{HTTP_LIMITS_ENV}: '{key}' must be a positive number, got {value!r}")
+    return limits
 
 
 #: what the header guard lets a request's header block grow to beyond max_header_bytes before it answers 431:

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from affinity_serve.app.config import AppConfig
@@ -323,7 +323,7 @@ class Ingress:
             raise self._fail(e, "handle:detokenize", count=False) from e
 
     def _coerce_plain(self, model: type, request: Any) -> Any:
-        body = request if isinstance(request, dict) else request.model_dump()
+        body = _request_body(model.__name__, request)
         check_json_value(body, self.cfg.serve.max_json_depth)
         try:
             return model.model_validate(body)
@@ -334,7 +334,7 @@ class Ingress:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
         try:
-            return await self.serving.complete(kind, self._coerce(kind, request), request_id, {})
+            return await self.serving.complete(kind, self._coerce(kind, request, stream=False), request_id, {})
         except Exception as e:
             raise self._fail(e, f"handle:{kind.value}", count=False) from e
 
@@ -342,14 +342,24 @@ class Ingress:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
         try:
-            async for chunk in self.serving.stream(kind, self._coerce(kind, request), request_id, {}):
+            async for chunk in self.serving.stream(kind, self._coerce(kind, request, stream=True), request_id, {}):
                 yield chunk
         except Exception as e:
             raise self._fail(e, f"handle:{kind.value}_stream", count=False) from e
 
-    def _coerce(self, kind: RequestKind, request: Any) -> OpenAIRequest:
-        """A handle caller's request (a dict or a model) checked as an HTTP body is (depth, Unicode)."""
-        body = request if isinstance(request, dict) else request.model_dump()
+    def _coerce(self, kind: RequestKind, request: Any, stream: bool) -> OpenAIRequest:
+        """A handle caller's request (a dict or a model) checked as an HTTP body is (depth, Unicode). The
+        method decides streaming: the *_stream methods stream (the same checks as `stream: true` over HTTP);
+        `stream: true` sent to the others is a 400 that names the streaming method."""
+        name = "CompletionRequest" if kind is RequestKind.COMPLETION else "ChatCompletionRequest"
+        body = _request_body(name, request)
+        if stream:
+            body["stream"] = True
+        elif body.get("stream"):
+            method = "completions_stream" if kind is RequestKind.COMPLETION else "chat_stream"
+            raise APIError(f"stream: true streams only through handle.options(stream=True).{method}; this method "
+                           "returns the whole response (remove stream)", 400, "invalid_request_error", "stream",
+                           "invalid_value")
         check_json_value(body, self.cfg.serve.max_json_depth)
         return _parse(kind, body)
 
@@ -387,6 +397,17 @@ class Ingress:
         for r in routers:
             await r.run_on_loop(r.inject_errors, n)
         return {"ingress_replica_id": serve.get_replica_context().replica_id.unique_id, "num_routers": len(routers)}
+
+
+def _request_body(name: str, request: Any) -> dict:
+    """A handle caller's request as a body to check: a dict (copied) or a request model's fields; anything else
+    is a 400 saying what to send."""
+    if isinstance(request, dict):
+        return dict(request)
+    if isinstance(request, BaseModel):
+        return request.model_dump()
+    raise APIError(f"the request must be a {name} or a dict of its fields, got {type(request).__name__}", 400,
+                   "invalid_request_error", None, "invalid_value")
 
 
 def _new_request_id(kind: RequestKind) -> str:

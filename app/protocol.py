@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from affinity_serve.app.errors import APIError
+from affinity_serve.app.errors import APIError, pydantic_error
 
 from affinity_serve.engine.sampling_params import SamplingParams
 from affinity_serve.engine.types import EngineRequest, RequestDelta
@@ -115,6 +115,14 @@ class _OpenAIRequest(BaseModel):
     # type-checked -> 400. NaN and infinities are refused everywhere (the HTTP body reader already refuses
     # JSON's NaN/Infinity literals).
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    def __init__(self, **data: Any) -> None:
+        """Built in a caller's code (the handle API's typed requests), a bad value is the APIError (400, naming
+        the field) that the same value gets over HTTP, not pydantic's ValidationError."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise pydantic_error(e) from None
 
     @model_validator(mode="before")
     @classmethod

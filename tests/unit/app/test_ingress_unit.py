@@ -220,7 +220,10 @@ def test_app_config_yaml_and_strictness(tmp_path):
 async def test_best_of_smaller_than_n_or_streamed_is_a_400_naming_best_of(checkpoints, body):
     ing, handle = _ingress(checkpoints, _tokens)
     with pytest.raises(APIError) as e:
-        await ing.completions({"prompt": "hi", "max_tokens": 2, **body})
+        if body.get("stream"):
+            [c async for c in ing.completions_stream({"prompt": "hi", "max_tokens": 2, **body})]
+        else:
+            await ing.completions({"prompt": "hi", "max_tokens": 2, **body})
     assert (e.value.status_code, e.value.param) == (400, "best_of")
     assert [name for name, _ in handle.calls] == ["limits"]
 

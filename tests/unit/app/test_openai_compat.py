@@ -213,3 +213,59 @@ async def test_a_batch_prompt_that_does_not_fit_is_named_by_its_index(checkpoint
     status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": [3] * 70, "max_tokens": 2})
     assert status == 400 and not out["error"]["message"].startswith("prompt ")
     assert "generate" not in [name for name, _ in handle.calls]
+
+
+# ---------------------------------------------------------------- the handle API, as docs/api.md promises it
+async def _drain(agen):
+    return [c async for c in agen]
+
+
+async def test_the_streaming_handle_methods_apply_the_stream_checks_and_the_others_refuse_stream(checkpoints):
+    from affinity_serve.app.errors import APIError
+    replica = FakeReplica()
+    ing, _ = ingress(checkpoints, replica)
+    for body, param in (({"prompt": "hi", "max_tokens": 3, "n": 2, "best_of": 3}, "best_of"),
+                        ({"prompt": "hi", "max_tokens": 3, "prompt_logprobs": 1}, "prompt_logprobs")):
+        with pytest.raises(APIError) as e:
+            await _drain(ing.completions_stream(body))
+        assert e.value.status_code == 400 and e.value.param == param
+    with pytest.raises(APIError) as e:
+        await ing.completions({"prompt": "hi", "max_tokens": 2, "stream": True})
+    assert e.value.param == "stream" and "completions_stream" in e.value.message
+    assert replica.generated == []
+    chunks = await _drain(ing.chat_stream(ChatCompletionRequest(messages=MESSAGES, max_tokens=2)))
+    assert chunks and all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+async def test_a_handle_request_that_is_not_a_dict_or_a_request_is_a_400(checkpoints):
+    from affinity_serve.app.errors import APIError
+    ing, _ = ingress(checkpoints)
+    for call in (lambda: ing.completions("hello"), lambda: ing.chat(None), lambda: ing.tokenize(["x"])):
+        with pytest.raises(APIError) as e:
+            await call()
+        assert e.value.status_code == 400 and "or a dict of its fields" in e.value.message
+
+
+def test_a_typed_request_built_with_a_bad_value_raises_the_http_apis_error():
+    from affinity_serve.app.errors import APIError
+    for kwargs, param in ((dict(prompt="x", max_tokens=-1), "max_tokens"), (dict(prompt="x", temperature="hot"),
+                                                                           "temperature"), (dict(), "prompt")):
+        with pytest.raises(APIError) as e:
+            CompletionRequest(**kwargs)
+        assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_the_proxys_limits_variable_is_checked_key_by_key(monkeypatch):
+    from affinity_serve.app.http import HTTP_LIMITS_ENV, parse_http_limits, proxy_middlewares
+    assert parse_http_limits('{"max_body_bytes": 15, "body_read_timeout_s": 2.5}') == {
+        "max_body_bytes": 15, "body_read_timeout_s": 2.5}
+    for text, says in (('{"max_body_byte": 15}', "did you mean 'max_body_bytes'"),
+                       ('{"max_connections": -1}', "'max_connections' must be a positive number"),
+                       ('{"retry_after_s": true}', "'retry_after_s' must be a positive number"),
+                       ('[1]', "must be a JSON object"), ("{", "not valid JSON")):
+        with pytest.raises(ValueError) as e:
+            parse_http_limits(text)
+        assert says in str(e.value) and HTTP_LIMITS_ENV in str(e.value)
+    monkeypatch.setenv(HTTP_LIMITS_ENV, '{"max_request_body_bytes": 15}')
+    with pytest.raises(ValueError, match="unknown limit 'max_request_body_bytes'"):
+        proxy_middlewares()
