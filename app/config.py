@@ -4,6 +4,7 @@ two cannot drift. Only builder.py turns it into Serve options."""
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -196,31 +197,31 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_disaggregation(self) -> "AppConfig":
+        """Each pool's autoscaling and engine settings (laid over the app's sections) are checked whether or
+        not disaggregation is enabled, one line per problem naming its full path; the P/D connector's needs only
+        when it is."""
+        from affinity_serve.app.disagg_config import pool_autoscaling, pool_engine_config
         d = self.disaggregation
+        problems = []
+        base = EngineConfig.model_validate({**self.engine.model_dump(), "model": self.engine.model or "unresolved"})
+        for name in ("prefill", "decode"):
+            for part, check in (("autoscaling", lambda pool: pool_autoscaling(self.autoscaling, pool)),
+                                ("engine", lambda pool: pool_engine_config(base, pool, d))):
+                try:
+                    check(getattr(d, name))
+                except ValidationError as e:
+                    problems += [f"disaggregation.{name}." + _describe({**err, "loc": (part, *err["loc"])})
+                                 for err in e.errors()]
+        if problems:
+            raise ValueError("\n  ".join(problems))
         if not d.enabled:
             return self
-        from affinity_serve.app.disagg_config import pool_autoscaling
-        for name in ("prefill", "decode"):
-            try:
-                pool_autoscaling(self.autoscaling, getattr(d, name))
-            except ValidationError as e:
-                err = e.errors()[0]
-                raise ValueError(f"disaggregation.{name}.autoscaling: {err['msg']}"
-                                 + (f" at {'.'.join(map(str, err['loc']))}" if err["loc"] else "")) from None
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")
         if not self.engine.cache.enable_prefix_caching:
             raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
                              "admitted as prefix hits)")
-        from affinity_serve.app.disagg_config import pool_engine_config
-        base = EngineConfig.model_validate({**self.engine.model_dump(), "model": self.engine.model or "unresolved"})
-        for name in ("prefill", "decode"):
-            try:
-                pool_engine_config(base, getattr(d, name), d)
-            except ValidationError as e:
-                raise ValueError(f"disaggregation.{name}.engine: {e.errors()[0]['msg']} at "
-                                 f"{'.'.join(map(str, e.errors()[0]['loc']))}") from None
         return self
 
     @classmethod
@@ -268,6 +269,8 @@ def _describe(err: Any) -> str:
         msg = "unknown key" + _suggest(loc)
     elif not isinstance(err.get("input"), (dict, list)) and err["type"] != "missing":
         msg += f" (got {err['input']!r})"
+    if not loc and err["type"] == "value_error" and re.match(r"[a-z_]+\.[\w.]+: ", msg):
+        return msg                               # a model check's own "path: problem" line(s)
     return f"{'.'.join(loc) or '(top level)'}: {msg}"
 
 
