@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -67,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, help="tokens per KV block (engine.cache.block_size)")
     s.add_argument("--max-num-seqs", type=int, help="engine.scheduler.max_num_seqs")
     s.add_argument("--max-num-batched-tokens", type=int, help="engine.scheduler.max_num_batched_tokens")
-    s.add_argument("--replicas", type=int, help="number of model replicas")
+    s.add_argument("--replicas", type=int, help="number of model replicas (with autoscaling: the initial number, "
+                   "within its bounds)")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool_choice 'auto' reads tool calls "
                    "back (serve.tool_call_parser; default auto: the chat template's format)")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -300,7 +302,8 @@ def serve_cmd(args) -> int:
         if not _INTERRUPTED.is_set():
             signal.signal(signal.SIGINT, previous[0])
             signal.signal(signal.SIGTERM, previous[1])
-    print(ready_message(cfg, "" if address else attach_message(cfg)), flush=True)
+    print(ready_message(cfg, "" if address else attach_message(cfg), getattr(args, "api_key_file", None)),
+          flush=True)
     signals: list[int] = []
     stop = threading.Event()
 
@@ -392,13 +395,14 @@ def drain(cfg: "AppConfig", hurry: Callable[[], bool] = lambda: False, poll_s: f
         return 0, 0
 
 
-def ready_message(cfg: "AppConfig", attach: str = "") -> str:
+def ready_message(cfg: "AppConfig", attach: str = "", key_file: str | None = None) -> str:
     """Where the server is and a request to paste (then `attach`: how other programs reach its Ray). The API
-    key itself is never printed: the curl line reads it from the environment variable the server can read it
-    from too."""
+    key itself is never printed: the curl line reads it from where the server read it (`key_file`, given with
+    --api-key-file, else the environment variable)."""
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
     name = cfg.serve.model_name or Path(cfg.engine.model or "model").name
-    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.serve.api_key else ""
+    source = f"$(cat {shlex.quote(key_file)})" if key_file else f"${API_KEY_ENV}"
+    auth = f" -H \"Authorization: Bearer {source}\"" if cfg.serve.api_key else ""
     return (f"\n[affinity-serve] ready: {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics)\n"
             "[affinity-serve] try:\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"

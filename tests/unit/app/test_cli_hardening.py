@@ -106,6 +106,8 @@ def test_the_key_comes_from_the_environment_or_a_file_and_is_never_printed(check
         assert key not in out + err
     msg = ready_message(seen[-1])
     assert "sk-argv" not in msg and f"Authorization: Bearer ${API_KEY_ENV}" in msg
+    msg = ready_message(seen[-1], key_file="/run/my keys/k")        # the curl line reads the file it came from
+    assert "sk-argv" not in msg and "Authorization: Bearer $(cat '/run/my keys/k')" in msg
 
 
 def test_the_key_is_masked_in_the_config_command_and_in_reprs(tmp_path, capsys):
