@@ -1,6 +1,9 @@
 """OpenAI-compatible request models (HTTP and Python handle API) and the ingress <-> replica messages."""
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -110,6 +113,24 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
+def _leaf_types(annotation: Any) -> set:
+    """The plain types an annotation admits (through Optional, unions and Annotated)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        out = set()
+        for a in (args[:1] if typing.get_origin(annotation) is typing.Annotated else args):
+            out |= _leaf_types(a)
+        return out
+    return {annotation}
+
+
+@functools.cache
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields that take an integer and not a boolean: JSON `true` there is a 400, not 1."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if int in _leaf_types(f.annotation) and bool not in _leaf_types(f.annotation))
+
+
 class _OpenAIRequest(BaseModel):
     # Unknown fields are a 400 naming them (reject_unknown_fields), never dropped; known ones are
     # type-checked -> 400. NaN and infinities are refused everywhere (the HTTP body reader already refuses
@@ -131,6 +152,10 @@ class _OpenAIRequest(BaseModel):
         if isinstance(data, dict):
             # OpenAI's schema makes the optional fields nullable: null means "the default", as in vLLM
             data = {k: v for k, v in data.items() if v is not None}
+            for k in _integer_fields(cls):
+                if isinstance(data.get(k), bool):
+                    raise APIError(f"invalid value for '{k}': expected an integer, got {str(data[k]).lower()}", 400,
+                                   "invalid_request_error", k, "invalid_value")
             top_k = data.get("top_k")
             if type(top_k) is int and top_k in (0, -1):      # vLLM's "no top-k"
                 del data["top_k"]

@@ -269,3 +269,17 @@ def test_the_proxys_limits_variable_is_checked_key_by_key(monkeypatch):
     monkeypatch.setenv(HTTP_LIMITS_ENV, '{"max_request_body_bytes": 15}')
     with pytest.raises(ValueError, match="unknown limit 'max_request_body_bytes'"):
         proxy_middlewares()
+
+
+async def test_a_boolean_where_an_integer_goes_is_a_400_not_one(checkpoints):
+    ing, _ = ingress(checkpoints)
+    for kind, body, param in ((RequestKind.COMPLETION, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+                              (RequestKind.COMPLETION, {"prompt": "hi", "logprobs": True}, "logprobs"),
+                              (RequestKind.CHAT, {"messages": MESSAGES, "n": False}, "n")):
+        status, out = await _post(ing, kind, body)
+        assert status == 400 and out["error"]["param"] == param, out
+    status, out = await _post(ing, RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "logprobs": True,
+                                                      "echo": None})
+    assert status == 400 and out["error"]["code"] == "unsupported_field"        # chat has no echo
+    status, _ = await _post(ing, RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "logprobs": True})
+    assert status == 200                                                        # chat's logprobs is a boolean
