@@ -261,6 +261,23 @@ def check_model(cfg: "AppConfig") -> None:
             raise ConfigError(None, [f"engine.kv_connector.shared_dir: {e}"]) from None
 
 
+#: shorter API keys draw a warning: the ingress holds a salted digest, and a short key can be guessed from it
+MIN_API_KEY_CHARS = 16
+
+
+def exposure_warnings(cfg: "AppConfig") -> list[str]:
+    """What an operator should hear before the server starts: an address beyond loopback with no API key, a
+    short key. Warnings, not errors (a trusted network may be the operator's choice)."""
+    out = []
+    key = cfg.serve.api_key.get_secret_value() if cfg.serve.api_key else None
+    if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not key:
+        out.append(f"serving on {cfg.serve.host} without an API key: anyone who reaches port {cfg.serve.port} can "
+                   f"use the model (set {API_KEY_ENV} or --api-key-file)")
+    if key and len(key) < MIN_API_KEY_CHARS:
+        out.append(f"the API key has {len(key)} characters; use a long random one (e.g. openssl rand -hex 32)")
+    return out
+
+
 def serve_cmd(args) -> int:
     cfg = _load_config(args)
     from affinity_serve.app.builder import build_app, resolve_model
@@ -270,6 +287,8 @@ def serve_cmd(args) -> int:
     check_extras(cfg)
     cfg = resolve_model(cfg)
     check_model(cfg)
+    for line in exposure_warnings(cfg):
+        print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     # During start-up Ctrl-C and SIGTERM raise KeyboardInterrupt and are also recorded: Ray can swallow the
     # exception when it lands inside its own calls (seen: Ctrl-C while Serve started, and the app deployed and
     # waited for a signal that had already come), so each start-up step checks the record too.

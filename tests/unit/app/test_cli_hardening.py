@@ -202,3 +202,14 @@ def test_a_ctrl_c_that_ray_swallows_during_start_up_still_stops_it(checkpoints, 
     assert [l.strip() for l in out.splitlines() if "interrupted" in l] == [
         "[affinity-serve] interrupted during start-up; stopped."]
     assert "Ctrl-C to stop" not in out
+
+
+def test_an_exposed_address_without_a_key_and_a_short_key_draw_warnings():
+    from affinity_serve.app.cli import exposure_warnings
+    assert exposure_warnings(AppConfig()) == []
+    [w] = exposure_warnings(AppConfig.model_validate({"serve": {"host": "0.0.0.0"}}))
+    assert "0.0.0.0 without an API key" in w and "port 8000" in w
+    assert exposure_warnings(AppConfig.model_validate({"serve": {"host": "0.0.0.0",
+                                                                  "api_key": "k" * 32}})) == []
+    [w] = exposure_warnings(AppConfig.model_validate({"serve": {"api_key": "tiny-key"}}))
+    assert "8 characters" in w and "tiny-key" not in w                   # the key itself is never printed
