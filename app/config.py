@@ -42,7 +42,8 @@ class ServeSection(_Strict):
     model_name: str | None = Field(None, description="name clients send as `model` (default: dir name)")
     num_replicas: int = Field(1, ge=1, description="model replicas when autoscaling is off")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPU share per CPU replica")
-    replica_num_gpus: float = Field(0.0, ge=0, description="1 for GPU replicas")
+    replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per model replica; 0: one with engine.device "
+                                    "cuda, none otherwise")
     replica_resources: dict[str, PositiveFloat] = Field(
         {}, description="custom Ray resources each model replica requests, e.g. {llm_replica_slot: 1}")
     max_replicas_per_node: int | None = Field(None, ge=1, description="spread: at most this many model replicas "
