@@ -50,6 +50,8 @@ class PreparedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     #: chat with tools and tool_choice "required" or a named function: how the output reads back as tool calls
     tool_mode: ToolCallMode | None = None
+    #: stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far
+    continuous_usage: bool = False
     #: the limits every prompt was checked against (`EngineLimits.check_fits_context`): an engine with these
     #: limits does not check them again (EngineRequest.checked_limits)
     checked_limits: EngineLimits | None = None
@@ -111,6 +113,8 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
                            bool(req.stream_options and req.stream_options.include_usage), req.priority,
                            req.cache_salt, req.return_token_ids,
                            prompt_block_hashes(prompts, limits.block_size, req.cache_salt), tool_mode=tool_mode,
+                           continuous_usage=bool(req.stream_options and req.stream_options.include_usage
+                                                 and req.stream_options.continuous_usage_stats),
                            checked_limits=limits)
 
 

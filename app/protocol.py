@@ -25,6 +25,8 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    #: vLLM's: with include_usage, every chunk carries the usage so far too (not only the last one)
+    continuous_usage_stats: bool = False
 
     @model_validator(mode="before")
     @classmethod

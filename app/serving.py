@@ -242,6 +242,9 @@ class OpenAIServing:
                     for i, ready in gate.release(idx, run.add(idx, c)):
                         chunk = self._chunk(p, meta, run, i, ready, text_offsets, tool_streams)
                         if chunk is not None:
+                            if p.continuous_usage:
+                                chunk["usage"] = fmt.usage(p.num_prompt_tokens, run.num_output_tokens,
+                                                           run.num_cached_tokens)
                             yield chunk
                     first = await anext(chunks, None)
             finally:

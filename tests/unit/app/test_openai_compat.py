@@ -283,3 +283,21 @@ async def test_a_boolean_where_an_integer_goes_is_a_400_not_one(checkpoints):
     assert status == 400 and out["error"]["code"] == "unsupported_field"        # chat has no echo
     status, _ = await _post(ing, RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "logprobs": True})
     assert status == 200                                                        # chat's logprobs is a boolean
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(checkpoints):
+    ing, _ = ingress(checkpoints, FakeReplica(n_tokens=3))
+    for continuous in (True, False):
+        body = {"prompt": "hi", "max_tokens": 3, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}}
+        r = await asyncio.wait_for(ing._http(RequestKind.COMPLETION, http_request(json.dumps(body).encode())), 5)
+        events = [e async for e in r.body_iterator]
+        chunks = [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+        *choices, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+        if continuous:
+            done = [c["usage"]["completion_tokens"] for c in choices]
+            assert done == sorted(done) and done[-1] == 6 and len(set(done)) > 1
+            assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in choices)
+        else:
+            assert all(c.get("usage") is None for c in choices)

@@ -30,8 +30,8 @@ async def _post(checkpoints, kind, body):
     (RequestKind.CHAT, {**CHAT, "reasoning_effort": "low"}, ["'reasoning_effort'"], "reasoning_effort"),
     (RequestKind.COMPLETION, {**COMPLETION, "suffix": "x"}, ["'suffix'"], "suffix"),
     (RequestKind.COMPLETION, {**COMPLETION, "use_beam_search": True}, ["'use_beam_search'"], "use_beam_search"),
-    (RequestKind.COMPLETION, {**COMPLETION, "stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
-     ["'stream_options.continuous_usage_stats'"], "stream_options.continuous_usage_stats"),
+    (RequestKind.COMPLETION, {**COMPLETION, "stream_options": {"include_usage": True, "include_obfuscation": 1}},
+     ["'stream_options.include_obfuscation'"], "stream_options.include_obfuscation"),
     (RequestKind.CHAT, {**CHAT, "messages": [{"role": "user", "content": "x", "audio": 1}]},
      ["'messages.audio'"], "messages.audio"),
     (RequestKind.CHAT, {**CHAT, "messages": [{"role": "user", "content": [
