@@ -233,7 +233,7 @@ class AppConfig(_Strict):
         except OSError as e:
             raise ConfigError(str(path), [f"cannot read the file: {e.strerror or e}"]) from None
         except yaml.YAMLError as e:
-            raise ConfigError(str(path), [f"not valid YAML: {e}"]) from None
+            raise ConfigError(str(path), [_yaml_problem(e)]) from None
         if not isinstance(data, dict):
             raise ConfigError(str(path), ["the top level must be a mapping of sections (engine, serve, ...)"])
         return cls.from_dict(data, source=str(path))
@@ -260,6 +260,15 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.source = source
         self.problems = problems
+
+
+def _yaml_problem(e: Exception) -> str:
+    """A YAML syntax error as one line: where (line, column: 1-based) and what."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"not valid YAML{where}: {problem}" + (f" ({context})" if context else "")
 
 
 def _describe(err: Any) -> str:

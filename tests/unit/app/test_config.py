@@ -34,8 +34,10 @@ def test_errors_are_one_line_per_problem_naming_the_dotted_key(tmp_path):
     with pytest.raises(ConfigError, match="engine: set either cache.num_blocks or cache.memory_budget_bytes"):
         AppConfig.from_yaml(p)
     p.write_text("engine: [oops\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as ei:
         AppConfig.from_yaml(p)
+    assert ei.value.problems == ["not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>' "
+                                 "(while parsing a flow sequence)"]
     with pytest.raises(ConfigError, match="cannot read the file"):
         AppConfig.from_yaml(tmp_path / "missing.yaml")
 
