@@ -66,7 +66,7 @@ class Request:
                  "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
                  "num_preemptions", "_block_size", "trace_context", "num_tokens",
-                 "first_scheduled_time", "structured_output", "kv_transfer")
+                 "first_scheduled_time", "structured_output", "kv_transfer", "num_transferred_tokens")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
@@ -98,6 +98,9 @@ class Request:
         #: P/D disaggregation (engine.kv_connector.pd): a RemoteDecode (prefill here, hold the KV) or a
         #: RemotePrefill (read a prefill engine's KV), set by the engine; None otherwise
         self.kv_transfer: object | None = None
+        #: prompt tokens read from a prefill engine that it computed for this request (not cache hits there):
+        #: admitted as local hits, but not reported as cached
+        self.num_transferred_tokens = 0
         self._block_size = block_size
         # `block_hashes` lets sibling sequences (n > 1) share one hashing of the same prompt
         self.block_hashes: list[BlockHash] = (list(block_hashes) if block_hashes is not None

@@ -17,7 +17,7 @@ from affinity_serve.engine.kv_connector.base import KVConnectorOutput, KVConnect
 from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.request_queue import make_queue
 from affinity_serve.engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
-                          SchedulerOutput, SchedulerStats, StepOutput)
+                          RemotePrefill, SchedulerOutput, SchedulerStats, StepOutput)
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class _Load:
     num_tokens_after: int
     deadline: float
     prior_status: RequestStatus
+    num_loaded: int = 0          # of num_tokens_after, the tokens the connector fills (the rest were local hits)
 
 
 class Scheduler:
@@ -341,10 +342,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._leave_waiting(req)
-            self.kv.record_admission(req, num_hit_tokens)
             if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_hit_tokens
+                # a P/D read is admitted as local hits; what the prefill engine computed for it is no cache hit
+                req.num_cached_tokens = max(0, num_hit_tokens - req.num_transferred_tokens)
                 req.first_scheduled_time = time.monotonic()
+                self.kv.record_admission(req, req.num_cached_tokens)
+            else:
+                self.kv.record_admission(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -429,7 +433,7 @@ class Scheduler:
             self.waiting.remove(req)
         self._leave_waiting(req)
         self._loading[req.req_id] = _Load(req, num_hit_tokens + num_ext,
-                                          time.monotonic() + self.connector.load_timeout_s, req.status)
+                                          time.monotonic() + self.connector.load_timeout_s, req.status, num_ext)
         req.status = RequestStatus.WAITING_FOR_KV
         req.num_computed_tokens = num_hit_tokens
         if self.kv.windowed:      # every group's blocks, a sliding group's only from its window at the end
@@ -446,6 +450,11 @@ class Scheduler:
         if ok:
             self.kv.cache_blocks(req, load.num_tokens_after)
             self.kv.free(req)
+            remote = req.kv_transfer
+            if isinstance(remote, RemotePrefill):    # P/D: computed by the prefill engine, except its own hits
+                start = load.num_tokens_after - load.num_loaded
+                credited = max(0, min(remote.num_cached_tokens, load.num_tokens_after) - start)
+                req.num_transferred_tokens += load.num_loaded - credited
         else:
             self._no_load.add(req.req_id)
             self.kv.free(req)

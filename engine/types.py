@@ -72,6 +72,9 @@ class RemotePrefill:
     #: which of its request's n sequences this is (set by the prefill engine): a seeded sequence continues
     #: drawing from seed + seq_index, as it would on one engine, wherever it stands in the decode request
     seq_index: int = 0
+    #: the prompt tokens the prefill engine found in its own prefix cache: of the KV read, only these count as
+    #: cached on the decode side (the rest was computed for this request)
+    num_cached_tokens: int = 0
 
 
 # ---------------------------------------------------------------- scheduler -> runner

@@ -311,7 +311,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         n = min(len(block_ids), request.num_prompt_tokens // self.block_size)
         self._finished_params[request.req_id] = RemotePrefill(
             self.engine_id, request.req_id, self.layout_key, request.num_prompt_tokens, n,
-            request.all_token_ids[request.num_prompt_tokens])
+            request.all_token_ids[request.num_prompt_tokens], num_cached_tokens=request.num_cached_tokens or 0)
         if n == 0:
             return False
         self.held.hold(request.req_id, block_ids[:n])

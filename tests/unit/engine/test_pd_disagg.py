@@ -153,6 +153,38 @@ def test_prefix_hits_on_either_side_are_not_transferred_again(pair, hf_reference
     _assert_empty(p, d)
 
 
+def test_cached_tokens_count_prefix_hits_on_either_side_not_the_kv_read(pair, checkpoints):
+    """A cold prompt reports 0 cached tokens in P/D mode, as in unified mode: the KV the decode engine read was
+    computed for this request. The prefill engine's own prefix hits, and the decode engine's, do count."""
+    path, p, d = pair
+    shared = _ids(48, 11)                        # 6 full blocks
+    a, b = shared + _ids(13, 12), shared + _ids(21, 13)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    unified = LLM(path, cache={"num_blocks": 64, "block_size": BS})
+    expect = [o.num_cached_tokens for o in unified.generate([a], params, use_tqdm=False)]
+    expect += [o.num_cached_tokens for o in unified.generate([b], params, use_tqdm=False)]
+    assert expect == [0, 48]
+
+    def decode_cached(dec, rid, prompt):
+        first, remotes = _prefill(p, rid, prompt, params)
+        _, finals = _run(dec, rid, prompt, params, remotes)
+        return finals[0].num_cached_tokens
+
+    assert decode_cached(d, "a", a) == 0                 # cold: all 7 blocks read, none of them a hit
+    assert decode_cached(d, "b", b) == 48                # both sides hold the shared blocks
+    c = shared + _ids(30, 14)
+    fresh = _engine(path)
+    try:
+        assert decode_cached(fresh, "c", c) == 48        # only the prefill engine held them: its hit counts
+        assert fresh.kv_cache_manager.stats.hits == 48   # and the hit-rate signals read the same
+        _settle(p, d, fresh)
+        assert fresh.pd.stats.loaded_blocks == len(c) // BS
+        _settle_until_empty(p, d, fresh)
+        _assert_empty(p, d, fresh)
+    finally:
+        fresh.close()
+
+
 def test_n_greater_than_one_reads_once(pair, hf_reference):
     path, p, d = pair
     prompt = _ids(50, 3)
