@@ -179,7 +179,8 @@ class ObservabilitySection(_Strict):
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces and metrics")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log level of the app's "
                                                                     "JSON log lines")
-    max_spans_kept: int = Field(2000, ge=0, description="in-memory spans kept for /debug inspection")
+    max_spans_kept: int = Field(2000, ge=0, description="with traces: memory, the finished spans each process "
+                                "keeps (the ingress's: debug_spans on the handle API)")
     metrics_push_interval_s: float = Field(
         1.0, gt=0, le=60, description="how often every ingress and model replica sends its metrics to the app's "
         "metrics hub, which /metrics reads: the most a replica gauge on /metrics lags")
