@@ -207,7 +207,7 @@ class AppConfig(_Strict):
         problems = []
         base = EngineConfig.model_validate({**self.engine.model_dump(), "model": self.engine.model or "unresolved"})
         for name in ("prefill", "decode"):
-            for part, check in (("autoscaling", lambda pool: pool_autoscaling(self.autoscaling, pool)),
+            for part, check in (("autoscaling", lambda pool: pool_autoscaling(self.autoscaling, pool, name)),
                                 ("engine", lambda pool: pool_engine_config(base, pool, d))):
                 try:
                     check(getattr(d, name))

@@ -67,13 +67,20 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 _Autoscaling = TypeVar("_Autoscaling", bound=BaseModel)
 
 
-def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection) -> _Autoscaling:
+def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection, name: str = "pool") -> _Autoscaling:
     """A pool's autoscaling section: the app's `autoscaling` section with the pool's settings laid over it,
     its initial replicas the pool's num_replicas unless either sets initial_replicas (kept within its
-    bounds). Raises pydantic's ValidationError for a bad setting."""
+    bounds). Raises pydantic's ValidationError for a bad setting, ValueError for a num_replicas set outside
+    the bounds (`name`: the pool's, for the message)."""
     data = merge(autoscaling.model_dump(exclude_unset=True), pool.autoscaling)
     if data.get("initial_replicas") is None:
-        lo, hi = (data.get(k, type(autoscaling).model_fields[k].default) for k in ("min_replicas", "max_replicas"))
+        fields = type(autoscaling).model_fields
+        lo, hi = (data.get(k, fields[k].default) for k in ("min_replicas", "max_replicas"))
+        enabled = data.get("enabled", fields["enabled"].default)
+        if enabled and "num_replicas" in pool.model_fields_set and not lo <= pool.num_replicas <= hi:
+            raise ValueError(f"disaggregation.{name}.num_replicas: {pool.num_replicas} is outside this pool's "
+                             f"autoscaling bounds [{lo}, {hi}] (it is the pool's initial size; change it or the "
+                             "bounds)")
         data["initial_replicas"] = max(lo, min(pool.num_replicas, hi))
     return type(autoscaling).model_validate(data)
 

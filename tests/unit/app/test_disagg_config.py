@@ -38,6 +38,8 @@ def test_pools_get_their_engine_overrides_and_the_pd_connector():
         "tpot_slo": 0.05}}}}, "disaggregation.decode.autoscaling.tpot_slo: unknown key (did you mean 'tpot_slo_s'?)"),
     ({"autoscaling": {"enabled": True}, "disaggregation": {"enabled": True, "prefill": {"autoscaling": {
         "min_replicas": 4, "max_replicas": 2}}}}, "disaggregation.prefill.autoscaling: .*max_replicas"),
+    ({"autoscaling": {"enabled": True, "max_replicas": 2}, "disaggregation": {"enabled": True, "decode": {
+        "num_replicas": 5}}}, "disaggregation.decode.num_replicas: 5 is outside this pool's autoscaling bounds [1, 2]"),
     ({"engine": {"kv_connector": {"type": "offload"}}}, "cannot be combined"),
     ({"engine": {"cache": {"enable_prefix_caching": False}}}, "enable_prefix_caching"),
     ({"disaggregation": {"enabled": True, "prefill": {"engine": {"scheduler": {"max_num_seqs": 0}}}}},
