@@ -253,6 +253,7 @@ class DecodeReplica(_PDMetrics):
         # a prefill pool that may scale to zero comes back only on calls queued at its handles
         self.prefill_min_replicas = prefill_min_replicas
         self._pool_was_empty = False
+        self._pool_seen_replicas = False       # this process's router over the prefill pool has counted one
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
@@ -274,10 +275,16 @@ class DecodeReplica(_PDMetrics):
         return max(r.num_replicas() for r in routers) if routers else None
 
     def _prefill_pool_down(self) -> bool:
-        """Whether to recompute here without calling the prefill pool: it had replicas and has none running
-        now (Serve would hold the call until a replacement has started, a model load). Never for a pool that
+        """Whether to recompute here without calling the prefill pool: this process's router over it counted
+        replicas before and counts none running now (Serve would hold the call until a replacement has started,
+        a model load). Never for a pool that
         may scale to zero (prefill_min_replicas 0): its queued calls are what bring it back."""
-        empty = self.prefill_min_replicas >= 1 and self.prefill_pool_size() == 0
+        size = self.prefill_pool_size()
+        if size:
+            self._pool_seen_replicas = True
+        # "had replicas" is what this router itself counted: Serve's handle may call its set populated a moment
+        # before the request router holds it (seen at start-up: an empty count with the first set on its way)
+        empty = self.prefill_min_replicas >= 1 and self._pool_seen_replicas and size == 0
         if empty != self._pool_was_empty:          # one line per change, not one per request
             self._pool_was_empty = empty
             if empty:

@@ -29,7 +29,8 @@ class Router:
 
 
 def _decode(handle, min_replicas: int = 1) -> SimpleNamespace:
-    d = SimpleNamespace(prefill_handle=handle, prefill_min_replicas=min_replicas, _pool_was_empty=False)
+    d = SimpleNamespace(prefill_handle=handle, prefill_min_replicas=min_replicas, _pool_was_empty=False,
+                        _pool_seen_replicas=False)
     d.prefill_pool_size = lambda: DecodeReplica.prefill_pool_size(d)
     return d
 
@@ -49,14 +50,23 @@ def test_an_empty_pool_is_skipped_unless_it_may_scale_to_zero(caplog):
     router = Router(0)
     debug.register(Handle.app_name, Handle.deployment_name, router)
     fixed = _decode(Handle(populated=True))
+    # Serve's handle says populated while this router still counts none (the first set on its way, as seen at
+    # start-up): not "down", the call waits for the set
+    assert not DecodeReplica._prefill_pool_down(fixed)
+    router.n = 1
+    assert not DecodeReplica._prefill_pool_down(fixed)
+    router.n = 0
     with caplog.at_level("INFO", logger="affinity.disagg"):
         assert DecodeReplica._prefill_pool_down(fixed) and DecodeReplica._prefill_pool_down(fixed)
         router.n = 1
         assert not DecodeReplica._prefill_pool_down(fixed)
     # one line when it empties and one when it is back, not one per request
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    to_zero = _decode(Handle(populated=True), min_replicas=0)
+    router.n = 1
+    assert not DecodeReplica._prefill_pool_down(to_zero)
     router.n = 0
-    assert not DecodeReplica._prefill_pool_down(_decode(Handle(populated=True), min_replicas=0))
+    assert not DecodeReplica._prefill_pool_down(to_zero)         # its queued calls bring it back
 
 
 def test_the_builder_passes_the_prefill_pools_floor():
