@@ -214,6 +214,8 @@ class AppConfig(_Strict):
                 except ValidationError as e:
                     problems += [f"disaggregation.{name}." + _describe({**err, "loc": (part, *err["loc"])})
                                  for err in e.errors()]
+                except ValueError as e:              # a check across fields, its message names the path
+                    problems.append(str(e))
         if problems:
             raise ValueError("\n  ".join(problems))
         if not d.enabled:
@@ -244,7 +246,7 @@ class AppConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(source, [_describe(err) for err in e.errors()]) from None
+            raise ConfigError(source, [line for err in e.errors() for line in _describe(err).split("\n  ")]) from None
 
 
 class ConfigError(ValueError):

@@ -112,8 +112,9 @@ _TYPE_WORDS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", 
 
 def _is_branch(seg: object) -> bool:
     """A location segment that names a union's branch (`str`, `list[int]`, `literal['a','b']`, a model's
-    class name), not a field: our fields are snake_case."""
-    return isinstance(seg, str) and (seg in _TYPE_WORDS or re.fullmatch(r"[a-z_][a-z0-9_]*", seg) is None)
+    class name, a validator's wrapper), not a field or a dict key (`logit_bias.5`)."""
+    return isinstance(seg, str) and (seg in _TYPE_WORDS or any(c in seg for c in "[]'") or seg[:1].isupper()
+                                     or re.match(r"(function|constrained|lax|json-or-python)-", seg) is not None)
 
 
 def _shape(tag: str, msg: str) -> str:

@@ -188,7 +188,9 @@ class RequestRun:
     def __init__(self, p: PreparedRequest):
         self.p = p
         self.seqs = [SequenceResult() for _ in range(len(p.prompts) * p.params.n)]
-        self.cached_by_prompt = [0] * len(p.prompts)
+        #: each sequence's prefix-cache hit; a prompt's is its sequences' least (a sibling that started later
+        #: hits the blocks the first one computed for the same prompt: not cached for the request)
+        self.cached_by_seq: dict[int, int] = {}
         #: per prompt, when asked for (params.prompt_logprobs): computed once, on the prompt's sequence 0
         self.prompt_logprobs: list[list[Logprobs | None] | None] = [None] * len(p.prompts)
         self.replica_ids: set[str] = set()
@@ -215,7 +217,7 @@ class RequestRun:
         if c.finish_reason:
             seq.finish_reason = c.finish_reason
         prompt = seq_index // self.p.params.n
-        self.cached_by_prompt[prompt] = max(self.cached_by_prompt[prompt], c.num_cached_tokens)
+        self.cached_by_seq[seq_index] = c.num_cached_tokens
         if c.prompt_logprobs is not None:
             self.prompt_logprobs[prompt] = c.prompt_logprobs
         if c.replica_id:
@@ -242,7 +244,12 @@ class RequestRun:
 
     @property
     def num_cached_tokens(self) -> int:
-        return sum(self.cached_by_prompt)
+        n = self.p.params.n
+        least: dict[int, int] = {}
+        for seq_index, cached in self.cached_by_seq.items():
+            prompt = seq_index // n
+            least[prompt] = min(least.get(prompt, cached), cached)
+        return sum(least.values())
 
     def choices(self) -> list[SequenceResult]:
         """The sequences to return, prompt by prompt: all of them, or the best of each prompt's best_of

@@ -256,8 +256,10 @@ def parse_http_limits(text: str) -> dict[str, Any]:
             near = difflib.get_close_matches(str(key), HTTP_LIMIT_KEYS, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(HTTP_LIMIT_KEYS)})"
             raise ValueError(f"{HTTP_LIMITS_ENV}: unknown limit '{key}'{hint}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{HTTP_LIMITS_ENV}: '{key}' must be a positive number, got {value!r}")
+        whole = key != "body_read_timeout_s"           # the others count bytes, connections or seconds
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
+            kind = "a positive integer" if whole else "a positive number"
+            raise ValueError(f"{HTTP_LIMITS_ENV}: '{key}' must be {kind}, got {value!r}")
     return limits
 
 

@@ -72,6 +72,9 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
     longest token, max_token_chars()) a text's length, both checked before anything is tokenized.
     `tool_call_parser` (serve.tool_call_parser) reads tool_choice "auto" calls back (resolve_tool_parser).
     """
+    if req.stream_options is not None and not req.stream:      # (the handle's *_stream methods set stream)
+        raise APIError("stream_options is only allowed with stream: true (remove it, or set stream)", 400,
+                       "invalid_request_error", "stream_options", "invalid_value")
     if req.model is not None and req.model != model_name:
         raise APIError(f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                        404, "invalid_request_error", "model", "model_not_found")

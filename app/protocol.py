@@ -127,10 +127,18 @@ def _leaf_types(annotation: Any) -> set:
 
 
 @functools.cache
-def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
-    """The fields that take an integer and not a boolean: JSON `true` there is a 400, not 1."""
+def _number_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields that take a number and not a boolean: JSON `true` there is a 400, not 1."""
     return frozenset(name for name, f in model.model_fields.items()
-                     if int in _leaf_types(f.annotation) and bool not in _leaf_types(f.annotation))
+                     if _leaf_types(f.annotation) & {int, float} and bool not in _leaf_types(f.annotation))
+
+
+#: fields holding token ids in lists (a completion's prompt may nest them one level)
+_TOKEN_LIST_FIELDS = ("prompt", "stop_token_ids")
+
+
+def _holds_a_boolean(value: Any) -> bool:
+    return isinstance(value, list) and any(isinstance(v, bool) or _holds_a_boolean(v) for v in value)
 
 
 class _OpenAIRequest(BaseModel):
@@ -154,9 +162,13 @@ class _OpenAIRequest(BaseModel):
         if isinstance(data, dict):
             # OpenAI's schema makes the optional fields nullable: null means "the default", as in vLLM
             data = {k: v for k, v in data.items() if v is not None}
-            for k in _integer_fields(cls):
+            for k in _number_fields(cls):
                 if isinstance(data.get(k), bool):
-                    raise APIError(f"invalid value for '{k}': expected an integer, got {str(data[k]).lower()}", 400,
+                    raise APIError(f"invalid value for '{k}': expected a number, got {str(data[k]).lower()}", 400,
+                                   "invalid_request_error", k, "invalid_value")
+            for k in _TOKEN_LIST_FIELDS:
+                if _holds_a_boolean(data.get(k)):
+                    raise APIError(f"invalid value for '{k}': token ids are integers, not booleans", 400,
                                    "invalid_request_error", k, "invalid_value")
             top_k = data.get("top_k")
             if type(top_k) is int and top_k in (0, -1):      # vLLM's "no top-k"
@@ -165,13 +177,6 @@ class _OpenAIRequest(BaseModel):
                 raise APIError(f"top_k must be >= 1, or -1 or 0 for no top-k; got {top_k}", 400,
                                "invalid_request_error", "top_k", "invalid_value")
         return data
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_OpenAIRequest":
-        if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is only allowed with stream: true (remove it, or set stream)", 400,
-                           "invalid_request_error", "stream_options", "invalid_value")
-        return self
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -226,7 +231,9 @@ class _OpenAIRequest(BaseModel):
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
         if self.min_tokens > max_tokens:
             from affinity_serve.engine.errors import InvalidRequestError
-            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+            sent = getattr(self, "max_completion_tokens", None) or self.max_tokens
+            limit = f"max_tokens ({max_tokens})" if sent is not None else f"max_tokens (not sent: {max_tokens})"
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be at most {limit}",
                                       param="min_tokens", code="invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(

@@ -236,7 +236,10 @@ class OpenAIServing:
                 first = await anext(chunks, None)
                 if kind is RequestKind.CHAT:
                     for i in range(len(run.seqs)):
-                        yield fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
+                        role = fmt.chat_role_chunk(meta, i, _prompt_ids(p, 0))
+                        if p.continuous_usage:
+                            role["usage"] = fmt.usage(p.num_prompt_tokens, 0, run.num_cached_tokens)
+                        yield role
                 while first is not None:
                     idx, c = first
                     for i, ready in gate.release(idx, run.add(idx, c)):

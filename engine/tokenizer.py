@@ -1,6 +1,8 @@
 """Tokenizer loading, chat templates, and incremental detokenization with stop strings."""
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,26 @@ def token_ids_only_error(param: str) -> InvalidRequestError:
         + ", or turn skip_tokenizer_init off", param=param, code="tokenizer_not_loaded")
 
 
-#: apply_chat_template's own parameters: a template variable may not take one of these names
-_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                                "add_generation_prompt", "continue_final_message", "padding", "truncation",
-                                "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                                "tokenizer_kwargs"})
+#: apply_chat_template's own parameters and the renderer's: a template variable may not take one of these names
+#: (with the installed transformers' signatures added at first use: a name it gains later is refused too)
+_TEMPLATE_RESERVED = frozenset({"conversation", "conversations", "messages", "tools", "documents", "chat_template",
+                                "tokenize", "add_generation_prompt", "continue_final_message", "padding",
+                                "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"})
+
+
+@functools.cache
+def _reserved_template_names() -> frozenset[str]:
+    names = set(_TEMPLATE_RESERVED)
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.utils.chat_template_utils import render_jinja_template
+        for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+            names |= {n for n, p in inspect.signature(fn).parameters.items()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    except (ImportError, AttributeError, ValueError, TypeError):
+        pass
+    return frozenset(names)
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -46,9 +63,10 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, param: str = "chat_temp
     of apply_chat_template's own parameters; raises InvalidRequestError naming the key."""
     out = dict(kwargs or {})
     for k in out:
-        if not isinstance(k, str) or not k.isidentifier() or k in _TEMPLATE_RESERVED:
+        if not isinstance(k, str) or not k.isidentifier() or k in _reserved_template_names():
             raise InvalidRequestError(f"{param}: {str(k)[:40]!r} cannot be a chat template variable (use a name "
-                                      f"that is none of {', '.join(sorted(_TEMPLATE_RESERVED))})", param=param)
+                                      f"that is none of {', '.join(sorted(_reserved_template_names()))})",
+                                      param=param)
     return out
 
 
@@ -78,8 +96,17 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
         extra["tools"] = tools
     if continue_final_message:
         extra["continue_final_message"] = True
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **extra)
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **extra)
+    except Exception as e:        # the template refused these messages (its raise_exception, a jinja error)
+        from jinja2 import TemplateError
+        if not isinstance(e, (TemplateError, TypeError, ValueError, KeyError)):
+            raise
+        param = "chat_template_kwargs" if template_kwargs else "messages"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise InvalidRequestError(f"the model's chat template cannot render this request: {first}",
+                                  param=param) from None
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

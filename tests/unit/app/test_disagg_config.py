@@ -100,3 +100,15 @@ def test_without_autoscaling_both_pools_stay_at_their_sizes():
     assert (prefill.num_replicas, decode.num_replicas) == (2, 1)
     assert prefill._deployment_config.autoscaling_config is None
     assert decode._deployment_config.autoscaling_config is None
+
+
+def test_every_pool_problem_is_listed_at_once():
+    data = {"autoscaling": {"enabled": True, "max_replicas": 2},
+            "disaggregation": {"enabled": True, "prefill": {"num_replicas": 3},
+                               "decode": {"engine": {"cache": {"blok_size": 8}}}}}
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict(data)
+    assert e.value.problems == [
+        "disaggregation.prefill.num_replicas: 3 is outside this pool's autoscaling bounds [1, 2] (it is the pool's "
+        "initial size; change it or the bounds)",
+        "disaggregation.decode.engine.cache.blok_size: unknown key (did you mean 'block_size'?)"]

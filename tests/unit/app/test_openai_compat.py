@@ -43,6 +43,8 @@ async def test_null_optional_fields_mean_their_defaults(checkpoints, kind, body)
     assert status == 200, out
     p = replica.generated[0].sampling_params
     assert (p.temperature, p.top_p, p.n, p.presence_penalty, p.frequency_penalty) == (1.0, 1.0, 1, 0.0, 0.0)
+    assert (p.stop, p.seed, p.top_k, p.logprobs) == ([], None, None, None)
+    assert "echo" not in body or "hi" not in out["choices"][0]["text"]          # echo: null is no echo
 
 
 def test_top_k_minus_one_and_zero_turn_top_k_off_and_below_is_a_400():
@@ -77,6 +79,7 @@ async def test_stream_options_without_stream_is_a_400(checkpoints):
     (RequestKind.COMPLETION, {"prompt": 5}, "prompt", ["a string", "a list of token ids"]),
     (RequestKind.COMPLETION, {"prompt": "hi", "stop": 5}, "stop", ["a string", "a list of strings"]),
     (RequestKind.COMPLETION, {"prompt": "hi", "stop": [1, 2]}, "stop.0", ["valid string"]),
+    (RequestKind.COMPLETION, {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias.5", ["valid number"]),
     (RequestKind.CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
      ["a string", "a list of content parts"]),
     (RequestKind.CHAT, {"messages": MESSAGES, "tools": [{"function": {"name": "f"}}], "tool_choice": "always"},
@@ -163,10 +166,21 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
     off = tok.decode(chat_prompt_ids(_chat({"chat_template_kwargs": {"enable_thinking": False}}), tok))
     on = tok.decode(chat_prompt_ids(_chat({"chat_template_kwargs": {"enable_thinking": True}}), tok))
     assert "<think>" not in plain and plain == on and off.endswith("<think>\n\n</think>\n\n")
-    for bad in ({"tokenize": False}, {"add_generation_prompt": False}, {"not a name": 1}):
+    for bad in ({"tokenize": False}, {"add_generation_prompt": False}, {"not a name": 1}, {"conversations": 1},
+                {"sanitize_control_tokens": False}):
         with pytest.raises(InvalidRequestError) as e:
             chat_prompt_ids(_chat({"chat_template_kwargs": bad}), tok)
         assert e.value.param == "chat_template_kwargs"
+    # a template that refuses the request (its raise_exception, or a variable of the wrong type) is a 400
+    tok.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('start with a system turn') }}" \
+                        "{% endif %}{{ messages[0]['content'] }}{{ limit + 1 }}"
+    with pytest.raises(InvalidRequestError, match="start with a system turn") as e:
+        chat_prompt_ids(_chat({}), tok)
+    assert e.value.param == "messages"
+    system = {"messages": [{"role": "system", "content": "s"}], "chat_template_kwargs": {"limit": "x"}}
+    with pytest.raises(InvalidRequestError) as e:
+        chat_prompt_ids(ChatCompletionRequest.model_validate(system), tok)
+    assert e.value.param == "chat_template_kwargs"
 
 
 async def test_continue_final_message_leaves_the_assistant_turn_open(checkpoints):
@@ -260,8 +274,10 @@ def test_the_proxys_limits_variable_is_checked_key_by_key(monkeypatch):
     assert parse_http_limits('{"max_body_bytes": 15, "body_read_timeout_s": 2.5}') == {
         "max_body_bytes": 15, "body_read_timeout_s": 2.5}
     for text, says in (('{"max_body_byte": 15}', "did you mean 'max_body_bytes'"),
-                       ('{"max_connections": -1}', "'max_connections' must be a positive number"),
-                       ('{"retry_after_s": true}', "'retry_after_s' must be a positive number"),
+                       ('{"max_connections": -1}', "'max_connections' must be a positive integer"),
+                       ('{"max_connections": 1.5}', "'max_connections' must be a positive integer"),
+                       ('{"body_read_timeout_s": 0}', "'body_read_timeout_s' must be a positive number"),
+                       ('{"retry_after_s": true}', "'retry_after_s' must be a positive integer"),
                        ('[1]', "must be a JSON object"), ("{", "not valid JSON")):
         with pytest.raises(ValueError) as e:
             parse_http_limits(text)
@@ -275,7 +291,11 @@ async def test_a_boolean_where_an_integer_goes_is_a_400_not_one(checkpoints):
     ing, _ = ingress(checkpoints)
     for kind, body, param in ((RequestKind.COMPLETION, {"prompt": "hi", "max_tokens": True}, "max_tokens"),
                               (RequestKind.COMPLETION, {"prompt": "hi", "logprobs": True}, "logprobs"),
-                              (RequestKind.CHAT, {"messages": MESSAGES, "n": False}, "n")):
+                              (RequestKind.CHAT, {"messages": MESSAGES, "n": False}, "n"),
+                              (RequestKind.CHAT, {"messages": MESSAGES, "temperature": True}, "temperature"),
+                              (RequestKind.COMPLETION, {"prompt": [True, False]}, "prompt"),
+                              (RequestKind.COMPLETION, {"prompt": [[5, True]]}, "prompt"),
+                              (RequestKind.COMPLETION, {"prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids")):
         status, out = await _post(ing, kind, body)
         assert status == 400 and out["error"]["param"] == param, out
     status, out = await _post(ing, RequestKind.CHAT, {"messages": MESSAGES, "max_tokens": 2, "logprobs": True,
@@ -301,3 +321,41 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(checkp
             assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in choices)
         else:
             assert all(c.get("usage") is None for c in choices)
+
+
+async def test_a_typed_request_with_stream_options_streams_through_the_handle(checkpoints):
+    ing, _ = ingress(checkpoints)
+    req = ChatCompletionRequest(messages=MESSAGES, max_tokens=2, stream_options={"include_usage": True})
+    chunks = await _drain(ing.chat_stream(req))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+class SiblingHitReplica(FakeReplica):
+    """Sequence 0 of each prompt computed it (no hit); the later siblings hit the blocks it computed."""
+
+    async def generate(self, req):
+        from affinity_serve.app.protocol import ReplicaChunk
+        self.generated.append(req)
+        for i in range(req.sampling_params.n):
+            for t in range(self.n_tokens):
+                yield ReplicaChunk("", i, "ab"[t % 2], [10 + t], "length" if t == self.n_tokens - 1 else None,
+                                   num_prompt_tokens=len(req.prompt_token_ids),
+                                   num_cached_tokens=0 if i == 0 else 4, replica_id="r1")
+
+
+async def test_cached_tokens_of_n_sequences_are_the_prompts_not_a_later_siblings(checkpoints):
+    ing, _ = ingress(checkpoints, SiblingHitReplica())
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": [5, 6, 7, 8, 9], "max_tokens": 2, "n": 3})
+    assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out["usage"]
+
+
+async def test_continuous_usage_is_on_the_chat_role_chunks_too_and_min_tokens_names_an_unsent_max(checkpoints):
+    ing, _ = ingress(checkpoints, FakeReplica(n_tokens=2))
+    body = {"messages": MESSAGES, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = await asyncio.wait_for(ing._http(RequestKind.CHAT, http_request(json.dumps(body).encode())), 5)
+    chunks = [json.loads(e[len("data: "):]) for e in [e async for e in r.body_iterator] if e.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert all(c["usage"] is not None for c in chunks) and chunks[0]["usage"]["completion_tokens"] == 0
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": "hi", "min_tokens": 40})
+    assert status == 400 and "max_tokens (not sent: 16)" in out["error"]["message"], out
