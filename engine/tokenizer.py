@@ -54,7 +54,8 @@ def _reserved_template_names() -> frozenset[str]:
             names |= {n for n, p in inspect.signature(fn).parameters.items()
                       if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
     except (ImportError, AttributeError, ValueError, TypeError):
-        pass
+        # a transformers without these names or signatures: the fixed list above is what there is to refuse
+        return _TEMPLATE_RESERVED
     return frozenset(names)
 
 

@@ -359,3 +359,22 @@ async def test_continuous_usage_is_on_the_chat_role_chunks_too_and_min_tokens_na
     assert all(c["usage"] is not None for c in chunks) and chunks[0]["usage"]["completion_tokens"] == 0
     status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": "hi", "min_tokens": 40})
     assert status == 400 and "max_tokens (not sent: 16)" in out["error"]["message"], out
+
+
+def test_the_reserved_template_names_hold_the_fixed_list_and_transformers_own(monkeypatch):
+    import inspect
+
+    from affinity_serve.engine import tokenizer as t
+    t._reserved_template_names.cache_clear()
+    names = t._reserved_template_names()
+    assert t._TEMPLATE_RESERVED <= names and "conversations" in names and "sanitize_control_tokens" in names
+
+    def no_signature(fn):
+        raise ValueError("no signature")
+    monkeypatch.setattr(inspect, "signature", no_signature)
+    t._reserved_template_names.cache_clear()
+    try:
+        assert t._reserved_template_names() == t._TEMPLATE_RESERVED    # falls back to the fixed list
+    finally:
+        monkeypatch.undo()
+        t._reserved_template_names.cache_clear()
