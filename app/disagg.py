@@ -35,6 +35,9 @@ from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
 logger = logging.getLogger("affinity.disagg")
 
+#: how often a decode replica waiting on the prefill pool checks that the pool still has a running replica (s)
+POOL_WATCH_S = 0.05
+
 # Spans (each a child of the request's trace; docs/disaggregation.md, "Spans"):
 #: the decode replica's call to the prefill pool (the prefill replica's spans are its children)
 SPAN_REMOTE_PREFILL = "llm.remote_prefill"
@@ -152,6 +155,34 @@ class _PDMetrics(LLMReplica):
             self.metrics.record_pd(pd_sample(stats, self.engine.kv_connector_stats(), self._prefill_failed()))
         return super()._load_sample()
 
+    async def _call_prefill(self, call: GenerateRequest, skip: int) -> list[PrefillResult] | None:
+        """The prefill pool's answer to `call`; None when the pool lost its last running replica while the call
+        waited. A replica that died without a clean stop (`ray.kill`, a lost node) leaves the pool once a probe
+        or a call hits its death, and Serve then holds the call until a replacement has started (a model load):
+        the call is cancelled and the request recomputed here instead. A pool that is only busy keeps its
+        replicas listed, so its calls wait as before."""
+        response = self.prefill_handle.prefill.remote(call, skip)
+
+        async def answer() -> list[PrefillResult]:
+            return await response
+
+        task = asyncio.ensure_future(answer())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.pool_watch_s)
+                if done:
+                    return task.result()
+                if self._prefill_pool_down():
+                    logger.warning("the prefill pool lost its last running replica while a call waited: "
+                                   "recomputing %s here", call.req_id)
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                cancel = getattr(response, "cancel", None)
+                if cancel is not None:
+                    cancel()
+
     def _prefill_failed(self) -> int:
         return 0
 
@@ -254,6 +285,7 @@ class DecodeReplica(_PDMetrics):
         self.prefill_min_replicas = prefill_min_replicas
         self._pool_was_empty = False
         self._pool_seen_replicas = False       # this process's router over the prefill pool has counted one
+        self.pool_watch_s = POOL_WATCH_S
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
@@ -329,13 +361,14 @@ class DecodeReplica(_PDMetrics):
         results: list[PrefillResult] | None = None
         pool_down = self._prefill_pool_down()
         try:
+            if not pool_down:
+                # the prefill replica's spans (prefill, copy-out) are this span's children
+                call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
+                results = await self._call_prefill(call, skip)
+                pool_down = results is None
             if pool_down:
                 span.set_attribute("pd.prefill_pool_empty", True)
                 self.disagg.prefill_pool_empty += 1
-            else:
-                # the prefill replica's spans (prefill, copy-out) are this span's children
-                call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
-                results = await self.prefill_handle.prefill.remote(call, skip)
         except asyncio.CancelledError:
             raise
         except APIError as e:

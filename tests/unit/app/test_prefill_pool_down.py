@@ -1,9 +1,13 @@
 """A decode replica skips the prefill pool when Serve's router over it knows no running replica (app/disagg.py:
 DecodeReplica.prefill_pool_size / _prefill_pool_down), except for a pool that may scale to zero, and the
-builder tells it which pool it has."""
+builder tells it which pool it has; a call waiting on a pool that loses its last replica is cancelled
+(DecodeReplica._call_prefill)."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
+
+import pytest
 
 from affinity_serve.app.config import AppConfig
 from affinity_serve.app.disagg import DecodeReplica
@@ -81,3 +85,67 @@ def test_the_builder_passes_the_prefill_pools_floor():
                   "disaggregation": {"enabled": True}}) == 0
     assert floor({"autoscaling": {"enabled": True, "min_replicas": 0},
                   "disaggregation": {"enabled": True, "prefill": {"autoscaling": {"min_replicas": 1}}}}) == 1
+
+
+class _Response:
+    """A Serve response that answers when told to, and records a cancel."""
+
+    def __init__(self):
+        self.answered = asyncio.Event()
+        self.cancelled = False
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self):
+        await self.answered.wait()
+        return ["prefilled"]
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Pool(Handle):
+    def __init__(self):
+        super().__init__(populated=True)
+        self.calls: list[_Response] = []
+        self.prefill = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, call, skip):
+        self.calls.append(_Response())
+        return self.calls[-1]
+
+
+def test_a_call_waiting_on_a_pool_that_loses_its_last_replica_is_cancelled_and_recomputed_here():
+    router = Router(1)
+    debug.register(Handle.app_name, Handle.deployment_name, router)
+    pool = _Pool()
+    d = _decode(pool)
+    d.pool_watch_s = 0.01
+    d._prefill_pool_down = lambda: DecodeReplica._prefill_pool_down(d)
+
+    async def run():
+        # a busy pool (its replica still listed): the call waits for the answer however long it takes
+        busy = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="a"), 0))
+        await asyncio.sleep(0.1)
+        assert not busy.done()
+        pool.calls[0].answered.set()
+        assert await busy == ["prefilled"] and not pool.calls[0].cancelled
+        # the replica dies without a clean stop while the call waits in Serve's queue (Serve would hold it
+        # until a replacement has started): the call is cancelled and None says "recompute here"
+        dead = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="b"), 0))
+        await asyncio.sleep(0.05)
+        assert not dead.done()
+        router.n = 0
+        assert await asyncio.wait_for(dead, 1.0) is None
+        assert pool.calls[1].cancelled
+        # the client leaves while the call waits: the call is cancelled too
+        router.n = 1
+        left = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="c"), 0))
+        await asyncio.sleep(0.05)
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        assert pool.calls[2].cancelled
+
+    asyncio.run(run())
