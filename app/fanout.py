@@ -167,6 +167,7 @@ class SequenceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None     # the stop string (str) or stop token id that ended it
     first_token_ns: int | None = None
     last_token_ns: int | None = None
 
@@ -215,7 +216,7 @@ class RequestRun:
             seq.last_token_ns = now
             self.first_token_ns = self.first_token_ns or now
         if c.finish_reason:
-            seq.finish_reason = c.finish_reason
+            seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
         prompt = seq_index // self.p.params.n
         self.cached_by_seq[seq_index] = c.num_cached_tokens
         if c.prompt_logprobs is not None:

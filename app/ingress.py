@@ -405,7 +405,8 @@ def _request_body(name: str, request: Any) -> dict:
     if isinstance(request, dict):
         return dict(request)
     if isinstance(request, BaseModel):
-        return request.model_dump()
+        # the wire names (`schema`, `json`, not the Python ones), and only what the caller set
+        return request.model_dump(by_alias=True, exclude_unset=True)
     raise APIError(f"the request must be a {name} or a dict of its fields, got {type(request).__name__}", 400,
                    "invalid_request_error", None, "invalid_value")
 

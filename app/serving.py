@@ -195,7 +195,7 @@ class OpenAIServing:
                                   token_ids=s.token_ids if p.return_token_ids else None)
                        for s in run.choices()]
             if p.tool_mode is not None:
-                choices = [_as_tool_calls(c, p.tool_mode) for c in choices]
+                choices = [_as_tool_calls(c, p.tool_mode, s.stop_reason) for c, s in zip(choices, run.choices())]
             return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str, _prompt_ids(p, 0))
         choices = [self._completion_choice(p, run, i // p.num_choices, s) for i, s in enumerate(run.choices())]
         return fmt.completion_response(meta, choices, usage, fingerprint, self.token_str, p.logprobs or 0)
@@ -274,12 +274,11 @@ class OpenAIServing:
             lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
             if p.tool_mode is not None and tool_streams is not None:
                 reader = tool_streams.setdefault(idx, ToolCallStream(p.tool_mode))
-                calls = reader.feed(c.text)
-                text = reader.take_content() + (reader.flush_content() if c.finish_reason else "")
+                calls = reader.feed(c.text, final=bool(c.finish_reason))
+                text = reader.content(final=bool(c.finish_reason))
                 if not calls and not text and not c.finish_reason and lps is None and not token_ids:
                     return None          # a call's name (or an "auto" call) is not complete yet
-                reason = (_tool_finish_reason(c.finish_reason) if reader.sent or p.tool_mode.parser is None
-                          else c.finish_reason)
+                reason = _tool_finish_reason(c.finish_reason, c.stop_reason) if reader.sent else c.finish_reason
                 return fmt.chat_chunk(meta, idx, text, reason, lps, fingerprint, p.stream_usage,
                                       token_ids=token_ids, tool_calls=calls)
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
@@ -361,19 +360,21 @@ class _EchoGate:
             self.run.prompt_logprobs_of(idx // self.n)
 
 
-def _tool_finish_reason(reason: str | None) -> str | None:
-    """A tool call's grammar ended: "tool_calls"; cut short by max_tokens it stays "length"."""
-    return "tool_calls" if reason == "stop" else reason
+def _tool_finish_reason(reason: str | None, stop_reason: int | str | None) -> str | None:
+    """Output that holds calls: "tool_calls" when it ended by itself (the grammar, or the model's end of turn);
+    cut short by max_tokens it stays "length", and by one of the request's stop strings "stop"."""
+    return "tool_calls" if reason == "stop" and not isinstance(stop_reason, str) else reason
 
 
-def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode) -> fmt.Choice:
+def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode, stop_reason: int | str | None) -> fmt.Choice:
     """A chat choice whose output is a grammar-constrained call (or, tool_choice "auto", text that may hold
-    calls in the template's format): its text read back as `tool_calls`."""
+    calls in the template's format): its text read back as `tool_calls`. Output that holds no call stays
+    text: "auto"'s answer in words, or a forced call cut short before its function's name was complete."""
     calls = tool_calls_message(c.text, mode)
-    if mode.parser is not None and not calls:
-        return c                         # "auto": the model answered in text
+    if not calls:
+        return c
     return dataclasses.replace(c, text=(auto_content(c.text, mode) or "") if mode.parser else "", tool_calls=calls,
-                               finish_reason=_tool_finish_reason(c.finish_reason))
+                               finish_reason=_tool_finish_reason(c.finish_reason, stop_reason))
 
 
 def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:

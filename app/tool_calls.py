@@ -30,7 +30,9 @@ from typing import Any
 
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import ChatCompletionRequest
+from affinity_serve.engine.errors import InvalidRequestError
 from affinity_serve.engine.structured_output import StructuredOutputSpec
+from affinity_serve.engine.structured_output.spec import unenforced_schema_keyword
 
 #: a function with no `parameters` takes an empty object, as OpenAI documents
 _NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -126,6 +128,11 @@ def tool_call_grammar(req: ChatCompletionRequest, tokenizer: Any | None = None, 
                        400, "invalid_request_error", "tool_choice", "unsupported_value")
     params = {t.function.name: t.function.parameters or _NO_PARAMETERS for t in req.tools}
     if choice == "required":
+        for n, p in params.items():       # named here, not at its place in the array schema below
+            problem = unenforced_schema_keyword(p)
+            if problem is not None:
+                raise InvalidRequestError(f"tools.{n}.parameters: unsupported JSON schema: {problem}",
+                                          param=f"tools.{n}.parameters", code="invalid_grammar")
         defs: dict[str, Any] = {}
         items = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _nested(p, i, defs)},
                   "required": ["name", "arguments"], "additionalProperties": False}
@@ -175,11 +182,12 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def read_calls(text: str, mode: ToolCallMode) -> list[tuple[str, str, bool]]:
+def read_calls(text: str, mode: ToolCallMode, final: bool = False) -> list[tuple[str, str, bool]]:
     """The calls in `text` so far: (function name, arguments text, arguments complete). A call appears once its
-    name is complete; its arguments text grows as `text` does (a prefix of the final one)."""
+    name is complete; its arguments text grows as `text` does (a prefix of the final one). `final`: `text` is
+    the whole output."""
     if mode.hermes:
-        return [(name, args, True) for name, args, _ in _hermes_calls(text)[0]]
+        return [(name, args, True) for name, args, _ in _hermes_calls(text, final)[0]]
     if mode.parser is not None:
         return _json_section(text, mode)[1]
     if mode.function is not None:
@@ -224,13 +232,19 @@ def _value_end(text: str, start: int) -> int | None:
     return None
 
 
-def _hermes_calls(text: str) -> tuple[list[tuple[str, str, int]], str]:
+def _hermes_calls(text: str, final: bool = False) -> tuple[list[tuple[str, str, int]], str]:
     """Complete `<tool_call>` blocks whose JSON names a function, as (name, arguments JSON, end), and the text
-    outside them. A block that is not such JSON stays text."""
+    outside them. A block that is not such JSON stays text. With `final` (the whole output), a last block the
+    model ended without its closing tag (EOS instead) is a call too if its JSON is one."""
     calls, content, pos = [], [], 0
     while (start := text.find(_HERMES_OPEN, pos)) != -1:
         end = text.find(_HERMES_CLOSE, start)
         if end == -1:
+            call = _parse_call(text[start + len(_HERMES_OPEN):]) if final else None
+            if call is not None:
+                content.append(text[pos:start])
+                calls.append((*call, len(text)))
+                pos = len(text)
             break
         stop = end + len(_HERMES_CLOSE)
         call = _parse_call(text[start + len(_HERMES_OPEN):end])
@@ -366,19 +380,19 @@ def _json_section(text: str, mode: ToolCallMode) -> tuple[int, list[tuple[str, s
 
 
 def auto_content(text: str, mode: ToolCallMode) -> str | None:
-    """tool_choice "auto": the text of an answer outside its calls (None when only whitespace)."""
+    """tool_choice "auto": the text of an answer outside its calls, as streamed (None when only whitespace)."""
     if mode.hermes:
-        content = _hermes_calls(text)[1]
+        content = _hermes_calls(text, final=True)[1]
     else:
         start, _, end = _json_section(text, mode)
         content = text[:start] + text[end:]
-    return content.strip() or None
+    return content if content.strip() else None
 
 
 def tool_calls_message(text: str, mode: ToolCallMode) -> list[dict]:
     """`message.tool_calls` for a whole output."""
     return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-            for name, args, _ in read_calls(text, mode)]
+            for name, args, _ in read_calls(text, mode, final=True)]
 
 
 @dataclass(slots=True)
@@ -390,11 +404,14 @@ class ToolCallStream:
     text: str = ""
     sent: list[int] = field(default_factory=list)      # per call: arguments characters sent so far
     content_sent: int = 0                               # hermes: characters of text passed on as content
+    blank: str = ""                 # leading content that is only whitespace, held until other content comes
+    content_started: bool = False
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        """The `delta.tool_calls` entries `text` adds; `final`: it is the output's last piece."""
         self.text += text
         if self.mode.hermes:
-            return self._feed_hermes()
+            return self._feed_hermes(final)
         if self.mode.parser is not None:
             return self._feed_json()
         out = []            # at most one entry per call index in one delta, as OpenAI streams them
@@ -440,9 +457,24 @@ class ToolCallStream:
         self.content_sent = pos
         return "".join(out)
 
-    def _feed_hermes(self) -> list[dict]:
+    def content(self, final: bool) -> str:
+        """The content to send with this chunk (after `feed`): what `take_content` releases, and at the end what
+        was held back. Whitespace before any other content is held, so that content that is only whitespace
+        around calls is not sent at all, as the whole response's content is then null."""
+        out = self.take_content() + (self.flush_content() if final else "")
+        if not self.content_started:
+            if not out.strip():
+                self.blank += out
+                if final and not self.sent:          # no call: the whole text is the answer, blanks and all
+                    out, self.blank = self.blank, ""
+                    return out
+                return ""
+            out, self.blank, self.content_started = self.blank + out, "", True
+        return out
+
+    def _feed_hermes(self, final: bool = False) -> list[dict]:
         out = []
-        for i, (name, args, _) in enumerate(_hermes_calls(self.text)[0]):
+        for i, (name, args, _) in enumerate(_hermes_calls(self.text, final)[0]):
             if i == len(self.sent):
                 self.sent.append(len(args))
                 out.append({"index": i, "id": new_call_id(), "type": "function",
@@ -481,8 +513,16 @@ class ToolCallStream:
     def flush_content(self) -> str:
         """At the end ("auto"): the text still held back: an unclosed block or a partial tag is text; after
         llama3_json/mistral calls, what follows them; held JSON that held no call, all of it."""
-        if self.mode.parser is None:
-            return ""
+        if self.mode.parser is None:       # a forced call: its text is content only if no call came of it
+            if self.sent or self.content_sent:
+                return ""
+            self.content_sent = len(self.text)
+            return self.text
+        if self.mode.hermes:
+            rest = self.text[self.content_sent:]
+            if rest.startswith(_HERMES_OPEN) and _parse_call(rest[len(_HERMES_OPEN):]) is not None:
+                self.content_sent = len(self.text)
+                return ""                  # a last block without its closing tag: `feed` sent it as a call
         if not self.mode.hermes and self.sent:
             _, _, end = _json_section(self.text, self.mode)
             rest = self.text[end:]

@@ -63,8 +63,13 @@ class StructuredOutputSpec:
     def check(self) -> None:
         """Raise InvalidRequestError (naming `param`) if xgrammar cannot turn this into a grammar; needs no
         tokenizer and takes about a millisecond (the token-level compile is what runs off the step loop)."""
-        xgr = import_xgrammar(self.param)
         kind, text = self.key
+        if kind == "json":
+            problem = unenforced_schema_keyword(json.loads(text))
+            if problem is not None:
+                raise InvalidRequestError(f"{self.param}: unsupported JSON schema: {problem}", param=self.param,
+                                          code="invalid_grammar")
+        xgr = import_xgrammar(self.param)
         try:
             if kind == "json":
                 xgr.Grammar.from_json_schema(text)
@@ -97,3 +102,78 @@ def _first_line(e: BaseException) -> str:
 
 def _choice_ebnf(choice: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+# What the grammar engine (xgrammar) cannot make the output obey. Its JSON-schema converter skips these without
+# an error, so an output could break the schema with a 200: refused instead, naming where.
+_UNENFORCED = frozenset({
+    "uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+    "dependencies", "if", "then", "else", "not", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+    "$recursiveAnchor"})
+# Beside "$ref", only these may stay (the converter drops the rest of the referring schema)
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$id", "$defs", "definitions"})
+_SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems",
+              "propertyNames")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+
+
+def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
+    """The first place in a JSON schema that the output could not be made to obey (a keyword the grammar engine
+    skips, a remote or anchor `$ref`, keywords beside `$ref`, an `allOf` of several schemas, a non-integer
+    `multipleOf`, a negative count), as a message naming its path; None when every keyword is enforced.
+    Formats are annotations (docs/structured-outputs.md lists those enforced)."""
+    if not isinstance(schema, dict):
+        return None
+    at = f"at {path}: " if path else ""
+    for key in schema:
+        if key in _UNENFORCED and not (key == "uniqueItems" and schema[key] is False):
+            return (f"{at}{key!r} cannot be enforced while generating (the grammar engine does not support it); "
+                    "remove it and check that part of the response yourself")
+    ref = schema.get("$ref")
+    if ref is not None:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return (f"{at}$ref {ref!r}: only references inside the schema (\"#/$defs/...\") are supported; "
+                    "put the referenced schema in $defs")
+        extra = sorted(k for k in schema if k != "$ref" and k not in _ANNOTATIONS)
+        if extra:
+            return (f"{at}{', '.join(extra)} beside $ref would be ignored: move them into the referenced schema")
+    all_of = schema.get("allOf")
+    if all_of is not None:
+        extra = sorted(k for k in schema if k != "allOf" and k not in _ANNOTATIONS)
+        if not isinstance(all_of, list) or len(all_of) != 1 or extra:
+            return (f"{at}allOf is supported only as one schema with nothing beside it but annotations; merge "
+                    "the schemas into one")
+    mult = schema.get("multipleOf")
+    if mult is not None and not (schema.get("type") == "integer" and isinstance(mult, int)
+                                 and not isinstance(mult, bool) and mult > 0):
+        return f"{at}multipleOf is enforced only as a positive integer on \"type\": \"integer\""
+    for key in _COUNTS:
+        v = schema.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return f"{at}{key} must be a non-negative integer (got {v!r})"
+    sub = path + "." if path else ""
+    for key in _SUBSCHEMA:
+        found = unenforced_schema_keyword(schema.get(key), f"{sub}{key}")
+        if found:
+            return found
+    items = schema.get("items")
+    for i, s in enumerate(items if isinstance(items, list) else [items]):
+        found = unenforced_schema_keyword(s, f"{sub}items" + (f".{i}" if isinstance(items, list) else ""))
+        if found:
+            return found
+    for key in _SUBSCHEMA_MAPS:
+        m = schema.get(key)
+        for name, s in (m.items() if isinstance(m, dict) else ()):
+            found = unenforced_schema_keyword(s, f"{sub}{key}.{name}")
+            if found:
+                return found
+    for key in _SUBSCHEMA_LISTS:
+        lst = schema.get(key)
+        for i, s in enumerate(lst if isinstance(lst, list) else ()):
+            found = unenforced_schema_keyword(s, f"{sub}{key}.{i}")
+            if found:
+                return found
+    return None

@@ -34,17 +34,21 @@ CALL_TEXT = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"cit
 
 
 class TextReplica:
-    """Streams `text` in 4-character chunks, then finishes with "stop"; records the prompts it got."""
+    """Streams `text` in 4-character chunks, then finishes with `finish` ("stop"; `stop_reason` the stop string or
+    token that ended it, None: the end of the grammar or turn); records the prompts it got."""
 
     def __init__(self):
         self.text = ""
+        self.finish, self.stop_reason = "stop", None
         self.prompts: list[list[int]] = []
 
     async def generate(self, req):
         self.prompts.append(req.prompt_token_ids)
         pieces = [self.text[i:i + 4] for i in range(0, len(self.text), 4)] or [""]
         for n, piece in enumerate(pieces):
-            yield ReplicaChunk("", 0, piece, [10], "stop" if n == len(pieces) - 1 else None,
+            last = n == len(pieces) - 1
+            yield ReplicaChunk("", 0, piece, [10], self.finish if last else None,
+                               stop_reason=self.stop_reason if last else None,
                                num_prompt_tokens=len(req.prompt_token_ids), replica_id="r1")
 
     async def limits(self):
@@ -120,7 +124,7 @@ async def test_auto_reads_a_hermes_call_back_whole(hermes):
     replica.text = CALL_TEXT
     r = await client.chat.completions.create(model=ing.model_name, messages=MSGS, tools=TOOLS, max_tokens=50)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check. "     # as streamed
     (call,) = c.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     # the tool definitions went through the template into the prompt
@@ -166,7 +170,7 @@ async def test_the_parser_is_chosen_from_the_template(json_format):
     replica.text = texts["call"]
     r = await client.chat.completions.create(model=ing.model_name, messages=MSGS, tools=TOOLS, max_tokens=50)
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check. "     # as streamed
     (call,) = c.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     prompt = ing.serving.tokenizer.decode(replica.prompts[-1])

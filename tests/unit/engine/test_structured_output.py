@@ -429,3 +429,48 @@ def test_xgrammars_threads_fill_only_where_they_measured_faster(tmp_path, monkey
     assert used.count(False) == first + 1              # alone tried again once, a probe later
     assert isinstance(mgr._batch_matchers[min(8, 4)], xgr.BatchGrammarMatcher)
     mgr.close()
+
+
+# Keywords xgrammar's converter skips (the output could break them with a 200): each is a 400 naming where.
+_UNENFORCED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "'uniqueItems'"),
+    ({"type": "array", "contains": {"const": 5}}, "[]", "'contains'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}, '{"a": 1}',
+     "'dependentRequired'"),
+    ({"type": "integer", "not": {"const": 3}}, "3", "'not'"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"multipleOf": 2}}, "7", "'if'"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3", "allOf"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "multipleOf"),
+    ({"$defs": {"s": {"type": "string"}}, "type": "object", "required": ["a"],
+      "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 3}}}, '{"a": "abcdef"}', "at properties.a: maxLength"),
+    ({"$defs": {"s": {"type": "boolean"}}, "type": "object", "required": ["x"],
+      "properties": {"x": {"$ref": "#foo"}}}, '{"x": "str"}', "at properties.x: $ref '#foo'"),
+    ({"$ref": "http://example.com/s.json"}, "8298", "$ref 'http://example.com/s.json'"),
+    ({"type": "array", "minItems": -1}, "[]", "minItems must be a non-negative integer"),
+]
+
+
+@pytest.mark.parametrize("schema,violating,named", _UNENFORCED)
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_naming_where(schema, violating, named):
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+    # why: the converter skips it without an error, so this grammar accepts an output that breaks the schema
+    assert _is_grammar_accept_string(xgrammar.Grammar.from_json_schema(json.dumps(schema)), violating)
+    with pytest.raises(InvalidRequestError) as e:
+        StructuredOutputSpec.from_schema(schema, "response_format").check()
+    assert e.value.param == "response_format" and e.value.code == "invalid_grammar"
+    assert named in str(e.value) and "unsupported JSON schema" in str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}},   # property names
+    {"type": "object", "properties": {"p": {"allOf": [{"$ref": "#/$defs/a"}], "description": "d"}},
+     "$defs": {"a": {"type": "integer"}}},                     # pydantic v1's single allOf around a $ref
+    {"type": "object", "properties": {"p": {"$ref": "#/$defs/a", "description": "d", "title": "P"}},
+     "$defs": {"a": {"type": "integer"}}},                     # annotations beside $ref
+    {"type": "integer", "multipleOf": 3},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+    {"type": "string", "format": "password"},                  # formats are annotations (pydantic's SecretStr)
+])
+def test_schemas_whose_every_keyword_is_enforced_pass(schema):
+    StructuredOutputSpec.from_schema(schema, "response_format").check()
