@@ -52,6 +52,8 @@ class Choice:
     prompt_token_ids: Sequence[int] | None = None
     #: chat with tools: the message's `tool_calls` (its content: `text`, null when empty); None: a plain message
     tool_calls: Sequence[dict] | None = None
+    #: vLLM's `stop_reason`: the stop string (str) or stop token id (int) that ended the choice; None otherwise
+    stop_reason: int | str | None = None
 
 
 def fingerprint(replica_ids: Iterable[str]) -> str:
@@ -132,7 +134,7 @@ def completion_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: d
 
 def _completion_choice(index: int, c: Choice, token_str: TokenStr, num_top: int) -> dict:
     out = {"index": index, "text": (c.echo.text if c.echo else "") + c.text, "finish_reason": c.finish_reason,
-           "logprobs": None if c.logprobs is None
+           "stop_reason": c.stop_reason, "logprobs": None if c.logprobs is None
            else completion_logprobs(c.logprobs, token_str, num_top, echo=c.echo)}
     if c.prompt_logprobs is not None:
         out["prompt_logprobs"] = c.prompt_logprobs
@@ -162,16 +164,20 @@ def _chat_choice(index: int, c: Choice, token_str: TokenStr) -> dict:
                else {"role": "assistant", "content": c.text or None, "tool_calls": list(c.tool_calls)})
     out = {"index": index, "message": message,
            "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
-           "finish_reason": c.finish_reason}
+           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     return _with_token_ids(out, c.token_ids, None)
 
 
 # ---------------------------------------------------------------- stream chunks
 def completion_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None,
                      logprobs: dict | None, fingerprint_: str, with_usage: bool, *,
-                     token_ids: Sequence[int] | None = None, prompt_token_ids: Sequence[int] | None = None) -> dict:
-    """`token_ids`: this chunk's generated ids; `prompt_token_ids`: on a choice's first chunk (return_token_ids)."""
+                     token_ids: Sequence[int] | None = None, prompt_token_ids: Sequence[int] | None = None,
+                     stop_reason: int | str | None = None) -> dict:
+    """`token_ids`: this chunk's generated ids; `prompt_token_ids`: on a choice's first chunk (return_token_ids);
+    `stop_reason` (vLLM's) on the chunk that finishes the choice."""
     choice = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     chunk = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
              "system_fingerprint": fingerprint_, "choices": [_with_token_ids(choice, token_ids, prompt_token_ids)]}
     if with_usage:
@@ -181,7 +187,7 @@ def completion_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: s
 
 def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
                fingerprint_: str, with_usage: bool, *, token_ids: Sequence[int] | None = None,
-               tool_calls: Sequence[dict] | None = None) -> dict:
+               tool_calls: Sequence[dict] | None = None, stop_reason: int | str | None = None) -> dict:
     """`tool_calls`: this chunk's `delta.tool_calls` entries (index, id and name first, then argument
     fragments), sent instead of content."""
     if tool_calls is not None:
@@ -191,6 +197,8 @@ def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | N
     else:
         delta = {"content": text} if text or not finish_reason else {}
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     chunk = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
              "system_fingerprint": fingerprint_, "choices": [_with_token_ids(choice, token_ids, None)]}
     if with_usage:

@@ -192,7 +192,7 @@ class OpenAIServing:
         fingerprint = fmt.fingerprint(run.replica_ids)
         if kind is RequestKind.CHAT:
             choices = [fmt.Choice(s.text, s.finish_reason, s.logprobs if p.logprobs is not None else None,
-                                  token_ids=s.token_ids if p.return_token_ids else None)
+                                  token_ids=s.token_ids if p.return_token_ids else None, stop_reason=s.stop_reason)
                        for s in run.choices()]
             if p.tool_mode is not None:
                 choices = [_as_tool_calls(c, p.tool_mode, s.stop_reason) for c, s in zip(choices, run.choices())]
@@ -210,7 +210,7 @@ class OpenAIServing:
         return fmt.Choice(seq.text, seq.finish_reason, seq.logprobs if p.logprobs is not None else None,
                           self._echo(p, run, prompt), prompt_lps,
                           token_ids=seq.token_ids if p.return_token_ids else None,
-                          prompt_token_ids=_prompt_ids(p, prompt))
+                          prompt_token_ids=_prompt_ids(p, prompt), stop_reason=seq.stop_reason)
 
     def _echo(self, p: PreparedRequest, run: RequestRun, prompt: int) -> fmt.EchoedPrompt | None:
         if not p.echo:
@@ -280,9 +280,9 @@ class OpenAIServing:
                     return None          # a call's name (or an "auto" call) is not complete yet
                 reason = _tool_finish_reason(c.finish_reason, c.stop_reason) if reader.sent else c.finish_reason
                 return fmt.chat_chunk(meta, idx, text, reason, lps, fingerprint, p.stream_usage,
-                                      token_ids=token_ids, tool_calls=calls)
+                                      token_ids=token_ids, tool_calls=calls, stop_reason=c.stop_reason)
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
-                                  token_ids=token_ids)
+                                  token_ids=token_ids, stop_reason=c.stop_reason)
         offset = text_offsets.get(idx, 0)
         lps = None
         if p.logprobs is not None:
@@ -292,7 +292,8 @@ class OpenAIServing:
         text_offsets[idx] = offset
         text = (echo.text if echo else "") + c.text
         return fmt.completion_chunk(meta, idx, text, c.finish_reason, lps, fingerprint, p.stream_usage,
-                                    token_ids=token_ids, prompt_token_ids=_prompt_ids(p, prompt) if first else None)
+                                    token_ids=token_ids, prompt_token_ids=_prompt_ids(p, prompt) if first else None,
+                                    stop_reason=c.stop_reason)
 
     async def _chunks(self, p: PreparedRequest, carrier: dict[str, str],
                       run: RequestRun) -> AsyncIterator[tuple[int, ReplicaChunk]]:

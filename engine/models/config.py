@@ -130,7 +130,7 @@ class ModelArgs:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", spec.tie_word_embeddings)),
             qkv_bias=True if spec.qkv_bias_always else attention_bias,
             o_bias=False if spec.qkv_bias_always else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -33,6 +33,8 @@ class ArchSpec:
     rope_aliases: tuple[tuple[str, str], ...] = ()
     #: the context cap from `sliding_window` applies (else the field is ignored unless use_sliding_window)
     sliding_window_default: bool = True
+    #: tie_word_embeddings when config.json omits it: the family's transformers config default (Gemma's True)
+    tie_word_embeddings: bool = False
     #: hidden_act values the model code implements
     activations: tuple[str, ...] = ("silu", "swish")
     #: "module:Class" of the model (imported on use: this module stays torch-free)

@@ -73,6 +73,9 @@ def test_stop_strings_are_excluded(client):
                                     stop=[stop], extra_body={"ignore_eos": True})
     assert cut.choices[0].text == base[:base.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop           # vLLM's field: which stop string
+    assert client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].model_extra["stop_reason"] is None
 
 
 def test_logprobs(client):

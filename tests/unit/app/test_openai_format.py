@@ -90,7 +90,7 @@ def test_stream_chunks():
     assert last["choices"][0]["delta"] == {} and "usage" not in last
     c = fmt.completion_chunk(META, 2, "x", "length", {"tokens": []}, "replica:r1", with_usage=False)
     assert c["object"] == "text_completion" and c["choices"][0] == {
-        "index": 2, "text": "x", "finish_reason": "length", "logprobs": {"tokens": []}}
+        "index": 2, "text": "x", "finish_reason": "length", "logprobs": {"tokens": []}, "stop_reason": None}
     u = fmt.usage_chunk(META, "chat.completion.chunk", fmt.usage(1, 2, 0))
     assert u["choices"] == [] and oai_chat.ChatCompletionChunk.model_validate(u).usage.total_tokens == 3
 
@@ -101,11 +101,12 @@ def test_return_token_ids_fields_where_vllm_puts_them_and_read_by_the_openai_typ
     c = fmt.completion_response(META, [fmt.Choice("x", "length", None, token_ids=[22], prompt_token_ids=[1, 2])],
                                 fmt.usage(2, 1, 0), "r", token_str)
     parsed = oai.Completion.model_validate(c).choices[0]
-    assert parsed.model_extra == {"token_ids": [22], "prompt_token_ids": [1, 2]}
+    assert parsed.model_extra == {"token_ids": [22], "prompt_token_ids": [1, 2], "stop_reason": None}
     chat = fmt.chat_response(META, [fmt.Choice("x", "stop", None, token_ids=[22])], fmt.usage(2, 1, 0), "r",
                              token_str, prompt_token_ids=[1, 2])
     parsed = oai_chat.ChatCompletion.model_validate(chat)
-    assert parsed.model_extra == {"prompt_token_ids": [1, 2]} and parsed.choices[0].model_extra == {"token_ids": [22]}
+    assert parsed.model_extra == {"prompt_token_ids": [1, 2]}
+    assert parsed.choices[0].model_extra == {"token_ids": [22], "stop_reason": None}
     chunk = fmt.completion_chunk(META, 0, "", None, None, "r", False, token_ids=[22], prompt_token_ids=[1, 2])
     assert (chunk["choices"][0]["token_ids"], chunk["choices"][0]["prompt_token_ids"]) == ([22], [1, 2])
     assert fmt.chat_chunk(META, 0, "x", None, None, "r", False, token_ids=[5])["choices"][0]["token_ids"] == [5]
@@ -114,3 +115,21 @@ def test_return_token_ids_fields_where_vllm_puts_them_and_read_by_the_openai_typ
              fmt.chat_chunk(META, 0, "x", None, None, "r", False)["choices"][0], fmt.chat_role_chunk(META, 0),
              fmt.chat_response(META, [fmt.Choice("x", "stop", None)], fmt.usage(1, 1, 0), "r", token_str)]
     assert not any({"token_ids", "prompt_token_ids"} & set(d) for d in plain)
+
+
+def test_stop_reason_is_on_each_finished_choice_as_vllm_returns_it():
+    """The stop string or stop token id that ended a choice (None: EOS, the grammar, or a length cap); streamed,
+    on the chunk that finishes the choice only."""
+    for reason in ("###", 128009, None):
+        c = fmt.completion_response(META, [fmt.Choice("x", "stop", None, stop_reason=reason)], fmt.usage(2, 1, 0),
+                                    "r", token_str)
+        assert oai.Completion.model_validate(c).choices[0].model_extra["stop_reason"] == reason
+        chat = fmt.chat_response(META, [fmt.Choice("x", "stop", None, stop_reason=reason)], fmt.usage(2, 1, 0), "r",
+                                 token_str)
+        assert oai_chat.ChatCompletion.model_validate(chat).choices[0].model_extra["stop_reason"] == reason
+        last = fmt.chat_chunk(META, 0, "", "stop", None, "r", with_usage=False, stop_reason=reason)
+        assert oai_chat.ChatCompletionChunk.model_validate(last).choices[0].model_extra["stop_reason"] == reason
+        last = fmt.completion_chunk(META, 0, "", "stop", None, "r", with_usage=False, stop_reason=reason)
+        assert last["choices"][0]["stop_reason"] == reason
+    assert "stop_reason" not in fmt.chat_chunk(META, 0, "he", None, None, "r", with_usage=False)["choices"][0]
+    assert "stop_reason" not in fmt.completion_chunk(META, 0, "he", None, None, "r", with_usage=False)["choices"][0]
