@@ -163,6 +163,9 @@ class KVConnectorScheduler(ABC):
         self.stats = KVConnectorStats()
         self._load_requests: dict[str, "Request"] = {}      # loads in flight, for timeout accounting
         self._abandoned_loads: set[str] = set()             # timed out or aborted: their late report is not counted
+        # the latest lookup of each request still waiting (req_id -> (request, hit blocks)): the scheduler
+        # re-asks the head of the queue every step while it has no room for it; one admission counts once
+        self._asked: dict[str, tuple["Request", int]] = {}
 
     def loads_early(self, request: "Request") -> bool:
         """True if `request`'s load should start as soon as it is queued, not when it reaches the head of the
@@ -176,19 +179,40 @@ class KVConnectorScheduler(ABC):
 
     def _match_after_local(self, request: "Request", num_local_tokens: int, holds) -> tuple[int, bool]:
         """The tier's share of a lookup: full blocks right after the local hit for which `holds(key)` is
-        true, never the last prompt token's block (it is always computed), counted in the stats. With
-        KV-cache groups (`layout.kv_groups`), vLLM's hybrid rule: every full-attention group's blocks up to
-        the hit's end, and of each sliding group only the blocks its window reads from there."""
-        self.stats.lookups += 1
+        true, never the last prompt token's block (it is always computed). With KV-cache groups
+        (`layout.kv_groups`), vLLM's hybrid rule: every full-attention group's blocks up to the hit's end, and
+        of each sliding group only the blocks its window reads from there.
+
+        Counted in the stats once per admission, with the answer the request was admitted on: a request
+        asked again while it waits for room replaces its earlier answer (see `_count_lookups`)."""
         bs, hashes = self.block_size, request.block_hashes
         end = min((request.num_tokens - 1) // bs, len(hashes))
         start = num_local_tokens // bs
         layout: KVLayout | None = getattr(self, "layout", None)      # the tiers set it; a test's fake may not
         windows = (layout.kv_groups if layout is not None else ()) or (None,)
         n = tier_hit_end(hashes, start, end, windows, holds, bs) - start if end > start else 0
-        self.stats.hit_blocks += n
-        self.stats.hit_tokens += n * bs
+        self._asked[request.req_id] = (request, n)
         return n * bs, n > 0
+
+    def _count_lookups(self, loading: "Request | None" = None) -> None:
+        """Count the lookups of requests admitted since the last call (`loading`: one whose load starts
+        now): a request that left the waiting queue counts its last answer; a finished one (aborted while
+        waiting) counts nothing; one still waiting keeps its entry for the next call."""
+        if loading is not None:
+            self._commit_lookup(loading.req_id)
+        for req_id, (req, _) in list(self._asked.items()):
+            status = req.status
+            if status.is_finished:
+                del self._asked[req_id]
+            elif status is not RequestStatus.WAITING and status is not RequestStatus.PREEMPTED:
+                self._commit_lookup(req_id)
+
+    def _commit_lookup(self, req_id: str) -> None:
+        entry = self._asked.pop(req_id, None)
+        if entry is not None:
+            self.stats.lookups += 1
+            self.stats.hit_blocks += entry[1]
+            self.stats.hit_tokens += entry[1] * self.block_size
 
     def update_state_after_alloc_keyed(self, request: "Request", blocks: list[tuple[int, "CacheKey"]],
                                        num_external_tokens: int) -> None:
@@ -206,10 +230,13 @@ class KVConnectorScheduler(ABC):
     # same schedule()) and `_load_finished` for every reported load.
     def _load_started(self, request: "Request") -> None:
         self._load_requests[request.req_id] = request
+        self._count_lookups(request)
 
     def _note_abandoned_loads(self) -> None:
         """Loads the Scheduler gave up on: it moves a request out of WAITING_FOR_KV only when its load is
-        reported, times out (counted here) or the request is aborted (not a load failure)."""
+        reported, times out (counted here) or the request is aborted (not a load failure). Also counts the
+        lookups of the requests this schedule() admitted."""
+        self._count_lookups()
         for req_id, req in list(self._load_requests.items()):
             if req.status is RequestStatus.WAITING_FOR_KV:
                 continue

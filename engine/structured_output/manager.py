@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 #: compiled grammars kept (least recently used dropped first)
 _CACHE_SIZE = 512
+#: compiles run at once: a slow one (a 20,000-string choice takes ~30 s) does not hold up the small ones behind it
+COMPILE_THREADS = 2
 #: from this many constrained rows a step fills the bitmask in one call of xgrammar's batch matcher
 _BATCH_FILL_MIN_ROWS = 8
 #: a batch fill expected to take longer than this (the time a row x rows) may use xgrammar's threads, and
@@ -89,7 +91,8 @@ class StructuredOutputManager:
         self.check_first = check_first
         self._executor: ThreadPoolExecutor | None = None
         self._fill_executor: ThreadPoolExecutor | None = None
-        self._compiler = None                       # built on the worker thread by the first compile
+        self._compiler = None                       # built on a worker thread by the first compile
+        self._compiler_lock = threading.Lock()
         #: the ids xgrammar's matchers cover: the tokenizer's (and the stop ids). A model's logits are often
         #: wider (padded to a multiple of 64 or more; the demo benchmark's 32,000 over 730 tokens); xgrammar
         #: would count the padding as special tokens and clear each one's bit every fill (~1 us per 1,000 ids a
@@ -126,7 +129,7 @@ class StructuredOutputManager:
                 self.num_cache_hits += 1
                 return fut
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+                self._executor = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
             fut = self._executor.submit(self._compile_now, key)
             self._cache[key] = fut
             self.num_compiles += 1
@@ -135,18 +138,10 @@ class StructuredOutputManager:
             return fut
 
     def _compile_now(self, key: tuple[str, str]):
-        """On the worker thread: the token-level compile (xgrammar's adaptive token mask cache)."""
-        if self._compiler is None:
-            xgr = import_xgrammar()
-            self._fill_vocab_size = min(self.vocab_size,
-                                        max([_tokenizer_size(self.tokenizer) - 1, *self.stop_token_ids]) + 1)
-            self._tail_word = _low_bits(self._fill_vocab_size % 32)
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
-                                                      stop_token_ids=self.stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            allowed = _no_control_byte_tokens(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
-            self._no_control_bytes = _pack_bits(allowed)
-            self._control_byte_ids = frozenset((~allowed).nonzero().flatten().tolist())
+        """On a worker thread: the token-level compile (xgrammar's adaptive token mask cache)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._build_compiler()
         kind, text = key
         # compact JSON (no free whitespace between tokens, as vLLM's disable_any_whitespace): a model can
         # otherwise spend its max_tokens on blanks the grammar allows
@@ -157,6 +152,19 @@ class StructuredOutputManager:
         if kind == "regex":
             return self._compiler.compile_regex(text)
         return self._compiler.compile_grammar(text)
+
+    def _build_compiler(self) -> None:
+        """Once, on the first compile's thread (under `_compiler_lock`): xgrammar's compiler over this vocabulary."""
+        xgr = import_xgrammar()
+        self._fill_vocab_size = min(self.vocab_size,
+                                    max([_tokenizer_size(self.tokenizer) - 1, *self.stop_token_ids]) + 1)
+        self._tail_word = _low_bits(self._fill_vocab_size % 32)
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
+                                                  stop_token_ids=self.stop_token_ids)
+        allowed = _no_control_byte_tokens(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
+        self._no_control_bytes = _pack_bits(allowed)
+        self._control_byte_ids = frozenset((~allowed).nonzero().flatten().tolist())
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)     # last: set means the fields above are
 
     def wait_for_compile(self, states: Iterable[GrammarState], timeout_s: float) -> None:
         """Block up to `timeout_s` until one of `states` is compiled (the engine calls this only when a step

@@ -474,3 +474,36 @@ def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_naming_where(sch
 ])
 def test_schemas_whose_every_keyword_is_enforced_pass(schema):
     StructuredOutputSpec.from_schema(schema, "response_format").check()
+
+
+def test_a_slow_compile_does_not_hold_up_a_small_one_behind_it(tmp_path, monkeypatch):
+    """A 20,000-string choice took ~30 s to compile and every structured request behind it waited as long:
+    compiles run on COMPILE_THREADS threads."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from affinity_serve.engine.demo import write_demo_model
+    from affinity_serve.engine.structured_output import manager
+    assert manager.COMPILE_THREADS >= 2
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    mgr = manager.StructuredOutputManager(tok, max(tok.get_vocab().values()) + 1, [eos])
+    release = threading.Event()
+    compile_now = mgr._compile_now
+
+    def slow_for_the_big_one(key):
+        if key == StructuredOutputSpec(regex="big").key:
+            assert release.wait(30)
+        return compile_now(key)
+
+    monkeypatch.setattr(mgr, "_compile_now", slow_for_the_big_one)
+    big = mgr.new_state(StructuredOutputSpec(regex="big"))
+    small = mgr.new_state(StructuredOutputSpec(regex="[a-z]{3}"))
+    try:
+        small._future.result(timeout=30)           # done while the big one is still compiling
+        assert small.is_ready and not big.is_ready
+    finally:
+        release.set()
+    big._future.result(timeout=30)
+    mgr.close()
