@@ -21,7 +21,7 @@ def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 SPECS = [
-    ArchSpec("Gemma2ForCausalLM", activations=("gelu_pytorch_tanh",), parse=_gemma2,
+    ArchSpec("Gemma2ForCausalLM", activations=("gelu_pytorch_tanh",), parse=_gemma2, tie_word_embeddings=True,
              model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
                                            "attn_logit_softcapping"})),

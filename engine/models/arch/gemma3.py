@@ -30,6 +30,7 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("Gemma3ForCausalLM", qk_norm=True, activations=("gelu_pytorch_tanh",), parse=_gemma3,
+             tie_word_embeddings=True,
              model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping"})),
 ]
