@@ -133,8 +133,9 @@ def structured_output_spec(req: CompletionRequest | ChatCompletionRequest, token
         specs["response_format"] = StructuredOutputSpec(json_object=True, param="response_format")
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
-            raise APIError("response_format of type json_schema needs json_schema: {name, schema}", 400,
-                           "invalid_request_error", "response_format.json_schema", "invalid_value")
+            raise APIError("response_format of type json_schema needs json_schema: {name, schema} (without "
+                           "schema: any JSON)", 400, "invalid_request_error", "response_format.json_schema",
+                           "invalid_value")
         specs["response_format"] = StructuredOutputSpec.from_schema(rf.json_schema.json_schema,
                                                                     "response_format.json_schema.schema")
     so = req.structured_outputs

@@ -88,6 +88,8 @@ class StructuredOutputsParams(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    #: vLLM's: the JSON is always compact (no free whitespace), so either value is met
+    disable_any_whitespace: bool | None = None
 
 
 class FunctionDefinition(_Strict):
@@ -216,6 +218,8 @@ class _OpenAIRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: vLLM's older per-request backend choice: xgrammar is the one backend here
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:

@@ -175,6 +175,9 @@ class KVConnectorOutput:
     finished_stores: list[tuple[list[BlockHash], bool]] = field(default_factory=list)
     #: hashes the tier dropped while making room (a keyed tier whose eviction happens in the runner)
     tier_evicted: list[BlockHash] = field(default_factory=list)
+    #: hashes the stores actually wrote, for a tier that skips blocks it already holds (the shared store);
+    #: None: every block of an ok store was written
+    tier_written: list[BlockHash] | None = None
     #: why a load in `finished_loads` failed, by req_id: "missing" (a block was gone), "damaged" (a block
     #: failed verification); a failed load without an entry failed with an error
     load_failure_causes: dict[str, str] = field(default_factory=dict)

@@ -113,11 +113,13 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> KVConnectorUpdate:
+        written = None if output.tier_written is None else set(output.tier_written)
         for hashes, ok in output.finished_stores:
             self._num_storing = max(0, self._num_storing - 1)
-            if ok:
-                self.stats.stored_blocks += len(hashes)
-                self.stats.stored_bytes += len(hashes) * self.layout.block_bytes
+            if ok:      # count what was written: the store skips blocks it holds already
+                n = len(hashes) if written is None else sum(h in written for h in hashes)
+                self.stats.stored_blocks += n
+                self.stats.stored_bytes += n * self.layout.block_bytes
                 own = [h for h in hashes if type(h) is bytes]      # group 0's keys only, as the pool's events
                 if self._enable_events and own:
                     self._events.append(BlockStored(own, None, [], self.block_size, medium=self.medium))
@@ -134,7 +136,10 @@ class SharedConnectorScheduler(KVConnectorScheduler):
                 self._events.append(BlockRemoved(own, medium=self.medium))
         for req_id, ok in output.finished_loads.items():
             hashes = self._loading.pop(req_id, [])
-            if not ok:       # the request recomputes these blocks: store them again (damaged files are gone)
+            if ok:           # in the store already: the pool registers them, they need no store
+                for h in hashes:
+                    self._recent[h] = None
+            else:            # the request recomputes these blocks: store them again (damaged files are gone)
                 for h in hashes:
                     self._recent.pop(h, None)
             self._load_finished(req_id, ok, len(hashes), output.load_failure_causes.get(req_id),

@@ -147,6 +147,8 @@ class _Worker(ABC):
                 out.finished_loads.update(report.finished_loads)
                 out.finished_stores.extend(report.finished_stores)
                 out.tier_evicted.extend(report.tier_evicted)
+                if report.tier_written is not None:
+                    out.tier_written = (out.tier_written or []) + report.tier_written
                 out.load_failure_causes.update(report.load_failure_causes)
             else:
                 keep.append((event, report))
@@ -215,8 +217,9 @@ class SharedStoreWorker(_Worker):
         else:
             self.copier.gather(t.block_ids, typed)
         mem = raw.numpy()
-        _, evicted = self.store.write_many([(h, memoryview(mem[i])) for i, h in enumerate(t.block_hashes)])
+        written, evicted = self.store.write_many([(h, memoryview(mem[i])) for i, h in enumerate(t.block_hashes)])
         out.tier_evicted.extend(evicted)
+        out.tier_written = (out.tier_written or []) + written      # blocks already there are not written
         return True
 
     def _load(self, t: KVTransfer, out: KVConnectorOutput) -> bool:

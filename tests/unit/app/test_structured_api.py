@@ -131,3 +131,18 @@ async def test_hermes_content_is_the_same_whole_and_streamed(checkpoints, tmp_pa
     replica.text = f"{call}\n{call}\n"
     content, calls, reason = await _chat(client, ing, stream)
     assert content is None and len(calls) == 2 and reason == "tool_calls"
+
+
+async def test_vllms_backend_and_whitespace_fields_are_accepted_where_they_hold(checkpoints):
+    replica = FakeReplica()
+    ing, _ = ingress(checkpoints, replica)
+    for extra in ({"guided_decoding_backend": "xgrammar"}, {"guided_decoding_backend": "auto"}):
+        status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": "x", "max_tokens": 2,
+                                                                 "guided_regex": "[a-z]+", **extra})
+        assert status == 200, out
+    status, out = await _post(ing, RequestKind.COMPLETION, {"prompt": "x", "max_tokens": 2, "structured_outputs": {
+        "json": {"type": "object"}, "disable_any_whitespace": True}})
+    assert status == 200, out
+    status, out = await _post(ing, RequestKind.COMPLETION, {
+        "prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+", "guided_decoding_backend": "outlines"})
+    assert status == 400 and out["error"]["param"] == "guided_decoding_backend"

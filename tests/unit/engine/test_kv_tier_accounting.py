@@ -5,6 +5,10 @@ room for it; those re-asks are not admissions and must not inflate `lookups` / `
 """
 from __future__ import annotations
 
+import os
+import random
+
+from affinity_serve.engine import LLM, SamplingParams
 from affinity_serve.engine.config import SchedulerConfig
 from affinity_serve.engine.kv_cache_manager import KVCacheManager
 from affinity_serve.engine.kv_connector import KVConnectorOutput, KVLayout, SharedConnectorScheduler, SharedKVStore
@@ -50,3 +54,56 @@ def test_a_request_waiting_for_blocks_counts_one_lookup_per_admission(tmp_path):
     # admissions that asked: the hog's, the reader's load, the reader's run after its load
     assert s.lookups == 3
     assert s.hit_blocks == 8 and s.hit_tokens == 8 * BS
+
+
+# ------------------------------------------------------------------ engine level (tiny llama)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(10, 700) for _ in range(n)]
+
+
+PROMPT = _ids(50, 7)          # 6 full blocks of 8, then 2 tokens
+
+
+def _llm(path, store_dir, capacity=256, num_blocks=32):
+    return LLM(path, cache={"num_blocks": num_blocks, "block_size": 8},
+               kv_connector={"type": "shared", "capacity_blocks": capacity, "shared_dir": str(store_dir)})
+
+
+def _gen(llm, prompt, n=6):
+    out = llm.generate([prompt], SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def _flush(llm):
+    for _ in range(20):
+        if not llm.engine.has_unfinished_requests() and not llm.engine.scheduler.has_pending_kv_transfers():
+            return
+        llm.engine.step()
+    raise AssertionError("KV transfers did not finish")
+
+
+def _block_files(store):
+    return {n for n in os.listdir(store.dir) if not n.startswith(".")}
+
+
+def test_stored_blocks_count_only_blocks_written_not_blocks_already_present(checkpoints, tmp_path):
+    path = checkpoints["llama"]
+    writer = _llm(path, tmp_path / "kv")
+    _gen(writer, PROMPT)
+    _flush(writer)
+    store = writer.engine.kv_connector.store
+    before = _block_files(store)
+    reader = _llm(path, tmp_path / "kv")
+    toks, cached = _gen(reader, PROMPT + [5, 6, 7, 8, 9, 10, 11, 12])     # loads 6 blocks, computes more
+    _flush(reader)
+    s = reader.engine.kv_connector.stats
+    assert s.loaded_blocks == 6 and cached == 48
+    new = _block_files(store) - before
+    assert new, "the reader wrote nothing: the test proves nothing"
+    # the 6 loaded blocks are offered to the store again (the pool registers them) but are not written
+    assert s.stored_blocks == len(new)
+    assert s.stored_bytes == len(new) * store.block_bytes
