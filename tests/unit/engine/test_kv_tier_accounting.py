@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from affinity_serve.engine import LLM, SamplingParams
 from affinity_serve.engine.config import SchedulerConfig
+from affinity_serve.engine.hashing import hash_block_chain
 from affinity_serve.engine.kv_cache_manager import KVCacheManager
 from affinity_serve.engine.kv_connector import KVConnectorOutput, KVLayout, SharedConnectorScheduler, SharedKVStore
 from affinity_serve.engine.request import RequestStatus
@@ -90,20 +93,24 @@ def _block_files(store):
     return {n for n in os.listdir(store.dir) if not n.startswith(".")}
 
 
-def test_stored_blocks_count_only_blocks_written_not_blocks_already_present(checkpoints, tmp_path):
+@pytest.mark.parametrize("first_block_gone", [False, True])
+def test_stored_blocks_count_only_blocks_written_not_blocks_already_present(checkpoints, tmp_path,
+                                                                            first_block_gone):
     path = checkpoints["llama"]
     writer = _llm(path, tmp_path / "kv")
     _gen(writer, PROMPT)
     _flush(writer)
     store = writer.engine.kv_connector.store
+    if first_block_gone:      # the reader cannot load: it computes the prefix, which the store mostly holds
+        os.unlink(os.path.join(store.dir, hash_block_chain(PROMPT, 8)[0].hex()))
     before = _block_files(store)
     reader = _llm(path, tmp_path / "kv")
     toks, cached = _gen(reader, PROMPT + [5, 6, 7, 8, 9, 10, 11, 12])     # loads 6 blocks, computes more
     _flush(reader)
     s = reader.engine.kv_connector.stats
-    assert s.loaded_blocks == 6 and cached == 48
+    assert (s.loaded_blocks, cached) == ((0, 0) if first_block_gone else (6, 48))
     new = _block_files(store) - before
     assert new, "the reader wrote nothing: the test proves nothing"
-    # the 6 loaded blocks are offered to the store again (the pool registers them) but are not written
+    # blocks the store holds already (loaded, or computed again) are offered again but not written
     assert s.stored_blocks == len(new)
     assert s.stored_bytes == len(new) * store.block_bytes
