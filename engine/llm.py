@@ -27,9 +27,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and (
+                isinstance(prompts[0], int) or (isinstance(prompts[0], dict) and "role" in prompts[0]))):
+            prompts = [prompts]           # one text, token-id list, conversation or vLLM prompt dict
+        prompts = [_from_prompt_dict(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -64,6 +65,21 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate(list(conversations), sampling_params, use_tqdm=use_tqdm)
+
+
+def _from_prompt_dict(prompt: Any) -> Any:
+    """vLLM's prompt dicts, `{"prompt": text}` (TextPrompt) and `{"prompt_token_ids": ids}` (TokensPrompt), as
+    this engine's prompt; anything else as given."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = sorted(prompt)
+    if keys == ["prompt"]:
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"]:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"a prompt dict takes exactly 'prompt' (text) or 'prompt_token_ids' (token ids), as vLLM's "
+                     f"TextPrompt and TokensPrompt; got keys {keys} (a conversation is a list of "
+                     "{'role', 'content'} messages)")
 
 
 def _progress(total: int, enabled: bool):

@@ -211,3 +211,23 @@ def test_concurrent_shared_prefix_decode_matches(monkeypatch, checkpoints, hf_re
     assert [o.outputs[0].token_ids for o in outs] == [hf_reference(path, p, 10) for p in prompts]
     assert sum(o.num_cached_tokens for o in outs) >= 3 * 80 - 3 * 8
     assert (len(calls) >= 9 * len(llm.engine.runner.kv_caches)) == (least is not None)
+
+
+def test_vllms_prompt_dicts_are_prompts_not_conversations(checkpoints, hf_reference):
+    """`LLM.generate` takes vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, beside texts, token-id
+    lists and conversations (a list of role/content messages)."""
+    path = checkpoints["llama"]
+    llm = _engine(path)
+    ids = _prompts(1, seed=3)[0]
+    want = hf_reference(path, ids, 6)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    text = llm.tokenizer.decode(ids)
+    for prompts in ({"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], [{"prompt_token_ids": ids}, ids]):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [want] * len(outs)
+        assert outs[0].prompt_token_ids == ids
+    by_text = llm.generate([{"prompt": text}, text], params, use_tqdm=False)
+    assert by_text[0].prompt_token_ids == by_text[1].prompt_token_ids
+    assert by_text[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_ids": ids}], params, use_tqdm=False)
