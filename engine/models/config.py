@@ -187,6 +187,12 @@ def _refuse_unimplemented(cfg: dict[str, Any], spec: ArchSpec) -> None:
         return ModelLoadError(f"config.json: {name} = {value!r} is not implemented for {spec.name} "
                               f"(supported: {supported}); refusing rather than computing something else")
 
+    for name in ("quantization_config", "compression_config"):      # the weights are not plain floats
+        if cfg.get(name) is not None:
+            quant = cfg[name]
+            method = quant.get("quant_method", quant.get("format")) if isinstance(quant, dict) else quant
+            raise refuse(f"{name}.quant_method", method,
+                         "none (unquantized float32, bfloat16 or float16 weights)")
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in spec.activations:
         raise refuse("hidden_act", act, " or ".join(spec.activations))

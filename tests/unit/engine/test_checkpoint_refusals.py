@@ -89,3 +89,27 @@ def test_a_tied_checkpoint_may_ship_its_lm_head_only_identical_to_the_embeddings
     differs = _copy(checkpoints["llama"], tmp_path, "differs")        # its own lm_head, the config says tied
     _edit_config(differs, tie_word_embeddings=True)
     _refused_everywhere(differs, "tie_word_embeddings is true but the checkpoint's lm_head.weight differs")
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(num_hidden_layers=3), r"missing weights config.json asks for \(6: layers\.2\.input_layernorm\.weight"),
+    (dict(attention_bias=True), r"missing weights .*layers\.0\.self_attn\.qkv_proj\.bias"),
+    (dict(mlp_bias=True), r"missing weights .*layers\.0\.mlp\.gate_up_proj\.bias"),
+])
+def test_weights_config_json_asks_for_and_the_file_lacks_are_named(checkpoints, tmp_path, change, pattern):
+    d = _copy(checkpoints["llama"], tmp_path)
+    _edit_config(d, **change)
+    _refused_everywhere(d, pattern)
+
+
+def test_an_untied_config_without_lm_head_is_refused_before_loading(checkpoints, tmp_path):
+    d = _copy(checkpoints["llama"], tmp_path)
+    _edit_tensors(d, lambda t: t.pop("lm_head.weight"))
+    _refused_everywhere(d, "checkpoint has no lm_head.weight and tie_word_embeddings is false")
+
+
+def test_a_truncated_weight_file_is_one_line_naming_it(checkpoints, tmp_path):
+    d = _copy(checkpoints["llama"], tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:len(data) // 2])
+    _refused_everywhere(d, r"cannot read weight file 'model\.safetensors' in .*truncated or corrupt download")
