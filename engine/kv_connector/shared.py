@@ -123,10 +123,18 @@ class SharedConnectorScheduler(KVConnectorScheduler):
                 own = [h for h in hashes if type(h) is bytes]      # group 0's keys only, as the pool's events
                 if self._enable_events and own:
                     self._events.append(BlockStored(own, None, [], self.block_size, medium=self.medium))
-            else:
-                self.stats.stores_failed += len(hashes)
+            else:       # a store that failed part way (a full filesystem) wrote some blocks
+                done = [h for h in hashes if h in written] if written else []
+                self.stats.stored_blocks += len(done)
+                self.stats.stored_bytes += len(done) * self.layout.block_bytes
+                self.stats.stores_failed += len(hashes) - len(done)
+                done_set = set(done)
                 for h in hashes:
-                    self._recent.pop(h, None)
+                    if h not in done_set:
+                        self._recent.pop(h, None)
+                own = [h for h in done if type(h) is bytes]
+                if self._enable_events and own:
+                    self._events.append(BlockStored(own, None, [], self.block_size, medium=self.medium))
         if output.tier_evicted:
             self.stats.evicted_blocks += len(output.tier_evicted)
             for h in output.tier_evicted:

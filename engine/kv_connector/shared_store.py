@@ -24,6 +24,7 @@ No server, no daemon: the kernel's tmpfs and file locks are the mechanism.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import grp
 import hashlib
@@ -58,6 +59,17 @@ _MAX_LOGGED = 10_000                                   # file names whose reject
 
 class UnsafeSharedStoreError(ValueError):
     """The store's root or namespace directory is not safe to use (wrong owner, mode or file type)."""
+
+
+class StoreWriteError(OSError):
+    """A `write_many` stopped at an OS error (a full filesystem: ENOSPC): `written` and `evicted` say what it
+    did before (and, evicting to make room, after) the error."""
+
+    def __init__(self, error: OSError, written: list, evicted: list):
+        super().__init__(error.errno, error.strerror)
+        self.error = error
+        self.written = written
+        self.evicted = evicted
 
 
 class BlockRead(enum.Enum):
@@ -394,38 +406,54 @@ class SharedKVStore:
 
     def write_many(self, items: Sequence[tuple[BlockHash, memoryview]]) -> tuple[list[BlockHash], list[BlockHash]]:
         """Store blocks not already present (replacing entries that cannot be blocks); returns (hashes
-        written, hashes evicted to make room)."""
+        written, hashes evicted to make room).
+
+        An OS error (a full filesystem) stops the writing; the store still evicts past its capacity (on a
+        full filesystem, also the least recently used tenth, to make room) and keeps `.index` right, then
+        raises `StoreWriteError` saying what was written and evicted."""
+        for _, data in items:
+            if len(data) != self.block_bytes:
+                raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
         written: list[BlockHash] = []
         evicted: list[BlockHash] = []
+        error: OSError | None = None
         with self._locked():
             count = self._read_count()
-            for h, data in items:
-                if len(data) != self.block_bytes:
-                    raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
-                name = h.hex()
-                present = self._is_stored(name)
-                if present:
-                    continue
-                self._write_file(name, [self._header(h, data), data])
-                if present is False:
-                    count += 1
-                written.append(h)
-            if count > self.capacity_blocks:
-                evicted, count = self._evict()
-            self._write_count(count)
+            try:
+                for h, data in items:
+                    name = h.hex()
+                    present = self._is_stored(name)
+                    if present:
+                        continue
+                    self._write_file(name, [self._header(h, data), data])
+                    if present is False:
+                        count += 1
+                    written.append(h)
+            except OSError as e:
+                error = e
+            try:
+                full = error is not None and error.errno in (errno.ENOSPC, errno.EDQUOT)
+                if count > self.capacity_blocks or full:
+                    keep = self.low_water if not full else min(self.low_water, count - max(1, count // 10))
+                    evicted, count = self._evict(keep)
+                self._write_count(count)
+            except OSError as e:
+                error = error or e
+        if error is not None:
+            raise StoreWriteError(error, written, evicted)
         return written, evicted
 
     def _list(self) -> list[os.DirEntry]:
         with os.scandir(self._dir_fd) as it:
             return [e for e in it if not e.name.startswith(".")]
 
-    def _evict(self) -> tuple[list[BlockHash], int]:
-        """Under the lock: drop least recently used blocks down to `low_water`; (evicted, count left).
-        Temporaries of writers that died long ago go too."""
+    def _evict(self, keep: int | None = None) -> tuple[list[BlockHash], int]:
+        """Under the lock: drop least recently used blocks down to `keep` (default `low_water`); (evicted,
+        count left). Temporaries of writers that died long ago go too."""
         self._remove_stale_temporaries()
         entries = self._list()
         entries.sort(key=lambda e: e.stat(follow_symlinks=False).st_mtime_ns)
-        n_drop = max(0, len(entries) - self.low_water)
+        n_drop = max(0, len(entries) - (self.low_water if keep is None else max(0, keep)))
         evicted = []
         for e in entries[:n_drop]:
             try:
@@ -507,10 +535,16 @@ class GroupedSharedStore:
             by_group.setdefault(g, []).append((h, data))
         written: list = []
         evicted: list = []
+        error: OSError | None = None
         for g, group_items in by_group.items():
-            w, e = self.stores[g].write_many(group_items)
+            try:
+                w, e = self.stores[g].write_many(group_items)
+            except StoreWriteError as err:      # the other groups still write (and evict)
+                w, e, error = err.written, err.evicted, error or err.error
             written.extend(h if not g else (g, h) for h in w)
             evicted.extend(h if not g else (g, h) for h in e)
+        if error is not None:
+            raise StoreWriteError(error, written, evicted)
         return written, evicted
 
     def block_hashes(self) -> list[BlockHash]:

@@ -14,7 +14,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from affinity_serve.engine.kv_connector.base import KVConnectorMetadata, KVConnectorOutput, KVLayout, KVTransfer
-from affinity_serve.engine.kv_connector.shared_store import BlockRead, GroupedSharedStore, SharedKVStore
+from affinity_serve.engine.kv_connector.shared_store import (BlockRead, GroupedSharedStore, SharedKVStore,
+                                                             StoreWriteError)
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ class SharedStoreWorker(_Worker):
                  dtype: torch.dtype):
         super().__init__(layout, device, dtype)
         self.store = store
+        self._write_error: int | None = None        # the errno of the last failed store, logged once
 
     def _store(self, t: KVTransfer, out: KVConnectorOutput) -> bool:
         assert self.copier is not None
@@ -217,7 +219,19 @@ class SharedStoreWorker(_Worker):
         else:
             self.copier.gather(t.block_ids, typed)
         mem = raw.numpy()
-        written, evicted = self.store.write_many([(h, memoryview(mem[i])) for i, h in enumerate(t.block_hashes)])
+        try:
+            written, evicted = self.store.write_many([(h, memoryview(mem[i])) for i, h in enumerate(t.block_hashes)])
+        except StoreWriteError as e:      # a full filesystem: what was written counts, the rest failed
+            out.tier_evicted.extend(e.evicted)
+            out.tier_written = (out.tier_written or []) + e.written
+            if self._write_error is None:
+                self._write_error = e.errno
+                logger.warning("shared KV store: writing %d blocks failed (%s); %d written, %d evicted to make "
+                               "room. Failed stores are counted in stores_failed; this is logged again only "
+                               "after a store succeeds", len(t.block_hashes), e.strerror, len(e.written),
+                               len(e.evicted))
+            return False
+        self._write_error = None
         out.tier_evicted.extend(evicted)
         out.tier_written = (out.tier_written or []) + written      # blocks already there are not written
         return True
