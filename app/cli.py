@@ -235,10 +235,14 @@ def check_extras(cfg: "AppConfig") -> None:
 
 
 def check_model(cfg: "AppConfig") -> None:
-    """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log."""
+    """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log
+    (the weights from the safetensors headers, the tokenizer actually loaded), and the device and dtype."""
     from affinity_serve.engine import check_engine_support, resolve_context_length, validate_checkpoint
     from affinity_serve.app.config import ConfigError
     args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
+    if not cfg.engine.skip_tokenizer_init:          # a tokenizer.json that is there but broken fails here
+        from affinity_serve.engine.tokenizer import load_tokenizer
+        load_tokenizer(cfg.engine.model)
     try:
         resolve_context_length(args, cfg.engine.max_model_len)
     except ValueError as e:
@@ -247,11 +251,15 @@ def check_model(cfg: "AppConfig") -> None:
         check_engine_support(args, cfg.engine.kv_connector.type)
     except ValueError as e:
         raise ConfigError(None, [str(e)]) from None
-    if cfg.engine.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError(None, ["engine.device: 'cuda' but this machine has no usable CUDA "
-                                                    "GPU; use device: auto or cpu"])
+    import torch
+    if cfg.engine.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(None, ["engine.device: 'cuda' but this machine has no usable CUDA GPU; use device: "
+                                 "auto or cpu"])
+    on_cpu = cfg.engine.device == "cpu" or (cfg.engine.device == "auto" and not torch.cuda.is_available())
+    if cfg.engine.dtype == "float16" and on_cpu:    # the engine's pick_dtype refuses it in every replica
+        where = "engine.device is 'cpu'" if cfg.engine.device == "cpu" else "this machine has no usable CUDA GPU"
+        raise ConfigError(None, [f"engine.dtype: 'float16' is not supported on CPU ({where}); use float32 or "
+                                 "bfloat16"])
     conn = cfg.engine.kv_connector
     if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
         from affinity_serve.engine import UnsafeSharedStoreError, check_shared_root, default_shared_root

@@ -24,7 +24,8 @@ def load_tokenizer(path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises several types for a missing/broken tokenizer
-        raise ModelLoadError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelLoadError(f"could not load a tokenizer from {str(path)!r}: {why}") from e
 
 
 def token_ids_only_error(param: str) -> InvalidRequestError:
