@@ -135,25 +135,7 @@ class OpenAIServing:
                            404, "invalid_request_error", "model", "model_not_found")
 
     def _quiet_cancelled_futures(self) -> None:
-        """Once per event loop: a dropped stream cancels its replica calls, and Ray then sets
-        TaskCancelledError on futures nobody awaits any more; asyncio would log each as "Future exception
-        was never retrieved" with a traceback (hundreds in a soak). A disconnect is not a server error:
-        those are dropped; every other unhandled-exception report goes to the previous handler."""
-        loop = asyncio.get_running_loop()
-        if getattr(loop, "_affinity_quiet_cancel", False):
-            return
-        previous = loop.get_exception_handler()
-
-        def handler(lp: asyncio.AbstractEventLoop, context: dict) -> None:
-            exc = context.get("exception")
-            if exc is not None and _is_cancellation(exc) and "never retrieved" in str(context.get("message", "")):
-                return
-            if previous is not None:
-                previous(lp, context)
-            else:
-                lp.default_exception_handler(context)
-        loop.set_exception_handler(handler)
-        loop._affinity_quiet_cancel = True      # type: ignore[attr-defined]
+        quiet_cancelled_futures()
 
     async def _admit(self, p: PreparedRequest) -> None:
         """Admission control (`serve.max_queue_wait_s`): a 429 with Retry-After, before anything is sent,
@@ -386,6 +368,28 @@ def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:
 def _span_attributes(p: PreparedRequest) -> dict[str, Any]:
     return {"model": p.model, "request_id": p.request_id, "kind": p.kind.value,
             "prompt_tokens": p.num_prompt_tokens}
+
+
+class _CancellationNobodyRetrieved(logging.Filter):
+    """Drops asyncio's "Future/Task exception was never retrieved" reports of a cancellation."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and _is_cancellation(exc) and "never retrieved" in record.getMessage())
+
+
+_QUIET_FILTER = _CancellationNobodyRetrieved()
+
+
+def quiet_cancelled_futures() -> None:
+    """A dropped stream cancels its replica calls, and Ray then sets TaskCancelledError on futures nobody
+    awaits any more (in Serve's own request handling, on the replica's main loop, and on the loop its handles
+    route on); asyncio logged each as "Future exception was never retrieved" with a traceback (hundreds in a
+    soak). A disconnect is not a server error: asyncio's logger drops those reports, in this process, on every
+    loop; every other report is logged as before. Idempotent."""
+    logger_ = logging.getLogger("asyncio")
+    if _QUIET_FILTER not in logger_.filters:
+        logger_.addFilter(_QUIET_FILTER)
 
 
 def _is_cancellation(exc: BaseException) -> bool:

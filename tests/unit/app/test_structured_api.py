@@ -146,3 +146,4 @@ async def test_vllms_backend_and_whitespace_fields_are_accepted_where_they_hold(
     status, out = await _post(ing, RequestKind.COMPLETION, {
         "prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+", "guided_decoding_backend": "outlines"})
     assert status == 400 and out["error"]["param"] == "guided_decoding_backend"
+
