@@ -207,20 +207,61 @@ class SharedKVStore:
         self.damaged: Counter[str] = Counter()
         self._logged: OrderedDict[str, None] = OrderedDict()
         self._dir_fd = self._lock_fd = -1
-        check_shared_root(self.root, group)
+        self._reopen_error: str | None = None          # the last failed reopen's message (logged once)
+        self._dir_fd, self._lock_fd = self._open()
+
+    def _open(self) -> tuple[int, int]:
+        """Create (if missing), check and open the root and namespace directories and the lock file, as
+        at start-up: (directory fd, lock fd). Raises UnsafeSharedStoreError for an unsafe path."""
+        check_shared_root(self.root, self.modes.gid)
         parent = os.path.dirname(self.root)
         if not os.path.isdir(parent):
             os.makedirs(parent, exist_ok=True)
         root_fd = _open_dir(self.root, self.modes, what="root", path=self.root)
         try:
-            self._dir_fd = _open_dir(namespace, self.modes, dir_fd=root_fd, what="directory", path=self.dir)
+            dir_fd = _open_dir(os.path.basename(self.dir), self.modes, dir_fd=root_fd, what="directory",
+                               path=self.dir)
         finally:
             os.close(root_fd)
-        self._lock_fd = self._open_own(".lock", os.O_CREAT | os.O_RDWR)
+        try:
+            lock_fd = self._open_own(".lock", os.O_CREAT | os.O_RDWR, dir_fd=dir_fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return dir_fd, lock_fd
 
-    def _open_own(self, name: str, flags: int) -> int:
+    def _check_dir(self) -> None:
+        """Reopen the namespace directory if it was removed or replaced since it was opened (someone
+        deleted the store while replicas were serving): without this, this replica's blocks would go into
+        a directory no other replica sees until it restarts. One warning per occurrence."""
+        try:
+            now = os.stat(self.dir, follow_symlinks=False)
+            held = os.fstat(self._dir_fd)
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                return
+            what = "replaced"
+        except FileNotFoundError:
+            what = "removed"
+        try:
+            fds = self._open()
+        except (OSError, UnsafeSharedStoreError) as e:
+            message = str(e)
+            if message != self._reopen_error:
+                self._reopen_error = message
+                logger.error("shared KV store: directory %s was %s while serving and cannot be reopened: %s. "
+                             "This replica's stores fail until it can", self.dir, what, message)
+            return
+        self._reopen_error = None
+        self.close()
+        self._dir_fd, self._lock_fd = fds
+        logger.warning("shared KV store: directory %s was %s while serving; reopened it (%s), blocks stored "
+                       "before are gone and are recomputed", self.dir, what,
+                       "recreated" if what == "removed" else "the new one")
+
+    def _open_own(self, name: str, flags: int, *, dir_fd: int | None = None) -> int:
         """Open a bookkeeping file in the namespace directory (no links; refuse another owner's)."""
-        fd = os.open(name, flags | _OPEN_FLAGS, self.modes.file, dir_fd=self._dir_fd)
+        fd = os.open(name, flags | _OPEN_FLAGS, self.modes.file, dir_fd=self._dir_fd if dir_fd is None else dir_fd)
+
         st = os.fstat(fd)
         problem = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _describe_problem(st, self.modes.gid)
         if problem is not None:
@@ -417,6 +458,7 @@ class SharedKVStore:
         written: list[BlockHash] = []
         evicted: list[BlockHash] = []
         error: OSError | None = None
+        self._check_dir()
         with self._locked():
             count = self._read_count()
             try:
