@@ -1,24 +1,26 @@
 """`org/name[@revision]` -> a local snapshot directory through huggingface_hub; local directories as they are.
 
-Only what the engine reads is fetched (config, generation config, tokenizer files, safetensors). HF_HOME /
+Only what the engine reads is fetched: config, generation config and tokenizer files, and of the weights the
+index's shards (else model.safetensors), top-level only (`weight_patterns`). HF_HOME /
 HF_HUB_CACHE, HF_TOKEN and HF_HUB_OFFLINE are read when a model is resolved (huggingface_hub reads its own
 copies at import, before a test or a launcher may have set them). A file lock in the cache serialises
 replicas on one node, so the first downloads and the others find the files in place.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from affinity_serve.engine.errors import ModelLoadError
 
-#: the files a snapshot needs: everything validate_checkpoint and load_tokenizer read
-ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                  "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                  "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
-                  "chat_template.jinja", "chat_template.json"]
-_NO_WEIGHTS = [p for p in ALLOW_PATTERNS if "safetensors" not in p]
+#: the files a snapshot needs besides the weights: everything validate_checkpoint and load_tokenizer read.
+#: Plain names match top-level files only (huggingface_hub matches allow_patterns with fnmatch on the path)
+_NO_WEIGHTS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
+               "merges.txt", "*.tiktoken", "chat_template.jinja", "chat_template.json"]
+WEIGHT_INDEX = "model.safetensors.index.json"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 _TRUE = ("1", "true", "yes", "on")
 
@@ -50,15 +52,30 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
     from huggingface_hub import snapshot_download
     lock_dir = cache / ".locks" / "affinity-serve"
     lock_dir.mkdir(parents=True, exist_ok=True)
+    kw = dict(cache_dir=str(cache), local_files_only=offline, token=os.environ.get("HF_TOKEN") or None)
     with FileLock(str(lock_dir / f"{repo_id.replace('/', '--')}.lock")):
         try:
-            return snapshot_download(repo_id, revision=revision or None, cache_dir=str(cache),
-                                     allow_patterns=ALLOW_PATTERNS if weights else _NO_WEIGHTS,
-                                     local_files_only=offline,
-                                     token=os.environ.get("HF_TOKEN") or None)
+            if not weights:
+                return snapshot_download(repo_id, revision=revision or None, allow_patterns=_NO_WEIGHTS, **kw)
+            # the index first: it names the shards, so only the weights the loader reads are fetched (not
+            # Mistral's consolidated.safetensors, nor original/ and other subfolders)
+            snap = snapshot_download(repo_id, revision=revision or None,
+                                     allow_patterns=[*_NO_WEIGHTS, WEIGHT_INDEX], **kw)
+            return snapshot_download(repo_id, revision=Path(snap).name, allow_patterns=weight_patterns(Path(snap)),
+                                     **kw)
         except Exception as e:     # huggingface_hub raises a dozen types: not found, gated, offline, HTTP...
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             mode = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"{type(e).__name__}: {why}"
             raise ModelLoadError(f"model {model!r} is not a local directory and could not be loaded from the "
                                  f"Hugging Face cache {str(cache)!r} ({mode}); download it there (huggingface-cli "
                                  f"download {repo_id}), unset HF_HUB_OFFLINE, or pass a local path") from None
+
+
+def weight_patterns(snapshot: Path) -> list[str]:
+    """The weight files the loader reads (checkpoint.safetensors_files), as exact paths: the shards
+    `snapshot`'s model.safetensors.index.json names, else model.safetensors."""
+    try:
+        weight_map = json.loads((snapshot / WEIGHT_INDEX).read_text()).get("weight_map") or {}
+        return sorted({str(f) for f in weight_map.values()}) or ["model.safetensors"]
+    except (OSError, ValueError, AttributeError):     # no index (or a broken one, which the check names)
+        return ["model.safetensors"]
