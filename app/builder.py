@@ -17,8 +17,14 @@ from affinity_serve.engine import EngineConfig
 
 
 def resolve_model(config: AppConfig) -> AppConfig:
-    """Fill in the demo model directory when no model is configured (generated once, cached)."""
-    if config.engine.model:
+    """Fill in the demo model directory when no model is configured (generated once, cached), and the served
+    model name when a local path names its directory only relatively (`.`, `..`: the directory's own name)."""
+    model = config.engine.model
+    if model and config.serve.model_name is None and os.path.isdir(model):
+        name = os.path.basename(os.path.abspath(model))       # abspath: "." and ".." resolved, links kept
+        if name and name != os.path.basename(os.path.normpath(model)):
+            config = config.model_copy(update={"serve": config.serve.model_copy(update={"model_name": name})})
+    if model:
         return config
     from affinity_serve.engine import ensure_demo_model
     path = ensure_demo_model()
