@@ -245,6 +245,12 @@ class SharedStoreWorker(_Worker):
             if result is not BlockRead.OK:      # evicted since the lookup, or damaged: the request recomputes
                 assert t.req_id is not None
                 out.load_failure_causes[t.req_id] = result.value
+                if result is BlockRead.DAMAGED:
+                    # whatever damaged one file (a bad copy, a full disk) may have damaged its neighbours:
+                    # verify the rest of the prefix now, so every bad file goes and the recompute rewrites
+                    # them all at once, not one per request
+                    for j in range(i + 1, len(t.block_hashes)):
+                        self.store.read(t.block_hashes[j], memoryview(mem[i]))
                 return False
         self.copier.scatter(t.block_ids, typed.to(self.device, non_blocking=self.is_cuda))
         return True
