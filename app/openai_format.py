@@ -5,17 +5,56 @@ Pure functions of plain values (no Ray, no tokenizer object): token ids become s
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from affinity_serve.engine.types import Logprobs
 
 TokenStr = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def token_id_str(token_id: int) -> str:
     """The token string without a tokenizer (token-ids-only mode), as vLLM writes it."""
     return f"token_id:{token_id}"
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is a printable character, the printable Latin-1 ones
+    themselves and the others 256 + their rank; as a character -> byte table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """A token's own bytes, for logprobs' `bytes` (OpenAI: so that a client can rebuild a character split over
+    tokens). `text` is its decoded string: used as is unless it holds U+FFFD, the decoder's stand-in for a part
+    of a character; then the raw token is read as byte-level BPE (GPT-2's alphabet) or SentencePiece's byte
+    fallback (`<0xED>`)."""
+    if "\ufffd" not in text or tokenizer is None:
+        return text.encode("utf-8")
+    raw = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(raw, str):
+        return text.encode("utf-8")
+    m = _BYTE_FALLBACK.match(raw)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    if all(ch in _BYTE_LEVEL for ch in raw):
+        return bytes(_BYTE_LEVEL[ch] for ch in raw)
+    return text.encode("utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +152,13 @@ def vllm_prompt_logprobs(token_ids: Sequence[int], lps: Sequence[Logprobs | None
     return out
 
 
-def chat_logprobs(lps: Sequence[Logprobs], token_str: TokenStr) -> dict:
-    """The chat `logprobs` object: `{"content": [...]}` with bytes for every token."""
+def chat_logprobs(lps: Sequence[Logprobs], token_str: TokenStr, token_bytes_: TokenBytes | None = None) -> dict:
+    """The chat `logprobs` object: `{"content": [...]}` with bytes for every token (its own, with
+    `token_bytes_`; else its text's)."""
     def entry(tid: int, logprob: float) -> dict:
         s = token_str(tid)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": logprob,
+                "bytes": list(token_bytes_(tid) if token_bytes_ is not None else s.encode("utf-8"))}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
@@ -151,19 +192,20 @@ def _with_token_ids(d: dict, token_ids: Sequence[int] | None, prompt_token_ids: 
 
 
 def chat_response(meta: ResponseMeta, choices: Sequence[Choice], usage_: dict, fingerprint_: str,
-                  token_str: TokenStr, prompt_token_ids: Sequence[int] | None = None) -> dict:
+                  token_str: TokenStr, prompt_token_ids: Sequence[int] | None = None,
+                  token_bytes_: TokenBytes | None = None) -> dict:
     """As vLLM, `prompt_token_ids` (return_token_ids) belongs to the whole body: a chat has one prompt."""
     body = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
             "system_fingerprint": fingerprint_, "usage": usage_,
-            "choices": [_chat_choice(i, c, token_str) for i, c in enumerate(choices)]}
+            "choices": [_chat_choice(i, c, token_str, token_bytes_) for i, c in enumerate(choices)]}
     return _with_token_ids(body, None, prompt_token_ids)
 
 
-def _chat_choice(index: int, c: Choice, token_str: TokenStr) -> dict:
+def _chat_choice(index: int, c: Choice, token_str: TokenStr, token_bytes_: TokenBytes | None = None) -> dict:
     message = ({"role": "assistant", "content": c.text} if c.tool_calls is None
                else {"role": "assistant", "content": c.text or None, "tool_calls": list(c.tool_calls)})
     out = {"index": index, "message": message,
-           "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str),
+           "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs, token_str, token_bytes_),
            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     return _with_token_ids(out, c.token_ids, None)
 

@@ -87,6 +87,10 @@ class OpenAIServing:
             return fmt.token_id_str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a part of a character is its byte, not U+FFFD's three)."""
+        return fmt.token_bytes(self.tokenizer, token_id, self.token_str(token_id))
+
     async def prepare(self, kind: RequestKind, req: OpenAIRequest, request_id: str) -> PreparedRequest:
         """The prepared request. Tokenizing (a prompt of megabytes takes seconds) and hashing run on one
         worker thread, off the event loop, so other requests' streams go on meanwhile; one thread keeps the
@@ -178,7 +182,8 @@ class OpenAIServing:
                        for s in run.choices()]
             if p.tool_mode is not None:
                 choices = [_as_tool_calls(c, p.tool_mode, s.stop_reason) for c, s in zip(choices, run.choices())]
-            return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str, _prompt_ids(p, 0))
+            return fmt.chat_response(meta, choices, usage, fingerprint, self.token_str, _prompt_ids(p, 0),
+                                     self.token_bytes)
         choices = [self._completion_choice(p, run, i // p.num_choices, s) for i, s in enumerate(run.choices())]
         return fmt.completion_response(meta, choices, usage, fingerprint, self.token_str, p.logprobs or 0)
 
@@ -253,7 +258,8 @@ class OpenAIServing:
             return None              # text held back (a partial character or a possible stop string)
         fingerprint = fmt.fingerprint([c.replica_id])
         if p.kind is RequestKind.CHAT:
-            lps = fmt.chat_logprobs(c.logprobs or [], self.token_str) if p.logprobs is not None else None
+            lps = (fmt.chat_logprobs(c.logprobs or [], self.token_str, self.token_bytes) if p.logprobs is not None
+                   else None)
             if p.tool_mode is not None and tool_streams is not None:
                 reader = tool_streams.setdefault(idx, ToolCallStream(p.tool_mode))
                 calls = reader.feed(c.text, final=bool(c.finish_reason))

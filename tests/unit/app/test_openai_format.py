@@ -133,3 +133,31 @@ def test_stop_reason_is_on_each_finished_choice_as_vllm_returns_it():
         assert last["choices"][0]["stop_reason"] == reason
     assert "stop_reason" not in fmt.chat_chunk(META, 0, "he", None, None, "r", with_usage=False)["choices"][0]
     assert "stop_reason" not in fmt.completion_chunk(META, 0, "he", None, None, "r", with_usage=False)["choices"][0]
+
+
+def test_logprob_bytes_are_each_tokens_own_so_a_split_character_can_be_rebuilt(tmp_path):
+    """A byte token decodes to U+FFFD; its `bytes` must be its own byte (OpenAI: clients join them to rebuild
+    characters split over tokens), not U+FFFD's three."""
+    from transformers import AutoTokenizer
+
+    from affinity_serve.engine.demo import write_demo_model
+    tok = AutoTokenizer.from_pretrained(str(write_demo_model(tmp_path / "m")))
+    table = {b: ch for ch, b in fmt._byte_level_chars().items()}
+
+    def text(tid):
+        return tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    ids = [tok.convert_tokens_to_ids(table[b]) for b in "中é".encode()]     # one byte token each
+    assert all("\ufffd" in text(t) for t in ids)
+    got = b"".join(fmt.token_bytes(tok, t, text(t)) for t in ids)
+    assert got.decode("utf-8") == "中é"
+    lps = fmt.chat_logprobs([Logprobs(ids[0], -0.5, 1, [ids[0]], [-0.5])], text,
+                            lambda t: fmt.token_bytes(tok, t, text(t)))
+    assert lps["content"][0]["bytes"] == list("中".encode()[:1])
+    plain = tok.encode(" hello", add_special_tokens=False)[0]          # whole characters: their text's bytes
+    assert fmt.token_bytes(tok, plain, text(plain)) == text(plain).encode()
+
+    class SentencePiece:                   # byte fallback tokens are spelled <0xNN>
+        def convert_ids_to_tokens(self, tid):
+            return "<0xE4>"
+    assert fmt.token_bytes(SentencePiece(), 7, "\ufffd") == b"\xe4"
