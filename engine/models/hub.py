@@ -64,11 +64,7 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
             return snapshot_download(repo_id, revision=Path(snap).name, allow_patterns=weight_patterns(Path(snap)),
                                      **kw)
         except Exception as e:     # huggingface_hub raises a dozen types: not found, gated, offline, HTTP...
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            mode = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"{type(e).__name__}: {why}"
-            raise ModelLoadError(f"model {model!r} is not a local directory and could not be loaded from the "
-                                 f"Hugging Face cache {str(cache)!r} ({mode}); download it there (huggingface-cli "
-                                 f"download {repo_id}), unset HF_HUB_OFFLINE, or pass a local path") from None
+            raise ModelLoadError(_unavailable(model, repo_id, revision, cache, offline, e)) from None
 
 
 def weight_patterns(snapshot: Path) -> list[str]:
@@ -79,3 +75,17 @@ def weight_patterns(snapshot: Path) -> list[str]:
         return sorted({str(f) for f in weight_map.values()}) or ["model.safetensors"]
     except (OSError, ValueError, AttributeError):     # no index (or a broken one, which the check names)
         return ["model.safetensors"]
+
+
+def _unavailable(model: str, repo_id: str, revision: str, cache: Path, offline: bool, e: Exception) -> str:
+    """One line: why `model` could not be had, and the ways out that apply (huggingface_hub's command is `hf`;
+    2.x ships no `huggingface-cli`)."""
+    fetch = f"hf download {repo_id}{f' --revision {revision}' if revision else ''} --cache-dir {cache}"
+    head = (f"model {model!r} is not a local directory and could not be loaded from the Hugging Face cache "
+            f"{str(cache)!r}")
+    if offline:
+        return (f"{head} (HF_HUB_OFFLINE is set, so nothing was downloaded); download it there ({fetch}), "
+                f"unset HF_HUB_OFFLINE, or pass a local path")
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"{head} ({type(e).__name__}: {why}); check the id and revision (and HF_TOKEN for a gated model), "
+            f"download it there ({fetch}), or pass a local path")

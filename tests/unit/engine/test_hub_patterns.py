@@ -74,3 +74,27 @@ def test_weight_patterns_name_top_level_files_only(tmp_path):
     assert hub.weight_patterns(tmp_path) == SHARDS
     listing = SHARDS + NOT_READ + ["model.safetensors"]
     assert sorted(filter_repo_objects(listing, allow_patterns=hub.weight_patterns(tmp_path))) == SHARDS
+
+
+def test_the_error_suggests_the_hf_command_and_mentions_offline_mode_only_when_it_is_set(fake_hub, tmp_path,
+                                                                                         monkeypatch):
+    from affinity_serve.engine.errors import ModelLoadError
+    cache = tmp_path / "cache"
+    import huggingface_hub
+
+    def gone(*a, **kw):
+        raise OSError("404 Client Error: Repository Not Found for url\nmore detail")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gone)
+    with pytest.raises(ModelLoadError) as online:
+        hub.resolve_model_path("org/missing@v2")
+    msg = str(online.value)
+    assert "\n" not in msg and "HF_HUB_OFFLINE" not in msg and "huggingface-cli" not in msg
+    assert "(OSError: 404 Client Error: Repository Not Found for url)" in msg
+    assert f"hf download org/missing --revision v2 --cache-dir {cache}" in msg
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as offline:
+        hub.resolve_model_path("org/missing")
+    msg = str(offline.value)
+    assert "HF_HUB_OFFLINE is set, so nothing was downloaded" in msg and "unset HF_HUB_OFFLINE" in msg
+    assert f"hf download org/missing --cache-dir {cache}" in msg and "huggingface-cli" not in msg
