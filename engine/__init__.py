@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from affinity_serve.engine.models.checkpoint import (check_engine_support, resolve_context_length,
                                                          validate_checkpoint)
     from affinity_serve.engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
+    from affinity_serve.engine.kv_connector import check_kv_connector
     from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
                                                                  default_shared_root)
     from affinity_serve.engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
@@ -56,6 +57,7 @@ _LAZY = {
     "check_engine_support": "affinity_serve.engine.models.checkpoint",
     "tune_gc_for_serving": "affinity_serve.engine.gc_policy",
     "check_shared_root": "affinity_serve.engine.kv_connector.shared_store",
+    "check_kv_connector": "affinity_serve.engine.kv_connector",
     "default_shared_root": "affinity_serve.engine.kv_connector.shared_store",
     "UnsafeSharedStoreError": "affinity_serve.engine.kv_connector.shared_store",
     "RemoteDecode": "affinity_serve.engine.kv_connector.pd",
@@ -76,5 +78,5 @@ __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "EngineRequest", "RequestDelta",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
            "validate_checkpoint", "resolve_context_length", "check_engine_support", "tune_gc_for_serving",
-           "check_shared_root", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode", "RemotePrefill",
-           "KVTransferError"]
+           "check_shared_root", "check_kv_connector", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode",
+           "RemotePrefill", "KVTransferError"]

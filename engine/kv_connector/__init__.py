@@ -29,6 +29,7 @@ __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "
            "OffloadConnectorScheduler", "SharedConnectorScheduler", "SharedKVStore", "GroupedSharedStore",
            "build_kv_connector",
            "model_identity", "model_kv_layout", "default_shared_root", "check_shared_root", "UnsafeSharedStoreError",
+           "check_kv_connector", "shared_namespaces",
            "HeldTransfers", "KVTransferError", "KVTransport", "LocalTransport", "PDConnectorScheduler",
            "RemoteDecode", "RemotePrefill", "default_local_transport", "set_pd_transport"]
 
@@ -85,9 +86,18 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
     from affinity_serve.engine.kv_connector.worker import OffloadWorker, SharedStoreWorker
     n = capacity_blocks(config, layout)
     if config.type == "offload":
+        problem = offload_capacity_problem(config, layout)
+        if problem is not None:
+            raise ValueError(problem)
         sched = OffloadConnectorScheduler(layout, n, store_on=config.store_on, load_timeout_s=config.load_timeout_s,
                                           enable_events=enable_events)
-        return sched, OffloadWorker(layout, n, device, dtype)
+        try:
+            worker = OffloadWorker(layout, n, device, dtype)
+        except (MemoryError, RuntimeError) as e:      # pinned memory the driver refuses, an address space limit
+            raise ValueError(f"engine.kv_connector: the offload tier of {n} blocks of {layout.block_bytes} bytes "
+                             f"cannot be allocated ({type(e).__name__}: {e}); lower capacity_bytes or "
+                             "capacity_blocks") from None
+        return sched, worker
     if config.type == "shared":
         store = _shared_store(config, layout, model_identity, n)
         sched = SharedConnectorScheduler(layout, store, load_timeout_s=config.load_timeout_s,
@@ -96,18 +106,95 @@ def build_kv_connector(config: "KVConnectorConfig", layout: KVLayout, *, model_i
     raise ValueError(f"unknown kv_connector.type {config.type!r}; use none, offload or shared")
 
 
+def shared_namespaces(layout: KVLayout, identity: str) -> list[str]:
+    """The store namespaces a model uses: one, or a hybrid model's one per KV-cache group."""
+    groups = layout.kv_groups
+    if len(groups) <= 1:
+        return [layout.namespace(identity)]
+    return [layout.namespace(f"{identity}|group={g}") for g in range(len(groups))]
+
+
 def _shared_store(config: "KVConnectorConfig", layout: KVLayout, identity: str,
                   capacity: int) -> SharedKVStore | GroupedSharedStore:
     """The node's store; a hybrid model's has a namespace per KV-cache group, each a share of the capacity."""
     root = config.shared_dir or default_shared_root()
-    groups = layout.kv_groups
-    if len(groups) <= 1:
-        return SharedKVStore(root, layout.namespace(identity), layout.block_bytes, capacity,
+    namespaces = shared_namespaces(layout, identity)
+    if len(namespaces) == 1:
+        return SharedKVStore(root, namespaces[0], layout.block_bytes, capacity,
                              group=config.shared_group, fsync=config.shared_fsync)
-    share = max(1, capacity // len(groups))
-    return GroupedSharedStore([SharedKVStore(root, layout.namespace(f"{identity}|group={g}"), layout.block_bytes,
-                                             share, group=config.shared_group, fsync=config.shared_fsync)
-                               for g in range(len(groups))])
+    share = max(1, capacity // len(namespaces))
+    return GroupedSharedStore([SharedKVStore(root, ns, layout.block_bytes, share, group=config.shared_group,
+                                             fsync=config.shared_fsync) for ns in namespaces])
+
+
+def machine_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def offload_capacity_problem(config: "KVConnectorConfig", layout: KVLayout) -> str | None:
+    """Why an offload tier of this size cannot be allocated (more than the machine's memory), naming the
+    key that sized it; None if it may fit. Each replica holds its own tier in host memory."""
+    n = capacity_blocks(config, layout)
+    need = n * layout.block_bytes
+    have = machine_memory_bytes()
+    if have is None or need <= have:
+        return None
+    key = ("capacity_blocks" if config.capacity_blocks is not None
+           else "capacity_bytes" if config.capacity_bytes is not None else "capacity_bytes (default 1 GiB)")
+    return (f"engine.kv_connector.{key}: an offload tier of {n} blocks of {layout.block_bytes} bytes "
+            f"({need / 2**30:.1f} GiB) is more than this machine's memory ({have / 2**30:.1f} GiB); each replica "
+            "holds its own tier in host memory: lower it")
+
+
+def check_kv_connector(engine_config: Any, model_args: Any, model_dir: str | None = None) -> list[str]:
+    """Before replicas start: what would make every replica fail at start-up because of
+    `engine.kv_connector`, as one-line messages naming the key (empty: nothing found). Checks the shared
+    store's root and this model's namespace directories (the same checks a replica makes, creating
+    nothing) and that an offload tier fits in this machine's memory.
+
+    `engine_config`: the EngineConfig; `model_args`: `validate_checkpoint(...)`'s result; `model_dir`: the
+    local checkpoint directory (default `engine_config.model`; the namespace check is skipped if it is not
+    a directory)."""
+    config = engine_config.kv_connector
+    if config.type not in ("offload", "shared"):
+        return []
+    if config.type == "shared":
+        root = config.shared_dir or default_shared_root()
+        try:
+            check_shared_root(root, config.shared_group)
+        except UnsafeSharedStoreError as e:
+            return [f"engine.kv_connector.shared_dir: {e}"]
+    layout = _layout_for(engine_config, model_args)
+    if config.type == "offload":
+        problem = offload_capacity_problem(config, layout)
+        return [problem] if problem else []
+    model_dir = model_dir or engine_config.model
+    if not os.path.isdir(model_dir):
+        return []
+    from affinity_serve.engine.kv_connector.shared_store import check_namespace_dir
+    identity = model_identity(model_dir, config.model_identity)
+    problems = []
+    for ns in shared_namespaces(layout, identity):
+        try:
+            check_namespace_dir(root, ns, config.shared_group)
+        except UnsafeSharedStoreError as e:
+            problems.append(f"engine.kv_connector.shared_dir: {e}")
+    return problems
+
+
+def _layout_for(engine_config: Any, model_args: Any) -> KVLayout:
+    """The KV layout a replica would build (engine/build.py), from the configured dtype and device."""
+    import torch
+
+    from affinity_serve.engine.build import pick_device, pick_dtype
+    dtype = pick_dtype(engine_config.dtype, pick_device(engine_config.device))
+    return model_kv_layout(model_args.layer_windows, model_args.num_kv_heads, model_args.head_dim,
+                           engine_config.cache.block_size, str(dtype).removeprefix("torch."),
+                           torch.empty((), dtype=dtype).element_size())
 
 
 def _build_pd(config: "KVConnectorConfig", layout: KVLayout, identity: str, device: Any, dtype: Any

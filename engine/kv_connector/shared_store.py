@@ -185,6 +185,25 @@ def check_shared_root(root: str, group: str | int | None = None) -> None:
                                      "name another kv_connector.shared_dir")
 
 
+def check_namespace_dir(root: str, namespace: str, group: str | int | None = None) -> None:
+    """Raise UnsafeSharedStoreError if the namespace directory `<root>/<namespace>` exists and is unsafe for
+    this mode (a link, not a directory, another owner, writable by others): the check a replica makes at
+    start-up, without creating anything."""
+    modes = _Modes(resolve_group(group))
+    path = os.path.join(os.path.abspath(root), namespace)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSharedStoreError(f"refusing the shared KV store directory {path!r}: it is not a directory "
+                                     "(a link or a file). Remove it, or name another kv_connector.shared_dir")
+    problem = _describe_problem(st, modes.gid)
+    if problem is not None:
+        raise UnsafeSharedStoreError(f"refusing the shared KV store directory {path!r}: {problem}. Remove it, "
+                                     "or name another kv_connector.shared_dir")
+
+
 class SharedKVStore:
     def __init__(self, root: str, namespace: str, block_bytes: int, capacity_blocks: int, *,
                  group: str | int | None = None, fsync: bool = False):
