@@ -90,6 +90,32 @@ class ServeSection(_Strict):
                             "auto = the format the chat template writes (else such requests get 400); hermes "
                             "(Hermes/Qwen <tool_call>), llama3_json, mistral ([TOOL_CALLS], old and v11 forms) "
                             "for every model; none = tool_choice 'auto' gets 400")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or the path of a file holding one, used for chat requests "
+                          "instead of the tokenizer's (vLLM's --chat-template): a base model without one, or "
+                          "another format; a path is read when the config loads")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """The template's text: a file's content when `value` names one, else `value` itself if it is
+        Jinja; either must compile."""
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        text = value
+        if "{" not in value:
+            if not path.is_file():
+                raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+            text = path.read_text(encoding="utf-8")
+        try:
+            import jinja2
+            jinja2.Environment().parse(text)
+        except ImportError:
+            pass
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+        return text
 
     @field_validator("replica_resources", "ingress_resources")
     @classmethod

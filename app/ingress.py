@@ -84,8 +84,11 @@ class Ingress:
             self.prefill_view = open_prefill_view(serve_ctx[0])
         self.model_name = self.cfg.serve.model_name or Path(model_dir).name
         token_ids_only = self.cfg.engine.skip_tokenizer_init      # then no tokenizer is loaded at all
+        tokenizer = None if token_ids_only else load_tokenizer(model_dir)
+        if tokenizer is not None and self.cfg.serve.chat_template is not None:
+            tokenizer.chat_template = self.cfg.serve.chat_template  # chat prompts and the tool parser's choice
         self.serving = OpenAIServing(
-            replica, model_name=self.model_name, tokenizer=None if token_ids_only else load_tokenizer(model_dir),
+            replica, model_name=self.model_name, tokenizer=tokenizer,
             first_output_timeout_s=self.cfg.serve.first_token_timeout_s,
             cold_start_timeout_s=self.cfg.serve.cold_start_timeout_s,
             observer=RequestObserver(self.telemetry.tracer, self.metrics), metrics=self.metrics,
