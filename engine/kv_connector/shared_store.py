@@ -7,9 +7,11 @@ then `block_bytes` of KV. The namespace digests the model identity, dtype and KV
 block hash chain. The default root is `/dev/shm/affinity-serve-kv-<uid>`: tmpfs, one per user.
 
 - Content: a read verifies every header field and the checksum. A file that fails (flipped bytes, another
-  key's block, truncated, an older format, a link or anything but a regular file, a foreign owner) is a
-  miss: counted by reason, logged once, and removed, so the next store of that block repairs it.
-- Files: every open is relative to the namespace directory's fd (opened once, checked) with O_NOFOLLOW;
+  key's block, truncated, an older format, a symbolic link or anything but a regular file, a foreign owner)
+  is a miss: counted by reason, logged once, and removed, so the next store of that block repairs it. (A
+  hard link is a regular file: read and verified like any other.)
+- Files: every open is relative to the namespace directory's fd (opened at start, checked; opened again,
+  with the same checks, when the directory is removed or replaced while serving) with O_NOFOLLOW;
   a write goes to a fresh O_EXCL temporary in that directory, then a rename makes it appear whole: a
   reader sees a complete block or none, without taking a lock. No fsync unless asked (`fsync=True`): the
   store is a cache on tmpfs, and a torn file on a disk-backed root fails its checksum.
@@ -228,6 +230,8 @@ class SharedKVStore:
         self._dir_fd = self._lock_fd = -1
         self._reopen_error: str | None = None          # the last failed reopen's message (logged once)
         self._dir_fd, self._lock_fd = self._open()
+        logger.info("shared KV store: namespace directory %s (capacity %d blocks of %d bytes)", self.dir,
+                    capacity_blocks, self.file_bytes)
 
     def _open(self) -> tuple[int, int]:
         """Create (if missing), check and open the root and namespace directories and the lock file, as
