@@ -275,6 +275,18 @@ class AppConfig(_Strict):
             raise ConfigError(source, [line for err in e.errors() for line in _describe(err).split("\n  ")]) from None
 
 
+def served_model_name(config: "AppConfig") -> str:
+    """What clients send as `model`: `serve.model_name`; else a hub id as given, without its `@revision` (as
+    vLLM serves it: `Qwen/Qwen3-0.6B`); else the model directory's name."""
+    if config.serve.model_name:
+        return config.serve.model_name
+    model = config.engine.model or "model"
+    from affinity_serve.engine.models.hub import is_hub_id
+    if is_hub_id(model):
+        return model.split("@", 1)[0]
+    return Path(model).name
+
+
 class ConfigError(ValueError):
     """An invalid configuration; `problems` holds one line per problem, each naming its dotted key. `source`:
     the file or option it came from; None for a check of the whole effective configuration (then a single

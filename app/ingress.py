@@ -11,7 +11,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from affinity_serve.app.config import AppConfig
+from affinity_serve.app.config import AppConfig, served_model_name
 from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
 from affinity_serve.app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
 from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
@@ -82,7 +81,7 @@ class Ingress:
         if self.cfg.disaggregation.enabled and serve_ctx:
             from affinity_serve.app.disagg_router import open_prefill_view
             self.prefill_view = open_prefill_view(serve_ctx[0])
-        self.model_name = self.cfg.serve.model_name or Path(model_dir).name
+        self.model_name = served_model_name(self.cfg)
         token_ids_only = self.cfg.engine.skip_tokenizer_init      # then no tokenizer is loaded at all
         tokenizer = None if token_ids_only else load_tokenizer(model_dir)
         if tokenizer is not None and self.cfg.serve.chat_template is not None:

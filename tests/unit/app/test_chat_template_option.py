@@ -67,3 +67,16 @@ def test_a_template_that_is_not_one_is_a_config_error(value, says):
     with pytest.raises((ConfigError, ValueError)) as e:
         AppConfig.model_validate({"engine": {"model": "/m"}, "serve": {"chat_template": value}})
     assert says in str(e.value) and "chat_template" in str(e.value)
+
+
+def test_the_served_name_of_a_hub_id_is_the_id_as_vllm_serves_it(tmp_path):
+    from affinity_serve.app.config import served_model_name
+
+    def name(model, **serve):
+        return served_model_name(AppConfig.model_validate({"engine": {"model": model}, "serve": serve}))
+    assert name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert name("Qwen/Qwen3-0.6B@main") == "Qwen/Qwen3-0.6B"
+    assert name("Qwen/Qwen3-0.6B", model_name="qwen") == "qwen"
+    local = tmp_path / "org" / "tiny"
+    local.mkdir(parents=True)
+    assert name(str(local)) == "tiny"                  # a local directory: its name
