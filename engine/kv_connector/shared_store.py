@@ -400,7 +400,10 @@ class SharedKVStore:
             except OSError:
                 logger.warning("shared KV store: cannot remove %s", os.path.join(self.dir, name), exc_info=True)
                 return
-            self._write_count(max(0, self._read_count() - 1))
+            try:
+                self._write_count(max(0, self._read_count() - 1))
+            except OSError:     # a full filesystem: the next eviction recounts the files
+                pass
 
     # ------------------------------------------------------------------ writes (locked)
     @contextmanager

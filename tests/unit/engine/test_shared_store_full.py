@@ -101,3 +101,20 @@ def test_a_store_that_cannot_write_at_all_logs_one_line_not_a_traceback_per_step
     assert s.stored_blocks == 0 and s.stores_failed >= 15
     lines = [r for r in caplog.records if r.name.startswith("affinity_serve.engine.kv_connector")]
     assert len(lines) == 1 and "No space left on device" in lines[0].getMessage() and not lines[0].exc_info
+
+
+def test_a_damaged_file_is_still_removed_when_the_filesystem_is_full(tmp_path, monkeypatch):
+    from affinity_serve.engine.kv_connector.shared_store import HEADER_BYTES, BlockRead
+    store = SharedKVStore(str(tmp_path / "kv"), LAYOUT.namespace("m"), LAYOUT.block_bytes, 8)
+    (h, data), = _blocks(1)
+    store.write_many([(h, data)])
+    path = os.path.join(store.dir, h.hex())
+    raw = bytearray(open(path, "rb").read())
+    raw[HEADER_BYTES] ^= 1
+    open(path, "wb").write(raw)
+
+    def full(self, name, parts):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(SharedKVStore, "_write_file", full)      # not even .index can be written
+    assert store.read(h, memoryview(bytearray(LAYOUT.block_bytes))) is BlockRead.DAMAGED
+    assert not os.path.exists(path)
