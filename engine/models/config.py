@@ -106,6 +106,7 @@ class ModelArgs:
             raise ModelLoadError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {sorted(specs)}")
         spec = specs[arch]
+        cfg = {**dict(spec.defaults), **cfg}
         _refuse_unimplemented(cfg, spec)
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads

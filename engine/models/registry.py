@@ -35,6 +35,9 @@ class ArchSpec:
     sliding_window_default: bool = True
     #: tie_word_embeddings when config.json omits it: the family's transformers config default (Gemma's True)
     tie_word_embeddings: bool = False
+    #: config.json values when it omits the key: the family's transformers config defaults, where they differ
+    #: from the common ones config.py assumes (max_position_embeddings 2048, rms_norm_eps 1e-6, rope_theta 1e4)
+    defaults: tuple[tuple[str, Any], ...] = ()
     #: hidden_act values the model code implements
     activations: tuple[str, ...] = ("silu", "swish")
     #: "module:Class" of the model (imported on use: this module stays torch-free)

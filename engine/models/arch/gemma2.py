@@ -22,6 +22,9 @@ def _gemma2(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("Gemma2ForCausalLM", activations=("gelu_pytorch_tanh",), parse=_gemma2, tie_word_embeddings=True,
+             defaults=(("max_position_embeddings", 8192), ("sliding_window", 4096), ("query_pre_attn_scalar", 256),
+                       ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("hidden_activation", "gelu_pytorch_tanh")),
              model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
                                            "attn_logit_softcapping"})),

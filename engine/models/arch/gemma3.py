@@ -31,6 +31,9 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
 SPECS = [
     ArchSpec("Gemma3ForCausalLM", qk_norm=True, activations=("gelu_pytorch_tanh",), parse=_gemma3,
              tie_word_embeddings=True,
+             defaults=(("max_position_embeddings", 131072), ("sliding_window", 4096), ("query_pre_attn_scalar", 256),
+                       ("rope_theta", 1000000.0), ("rope_local_base_freq", 10000.0),
+                       ("hidden_activation", "gelu_pytorch_tanh")),
              model="affinity_serve.engine.models.gemma3:Gemma3ForCausalLM",
              implemented_fields=frozenset({"query_pre_attn_scalar", "final_logit_softcapping"})),
 ]

@@ -4,6 +4,7 @@ from affinity_serve.engine.models.registry import ArchSpec
 
 SPECS = [
     ArchSpec("LlamaForCausalLM"),
-    ArchSpec("MistralForCausalLM"),
-    ArchSpec("Qwen2ForCausalLM", qkv_bias=True, qkv_bias_always=True, sliding_window_default=False),
+    ArchSpec("MistralForCausalLM", defaults=(("max_position_embeddings", 131072), ("sliding_window", 4096))),
+    ArchSpec("Qwen2ForCausalLM", qkv_bias=True, qkv_bias_always=True, sliding_window_default=False,
+             defaults=(("max_position_embeddings", 32768),)),
 ]

@@ -13,6 +13,7 @@ def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("MixtralForCausalLM", moe=True, parse=_moe,
+             defaults=(("max_position_embeddings", 131072), ("rms_norm_eps", 1e-5), ("rope_theta", 1000000.0)),
              renames=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
                       (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))),
 ]

@@ -4,5 +4,6 @@ from affinity_serve.engine.models.registry import ArchSpec
 
 SPECS = [
     ArchSpec("Phi3ForCausalLM", rope_types=("longrope",), rope_aliases=(("su", "longrope"), ("yarn", "longrope")),
-             implemented_fields=frozenset({"partial_rotary_factor"})),
+             implemented_fields=frozenset({"partial_rotary_factor"}),
+             defaults=(("max_position_embeddings", 4096), ("rms_norm_eps", 1e-5))),
 ]

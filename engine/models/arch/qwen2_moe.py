@@ -18,5 +18,6 @@ def _qwen2_moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 SPECS = [
     ArchSpec("Qwen2MoeForCausalLM", moe=True, sliding_window_default=False, parse=_qwen2_moe,
+             defaults=(("max_position_embeddings", 32768),),
              implemented_fields=frozenset({"shared_expert_intermediate_size"})),
 ]

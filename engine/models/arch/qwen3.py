@@ -23,6 +23,8 @@ def _moe(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 SPECS = [
-    ArchSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window_default=False),
-    ArchSpec("Qwen3MoeForCausalLM", qk_norm=True, moe=True, sliding_window_default=False, parse=_moe),
+    ArchSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window_default=False,
+             defaults=(("max_position_embeddings", 32768),)),
+    ArchSpec("Qwen3MoeForCausalLM", qk_norm=True, moe=True, sliding_window_default=False, parse=_moe,
+             defaults=(("max_position_embeddings", 32768),)),
 ]

@@ -45,3 +45,46 @@ def test_a_gemma_config_without_tie_word_embeddings_loads_tied(tmp_path, config_
     model, args = load_model(path, torch.float32, torch.device("cpu"), 64)
     assert args.tie_word_embeddings
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+#: keys whose omission the weights' shape check catches (sizes), or that the tokenizer and generation config
+#: supply (token ids): no default is needed for them to fail loudly or work
+_SIZES_AND_IDS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+                  "bos_token_id", "eos_token_id", "pad_token_id"}
+
+
+def _normal(args: ModelArgs) -> ModelArgs:
+    """A partial rotary factor of 1.0 rotates every dimension, as none does."""
+    import dataclasses
+
+    def rope(r):
+        if r is None or r.params.get("partial_rotary_factor", 1.0) != 1.0:
+            return r
+        return dataclasses.replace(r, params={k: v for k, v in r.params.items() if k != "partial_rotary_factor"})
+    return dataclasses.replace(args, rope=rope(args.rope), local_rope=rope(args.local_rope))
+
+
+@pytest.mark.parametrize("base", ["default", "tiny"])
+@pytest.mark.parametrize("arch", sorted(architectures()))
+def test_every_omitted_key_takes_the_familys_transformers_default(arch, base):
+    """A config.json with any one key left out reads as transformers reads it (its config class fills the
+    default in): Mistral's and Gemma's sliding_window, Gemma 2's soft-caps, Gemma's query_pre_attn_scalar (256,
+    not head_dim), Mixtral's and Gemma 3's RoPE base, Mixtral's and Phi-3's rms_norm_eps, every family's
+    max_position_embeddings ... `base`: the family's default config, or a tiny one with head_dim 16."""
+    from transformers import CONFIG_MAPPING
+    config_class = CONFIG_MAPPING[_model_type(arch)]
+    over = {} if base == "default" else dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=16, intermediate_size=128, num_hidden_layers=2)
+    full = config_class(**over).to_dict()
+    full["architectures"] = [arch]
+    differ = {}
+    for key in sorted(set(full) - _SIZES_AND_IDS - {"architectures"}):
+        cfg = {k: v for k, v in full.items() if k != key}
+        got = _normal(ModelArgs.from_dict(cfg))
+        want = _normal(ModelArgs.from_dict({**config_class(**cfg).to_dict(), "architectures": [arch]}))
+        if got != want:
+            differ[key] = {f: (getattr(want, f), getattr(got, f)) for f in want.__dataclass_fields__
+                           if getattr(want, f) != getattr(got, f)}
+    assert not differ
