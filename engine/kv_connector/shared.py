@@ -43,6 +43,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
         self.wants_evicted = False
         self._enable_events = enable_events
         self._recent: OrderedDict[CacheKey, None] = OrderedDict()
+        self._store_generation = store.generation     # the store reopened its directory: _recent is stale
         self._pending_loads: list[KVTransfer] = []
         self._loading: dict[str, list[CacheKey]] = {}           # req_id -> hashes being loaded
         self._num_storing = 0
@@ -96,6 +97,11 @@ class SharedConnectorScheduler(KVConnectorScheduler):
             self._take_public_hashes()
         ids: list[int] = []
         hashes: list[BlockHash] = []
+        if changes.cached:
+            self.store.check_dir()        # deleted while serving: reopen before trusting what we wrote there
+        if self.store.generation != self._store_generation:
+            self._store_generation = self.store.generation
+            self._recent.clear()          # what this replica wrote went with the old directory
         recent = self._recent
         for block_id, h in changes.cached:
             if h in recent or (not self.share_salted and (h if type(h) is bytes else h[1]) not in self._public):

@@ -229,6 +229,8 @@ class SharedKVStore:
         self._logged: OrderedDict[str, None] = OrderedDict()
         self._dir_fd = self._lock_fd = -1
         self._reopen_error: str | None = None          # the last failed reopen's message (logged once)
+        #: how many times the namespace directory was opened again (removed or replaced while serving)
+        self.generation = 0
         self._dir_fd, self._lock_fd = self._open()
         logger.info("shared KV store: namespace directory %s (capacity %d blocks of %d bytes)", self.dir,
                     capacity_blocks, self.file_bytes)
@@ -252,6 +254,10 @@ class SharedKVStore:
             os.close(dir_fd)
             raise
         return dir_fd, lock_fd
+
+    def check_dir(self) -> None:
+        """Reopen the namespace directory if it was removed or replaced (see `_check_dir`)."""
+        self._check_dir()
 
     def _check_dir(self) -> None:
         """Reopen the namespace directory if it was removed or replaced since it was opened (someone
@@ -277,6 +283,7 @@ class SharedKVStore:
         self._reopen_error = None
         self.close()
         self._dir_fd, self._lock_fd = fds
+        self.generation += 1
         logger.warning("shared KV store: directory %s was %s while serving; reopened it (%s), blocks stored "
                        "before are gone and are recomputed", self.dir, what,
                        "recreated" if what == "removed" else "the new one")
@@ -617,6 +624,14 @@ class GroupedSharedStore:
 
     def block_hashes(self) -> list[BlockHash]:
         return self.stores[0].block_hashes()
+
+    @property
+    def generation(self) -> int:
+        return sum(s.generation for s in self.stores)
+
+    def check_dir(self) -> None:
+        for s in self.stores:
+            s.check_dir()
 
     def num_blocks(self) -> int:
         return sum(s.num_blocks() for s in self.stores)

@@ -88,3 +88,22 @@ def test_engines_share_again_after_the_store_is_deleted_while_serving(checkpoint
     assert out.num_cached_tokens == 40                 # B loads what A computed after the deletion
     assert a.engine.kv_connector.stats.stores_failed == 0
     assert len(_log_lines(caplog)) == 1
+
+
+def test_a_replica_writes_blocks_again_that_it_had_written_before_the_store_was_deleted(checkpoints, tmp_path):
+    path = checkpoints["llama"]
+    kc = {"type": "shared", "shared_dir": str(tmp_path / "kv"), "capacity_blocks": 200}
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    prompt = [random.Random(6).randrange(10, 700) for _ in range(41)]
+    a = LLM(path, cache={"num_blocks": 32, "block_size": 8}, kv_connector=kc)
+    a.generate([prompt], sp, use_tqdm=False)          # stored once, before the deletion
+    shutil.rmtree(tmp_path / "kv")
+    b = LLM(path, cache={"num_blocks": 32, "block_size": 8}, kv_connector=kc)
+    a.engine.reset_prefix_cache()                      # A computes the prompt again...
+    a.generate([prompt], sp, use_tqdm=False)
+    for _ in range(10):
+        if not a.engine.scheduler.has_pending_kv_transfers():
+            break
+        a.engine.step()
+    out = b.generate([prompt], sp, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 40                 # ...and stores it again, where B finds it
