@@ -150,10 +150,7 @@ class SharedConnectorScheduler(KVConnectorScheduler):
                 self._events.append(BlockRemoved(own, medium=self.medium))
         for req_id, ok in output.finished_loads.items():
             hashes = self._loading.pop(req_id, [])
-            if ok:           # in the store already: the pool registers them, they need no store
-                for h in hashes:
-                    self._recent[h] = None
-            else:            # the request recomputes these blocks: store them again (damaged files are gone)
+            if not ok:       # the request recomputes these blocks: store them again (damaged files are gone)
                 for h in hashes:
                     self._recent.pop(h, None)
             self._load_finished(req_id, ok, len(hashes), output.load_failure_causes.get(req_id),
