@@ -173,7 +173,7 @@ def check_kv_connector(engine_config: Any, model_args: Any, model_dir: str | Non
         problem = offload_capacity_problem(config, layout)
         return [problem] if problem else []
     model_dir = model_dir or engine_config.model
-    if not os.path.isdir(model_dir):
+    if not model_dir or not os.path.isdir(model_dir):
         return []
     from affinity_serve.engine.kv_connector.shared_store import check_namespace_dir
     identity = model_identity(model_dir, config.model_identity)
