@@ -234,9 +234,11 @@ def check_extras(cfg: "AppConfig") -> None:
                                      f"pip install 'affinity-serve[{extra}]'"])
 
 
-def check_model(cfg: "AppConfig") -> None:
+def check_model(cfg: "AppConfig", *, replicas_here: bool = True) -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log
-    (the weights from the safetensors headers, the tokenizer actually loaded), and the device and dtype."""
+    (the weights from the safetensors headers, the tokenizer actually loaded), and the device and dtype.
+    `replicas_here`: the replicas run on this machine (the CLI starts Ray here), so its hardware is theirs;
+    joining a cluster (--address), the device and dtype checks are left to the replicas."""
     from affinity_serve.engine import check_engine_support, resolve_context_length, validate_checkpoint
     from affinity_serve.app.config import ConfigError
     args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
@@ -252,6 +254,8 @@ def check_model(cfg: "AppConfig") -> None:
     except ValueError as e:
         raise ConfigError(None, [str(e)]) from None
     import torch
+    if not replicas_here:
+        return
     if cfg.engine.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(None, ["engine.device: 'cuda' but this machine has no usable CUDA GPU; use device: "
                                  "auto or cpu"])
@@ -294,7 +298,7 @@ def serve_cmd(args) -> int:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
     check_extras(cfg)
     cfg = resolve_model(cfg)
-    check_model(cfg)
+    check_model(cfg, replicas_here=not (args.address or os.environ.get("RAY_ADDRESS")))
     for line in exposure_warnings(cfg):
         print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     # During start-up Ctrl-C and SIGTERM raise KeyboardInterrupt and are also recorded: Ray can swallow the
@@ -427,7 +431,8 @@ def ready_message(cfg: "AppConfig", attach: str = "", key_file: str | None = Non
     key itself is never printed: the curl line reads it from where the server read it (`key_file`, given with
     --api-key-file, else the environment variable)."""
     url = f"http://{cfg.serve.host}:{cfg.serve.port}"
-    name = cfg.serve.model_name or Path(cfg.engine.model or "model").name
+    from affinity_serve.app.config import served_model_name
+    name = served_model_name(cfg)
     source = f"$(cat {shlex.quote(key_file)})" if key_file else f"${API_KEY_ENV}"
     auth = f" -H \"Authorization: Bearer {source}\"" if cfg.serve.api_key else ""
     return (f"\n[affinity-serve] ready: {url}  (OpenAI API at {url}/v1, metrics at {url}/metrics)\n"

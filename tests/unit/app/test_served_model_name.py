@@ -28,3 +28,4 @@ def test_an_explicit_name_and_a_hub_id_are_kept(tmp_path, monkeypatch):
     assert resolve_model(_cfg(".", model_name="mine")).serve.model_name == "mine"
     cfg = resolve_model(_cfg("Qwen/Qwen3-0.6B"))
     assert cfg.serve.model_name is None and served_model_name(cfg) == "Qwen/Qwen3-0.6B"
+    assert '"model": "Qwen/Qwen3-0.6B"' in ready_message(cfg)          # the ready message's curl says the same
