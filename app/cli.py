@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                    "within its bounds)")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool_choice 'auto' reads tool calls "
                    "back (serve.tool_call_parser; default auto: the chat template's format)")
+    s.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, used instead of the "
+                   "tokenizer's (serve.chat_template)")
     s.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 exposes the server)")
     s.add_argument("--port", type=int, help="HTTP port (default 8000)")
     s.add_argument("--api-key-file", help=f"require the Bearer key in this file on inference routes (or set "
@@ -153,7 +155,7 @@ def _overrides(args) -> dict[str, object]:
             "engine.scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
             "serve.model_name": args.served_model_name, "serve.num_replicas": args.replicas,
             "serve.host": args.host, "serve.port": args.port, "serve.api_key": _api_key(args),
-            "serve.tool_call_parser": args.tool_call_parser}
+            "serve.tool_call_parser": args.tool_call_parser, "serve.chat_template": args.chat_template}
 
 
 def _version() -> str:

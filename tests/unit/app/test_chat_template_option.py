@@ -80,3 +80,9 @@ def test_the_served_name_of_a_hub_id_is_the_id_as_vllm_serves_it(tmp_path):
     local = tmp_path / "org" / "tiny"
     local.mkdir(parents=True)
     assert name(str(local)) == "tiny"                  # a local directory: its name
+
+
+def test_the_cli_flag_sets_the_field(tmp_path):
+    from affinity_serve.app import cli
+    args = cli._parser().parse_args(["serve", "--chat-template", "t.jinja"])
+    assert cli._overrides(args)["serve.chat_template"] == "t.jinja"
