@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="a local Hugging Face checkpoint directory, or a hub id org/name[@revision] "
                                      "(HF_HOME, HF_TOKEN, HF_HUB_OFFLINE honoured; default: the demo model)")
     s.add_argument("--served-model-name", help="the name clients send as `model` (serve.model_name; default: "
-                   "the checkpoint directory's name)")
+                   "the checkpoint directory's name; a hub id itself)")
     s.add_argument("--max-model-len", type=int, help="context length (engine.max_model_len; default: the model's)")
     s.add_argument("--dtype", help="engine.dtype: auto, float32, bfloat16 or float16")
     s.add_argument("--seed", type=int, help="engine.seed")
