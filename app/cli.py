@@ -240,12 +240,12 @@ def check_model(cfg: "AppConfig", *, replicas_here: bool = True) -> None:
     """Before Ray starts: the engine's own checkpoint checks, so the message is the one a replica would log
     (the weights from the safetensors headers, the tokenizer actually loaded), and the device and dtype.
     `replicas_here`: the replicas run on this machine (the CLI starts Ray here), so its hardware is theirs;
-    joining a cluster (--address), the device and dtype checks are left to the replicas."""
+    joining a cluster (--address), the device, dtype and KV tier checks are left to the replicas."""
     from affinity_serve.engine import check_engine_support, resolve_context_length, validate_checkpoint
     from affinity_serve.app.config import ConfigError
     args = validate_checkpoint(cfg.engine.model, need_tokenizer=not cfg.engine.skip_tokenizer_init)
     if not cfg.engine.skip_tokenizer_init:          # a tokenizer.json that is there but broken fails here
-        from affinity_serve.engine.tokenizer import load_tokenizer
+        from affinity_serve.engine import load_tokenizer
         load_tokenizer(cfg.engine.model)
     try:
         resolve_context_length(args, cfg.engine.max_model_len)
@@ -266,13 +266,12 @@ def check_model(cfg: "AppConfig", *, replicas_here: bool = True) -> None:
         where = "engine.device is 'cpu'" if cfg.engine.device == "cpu" else "this machine has no usable CUDA GPU"
         raise ConfigError(None, [f"engine.dtype: 'float16' is not supported on CPU ({where}); use float32 or "
                                  "bfloat16"])
-    conn = cfg.engine.kv_connector
-    if conn.type == "shared":       # an unsafe store root fails here, once, not in every replica
-        from affinity_serve.engine import UnsafeSharedStoreError, check_shared_root, default_shared_root
-        try:
-            check_shared_root(conn.shared_dir or default_shared_root(), conn.shared_group)
-        except UnsafeSharedStoreError as e:
-            raise ConfigError(None, [f"engine.kv_connector.shared_dir: {e}"]) from None
+    # a KV tier that would fail every replica (an unsafe store root or namespace directory, an offload tier
+    # larger than this machine's memory) fails here, once, naming its key
+    from affinity_serve.engine import check_kv_connector
+    problems = check_kv_connector(cfg.engine, args)
+    if problems:
+        raise ConfigError(None, problems)
 
 
 #: shorter API keys draw a warning: the ingress holds a salted digest, and a short key can be guessed from it

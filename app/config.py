@@ -281,7 +281,7 @@ def served_model_name(config: "AppConfig") -> str:
     if config.serve.model_name:
         return config.serve.model_name
     model = config.engine.model or "model"
-    from affinity_serve.engine.models.hub import is_hub_id
+    from affinity_serve.engine import is_hub_id
     if is_hub_id(model):
         return model.split("@", 1)[0]
     return Path(model).name

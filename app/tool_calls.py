@@ -31,8 +31,7 @@ from typing import Any
 from affinity_serve.app.errors import APIError
 from affinity_serve.app.protocol import ChatCompletionRequest
 from affinity_serve.engine.errors import InvalidRequestError
-from affinity_serve.engine.structured_output import StructuredOutputSpec
-from affinity_serve.engine.structured_output.spec import unenforced_schema_keyword
+from affinity_serve.engine.structured_output import StructuredOutputSpec, unenforced_schema_keyword
 
 #: a function with no `parameters` takes an empty object, as OpenAI documents
 _NO_PARAMETERS = {"type": "object", "properties": {}}

@@ -55,6 +55,7 @@ _LAZY = {
     "validate_checkpoint": "affinity_serve.engine.models.checkpoint",
     "resolve_context_length": "affinity_serve.engine.models.checkpoint",
     "check_engine_support": "affinity_serve.engine.models.checkpoint",
+    "is_hub_id": "affinity_serve.engine.models.hub",
     "tune_gc_for_serving": "affinity_serve.engine.gc_policy",
     "check_shared_root": "affinity_serve.engine.kv_connector.shared_store",
     "check_kv_connector": "affinity_serve.engine.kv_connector",
@@ -77,6 +78,6 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "EngineRequest", "RequestDelta",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint", "resolve_context_length", "check_engine_support", "tune_gc_for_serving",
+           "validate_checkpoint", "resolve_context_length", "check_engine_support", "is_hub_id", "tune_gc_for_serving",
            "check_shared_root", "check_kv_connector", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode",
            "RemotePrefill", "KVTransferError"]

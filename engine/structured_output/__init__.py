@@ -7,6 +7,6 @@ before anything else; each accepted token advances the sequence's own matcher. x
 use, so the engine runs without it until a request asks for structured output. This package's top level is
 torch-free (the API layer builds `StructuredOutputSpec`s); the manager lives in `.manager`.
 """
-from affinity_serve.engine.structured_output.spec import StructuredOutputSpec
+from affinity_serve.engine.structured_output.spec import StructuredOutputSpec, unenforced_schema_keyword
 
-__all__ = ["StructuredOutputSpec"]
+__all__ = ["StructuredOutputSpec", "unenforced_schema_keyword"]

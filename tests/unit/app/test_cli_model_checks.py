@@ -94,3 +94,11 @@ def test_float16_where_the_replicas_run_on_cpu(checkpoints, tmp_path, capsys, mo
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(_RayStarted):
         _serve(tmp_path, capsys, {"model": d, "dtype": "float16", "device": device})
+
+
+def test_a_kv_tier_every_replica_would_fail_on(checkpoints, tmp_path, capsys):
+    """An offload tier larger than this machine's memory (replicas failed with a bare MemoryError, over and over,
+    after Ray started): one line naming the key, exit 2, before Ray."""
+    d = str(_copy(checkpoints, tmp_path))
+    _one_line_exit_2(tmp_path, capsys, {"model": d, "kv_connector": {"type": "offload", "capacity_bytes": 10**15}},
+                     r"engine\.kv_connector\.capacity_bytes: ")
