@@ -88,7 +88,7 @@ def test_the_key_comes_from_the_environment_or_a_file_and_is_never_printed(check
                                                                          monkeypatch, tmp_path):
     from affinity_serve.app import cli
     seen: list = []
-    monkeypatch.setattr(cli, "check_model", lambda cfg: seen.append(cfg))
+    monkeypatch.setattr(cli, "check_model", lambda cfg, **kw: seen.append(cfg))
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env-0123456789")
     with pytest.raises(_Stop):
         main(["serve", "--model", checkpoints["llama"]])

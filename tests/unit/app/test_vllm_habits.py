@@ -21,7 +21,7 @@ class _Stop(Exception):
 def test_vllm_flags_override_the_config(checkpoints, tmp_path, monkeypatch):
     seen: list = []
 
-    def stop(cfg):
+    def stop(cfg, **kw):
         seen.append(cfg)
         raise _Stop
     monkeypatch.setattr("affinity_serve.app.cli.check_model", stop)
