@@ -49,13 +49,30 @@ def resolve_context_length(args: ModelArgs, max_model_len: int | None) -> int:
     """The context length an engine serves: the model's positions (sliding-window layers included: the KV
     manager keeps their windows), or `max_model_len` when set; ValueError if that asks for more than the
     model has. An engine may cap the result further at the KV pool's capacity once the pool is sized."""
-    limit = args.max_position_embeddings
+    limit, source = model_positions(args)
     if max_model_len is None:
         return limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len {max_model_len} exceeds this model's limit of {limit} tokens "
-                         f"(max_position_embeddings); lower it or leave it unset")
+                         f"({source}); lower it or leave it unset")
     return max_model_len
+
+
+def model_positions(args: ModelArgs) -> tuple[int, str]:
+    """The positions a model serves and where that comes from: `max_position_embeddings`, or with YaRN or
+    linear RoPE scaling the scaled length (YaRN: original_max_position_embeddings × factor, as vLLM derives it:
+    Qwen2.5's 32,768 × 4 = 131,072)."""
+    limit = args.max_position_embeddings
+    rope = args.rope
+    factor = rope.params.get("factor")
+    if rope.rope_type == "yarn" and factor and factor > 1:
+        orig = rope.params.get("original_max_position_embeddings") or limit
+        scaled = int(orig * factor)
+        if scaled > limit:
+            return scaled, f"rope_scaling: YaRN, original_max_position_embeddings {orig} x factor {factor:g}"
+    if rope.rope_type == "linear" and factor and factor > 1:
+        return int(limit * factor), f"rope_scaling: linear, max_position_embeddings {limit} x factor {factor:g}"
+    return limit, "max_position_embeddings"
 
 
 def safetensors_files(path: Path) -> list[Path]:

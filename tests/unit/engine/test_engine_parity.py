@@ -231,3 +231,24 @@ def test_vllms_prompt_dicts_are_prompts_not_conversations(checkpoints, hf_refere
     assert by_text[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([{"prompt_ids": ids}], params, use_tqdm=False)
+
+
+def test_yarn_scaling_serves_the_scaled_context_token_exact(tmp_path, hf_reference):
+    """Qwen2.5 ships max_position_embeddings = original (32,768) and YaRN factor 4 for 131,072: the context is
+    original x factor, as vLLM derives it (it was capped at max_position_embeddings), and tokens past the
+    original length match transformers."""
+    from affinity_serve.engine.demo import write_demo_model
+    from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
+    from tests.conftest import TINY
+    path = str(write_demo_model(tmp_path / "yarn", **{**TINY, "max_position_embeddings": 96}, arch="qwen2", seed=11,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 96}))
+    args = validate_checkpoint(path)
+    assert resolve_context_length(args, None) == 384
+    assert resolve_context_length(args, 300) == 300
+    with pytest.raises(ValueError, match="YaRN, original_max_position_embeddings 96 x factor 4"):
+        resolve_context_length(args, 385)
+    llm = _engine(path)
+    prompt = _prompts(1, lo=150, hi=160, seed=12)[0]            # past the original 96 positions
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_reference(path, prompt, 8)
