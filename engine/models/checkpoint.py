@@ -59,9 +59,10 @@ def resolve_context_length(args: ModelArgs, max_model_len: int | None) -> int:
 
 
 def model_positions(args: ModelArgs) -> tuple[int, str]:
-    """The positions a model serves and where that comes from: `max_position_embeddings`, or with YaRN or
-    linear RoPE scaling the scaled length (YaRN: original_max_position_embeddings × factor, as vLLM derives it:
-    Qwen2.5's 32,768 × 4 = 131,072)."""
+    """The positions a model serves and where that comes from: `max_position_embeddings`, or with YaRN RoPE
+    scaling original_max_position_embeddings × factor when that is more, as vLLM derives it (Qwen2.5 ships
+    32,768 with YaRN factor 4 for 131,072). Linear scaling is left as `max_position_embeddings` says: Gemma 3
+    ships the scaled length there already (131,072 with factor 8)."""
     limit = args.max_position_embeddings
     rope = args.rope
     factor = rope.params.get("factor")
@@ -70,8 +71,6 @@ def model_positions(args: ModelArgs) -> tuple[int, str]:
         scaled = int(orig * factor)
         if scaled > limit:
             return scaled, f"rope_scaling: YaRN, original_max_position_embeddings {orig} x factor {factor:g}"
-    if rope.rope_type == "linear" and factor and factor > 1:
-        return int(limit * factor), f"rope_scaling: linear, max_position_embeddings {limit} x factor {factor:g}"
     return limit, "max_position_embeddings"
 
 

@@ -113,6 +113,11 @@ _UNENFORCED = frozenset({
 # Beside "$ref", only these may stay (the converter drops the rest of the referring schema)
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                           "writeOnly", "$schema", "$id", "$defs", "definitions"})
+#: the widest [minimum, maximum] beside multipleOf that the grammar engine enforces (measured: 2,000 is,
+#: 10,000 is not; without bounds it is)
+_MULTIPLE_OF_SPAN = 2000
+#: regex constructs the grammar engine's pattern conversion skips
+_REGEX_UNENFORCED = ("(?=", "(?!", "(?<=", "(?<!", "\\b", "\\B")
 _SUBSCHEMA = ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems",
               "propertyNames")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -147,9 +152,26 @@ def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
             return (f"{at}allOf is supported only as one schema with nothing beside it but annotations; merge "
                     "the schemas into one")
     mult = schema.get("multipleOf")
-    if mult is not None and not (schema.get("type") == "integer" and isinstance(mult, int)
-                                 and not isinstance(mult, bool) and mult > 0):
-        return f"{at}multipleOf is enforced only as a positive integer on \"type\": \"integer\""
+    if mult is not None:
+        if not (schema.get("type") == "integer" and isinstance(mult, int) and not isinstance(mult, bool)
+                and mult > 0):
+            return f"{at}multipleOf is enforced only as a positive integer on \"type\": \"integer\""
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum"))
+        if (lo is not None or hi is not None) and (lo is None or hi is None or not isinstance(lo, (int, float))
+                                                   or not isinstance(hi, (int, float))
+                                                   or hi - lo > _MULTIPLE_OF_SPAN):
+            return (f"{at}multipleOf with a bound is enforced only between a lower and an upper bound at most "
+                    f"{_MULTIPLE_OF_SPAN:,} apart (the grammar engine drops it otherwise); give both, or neither")
+    if isinstance(schema.get("pattern"), str) and any(t in schema["pattern"] for t in _REGEX_UNENFORCED):
+        return (f"{at}pattern {schema['pattern']!r}: lookarounds and word boundaries "
+                f"({', '.join(_REGEX_UNENFORCED)}) are not enforced by the grammar engine")
+    if "minLength" in schema or "maxLength" in schema:
+        if "pattern" in schema:
+            return (f"{at}minLength/maxLength beside pattern would be ignored by the grammar engine: put the "
+                    "length in the pattern (e.g. ^[a-z]{3,8}$)")
+        if "format" in schema:
+            return f"{at}minLength/maxLength beside format would be ignored by the grammar engine: drop one"
     for key in _COUNTS:
         v = schema.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):

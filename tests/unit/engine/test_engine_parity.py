@@ -248,6 +248,10 @@ def test_yarn_scaling_serves_the_scaled_context_token_exact(tmp_path, hf_referen
     assert resolve_context_length(args, 300) == 300
     with pytest.raises(ValueError, match="YaRN, original_max_position_embeddings 96 x factor 4"):
         resolve_context_length(args, 385)
+    # linear scaling: max_position_embeddings as shipped (Gemma 3's 131,072 with factor 8 is already scaled)
+    linear = str(write_demo_model(tmp_path / "linear", **{**TINY, "max_position_embeddings": 96}, arch="llama",
+                                  seed=11, rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert resolve_context_length(validate_checkpoint(linear), None) == 96
     llm = _engine(path)
     prompt = _prompts(1, lo=150, hi=160, seed=12)[0]            # past the original 96 positions
     out = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]

@@ -447,6 +447,11 @@ _UNENFORCED = [
       "properties": {"x": {"$ref": "#foo"}}}, '{"x": "str"}', "at properties.x: $ref '#foo'"),
     ({"$ref": "http://example.com/s.json"}, "8298", "$ref 'http://example.com/s.json'"),
     ({"type": "array", "minItems": -1}, "[]", "minItems must be a non-negative integer"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 1}, "3", "multipleOf with a bound"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 10000}, "3", "at most 2,000 apart"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, '"a"', "beside pattern"),
+    ({"type": "string", "format": "email", "maxLength": 5}, '"abcdefgh@x.com"', "beside format"),
+    ({"type": "string", "pattern": "^(?!x)[a-z]+$"}, '"xa"', "lookarounds"),
 ]
 
 
@@ -469,6 +474,9 @@ def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_naming_where(sch
     {"type": "object", "properties": {"p": {"$ref": "#/$defs/a", "description": "d", "title": "P"}},
      "$defs": {"a": {"type": "integer"}}},                     # annotations beside $ref
     {"type": "integer", "multipleOf": 3},
+    {"type": "integer", "multipleOf": 5, "minimum": -1000, "maximum": 1000},  # a span it enforces
+    {"type": "string", "pattern": "^[a-z]{3,8}$"},
+    {"type": "string", "format": "email"},
     {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
     {"type": "string", "format": "password"},                  # formats are annotations (pydantic's SecretStr)
 ])
