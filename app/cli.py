@@ -299,7 +299,8 @@ def serve_cmd(args) -> int:
         print("[affinity-serve] no --model given: using the embedded demo model (generated once, cached)")
     check_extras(cfg)
     cfg = resolve_model(cfg)
-    check_model(cfg, replicas_here=not (args.address or os.environ.get("RAY_ADDRESS")))
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    check_model(cfg, replicas_here=address in (None, "", "local"))      # "local": a new Ray on this machine
     for line in exposure_warnings(cfg):
         print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     # During start-up Ctrl-C and SIGTERM raise KeyboardInterrupt and are also recorded: Ray can swallow the

@@ -108,11 +108,16 @@ class ServeSection(_Strict):
             if not path.is_file():
                 raise ValueError(f"{value!r} is neither a file nor a Jinja template")
             text = path.read_text(encoding="utf-8")
-        try:
-            import jinja2
-            jinja2.Environment().parse(text)
+        import jinja2
+        try:          # as transformers compiles it (its loop controls and {% generation %} included)
+            from transformers.utils.chat_template_utils import _compile_jinja_template
         except ImportError:
-            pass
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def _compile_jinja_template(t: str) -> None:
+                ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(t)
+        try:
+            _compile_jinja_template(text)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
         return text

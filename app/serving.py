@@ -21,7 +21,8 @@ from affinity_serve.app.prompts import (PreparedRequest, RequestKind, detokenize
                                         prepare_request, text_chars, tokenize_request)
 from affinity_serve.app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest,
                                          ReplicaChunk, TokenizeRequest)
-from affinity_serve.app.tool_calls import ToolCallMode, ToolCallStream, auto_content, tool_calls_message
+from affinity_serve.app.tool_calls import (ToolCallMode, ToolCallStream, auto_content, read_calls,
+                                           tool_calls_message)
 from affinity_serve.app.routing import debug as routing_debug
 from affinity_serve.engine import EngineLimits
 from affinity_serve.observability.metrics import ServingMetrics
@@ -266,7 +267,8 @@ class OpenAIServing:
                 text = reader.content(final=bool(c.finish_reason))
                 if not calls and not text and not c.finish_reason and lps is None and not token_ids:
                     return None          # a call's name (or an "auto" call) is not complete yet
-                reason = _tool_finish_reason(c.finish_reason, c.stop_reason) if reader.sent else c.finish_reason
+                reason = (_tool_finish_reason(c.finish_reason, c.stop_reason, reader.text, p.tool_mode) if reader.sent
+                          else c.finish_reason)
                 return fmt.chat_chunk(meta, idx, text, reason, lps, fingerprint, p.stream_usage,
                                       token_ids=token_ids, tool_calls=calls, stop_reason=c.stop_reason)
             return fmt.chat_chunk(meta, idx, c.text, c.finish_reason, lps, fingerprint, p.stream_usage,
@@ -349,10 +351,16 @@ class _EchoGate:
             self.run.prompt_logprobs_of(idx // self.n)
 
 
-def _tool_finish_reason(reason: str | None, stop_reason: int | str | None) -> str | None:
-    """Output that holds calls: "tool_calls" when it ended by itself (the grammar, or the model's end of turn);
-    cut short by max_tokens it stays "length", and by one of the request's stop strings "stop"."""
-    return "tool_calls" if reason == "stop" and not isinstance(stop_reason, str) else reason
+def _tool_finish_reason(reason: str | None, stop_reason: int | str | None, text: str, mode: ToolCallMode
+                        ) -> str | None:
+    """Output that holds calls: "tool_calls" when it ended by itself (the grammar, the model's end of turn) or by
+    one of the request's stop strings after its calls were whole; a stop string that cut a call: "stop"; cut
+    short by max_tokens: "length"."""
+    if reason != "stop":
+        return reason
+    if isinstance(stop_reason, str) and not all(whole for *_, whole in read_calls(text, mode, final=True)):
+        return "stop"
+    return "tool_calls"
 
 
 def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode, stop_reason: int | str | None) -> fmt.Choice:
@@ -363,7 +371,7 @@ def _as_tool_calls(c: fmt.Choice, mode: ToolCallMode, stop_reason: int | str | N
     if not calls:
         return c
     return dataclasses.replace(c, text=(auto_content(c.text, mode) or "") if mode.parser else "", tool_calls=calls,
-                               finish_reason=_tool_finish_reason(c.finish_reason, stop_reason))
+                               finish_reason=_tool_finish_reason(c.finish_reason, stop_reason, c.text, mode))
 
 
 def _prompt_ids(p: PreparedRequest, prompt: int) -> list[int] | None:

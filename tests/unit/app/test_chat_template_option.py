@@ -61,6 +61,14 @@ async def test_a_base_model_chats_with_the_configured_template(checkpoints, tmp_
         assert ing.serving.tokenizer.decode(replica.prompts[-1]).endswith("<<user>>hi there<<assistant>>")
 
 
+def test_templates_transformers_compiles_are_accepted():
+    """Loop controls and {% generation %} are transformers' extensions, used by real templates."""
+    for t in ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.content }}{% endfor %}",
+              "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"):
+        cfg = AppConfig.model_validate({"engine": {"model": "/m"}, "serve": {"chat_template": t}})
+        assert cfg.serve.chat_template == t
+
+
 @pytest.mark.parametrize("value,says", [("no/such/file.jinja", "neither a file nor a Jinja template"),
                                         ("{% for m in messages %}", "does not compile")])
 def test_a_template_that_is_not_one_is_a_config_error(value, says):

@@ -90,6 +90,9 @@ def test_float16_where_the_replicas_run_on_cpu(checkpoints, tmp_path, capsys, mo
                      r"engine\.dtype: 'float16' is not supported on CPU.*use float32 or bfloat16")
     with pytest.raises(_RayStarted):
         _serve(tmp_path, capsys, {"model": d, "dtype": "bfloat16", "device": device})
+    monkeypatch.setenv("RAY_ADDRESS", "local")                 # a new Ray here: still this machine's replicas
+    _one_line_exit_2(tmp_path, capsys, {"model": d, "dtype": "float16", "device": device},
+                     r"engine\.dtype: 'float16' is not supported on CPU")
     # joining a cluster: the replicas run on its nodes (GPU workers behind a CPU-only head), not here
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     with pytest.raises(_RayStarted):

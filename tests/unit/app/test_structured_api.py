@@ -97,6 +97,18 @@ async def test_a_forced_call_cut_by_a_stop_string_finishes_stop_not_tool_calls(c
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_after_whole_calls_still_finishes_tool_calls(checkpoints, tmp_path, stream):
+    """An agent's stop string (e.g. "\nObservation") that matches after the model's calls: the calls are whole,
+    so clients that branch on finish_reason "tool_calls" must see it."""
+    from tests.unit.app.test_tool_choice_auto import HERMES_TEMPLATE, _client
+    client, ing, replica = _client(checkpoints, tmp_path, HERMES_TEMPLATE)
+    replica.text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+    replica.stop_reason = "Observation"
+    content, calls, reason = await _chat(client, ing, stream, stop=["Observation"])
+    assert reason == "tool_calls" and calls == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_forced_call_cut_before_its_name_is_complete_keeps_its_text(checkpoints, tmp_path, stream):
     """OpenAI never sends `tool_calls: []`: no call came of the text, so the text is the content."""
     from tests.unit.app.test_tool_choice_auto import HERMES_TEMPLATE, _client
