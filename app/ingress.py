@@ -385,6 +385,9 @@ class Ingress:
         `n` decisions, counters, the feed's counters and, per model replica, the indexed block count, the
         feed's cursor (epoch, next event) and whether a snapshot is due. `{"routers": []}` before the first
         request (Serve builds the router lazily)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise APIError(f"routing_decisions(n): n is how many recent decisions to return, an integer >= 0; "
+                           f"got {n!r}", 400, "invalid_request_error", "n", "invalid_value")
         from ray import serve
         ctx = serve.get_replica_context()
         routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)

@@ -90,8 +90,10 @@ class _LoadOnlyCore(ABC):
         self.loads.start(req_id, self.clock())
 
     def on_actual_cached(self, req_id: str, num_cached_tokens: int) -> None:
-        if self.loads.in_flight(req_id) is not None:
+        f = self.loads.in_flight(req_id)
+        if f is not None:
             self._counters.actual_cached_tokens += num_cached_tokens
+            self._counters.predicted_cached_tokens += f.predicted_cached_tokens      # 0 unless it indexes
             self._counters.num_accuracy_samples += 1
 
     def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
@@ -102,8 +104,12 @@ class _LoadOnlyCore(ABC):
 
     def counters(self) -> RouterCounters:
         c = self._counters
-        return RouterCounters(c.num_decisions, dict(c.num_by_reason), c.num_errors, c.num_rerouted, 0,
-                              c.actual_cached_tokens, c.num_accuracy_samples)
+        index = getattr(self, "index", None)                     # llm_d_precise keeps a prefix index
+        return RouterCounters(c.num_decisions, dict(c.num_by_reason), c.num_errors, c.num_rerouted,
+                              c.predicted_cached_tokens, c.actual_cached_tokens, c.num_accuracy_samples,
+                              index.num_resyncs if index is not None else 0,
+                              index.num_entries if index is not None else 0,
+                              index.num_evictions if index is not None else 0)
 
 
 class _RankingCore(_LoadOnlyCore):

@@ -38,6 +38,11 @@ class _Cursor:
     epoch: str | None = None
     next_seq: int = 0
     wants_snapshot: bool = True
+    timeouts_in_a_row: int = 0
+
+
+#: pulls of one replica timing out in a row before a warning (at the default 0.25 s period: ~5 s)
+WARN_AFTER_TIMEOUTS = 20
 
 
 @dataclass(slots=True)
@@ -97,9 +102,18 @@ class KVEventFeed:
             else:
                 reply = await asyncio.wait_for(client.events_since(cursor.next_seq, cursor.epoch), self.timeout_s)
                 self._apply_events(rid, cursor, reply)
+            if cursor.timeouts_in_a_row >= WARN_AFTER_TIMEOUTS:
+                logger.info("replica %s answers KV event pulls again", rid)
+            cursor.timeouts_in_a_row = 0
         except TimeoutError:
             self.counters.num_timeouts += 1
-            logger.debug("replica %s did not answer the KV event pull within %.2fs", rid, self.timeout_s)
+            cursor.timeouts_in_a_row += 1
+            if cursor.timeouts_in_a_row == WARN_AFTER_TIMEOUTS:        # once per streak
+                logger.warning("replica %s has not answered %d KV event pulls in a row within %.2fs "
+                               "(routing.kv_events_timeout_s): the router does not see what it caches, so its "
+                               "prefix hits are missed until it answers", rid, WARN_AFTER_TIMEOUTS, self.timeout_s)
+            else:
+                logger.debug("replica %s did not answer the KV event pull within %.2fs", rid, self.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:        # a dying replica, a bad reply: skip it this period

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -275,7 +276,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             "counters": {"num_decisions": c.num_decisions, "num_errors": c.num_errors,
                          "num_rerouted": c.num_rerouted, "num_resyncs": c.num_resyncs,
                          "num_index_entries": c.num_index_entries, "num_index_evictions": c.num_index_evictions,
-                         "index_accuracy": c.index_accuracy, "num_accuracy_samples": c.num_accuracy_samples,
+                         # null where no index predicts (load-only policies) or nothing was predicted yet
+                         "index_accuracy": (c.index_accuracy if index is not None
+                                            and math.isfinite(c.index_accuracy) else None),
+                         "num_accuracy_samples": c.num_accuracy_samples,
                          "prefill_tokens_per_s": c.prefill_tokens_per_s,
                          "by_reason": {r.value: n for r, n in c.num_by_reason.items()}},
             "feed": None if self.feed is None else vars_of(self.feed.counters),

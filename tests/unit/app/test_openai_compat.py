@@ -378,3 +378,13 @@ def test_the_reserved_template_names_hold_the_fixed_list_and_transformers_own(mo
     finally:
         monkeypatch.undo()
         t._reserved_template_names.cache_clear()
+
+
+async def test_routing_decisions_refuses_what_is_not_a_count(checkpoints):
+    """A handle caller's typo got a raw TypeError traceback (or, for -1, silently nothing)."""
+    from affinity_serve.app.errors import APIError
+    ing, _ = ingress(checkpoints)
+    for bad in ("x", -1, 2.5, True):
+        with pytest.raises(APIError) as e:
+            await ing.routing_decisions(bad)
+        assert e.value.status_code == 400 and e.value.param == "n"

@@ -30,3 +30,4 @@ def test_a_cancellation_nobody_retrieved_is_not_reported_as_an_error(caplog):
         assert len(messages) == 1 and "never retrieved" in messages[0] and "a real failure" in caplog.text
     finally:
         loop.close()
+

@@ -182,3 +182,23 @@ async def test_stats_are_fed_only_when_a_replica_reports_new_ones():
     router._sync_members([_replica("a", {"num_running_reqs": 1}), _replica("b", {"num_running_reqs": 2})])
     assert seen == [("a", 1), ("b", 2)]
     assert router.feed is None
+
+
+async def test_a_replica_whose_pulls_keep_timing_out_is_one_warning_and_one_line_when_it_answers(
+        caplog, monkeypatch):
+    """A broken feed was silent (timeouts at DEBUG): prefix hits were missed with nothing in the log."""
+    from affinity_serve.app.routing import feed as feed_mod
+    monkeypatch.setattr(feed_mod, "WARN_AFTER_TIMEOUTS", 3)
+    core, slow = _core(), FakeReplica(hang=True)
+    feed = KVEventFeed(core, lambda: {"b": slow}, period_s=0.01, timeout_s=0.01)
+    with caplog.at_level("INFO", logger="affinity_serve.app.routing.feed"):
+        for _ in range(6):
+            await _ticks(feed)
+        assert feed.counters.num_timeouts == 6
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "3 KV event pulls in a row" in warnings[0].getMessage()
+        slow.hang = False
+        await _ticks(feed)
+        assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
+            "replica b answers KV event pulls again"]
+    feed.stop()

@@ -52,3 +52,22 @@ def test_sticky_to_the_holder_until_the_penalty_then_token_load():
         core.on_finished(f"big{i}", 16)
     d2 = core.route(RouteRequest("again", prefix + chain("x", 10), 100 * BS, 16), list("abc"))
     assert d2.reason == Reason.AFFINITY and d2.chosen in ("a", d.chosen)
+
+
+def test_its_counters_report_its_index_and_its_predictions():
+    """routing_decisions showed num_index_entries 0 and index_accuracy inf under llm_d_precise: the load-only
+    base class reported neither, although this policy indexes and predicts."""
+    core, clock = make()
+    prefix = chain("sys", 20)
+    core.on_kv_events(KVEventBatch("a", "e0", 0, [stored(prefix)]))
+    d = core.route(RouteRequest("r", prefix + chain("u", 2), 22 * BS, 4), list("abc"))
+    assert d.chosen == "a"
+    core.on_first_token("r", 20 * BS)
+    c = core.counters()
+    assert c.num_index_entries >= 20 and c.predicted_cached_tokens > 0
+    assert c.index_accuracy == c.actual_cached_tokens / c.predicted_cached_tokens
+    rr = make_core("round_robin", AffinityConfig(), BS)
+    rr.set_replicas([ReplicaInfo("a")])
+    rr.route(RouteRequest("q", [], 8 * BS, 4), ["a"])
+    rr.on_first_token("q", 8)
+    assert rr.counters().predicted_cached_tokens == 0 and rr.counters().num_index_entries == 0
