@@ -173,37 +173,30 @@ def _open_dir(name: str, modes: _Modes, *, dir_fd: int | None = None, what: str,
 def check_shared_root(root: str, group: str | int | None = None) -> None:
     """Raise UnsafeSharedStoreError if `root` exists and is unsafe for this mode (nothing is created):
     a front end calls this before starting replicas, so a bad root fails once, clearly."""
-    modes = _Modes(resolve_group(group))
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeSharedStoreError(f"refusing the shared KV store root {root!r}: it is not a directory "
-                                     "(a link or a file)")
-    problem = _describe_problem(st, modes.gid)
-    if problem is not None:
-        raise UnsafeSharedStoreError(f"refusing the shared KV store root {root!r}: {problem}. Remove it, or "
-                                     "name another kv_connector.shared_dir")
+    _check_existing_dir(root, "root", group)
 
 
 def check_namespace_dir(root: str, namespace: str, group: str | int | None = None) -> None:
     """Raise UnsafeSharedStoreError if the namespace directory `<root>/<namespace>` exists and is unsafe for
     this mode (a link, not a directory, another owner, writable by others): the check a replica makes at
     start-up, without creating anything."""
+    _check_existing_dir(os.path.join(os.path.abspath(root), namespace), "directory", group)
+
+
+def _check_existing_dir(path: str, what: str, group: str | int | None) -> None:
+    """The store's safety check of one existing directory (none there: nothing to check)."""
     modes = _Modes(resolve_group(group))
-    path = os.path.join(os.path.abspath(root), namespace)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    head = f"refusing the shared KV store {what} {path!r}"
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeSharedStoreError(f"refusing the shared KV store directory {path!r}: it is not a directory "
-                                     "(a link or a file). Remove it, or name another kv_connector.shared_dir")
+        raise UnsafeSharedStoreError(f"{head}: it is not a directory (a link or a file). Remove it, or name "
+                                     "another kv_connector.shared_dir")
     problem = _describe_problem(st, modes.gid)
     if problem is not None:
-        raise UnsafeSharedStoreError(f"refusing the shared KV store directory {path!r}: {problem}. Remove it, "
-                                     "or name another kv_connector.shared_dir")
+        raise UnsafeSharedStoreError(f"{head}: {problem}. Remove it, or name another kv_connector.shared_dir")
 
 
 class SharedKVStore:

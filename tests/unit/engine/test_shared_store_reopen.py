@@ -24,6 +24,15 @@ def _block(i):
     return bytes([i]) * 32, memoryview(bytes([i, 255 - i]) * (LAYOUT.block_bytes // 2))
 
 
+def _generate_and_store(llm, prompt, sp) -> None:
+    """Generate, then step until the connector's store of the prompt's blocks has finished."""
+    llm.generate([prompt], sp, use_tqdm=False)
+    for _ in range(10):
+        if not llm.engine.scheduler.has_pending_kv_transfers():
+            break
+        llm.engine.step()
+
+
 def _log_lines(caplog):
     """The store's warnings and errors (its INFO start-up line shows where another test raised the level)."""
     return [r for r in caplog.records if r.name.startswith("affinity_serve.engine.kv_connector")
@@ -81,11 +90,7 @@ def test_engines_share_again_after_the_store_is_deleted_while_serving(checkpoint
     b = LLM(path, cache={"num_blocks": 32, "block_size": 8}, kv_connector=kc)      # recreates the store
     prompt = [random.Random(5).randrange(10, 700) for _ in range(41)]
     with caplog.at_level(logging.WARNING):
-        a.generate([prompt], sp, use_tqdm=False)
-        for _ in range(10):
-            if not a.engine.scheduler.has_pending_kv_transfers():
-                break
-            a.engine.step()
+        _generate_and_store(a, prompt, sp)
         out = b.generate([prompt], sp, use_tqdm=False)[0]
     assert out.num_cached_tokens == 40                 # B loads what A computed after the deletion
     assert a.engine.kv_connector.stats.stores_failed == 0
@@ -102,10 +107,6 @@ def test_a_replica_writes_blocks_again_that_it_had_written_before_the_store_was_
     shutil.rmtree(tmp_path / "kv")
     b = LLM(path, cache={"num_blocks": 32, "block_size": 8}, kv_connector=kc)
     a.engine.reset_prefix_cache()                      # A computes the prompt again...
-    a.generate([prompt], sp, use_tqdm=False)
-    for _ in range(10):
-        if not a.engine.scheduler.has_pending_kv_transfers():
-            break
-        a.engine.step()
+    _generate_and_store(a, prompt, sp)
     out = b.generate([prompt], sp, use_tqdm=False)[0]
     assert out.num_cached_tokens == 40                 # ...and stores it again, where B finds it
