@@ -402,8 +402,9 @@ class SharedKVStore:
                 return
             try:
                 self._write_count(max(0, self._read_count() - 1))
-            except OSError:     # a full filesystem: the next eviction recounts the files
-                pass
+            except OSError:
+                logger.debug("shared KV store: .index not rewritten after removing %s (a full filesystem?); "
+                             "the next eviction recounts the files", name)
 
     # ------------------------------------------------------------------ writes (locked)
     @contextmanager
