@@ -251,6 +251,11 @@ class AppConfig(_Strict):
             raise ValueError("\n  ".join(problems))
         if not d.enabled:
             return self
+        if d.prefill_timeout_s is not None and d.prefill_timeout_s >= self.serve.first_token_timeout_s:
+            raise ValueError(f"disaggregation.prefill_timeout_s ({d.prefill_timeout_s:g}s) must be below "
+                             f"serve.first_token_timeout_s ({self.serve.first_token_timeout_s:g}s): the ingress "
+                             "would give up on the request before its decode replica stops waiting for the "
+                             "prefill pool and recomputes it")
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")

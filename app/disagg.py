@@ -160,22 +160,30 @@ class _PDMetrics(LLMReplica):
         waited. A replica that died without a clean stop (`ray.kill`, a lost node) leaves the pool once a probe
         or a call hits its death, and Serve then holds the call until a replacement has started (a model load):
         the call is cancelled and the request recomputed here instead. A pool that is only busy keeps its
-        replicas listed, so its calls wait as before."""
+        replicas listed, so its calls wait, up to `prefill_timeout_s` (disaggregation.prefill_timeout_s): a
+        replica that hangs without dying, or a backlog that long, raises PrefillTimeout (the call cancelled;
+        the caller recomputes)."""
         response = self.prefill_handle.prefill.remote(call, skip)
 
         async def answer() -> list[PrefillResult]:
             return await response
 
         task = asyncio.ensure_future(answer())
+        deadline = time.monotonic() + self.prefill_timeout_s
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.pool_watch_s)
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(self.pool_watch_s, left)))
                 if done:
                     return task.result()
                 if self._prefill_pool_down():
                     logger.warning("the prefill pool lost its last running replica while a call waited: "
                                    "recomputing %s here", call.req_id)
                     return None
+                if time.monotonic() >= deadline:
+                    self.disagg.prefill_timeouts += 1
+                    raise PrefillTimeout(f"no answer from the prefill pool within disaggregation.prefill_timeout_s "
+                                         f"({self.prefill_timeout_s:g}s) for {call.req_id}")
         finally:
             if not task.done():
                 task.cancel()
@@ -271,6 +279,11 @@ class DisaggCounters:
     local_ineligible: int = 0   # served here: max_tokens 1, or no prefill pool
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
     prefill_pool_empty: int = 0  # of those, the pool had no running replica (not called)
+    prefill_timeouts: int = 0   # of those, no answer within disaggregation.prefill_timeout_s (the call cancelled)
+
+
+class PrefillTimeout(Exception):
+    """The prefill pool did not answer a decode replica's call within disaggregation.prefill_timeout_s."""
 
 
 class DecodeReplica(_PDMetrics):
@@ -286,6 +299,7 @@ class DecodeReplica(_PDMetrics):
         self._pool_was_empty = False
         self._pool_seen_replicas = False       # this process's router over the prefill pool has counted one
         self.pool_watch_s = POOL_WATCH_S
+        self.prefill_timeout_s = disaggregation.prefill_timeout(serve.first_token_timeout_s)
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
@@ -374,6 +388,9 @@ class DecodeReplica(_PDMetrics):
         except APIError as e:
             if e.status_code < 500:      # the request itself is bad: the same answer as unified
                 raise
+        except PrefillTimeout as e:
+            span.set_attribute("pd.prefill_timeout", True)
+            logger.warning("%s: recomputing here", e)
         except Exception as e:       # any failure of the prefill pool costs a recompute, not the request
             logger.warning("prefill pool failed (%s: %s): recomputing here", type(e).__name__, e)
         finally:

@@ -54,6 +54,15 @@ class DisaggregationSection(BaseModel):
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="a prefill replica frees a request's held KV blocks if they were not copied out "
         "by then (the caller left)")
+    prefill_timeout_s: float | None = Field(
+        None, gt=0, description="a decode replica stops waiting for the prefill pool's answer after this many "
+        "seconds and prefills the request itself (a prefill replica that hangs without dying, or a pool too "
+        "backlogged to answer in time); null: half of serve.first_token_timeout_s, so the recompute still has "
+        "time before the ingress gives up. Must be below serve.first_token_timeout_s")
+
+    def prefill_timeout(self, first_token_timeout_s: float) -> float:
+        """The decode replica's deadline on one prefill call (prefill_timeout_s, or its default)."""
+        return self.prefill_timeout_s if self.prefill_timeout_s is not None else first_token_timeout_s / 2
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow         # deploys its own 1P+1D app
 APP = "affinity-disagg"
 BLOCK = 4
 MIN_REMOTE = 12
+PREFILL_TIMEOUT_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def pd_url(ray_serve, checkpoints):
 
     cfg = app_config(checkpoints["llama"])
     cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
+                             "prefill_timeout_s": PREFILL_TIMEOUT_S,
                              "prefill": {"num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
                              "decode": {"num_replicas": 1}}
     serve.run(build_app(cfg), name=APP, route_prefix="/disagg")
@@ -254,4 +256,41 @@ def test_prefill_pool_down_the_decode_replica_recomputes(pd_url, checkpoints, hf
     assert after["prefill_pool_empty"] == before["prefill_pool_empty"] + 2, (before, after)
     assert after["prefill_failed"] == before["prefill_failed"] + 2
     wait_running(APP, "PrefillReplica", 1, timeout_s=90)
+    wait_until(_pools_empty, timeout_s=60, what="both pools to free every block")
+
+
+def test_a_hung_prefill_replica_costs_a_recompute_after_the_prefill_timeout(pd_url, checkpoints, hf_reference):
+    """The prefill replica's process is stopped (SIGSTOP: alive, listed, never answering, as a replica whose
+    host stalls): the decode replica stops waiting at disaggregation.prefill_timeout_s, cancels the call and
+    recomputes; once the process runs again the cancelled prefill frees its blocks."""
+    import os
+    import signal
+
+    import ray
+    path = checkpoints["llama"]
+    with httpx.Client(timeout=120) as c:
+        _complete(c, pd_url, _ids(40, 120), max_tokens=2)        # the decode replica's prefill router exists
+        wait_running(APP, "PrefillReplica", 1, timeout_s=90)
+        wait_until(lambda: _state("LLMReplica")["prefill_pool_size"] == 1, timeout_s=60,
+                   what="the decode replica to see one prefill replica")
+        victim = _state("PrefillReplica")["replica_id"]
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#PrefillReplica#{victim}", namespace="serve")
+        pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+        before = _state("LLMReplica")["disaggregation"]
+        prompt = _ids(48, 121)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            out = _complete(c, pd_url, prompt, max_tokens=6)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
+        after = _state("LLMReplica")["disaggregation"]
+        assert after["prefill_timeouts"] == before["prefill_timeouts"] + 1, (before, after)
+        assert after["prefill_failed"] == before["prefill_failed"] + 1
+        assert after["prefill_pool_empty"] == before["prefill_pool_empty"]     # listed all along: not "down"
+        # the same replica answers again, and nothing stays held on either side
+        prompt = _ids(48, 122)
+        out = _complete(c, pd_url, prompt, max_tokens=6)
+        assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
+        assert _state("LLMReplica")["disaggregation"]["remote"] == after["remote"] + 1
     wait_until(_pools_empty, timeout_s=60, what="both pools to free every block")

@@ -1,7 +1,8 @@
 """A decode replica skips the prefill pool when Serve's router over it knows no running replica (app/disagg.py:
 DecodeReplica.prefill_pool_size / _prefill_pool_down), except for a pool that may scale to zero, and the
 builder tells it which pool it has; a call waiting on a pool that loses its last replica is cancelled
-(DecodeReplica._call_prefill)."""
+(DecodeReplica._call_prefill), and one the pool does not answer within disaggregation.prefill_timeout_s is
+cancelled too (a prefill replica that hangs without dying)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from affinity_serve.app.config import AppConfig
-from affinity_serve.app.disagg import DecodeReplica
+from affinity_serve.app.disagg import DecodeReplica, DisaggCounters, PrefillTimeout
 from affinity_serve.app.routing import debug
 
 
@@ -34,7 +35,7 @@ class Router:
 
 def _decode(handle, min_replicas: int = 1) -> SimpleNamespace:
     d = SimpleNamespace(prefill_handle=handle, prefill_min_replicas=min_replicas, _pool_was_empty=False,
-                        _pool_seen_replicas=False)
+                        _pool_seen_replicas=False, prefill_timeout_s=30.0, disagg=DisaggCounters())
     d.prefill_pool_size = lambda: DecodeReplica.prefill_pool_size(d)
     return d
 
@@ -149,3 +150,39 @@ def test_a_call_waiting_on_a_pool_that_loses_its_last_replica_is_cancelled_and_r
         assert pool.calls[2].cancelled
 
     asyncio.run(run())
+
+
+def test_a_call_the_pool_does_not_answer_in_time_is_cancelled_and_counted():
+    router = Router(1)
+    debug.register(Handle.app_name, Handle.deployment_name, router)
+    pool = _Pool()
+    d = _decode(pool)
+    d.pool_watch_s, d.prefill_timeout_s = 0.01, 0.2
+    d._prefill_pool_down = lambda: DecodeReplica._prefill_pool_down(d)
+
+    async def run():
+        # the replica is listed and alive but never answers (hung): the call ends at the deadline, cancelled
+        hung = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="h"), 0))
+        await asyncio.sleep(0.05)
+        assert not hung.done()
+        with pytest.raises(PrefillTimeout, match="prefill_timeout_s"):
+            await asyncio.wait_for(hung, 2.0)
+        assert pool.calls[0].cancelled and d.disagg.prefill_timeouts == 1
+        # an answer inside the deadline is taken as before, and counts nothing
+        ok = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="o"), 0))
+        await asyncio.sleep(0.05)
+        pool.calls[1].answered.set()
+        assert await ok == ["prefilled"] and not pool.calls[1].cancelled and d.disagg.prefill_timeouts == 1
+
+    asyncio.run(run())
+
+
+def test_the_prefill_timeout_defaults_to_half_the_first_token_timeout_and_must_be_below_it():
+    base = {"engine": {"model": "/m", "cache": {"block_size": 4}}}
+    cfg = AppConfig.model_validate({**base, "serve": {"first_token_timeout_s": 40},
+                                    "disaggregation": {"enabled": True}})
+    assert cfg.disaggregation.prefill_timeout(cfg.serve.first_token_timeout_s) == 20
+    cfg = AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "prefill_timeout_s": 5}})
+    assert cfg.disaggregation.prefill_timeout(cfg.serve.first_token_timeout_s) == 5
+    with pytest.raises(ValueError, match=r"prefill_timeout_s \(60s\) must be below serve.first_token_timeout_s"):
+        AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "prefill_timeout_s": 60}})
