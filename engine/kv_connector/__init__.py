@@ -19,7 +19,8 @@ from affinity_serve.engine.kv_connector.pd import (HeldTransfers, KVTransferErro
                                     PDConnectorScheduler, RemoteDecode, RemotePrefill, default_local_transport)
 from affinity_serve.engine.kv_connector.shared import SharedConnectorScheduler
 from affinity_serve.engine.kv_connector.shared_store import (GroupedSharedStore, SharedKVStore, UnsafeSharedStoreError,
-                                                             check_shared_root, default_shared_root)
+                                                             check_shared_root, default_shared_root,
+                                                             remove_stale_namespaces)
 
 if TYPE_CHECKING:
     from affinity_serve.engine.config import KVConnectorConfig
@@ -120,11 +121,15 @@ def _shared_store(config: "KVConnectorConfig", layout: KVLayout, identity: str,
     root = config.shared_dir or default_shared_root()
     namespaces = shared_namespaces(layout, identity)
     if len(namespaces) == 1:
-        return SharedKVStore(root, namespaces[0], layout.block_bytes, capacity,
-                             group=config.shared_group, fsync=config.shared_fsync)
-    share = max(1, capacity // len(namespaces))
-    return GroupedSharedStore([SharedKVStore(root, ns, layout.block_bytes, share, group=config.shared_group,
-                                             fsync=config.shared_fsync) for ns in namespaces])
+        store: SharedKVStore | GroupedSharedStore = SharedKVStore(
+            root, namespaces[0], layout.block_bytes, capacity, group=config.shared_group, fsync=config.shared_fsync)
+    else:
+        share = max(1, capacity // len(namespaces))
+        store = GroupedSharedStore([SharedKVStore(root, ns, layout.block_bytes, share, group=config.shared_group,
+                                                  fsync=config.shared_fsync) for ns in namespaces])
+    if config.shared_namespace_ttl_s is not None:      # this replica's namespaces are marked in use: opened
+        remove_stale_namespaces(root, namespaces, config.shared_namespace_ttl_s)
+    return store
 
 
 def machine_memory_bytes() -> int | None:

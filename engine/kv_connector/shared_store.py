@@ -34,6 +34,7 @@ import logging
 import os
 import pwd
 import secrets
+import shutil
 import stat
 import struct
 import tempfile
@@ -56,6 +57,9 @@ HEADER_BYTES = _PREFIX.size + _DIGEST_BYTES          # 96
 _COUNT = struct.Struct("<Q")
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 _STALE_TMP_S = 600.0                                   # a temporary this old belongs to a dead writer
+_ALIVE = ".alive"                                      # its mtime: the last time a replica used the namespace
+ALIVE_REFRESH_S = 600.0                                # a replica marks its namespace in use at most this often
+_REMOVING = ".removing-"                               # a namespace being removed (renamed first)
 _MAX_LOGGED = 10_000                                   # file names whose rejection was logged (bounded)
 
 
@@ -199,6 +203,68 @@ def _check_existing_dir(path: str, what: str, group: str | int | None) -> None:
         raise UnsafeSharedStoreError(f"{head}: {problem}. Remove it, or name another kv_connector.shared_dir")
 
 
+def _is_namespace(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _last_use(name: str, root_fd: int, st: os.stat_result) -> float:
+    """When namespace directory `name` was last used: the latest of its own mtime (a block stored or
+    evicted), `.alive` (a replica reading or writing it, refreshed every ALIVE_REFRESH_S) and `.index`."""
+    last = st.st_mtime
+    for f in (_ALIVE, ".index"):
+        try:
+            last = max(last, os.stat(f"{name}/{f}", dir_fd=root_fd, follow_symlinks=False).st_mtime)
+        except OSError:
+            pass
+    return last
+
+
+def remove_stale_namespaces(root: str, keep: Sequence[str], ttl_s: float) -> list[str]:
+    """Remove the namespace directories under `root` that nothing has used for `ttl_s` seconds (a model no
+    replica serves any more: a redeploy with other weights, dtype or block size leaves its namespace
+    behind), except those in `keep`; returns the names removed. Only this user's directories are touched,
+    never a link; each is renamed out of the way first, so a replica that still holds it open sees it
+    removed and reopens a fresh one (`SharedKVStore.check_dir`). Leftovers of an interrupted removal go too."""
+    removed: list[str] = []
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
+    except OSError:
+        return removed
+    try:
+        now, uid = time.time(), os.getuid()
+        with os.scandir(root_fd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            leftover = name.startswith(_REMOVING)
+            if not leftover and (not _is_namespace(name) or name in keep):
+                continue
+            try:
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            age = now - _last_use(name, root_fd, st)
+            if not leftover and age < ttl_s:
+                continue
+            target = name
+            try:
+                if not leftover:
+                    target = f"{_REMOVING}{name}-{secrets.token_hex(4)}"
+                    os.rename(name, target, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+                shutil.rmtree(target, dir_fd=root_fd)
+            except OSError as e:       # a replica wrote into it meanwhile, or it went: the next sweep retries
+                logger.debug("shared KV store: could not remove %s/%s (%s)", root, target, e)
+                continue
+            if not leftover:
+                removed.append(name)
+                logger.info("shared KV store: removed namespace %s/%s, unused for %.1f days "
+                            "(kv_connector.shared_namespace_ttl_s)", root, name, age / 86400)
+    finally:
+        os.close(root_fd)
+    return removed
+
+
 class SharedKVStore:
     def __init__(self, root: str, namespace: str, block_bytes: int, capacity_blocks: int, *,
                  group: str | int | None = None, fsync: bool = False):
@@ -225,8 +291,29 @@ class SharedKVStore:
         #: how many times the namespace directory was opened again (removed or replaced while serving)
         self.generation = 0
         self._dir_fd, self._lock_fd = self._open()
+        self._alive_due = 0.0
+        self._mark_alive()
         logger.info("shared KV store: namespace directory %s (capacity %d blocks of %d bytes)", self.dir,
                     capacity_blocks, self.file_bytes)
+
+    def _mark_alive(self) -> None:
+        """Refresh `.alive`'s mtime (at most every ALIVE_REFRESH_S): the namespace is in use, so a sweep of
+        stale namespaces (`remove_stale_namespaces`, on another deployment's start-up) leaves it."""
+        now = time.monotonic()
+        if now < self._alive_due:
+            return
+        self._alive_due = now + ALIVE_REFRESH_S
+        try:
+            fd = self._open_own(_ALIVE, os.O_CREAT | os.O_WRONLY)
+        except (OSError, UnsafeSharedStoreError) as e:
+            logger.debug("shared KV store: cannot mark %s in use (%s)", self.dir, e)
+            return
+        try:
+            os.utime(fd)
+        except OSError as e:
+            logger.debug("shared KV store: cannot mark %s in use (%s)", self.dir, e)
+        finally:
+            os.close(fd)
 
     def _open(self) -> tuple[int, int]:
         """Create (if missing), check and open the root and namespace directories and the lock file, as
@@ -277,6 +364,8 @@ class SharedKVStore:
         self.close()
         self._dir_fd, self._lock_fd = fds
         self.generation += 1
+        self._alive_due = 0.0
+        self._mark_alive()
         logger.warning("shared KV store: directory %s was %s while serving; reopened it (%s), blocks stored "
                        "before are gone and are recomputed", self.dir, what,
                        "recreated" if what == "removed" else "the new one")
@@ -334,6 +423,7 @@ class SharedKVStore:
         """Fill `buf` (block_bytes) with the verified block. A file that fails verification is removed
         (the next store of the block writes it anew), counted in `damaged` by kind and logged once."""
         name = block_hash.hex()
+        self._mark_alive()
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS, dir_fd=self._dir_fd)
         except FileNotFoundError:
@@ -486,6 +576,7 @@ class SharedKVStore:
         evicted: list[BlockHash] = []
         error: OSError | None = None
         self._check_dir()
+        self._mark_alive()
         with self._locked():
             count = self._read_count()
             try:

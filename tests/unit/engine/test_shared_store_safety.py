@@ -110,7 +110,7 @@ def test_round_trip_modes_and_header(tmp_path):
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(ns_dir).st_mode) == 0o700
     files = sorted(os.listdir(ns_dir))
-    assert files == sorted([".index", ".lock", h.hex()])          # no temporary left behind
+    assert files == sorted([".alive", ".index", ".lock", h.hex()])          # no temporary left behind
     for name in files:
         assert stat.S_IMODE(os.stat(ns_dir / name).st_mode) == 0o600, name
     assert os.path.getsize(ns_dir / h.hex()) == HEADER_BYTES + LAYOUT.block_bytes
