@@ -105,28 +105,27 @@ def demo_model_cmd(args) -> int:
 
 
 def config_cmd(args) -> int:
-    """Checks the configuration only: the model path may exist only where the replicas run."""
+    """Checks the configuration and, where the model is a checkpoint directory on this machine, the checkpoint
+    as `serve` does (weights, tokenizer, context length, engine support); the device, dtype and KV tier are
+    left to where the replicas run (this may not be that machine). A hub id or a path that exists only on the
+    replicas' nodes is said to be unchecked."""
     import yaml
     from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
-    _check_local_model(cfg)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return 0
-
-
-def _check_local_model(cfg: "AppConfig") -> None:
-    """`config`: where the model is a checkpoint directory here, what the engine cannot run with it (the
-    combinations check_model refuses); a hub id or a path that exists only on the replicas' nodes is skipped."""
     model = cfg.engine.model
-    if not model or not os.path.isfile(os.path.join(model, "config.json")):
-        return
-    from affinity_serve.engine import check_engine_support
-    from affinity_serve.app.config import ConfigError
-    try:
-        check_engine_support(model, cfg.engine.kv_connector.type)
-    except ValueError as e:
-        raise ConfigError(None, [str(e)]) from None
+    if model and os.path.isfile(os.path.join(model, "config.json")):
+        check_model(cfg, replicas_here=False)
+        note = (f"checked the checkpoint at {model} (weights, tokenizer, context length, engine support); the "
+                "device, dtype and KV tier are checked where the replicas start")
+    elif model:
+        note = (f"engine.model {model!r} is not a checkpoint directory on this machine (a hub id, or a path on "
+                "the replicas' nodes): its checks run where the replicas start")
+    else:
+        note = "no engine.model: `serve` uses the embedded demo model"
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    print(f"[affinity-serve] {note}", file=sys.stderr)
+    return 0
 
 
 def deploy_cmd(args) -> int:

@@ -144,3 +144,19 @@ def test_pd_with_a_sliding_window_model_is_refused_before_ray(tmp_path, capsys, 
             _serve(tmp_path, capsys, {"model": d, "kv_connector": {"type": "offload"}})
     else:
         assert _serve(tmp_path, capsys, {"model": d, "kv_connector": {"type": "shared"}}, cmd=cmd)[0] == 0
+
+
+def test_config_checks_a_local_checkpoint_as_serve_does_and_says_what_it_left(checkpoints, tmp_path, capsys):
+    """`config` runs serve's checkpoint checks on a checkpoint directory here (it used to check only the engine
+    support), says what it checked, and says so when the model is not here to check."""
+    d = _copy(checkpoints, tmp_path)
+    rc, err = _serve(tmp_path, capsys, {"model": d}, cmd="config")
+    assert rc == 0 and "checked the checkpoint at" in err and "device, dtype and KV tier" in err
+    (tmp_path / "m" / "tokenizer.json").write_text("{not json")
+    rc, err = _serve(tmp_path, capsys, {"model": d}, cmd="config")
+    assert rc == 2 and err.startswith("affinity-serve: error: engine.model:") and "tokenizer" in err
+    (tmp_path / "m" / "model.safetensors").unlink()
+    rc, err = _serve(tmp_path, capsys, {"model": d}, cmd="config")
+    assert rc == 2 and "no model.safetensors or model.safetensors.index.json" in err
+    rc, err = _serve(tmp_path, capsys, {"model": "Qwen/Qwen3-0.6B"}, cmd="config")
+    assert rc == 0 and "is not a checkpoint directory on this machine" in err
