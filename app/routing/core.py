@@ -121,7 +121,8 @@ class PrefixAffinityRouterCore:
                        predicted_cached_tokens=cached, num_prompt_tokens=request.num_prompt_tokens,
                        block_hashes=request.block_hashes, now=now,
                        tier_tokens=result.scores.tier_cached(result.chosen_index),
-                       kv_blocks=-(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size))
+                       kv_blocks=-(-(request.num_prompt_tokens + result.expected_output_tokens) // self.block_size),
+                       out_tokens=result.expected_output_tokens)
         self.index.insert_speculative(chosen, request.block_hashes, now, start=matched.get(chosen, 0))
         if self.shadow is not None:
             self.shadow.on_route(chosen, request.block_hashes,
@@ -134,7 +135,13 @@ class PrefixAffinityRouterCore:
     def predict_wait(self, request: RouteRequest, candidate_ids: list[str]) -> float | None:
         """The lowest TTFT the model predicts for `request` over the candidates, recording nothing (the
         ingress's admission control: a request no replica can start within its bound is turned away before
-        it queues). None without candidates."""
+        it queues). None without candidates.
+
+        Beyond the routing TTFT (queued prefill, running load, KV pressure), each candidate's wait for KV
+        room (TTFTModel.kv_wait_many): a backlog bound by the pool (long outputs: requests wait for running
+        sequences to finish and free blocks) is a wait the prefill queue does not show. Routing does not
+        add it: it is 0 wherever the demand fits the pool, and where it does not, the KV-pressure penalty
+        already steers new work off a full pool; admission needs the size of the wait, routing an order."""
         ids = [rid for rid in candidate_ids if rid in self._nodes]
         if not ids:
             return None
@@ -148,8 +155,9 @@ class PrefixAffinityRouterCore:
         loaded = [c - p for c, p in zip(cached, pool)]
         out_tokens = int(self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens))
         own_blocks = [-(-(prompt - c + out_tokens) // bs) for c in cached]
-        return min(self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None,
-                                           own_blocks))
+        ttfts = self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None, own_blocks)
+        kv_waits = self.model.kv_wait_many(cands, own_blocks, out_tokens, bs)
+        return min(t + w for t, w in zip(ttfts, kv_waits))
 
     def _evict_cost(self, load: ReplicaLoad, new_blocks: int) -> float:
         return self.shadow.cost_s(load.replica_id, new_blocks, self.model.prefill_tokens_per_s)
@@ -235,7 +243,10 @@ class PrefixAffinityRouterCore:
         c.num_accuracy_samples += 1
 
     def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
-        f = self.loads.finish(req_id, self.clock())
+        now = self.clock()
+        f = self.loads.finish(req_id, now)
+        if f is not None and f.started:
+            self.model.observe_lifetime(f.out_tokens, now - f.started_at)
         if f is not None and self.shadow is not None:
             self.shadow.on_finished(f.replica_id, f.block_hashes)
         if f is not None and num_output_tokens is not None:

@@ -11,7 +11,9 @@ update is O(1).
 
 `TTFTModel` predicts TTFT = work / prefill_rate + tier tokens / load_rate + running x step_cost + KV-pressure
 penalty, and fits the first three online from observed TTFTs (ridge regression towards the configured
-priors, exponentially forgetting old samples), so the rates are measured, not assumed.
+priors, exponentially forgetting old samples), so the rates are measured, not assumed. For admission control
+it also predicts the wait for KV room (`kv_wait_many`): a backlog bound by the pool, not by prefill, from the
+block demand ahead and the sequence lifetimes it observes (first token to finish).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class InFlight:
     tier_tokens: int = 0       # of predicted_cached_tokens, those to load from a KV tier
     started_at: float = 0.0
     kv_blocks: int = 0         # KV blocks it will hold there (prompt + expected output)
+    out_tokens: int = 0        # output tokens it is expected to generate (for the KV-wait model)
 
 
 @dataclass(slots=True)
@@ -59,6 +62,7 @@ class ReplicaLoad:
     decode_load: int = 0
     kv_usage: float = 0.0
     in_flight: dict[str, InFlight] = field(default_factory=dict)     # this router's, in routing order
+    in_flight_out_tokens: int = 0     # expected output tokens of `in_flight`, summed
     #: (finished_at, routed_at, started_at or None, uncached tokens) of requests finished since the
     #: snapshot was taken: a later snapshot taken before they finished still counts them
     finished: deque = field(default_factory=deque)
@@ -78,6 +82,9 @@ class ReplicaLoad:
 
 
 _MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot taken before them
+#: seconds per output token a sequence holds its KV blocks (decode time per token at load) until finished
+#: requests were observed: a typical GPU decode step of a mid-size model in a busy batch
+SEQ_TOKEN_S_PRIOR = 0.02
 
 
 class LoadTracker:
@@ -152,7 +159,7 @@ class LoadTracker:
     # ------------------------------------------------------------ request lifecycle
     def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
             num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0,
-            kv_blocks: int = 0) -> None:
+            kv_blocks: int = 0, out_tokens: int = 0) -> None:
         if req_id in self._in_flight:
             self._cancel(req_id)
         load = self._loads.get(replica_id)
@@ -160,8 +167,10 @@ class LoadTracker:
             return
         f = self._in_flight[req_id] = InFlight(
             replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
-            load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens, kv_blocks=kv_blocks)
+            load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens, kv_blocks=kv_blocks,
+            out_tokens=out_tokens)
         load.in_flight[req_id] = f
+        load.in_flight_out_tokens += out_tokens
         if now >= load.taken_at:
             load.pending_tokens += uncached_tokens
             load.num_pending += 1
@@ -178,7 +187,7 @@ class LoadTracker:
         self._cancel(req_id)
         self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
                  num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now,
-                 tier_tokens=tier_tokens, kv_blocks=f.kv_blocks)
+                 tier_tokens=tier_tokens, kv_blocks=f.kv_blocks, out_tokens=f.out_tokens)
         return self._in_flight.get(req_id)
 
     def start(self, req_id: str, now: float) -> InFlight | None:
@@ -210,7 +219,8 @@ class LoadTracker:
         load = self._loads.get(f.replica_id)
         if load is None:
             return
-        load.in_flight.pop(req_id, None)
+        if load.in_flight.pop(req_id, None) is not None:
+            load.in_flight_out_tokens -= f.out_tokens
         if f.routed_at >= load.taken_at:
             self._unpend(load, f)
             load.refresh()
@@ -221,7 +231,8 @@ class LoadTracker:
             return None
         load = self._loads.get(f.replica_id)
         if load is not None:
-            load.in_flight.pop(req_id, None)
+            if load.in_flight.pop(req_id, None) is not None:
+                load.in_flight_out_tokens -= f.out_tokens
             if f.routed_at >= load.taken_at:
                 self._unpend(load, f)
             elif not f.started:
@@ -272,6 +283,12 @@ class TTFTModel:
         self.decode_step_s = self.step0
         self.tier_load_tokens_per_s = self.load_rate0
         self.num_samples = 0
+        #: seconds a sequence stays in its replica's pool per expected output token (first token to finish,
+        #: over the tokens the router expected it to generate): the KV-wait model's pool turnover
+        self.seq_token_s = SEQ_TOKEN_S_PRIOR
+        self.num_lifetimes = 0
+        self._life_w = 0.0
+        self._life_sum = 0.0
         self._w = 0.0
         self._s = [[0.0] * 3 for _ in range(3)]     # decayed sums of z_i * z_j
         self._sy = [0.0] * 3                          # decayed sums of z_i * y
@@ -301,6 +318,50 @@ class TTFTModel:
             load_rate = self.tier_load_tokens_per_s
             out = [t + n / load_rate for t, n in zip(out, tier_tokens)]
         return out
+
+    def kv_wait_many(self, loads: list[ReplicaLoad], own_blocks: list[int], own_out_tokens: int,
+                     block_size: int) -> list[float]:
+        """Predicted wait for KV room per replica: how long until enough of `loads[i]`'s pool frees for the
+        requests queued ahead and this one (`own_blocks[i]` new blocks, `own_out_tokens` expected output).
+
+        Demand ahead, in blocks: the snapshot's held blocks, its queue's uncached prompt tokens plus an
+        expected output for each waiting request, and the blocks (prompt + expected output) of this router's
+        requests sent since the snapshot, less those of its requests that held blocks then and finished
+        since. The excess over the pool has to free first; a full pool frees about its size once per sequence
+        lifetime, so the wait is excess / pool x lifetime, where the lifetime is the mean expected output of
+        this router's in-flight requests there (this request's without any) x `seq_token_s`. 0 while the
+        demand fits, or without a reported pool size. O(1) per replica."""
+        rate = self.seq_token_s
+        out: list[float] = []
+        for c, own in zip(loads, own_blocks):
+            s = c.stats
+            pool = s.num_blocks
+            if not pool:
+                out.append(0.0)
+                continue
+            n = len(c.in_flight)
+            per_req = c.in_flight_out_tokens / n if n else float(own_out_tokens)
+            queued = max(0, s.num_queued_prefill_tokens - c.retired_tokens)
+            demand = (s.kv_cache_usage * pool + (queued + s.num_waiting * per_req) / block_size
+                      + c.pending_blocks - c.retired_blocks + own)
+            excess = demand - pool
+            out.append(excess / pool * per_req * rate if excess > 0 else 0.0)
+        return out
+
+    def observe_lifetime(self, out_tokens: int, seconds: float) -> None:
+        """A finished request's time from first token to finish and the output it was expected to produce
+        (seconds per expected token: a request that stops early counts as a faster one, consistently with
+        the expected outputs the wait is computed from). A weighted mean, forgetting as the TTFT fit does,
+        pulled towards the prior by `calibration_prior_weight` samples; clamped to [1/20, 20] x the prior."""
+        if not self.calibrate or out_tokens <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        self._life_w = self._life_w * d + 1.0
+        self._life_sum = self._life_sum * d + seconds / out_tokens
+        self.num_lifetimes += 1
+        w0 = self.prior_weight
+        est = (SEQ_TOKEN_S_PRIOR * w0 + self._life_sum) / (w0 + self._life_w)
+        self.seq_token_s = min(20.0 * SEQ_TOKEN_S_PRIOR, max(SEQ_TOKEN_S_PRIOR / 20.0, est))
 
     def observe(self, work_tokens: int, running: int, ttft_s: float, tier_tokens: int = 0) -> None:
         """One request's TTFT with the prefill work (queued ahead + its own uncached), running load and

@@ -1,0 +1,173 @@
+"""Admission control sees a backlog bound by KV room (issue 25, under overload): requests that wait for running
+sequences to finish and free blocks, which the prefill queue does not show. The routing core's predict_wait
+adds each replica's wait for KV room (TTFTModel.kv_wait_many) to its TTFT; routing itself is unchanged."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+
+from affinity_serve.app.errors import APIError
+from affinity_serve.app.prompts import RequestKind
+from affinity_serve.app.protocol import CompletionRequest, ReplicaChunk
+from affinity_serve.app.routing import (AffinityConfig, PrefixAffinityRouterCore, ReplicaInfo, ReplicaLoadView,
+                                        RouteRequest)
+from affinity_serve.app.routing import debug
+from affinity_serve.app.routing.load import SEQ_TOKEN_S_PRIOR
+from affinity_serve.app.serving import OpenAIServing
+from affinity_serve.engine import EngineLimits
+from affinity_serve.observability.metrics import ServingMetrics
+from affinity_serve.observability.requests import RequestObserver
+from tests.unit.app.conftest import LocalHandle
+from tests.unit.routing.helpers import Clock
+
+BS = 8
+POOL = 40                     # the measured case: a 40-block pool of 8-token blocks
+PROMPT, OUT = 120, 150        # one such request needs 34 of its blocks
+
+
+def _core(calibrate=False, **cfg):
+    clock = Clock()
+    core = PrefixAffinityRouterCore(AffinityConfig(calibrate=calibrate, **cfg), BS, clock=clock,
+                                    rng=random.Random(0))
+    core.set_replicas([ReplicaInfo("a")])
+    return core, clock
+
+
+def _req(i: int) -> RouteRequest:
+    return RouteRequest(f"q{i}", [], PROMPT, OUT)
+
+
+def _kv_bound_backlog() -> ReplicaLoadView:
+    """One long sequence fills the pool, ten more wait for its blocks."""
+    return ReplicaLoadView(num_running=1, num_waiting=10, kv_cache_usage=0.95,
+                           num_queued_prefill_tokens=10 * PROMPT, num_blocks=POOL)
+
+
+def test_a_pool_full_of_long_sequences_with_a_queue_waiting_for_kv_predicts_a_long_wait():
+    core, _ = _core()
+    core.on_stats("a", _kv_bound_backlog())
+    wait = core.predict_wait(_req(0), ["a"])
+    # the demand ahead: 38 blocks held, the queue's 10 prompts and outputs (10 x 270 tokens), this request's
+    # 34 blocks: 409.5 blocks for 40, so 9.24 pools' worth has to free first, each about one lifetime of a
+    # 150-token sequence at the prior's seconds per token
+    kv_wait = (0.95 * POOL + 10 * (PROMPT + OUT) / BS + 34 - POOL) / POOL * OUT * SEQ_TOKEN_S_PRIOR
+    assert wait == pytest.approx(kv_wait, rel=0.2)
+    assert wait > 10.0                               # far past a 10 s bound: the 429 path
+    assert core.loads.num_in_flight == 0 and core.counters().num_decisions == 0     # recorded nothing
+
+
+def test_the_same_queue_in_a_pool_it_fits_adds_no_wait():
+    core, _ = _core()
+    core.on_stats("a", ReplicaLoadView(num_running=1, num_waiting=10, kv_cache_usage=0.02,
+                                       num_queued_prefill_tokens=10 * PROMPT, num_blocks=4096))
+    ttft = core.model.predict_many([core.loads.get("a")], [PROMPT], None, [34])[0]
+    assert core.predict_wait(_req(0), ["a"]) == pytest.approx(ttft)      # the routing TTFT, nothing added
+    assert ttft < 1.0
+
+
+def test_a_burst_sent_between_snapshots_raises_the_wait_with_each_routed_request():
+    """The measured case: many requests at once against an idle pool that fits one. Each routed request
+    counts its blocks (prompt + expected output) until a snapshot or its finish says otherwise."""
+    core, _ = _core()
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))
+    waits = []
+    for i in range(6):
+        waits.append(core.predict_wait(_req(i), ["a"]))
+        core.route(_req(i), ["a"])
+    assert waits[0] < 1.0                            # an idle pool: no wait for room
+    steps = [b - a for a, b in zip(waits, waits[1:])]
+    assert all(s == pytest.approx(34 / POOL * OUT * SEQ_TOKEN_S_PRIOR, rel=0.1) for s in steps[1:]), waits
+    assert waits[-1] > 10.0
+    for i in range(6):                               # all finished: the wait is gone again
+        core.on_first_token(f"q{i}", 0)
+        core.on_finished(f"q{i}")
+    assert core.predict_wait(_req(9), ["a"]) < 1.0
+    assert core.loads.get("a").in_flight_out_tokens == 0
+
+
+def test_the_wait_scales_with_the_observed_sequence_lifetime():
+    core, clock = _core(calibrate=True)
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))
+    for i in range(20):                              # one at a time, each 150 tokens in 6 s: 0.04 s a token
+        core.route(_req(i), ["a"])
+        core.on_first_token(f"q{i}", 0)
+        clock.t += 6.0
+        core.on_finished(f"q{i}")
+    assert core.model.num_lifetimes == 20
+    assert core.model.seq_token_s == pytest.approx(0.04, rel=0.1)
+    core.on_stats("a", _kv_bound_backlog())
+    slow = core.model.kv_wait_many([core.loads.get("a")], [34], OUT, BS)[0]
+    fast_core, _ = _core()
+    fast_core.on_stats("a", _kv_bound_backlog())
+    prior = fast_core.model.kv_wait_many([fast_core.loads.get("a")], [34], OUT, BS)[0]
+    assert slow == pytest.approx(prior * core.model.seq_token_s / SEQ_TOKEN_S_PRIOR)
+    assert slow > 1.8 * prior
+
+
+def test_a_request_never_started_teaches_no_lifetime():
+    core, clock = _core(calibrate=True)
+    core.route(_req(0), ["a"])
+    clock.t += 60.0
+    core.on_finished("q0")                           # a timeout or an abort before its first token
+    assert core.model.num_lifetimes == 0 and core.model.seq_token_s == SEQ_TOKEN_S_PRIOR
+
+
+# ---------------------------------------------------------------- the ingress's 429 path, on the real core
+LIMITS = EngineLimits(max_model_len=512, vocab_size=1000, max_kv_tokens=POOL * BS, block_size=BS)
+
+
+class _Replica:
+    def __init__(self):
+        self.calls = 0
+
+    async def limits(self):
+        return LIMITS
+
+    async def generate(self, req):
+        self.calls += 1
+        yield ReplicaChunk("", 0, "", [7], "length", num_prompt_tokens=len(req.prompt_token_ids), replica_id="a")
+
+
+class _CoreRouter:
+    """The shell's surface the ingress uses, over a real core (as serve_router.predicted_wait_s builds it)."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens):
+        return self.core.predict_wait(RouteRequest(request_id, list(block_hashes or []), len(prompt_token_ids),
+                                                   max_tokens), ["a"])
+
+    async def run_on_loop(self, fn, *args):
+        return fn(*args)
+
+    def num_replicas(self):
+        return 1
+
+    def call_soon(self, fn, *args):
+        pass
+
+
+async def test_the_ingress_turns_a_kv_bound_backlog_away_with_429_queue_full():
+    core, _ = _core()
+    core.on_stats("a", _kv_bound_backlog())
+    metrics = ServingMetrics(MeterProvider().get_meter("t"))
+    replica = _Replica()
+    handle = LocalHandle(replica)
+    handle.__dict__.update(app_name="kv-wait-admission", deployment_name="LLMReplica")
+    router = _CoreRouter(core)                       # registered by weak reference: held here
+    debug.register(handle.app_name, handle.deployment_name, router)
+    serving = OpenAIServing(handle, model_name="m", tokenizer=None, first_output_timeout_s=5,
+                            observer=RequestObserver(TracerProvider().get_tracer("t"), metrics), metrics=metrics,
+                            max_queue_wait_s=10.0)
+    req = CompletionRequest(prompt=list(range(PROMPT)), max_tokens=OUT)
+    with pytest.raises(APIError) as e:
+        await serving.complete(RequestKind.COMPLETION, req, "cmpl-kv", {})
+    assert e.value.status_code == 429 and e.value.code == "queue_full"
+    assert e.value.retry_after_s >= 10 and replica.calls == 0
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))     # the backlog drained: admitted
+    out = await serving.complete(RequestKind.COMPLETION, req, "cmpl-kv2", {})
+    assert out["choices"] and replica.calls == 1
