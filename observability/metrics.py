@@ -1,10 +1,11 @@
-"""The metric instruments: `ServingMetrics` (recorded at the ingress, per request) and `ReplicaMetrics`
+"""The metric instruments: `ServingMetrics` (recorded at the ingress, per request), `ReplicaMetrics`
 (exported by each model replica: its load read at every collection, so on the exporter's timer, and its
-sequences' phase times). Names, units and descriptions come from observability/names.py."""
+sequences' phase times) and `RouterMetrics` (the routers of one process: their KV event feed and prefix
+index, read at every collection). Names, units and descriptions come from observability/names.py."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -155,10 +156,10 @@ class ReplicaMetrics:
                        (names.M_PREFIX_QUERIES, "prefix_cache_queries_total"),
                        (names.M_PREFIX_HITS, "prefix_cache_hits_total"),
                        (names.M_PREEMPTIONS, "num_preemptions_total")]
-        for name, field in load_fields:
+        for name, load_field in load_fields:
             spec = METRICS[name]
             make = meter.create_observable_gauge if spec.kind is Kind.GAUGE else meter.create_observable_counter
-            make(name, callbacks=[self._load_callback(field)], description=spec.description)
+            make(name, callbacks=[self._load_callback(load_field)], description=spec.description)
         for name, series in _KV_TIER_COUNTERS:
             meter.create_observable_counter(name, callbacks=[self._kv_tier_callback(series)],
                                             description=METRICS[name].description)
@@ -218,4 +219,114 @@ class ReplicaMetrics:
             for key, extra in series:
                 if key in counters:
                     yield Observation(int(counters[key]), {**self.attrs, "tier": self._kv_tier, **extra})
+        return observe
+
+
+@dataclass(frozen=True, slots=True)
+class FeedReplicaSample:
+    """The KV event feed's health for one replica, as one router saw it."""
+
+    consecutive_timeouts: int
+    lag_s: float            # since the replica last answered a pull (since the feed first asked, if never)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSample:
+    """One prefix index of a router (pool or tier) at one read."""
+
+    num_entries: int
+    capacity: int
+    num_evictions_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSample:
+    """One router's numbers at one read (plain values: the router builds it on its own loop,
+    app/routing/serve_router.py). Counters are cumulative since the router was built. `index`: by index name
+    (pool, tier), empty for a policy without one; `feed`: by replica id, empty without a KV event feed."""
+
+    deployment: str
+    num_pulls_ok: int = 0
+    num_pulls_timed_out: int = 0
+    num_pulls_error: int = 0
+    num_events: int = 0
+    num_snapshots: int = 0
+    num_resyncs: int = 0
+    num_core_errors: int = 0
+    num_shell_errors: int = 0
+    num_rerouted: int = 0
+    index: Mapping[str, IndexSample] = field(default_factory=dict)
+    feed: Mapping[str, FeedReplicaSample] = field(default_factory=dict)
+
+
+# router counters: (metric name, [(RouterSample field, extra attributes)]), summed over a process's routers
+_ROUTER_COUNTERS: list[tuple[str, list[tuple[str, dict[str, str]]]]] = [
+    (names.M_ROUTING_FEED_PULLS, [("num_pulls_ok", {"outcome": "ok"}),
+                                  ("num_pulls_timed_out", {"outcome": "timed_out"}),
+                                  ("num_pulls_error", {"outcome": "error"})]),
+    (names.M_ROUTING_FEED_EVENTS, [("num_events", {})]),
+    (names.M_ROUTING_FEED_SNAPSHOTS, [("num_snapshots", {})]),
+    (names.M_ROUTING_INDEX_RESYNCS, [("num_resyncs", {})]),
+    (names.M_ROUTING_ERRORS, [("num_core_errors", {"where": "core"}), ("num_shell_errors", {"where": "shell"})]),
+    (names.M_ROUTING_REROUTED, [("num_rerouted", {})]),
+]
+
+
+class RouterMetrics:
+    """The routers of one process, read whenever the meter is collected: `read()` gives (router label,
+    RouterSample) for each live router (the label tells the app's routers apart: the Serve replica hosting
+    it). Counters are labelled by `deployment` only and summed over the process's routers of it (the app's
+    hub then sums them over processes: a router's counts stay in the totals after its process is gone);
+    gauges are each router's own, labelled `router` and `deployment`, per `replica` for the feed."""
+
+    def __init__(self, meter: metrics.Meter, read: Callable[[], Iterable[tuple[str, RouterSample]]]):
+        self._read = read
+        for name, series in _ROUTER_COUNTERS:
+            meter.create_observable_counter(name, callbacks=[self._counter_callback(series)],
+                                            description=METRICS[name].description)
+        meter.create_observable_counter(names.M_ROUTING_INDEX_EVICTIONS, callbacks=[self._evictions_callback],
+                                        description=METRICS[names.M_ROUTING_INDEX_EVICTIONS].description)
+        gauges = [(names.M_ROUTING_INDEX_ENTRIES, self._index_callback("num_entries")),
+                  (names.M_ROUTING_INDEX_CAPACITY, self._index_callback("capacity")),
+                  (names.M_ROUTING_FEED_TIMEOUT_STREAK, self._feed_callback("consecutive_timeouts")),
+                  (names.M_ROUTING_FEED_LAG, self._feed_callback("lag_s"))]
+        for name, callback in gauges:
+            spec = METRICS[name]
+            meter.create_observable_gauge(name, callbacks=[callback], unit=spec.unit, description=spec.description)
+
+    def _samples(self) -> list[tuple[str, RouterSample]]:
+        return list(self._read())
+
+    def _summed(self, values: Iterable[tuple[dict[str, str], float]]) -> Iterable[Observation]:
+        totals: dict[tuple[tuple[str, str], ...], float] = {}
+        for attrs, v in values:
+            key = tuple(sorted(attrs.items()))
+            totals[key] = totals.get(key, 0) + v
+        return [Observation(v, dict(key)) for key, v in totals.items()]
+
+    def _counter_callback(self, series: list[tuple[str, dict[str, str]]]
+                          ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return self._summed(({"deployment": s.deployment, **extra}, getattr(s, key))
+                                for _, s in self._samples() for key, extra in series)
+        return observe
+
+    def _evictions_callback(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._summed(({"deployment": s.deployment, "index": name}, ix.num_evictions_total)
+                            for _, s in self._samples() for name, ix in s.index.items())
+
+    def _index_callback(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for router, s in self._samples():
+                for name, ix in s.index.items():
+                    yield Observation(getattr(ix, field_name),
+                                      {"router": router, "deployment": s.deployment, "index": name})
+        return observe
+
+    def _feed_callback(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for router, s in self._samples():
+                for replica, f in s.feed.items():
+                    yield Observation(getattr(f, field_name),
+                                      {"router": router, "deployment": s.deployment, "replica": replica})
         return observe

@@ -28,6 +28,22 @@ M_ROUTING_DECISION_TIME = "affinity_routing_decision_time"
 M_ROUTING_PREDICTED_CACHED = "affinity_routing_predicted_cached_tokens"
 M_ROUTING_ACTUAL_CACHED = "affinity_routing_actual_cached_tokens"
 
+# ------------------------------------------------------------------ kept by each router (app/routing), read on the
+# push timer: one router per (process, routed deployment). Counters are summed over the app's routers (label
+# `deployment`); gauges are each router's own (label `router`: the Serve replica hosting it), per model
+# replica (`replica`) for the KV event feed's health.
+M_ROUTING_FEED_PULLS = "affinity_routing_kv_feed_pulls"
+M_ROUTING_FEED_EVENTS = "affinity_routing_kv_feed_events"
+M_ROUTING_FEED_SNAPSHOTS = "affinity_routing_kv_feed_snapshots"
+M_ROUTING_FEED_TIMEOUT_STREAK = "affinity_routing_kv_feed_consecutive_timeouts"
+M_ROUTING_FEED_LAG = "affinity_routing_kv_feed_lag"
+M_ROUTING_INDEX_ENTRIES = "affinity_routing_index_entries"
+M_ROUTING_INDEX_CAPACITY = "affinity_routing_index_capacity"
+M_ROUTING_INDEX_EVICTIONS = "affinity_routing_index_evictions"
+M_ROUTING_INDEX_RESYNCS = "affinity_routing_index_resyncs"
+M_ROUTING_ERRORS = "affinity_routing_errors"
+M_ROUTING_REROUTED = "affinity_routing_rerouted"
+
 # ------------------------------------------------------------------ exported by each model replica (on a timer)
 M_RUNNING = "affinity_replica_running_requests"
 M_WAITING = "affinity_replica_waiting_requests"
@@ -131,6 +147,25 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
        "on (decisions whose engine reported its cached tokens)"),
     _c(M_ROUTING_ACTUAL_CACHED, "cached prompt tokens the engine found, for the same decisions (index accuracy "
        "= actual / predicted)"),
+    _c(M_ROUTING_FEED_PULLS, "a router's KV event pulls by outcome (ok, timed_out: no answer within "
+       "routing.kv_events_timeout_s, error)"),
+    _c(M_ROUTING_FEED_EVENTS, "KV events a router's feed applied to its prefix index"),
+    _c(M_ROUTING_FEED_SNAPSHOTS, "whole KV snapshots a router's feed applied (a replica new, restarted, reset or "
+       "out of sequence)"),
+    _g(M_ROUTING_FEED_TIMEOUT_STREAK, "a replica's KV event pulls that timed out in a row, per router (0 once one "
+       "answers)"),
+    MetricSpec(M_ROUTING_FEED_LAG, Kind.GAUGE, "seconds since a replica last answered a router's KV event pull "
+               "(since the feed first asked, if never): the router's index can miss what it cached since", "s"),
+    _g(M_ROUTING_INDEX_ENTRIES, "block hashes a router's prefix index holds now, by index (pool: replicas' KV "
+       "pools; tier: offload tiers and node-shared stores)"),
+    _g(M_ROUTING_INDEX_CAPACITY, "the bound on a router's index entries now, by index (pool: the replicas' "
+       "reported pool blocks x affinity.index_capacity_margin, at most affinity.max_index_entries)"),
+    _c(M_ROUTING_INDEX_EVICTIONS, "entries a router's index dropped at its bound, by index (oldest first)"),
+    _c(M_ROUTING_INDEX_RESYNCS, "replicas whose index entries a router dropped for a gap, an epoch change or a "
+       "cleared cache (a snapshot rebuilds them)"),
+    _c(M_ROUTING_ERRORS, "routing decisions that fell back to a load-only ranking after an internal error, by "
+       "where (core, shell)"),
+    _c(M_ROUTING_REROUTED, "requests Serve sent to a replica other than the router's first choice (it was full)"),
     _g(M_RUNNING, "running requests per replica", "vllm:num_requests_running"),
     _g(M_WAITING, "waiting requests per replica", "vllm:num_requests_waiting"),
     _g(M_KV_USAGE, "KV cache usage (0-1) per replica", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),

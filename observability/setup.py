@@ -91,6 +91,12 @@ def setup_telemetry(service_name: str = "affinity-serve", traces: str = "memory"
         return _telemetry
 
 
+def current_telemetry() -> Telemetry | None:
+    """This process's Telemetry if `setup_telemetry` ran (a component that only adds instruments to the
+    process's, such as the routers' metrics, must not set it up with defaults itself)."""
+    return _telemetry
+
+
 def reset_telemetry_for_tests() -> None:
     global _telemetry
     with _lock:
