@@ -6,20 +6,72 @@ register themselves so the ingress's debug methods can find the one routing its 
 
 A router leaves each decision on the request itself (`GenerateRequest.routing`, which stays in this
 process); `routing_record` turns it into what the request's `llm.routing` span and the routing metrics say.
+
+The routers' own counters (KV event feed, prefix index, errors) reach /metrics through the process's
+telemetry: the first router registered in a process that set it up adds `RouterMetrics`, which reads every
+live router's latest `metrics_sample` (left on its own loop) at each collection.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from typing import Any
 
 from affinity_serve.app.routing.api import Decision
+from affinity_serve.observability.metrics import RouterMetrics, RouterSample
 from affinity_serve.observability.requests import RoutingRecord
+from affinity_serve.observability.setup import current_telemetry
 
 _ROUTERS: dict[str, list[weakref.ref]] = {}
+_metrics_lock = threading.Lock()
+_metrics_provider: Any = None          # the MeterProvider RouterMetrics was added to (one per process)
 
 
-def register(app_name: str, deployment_name: str, router: Any) -> None:
+def register(app_name: str, deployment_name: str, router: Any) -> bool:
+    """Find `router` by its deployment from now on; True when this process exports routers' metrics (then it
+    should leave a `metrics_sample` now and then)."""
     _ROUTERS.setdefault(f"{app_name}#{deployment_name}", []).append(weakref.ref(router))
+    return install_router_metrics()
+
+
+def install_router_metrics() -> bool:
+    """Add RouterMetrics (reading `router_samples`) to this process's telemetry, once per meter provider;
+    False where the process has none (a driver's handle: its routers are not on any /metrics)."""
+    global _metrics_provider
+    telemetry = current_telemetry()
+    if telemetry is None:
+        return False
+    with _metrics_lock:
+        if _metrics_provider is not telemetry.meter_provider:
+            RouterMetrics(telemetry.meter, router_samples)
+            _metrics_provider = telemetry.meter_provider
+    return True
+
+
+def router_samples() -> list[tuple[str, RouterSample]]:
+    """(router label, latest sample) of each live router in this process that has left one (any thread).
+    The label is the Serve replica hosting the process, so it tells the app's routers apart; a further
+    router of the same deployment in the process (a second handle) gets `:<n>` after it."""
+    host = _host_label()
+    out: list[tuple[str, RouterSample]] = []
+    seen: dict[str, int] = {}
+    for refs in list(_ROUTERS.values()):
+        for ref in list(refs):
+            sample = getattr(ref(), "metrics_sample", None)
+            if sample is None:
+                continue
+            n = seen.get(sample.deployment, 0)
+            seen[sample.deployment] = n + 1
+            out.append((host if n == 0 else f"{host}:{n}", sample))
+    return out
+
+
+@functools.cache
+def _host_label() -> str:
+    from affinity_serve.app.metrics_hub import serve_app_and_replica
+    ctx = serve_app_and_replica()
+    return ctx[1] if ctx else "local"
 
 
 def routers_for(app_name: str, deployment_name: str) -> list[Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +40,7 @@ class _Cursor:
     next_seq: int = 0
     wants_snapshot: bool = True
     timeouts_in_a_row: int = 0
+    answered_at: float = 0.0        # the feed's clock: the last answered pull (the first ask, until one is)
 
 
 #: pulls of one replica timing out in a row before a warning (at the default 0.25 s period: ~5 s)
@@ -55,14 +57,16 @@ class FeedCounters:
 
 
 class KVEventFeed:
-    """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now."""
+    """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now.
+    `clock` (seconds, monotonic) times each replica's lag (`health`)."""
 
     def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient]],
-                 period_s: float, timeout_s: float) -> None:
+                 period_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self.replicas = replicas
         self.period_s = period_s
         self.timeout_s = timeout_s
+        self.clock = clock
         self.counters = FeedCounters()
         self._cursors: dict[str, _Cursor] = {}
         self._in_flight: dict[str, asyncio.Task] = {}
@@ -87,7 +91,9 @@ class KVEventFeed:
             task = self._in_flight.get(rid)
             if task is not None and not task.done():
                 continue
-            cursor = self._cursors.setdefault(rid, _Cursor())
+            cursor = self._cursors.get(rid)
+            if cursor is None:
+                cursor = self._cursors[rid] = _Cursor(answered_at=self.clock())
             snapshot = cursor.wants_snapshot or rid in needing
             task = asyncio.get_running_loop().create_task(self._pull(rid, client, cursor, snapshot))
             self._in_flight[rid] = task
@@ -105,6 +111,7 @@ class KVEventFeed:
             if cursor.timeouts_in_a_row >= WARN_AFTER_TIMEOUTS:
                 logger.info("replica %s answers KV event pulls again", rid)
             cursor.timeouts_in_a_row = 0
+            cursor.answered_at = self.clock()
         except TimeoutError:
             self.counters.num_timeouts += 1
             cursor.timeouts_in_a_row += 1
@@ -147,6 +154,12 @@ class KVEventFeed:
     def cursors(self) -> dict[str, tuple[str | None, int]]:
         """Replica id -> (epoch, next event number) as the feed last saw them."""
         return {rid: (c.epoch, c.next_seq) for rid, c in self._cursors.items()}
+
+    def health(self) -> dict[str, tuple[int, float]]:
+        """Replica id -> (pulls timed out in a row now, seconds since its last answered pull, or since the
+        feed first asked it if it never answered)."""
+        now = self.clock()
+        return {rid: (c.timeouts_in_a_row, max(0.0, now - c.answered_at)) for rid, c in self._cursors.items()}
 
     def stop(self) -> None:
         for task in self._in_flight.values():

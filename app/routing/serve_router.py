@@ -2,7 +2,8 @@
 
 It only adapts Serve's callbacks: membership and `routing_stats` -> core.set_replicas/on_stats; a pending
 request's GenerateRequest -> RouteRequest -> core.route -> ranks; routed/completed/died -> the core's
-lifecycle calls; and it runs the KV event feed (app/routing/feed.py) as a task on the router loop.
+lifecycle calls; and it runs the KV event feed (app/routing/feed.py) as a task on the router loop, and
+another that leaves a plain sample of its counters for the process's /metrics (app/routing/debug.py).
 
 Serve runs one router per (process, handle) on its router loop thread and pickles this module by value:
 other modules it imports are imported by reference where the router runs (the ingress replica, a driver).
@@ -28,12 +29,15 @@ from affinity_serve.app.routing.api import (CandidateScores, Decision, Reason, R
                              RouteRequest)
 from affinity_serve.app.routing.config import KV_EVENT_POLICIES
 from affinity_serve.app.routing.core import make_core
-from affinity_serve.app.routing.feed import KVEventFeed, ReplicaFeedClient
+from affinity_serve.app.routing.feed import FeedCounters, KVEventFeed, ReplicaFeedClient
 from affinity_serve.app.routing.serve_compat import ReplicaMethodClient, internal_request_id, pending_args
+from affinity_serve.observability.metrics import FeedReplicaSample, IndexSample, RouterSample
 
 logger = logging.getLogger("affinity.router")
 
 _MAX_TRACKED_CALLS = 100_000       # (internal id, replica) -> our ids whose completion never came: bounded
+#: how often a router leaves a fresh metrics sample (the process's pushes read the latest)
+METRICS_SAMPLE_PERIOD_S = 0.5
 
 
 def _replica_key(replica_id: ReplicaID) -> str:
@@ -71,7 +75,10 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         self.feed = (KVEventFeed(self.core, self._feed_clients, r.kv_events_period_s, r.kv_events_timeout_s)
                      if r.policy in KV_EVENT_POLICIES else None)
         self._feed_task: asyncio.Task | None = None
-        debug.register(self._deployment_id.app_name, self._deployment_id.name, self)
+        #: the latest sample for /metrics, replaced on the router loop, read by the metrics thread
+        self.metrics_sample: RouterSample | None = None
+        self._metrics_task: asyncio.Task | None = None
+        self._exports_metrics = debug.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     # ------------------------------------------------------------ membership and stats
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -80,6 +87,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             self._sync_members(replicas)
             if self.feed is not None and self._feed_task is None:
                 self._feed_task = self._event_loop.create_task(self.feed.run())
+            if self._exports_metrics and self._metrics_task is None:
+                self._metrics_task = self._event_loop.create_task(self._sample_metrics())
         except Exception:
             logger.exception("routing: replica update failed (routing continues on the previous view)")
 
@@ -258,6 +267,36 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         async def call() -> Any:
             return fn(*args)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._event_loop))
+
+    async def _sample_metrics(self) -> None:
+        """Leave a fresh `metrics_sample` every METRICS_SAMPLE_PERIOD_S (cancel the task to stop)."""
+        warned = False
+        while True:
+            try:
+                self.metrics_sample = self.build_metrics_sample()
+            except Exception:
+                if not warned:
+                    warned = True
+                    logger.exception("routing: sampling the router's metrics failed (retrying quietly)")
+            await asyncio.sleep(METRICS_SAMPLE_PERIOD_S)
+
+    def build_metrics_sample(self) -> RouterSample:
+        """This router's counters, index sizes and feed health as plain values (run on the router loop: the
+        core is not thread-safe)."""
+        c = self.core.counters()
+        index = getattr(self.core, "index", None)
+        indexes = {}
+        if index is not None:          # prefix_affinity, llm_d_precise: app/routing/prefix_index.py
+            indexes = {"pool": IndexSample(index.num_entries, index.bound, index.num_evictions),
+                       "tier": IndexSample(index.num_tier_entries, index.max_tier_blocks, index.num_tier_evictions)}
+        f = self.feed.counters if self.feed is not None else FeedCounters()
+        health = self.feed.health() if self.feed is not None else {}
+        return RouterSample(
+            self._deployment_id.name, num_pulls_ok=f.num_pulls - f.num_timeouts - f.num_errors,
+            num_pulls_timed_out=f.num_timeouts, num_pulls_error=f.num_errors, num_events=f.num_events,
+            num_snapshots=f.num_snapshots, num_resyncs=c.num_resyncs, num_core_errors=c.num_errors,
+            num_shell_errors=self.num_shell_errors, num_rerouted=c.num_rerouted, index=indexes,
+            feed={rid: FeedReplicaSample(n, lag) for rid, (n, lag) in health.items()})
 
     def inject_errors(self, n: int) -> None:
         """Test hook: the next `n` choose_replicas calls fail inside the shell (and must fall back)."""
