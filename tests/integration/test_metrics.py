@@ -148,3 +148,51 @@ def _steady(read, span_s: float = 1.5) -> tuple[float] | None:
             return None
         time.sleep(0.1)
     return (first,)
+
+
+def test_routing_series_count_each_request_and_show_each_router_index_and_feed(url):
+    """Issue 25: the routers' own state is on /metrics, not only on the debug API: decisions by reason (one per
+    request), each router's prefix index (entries from the replicas' KV events) and its feed per replica."""
+    num_requests = 6
+
+    def decisions(text: str) -> float:
+        return _total(text, "affinity_routing_decisions_total")
+
+    with httpx.Client(timeout=60) as c:
+        before = wait_until(lambda: _steady(lambda: decisions(c.get(f"{url}/metrics").text)), 30,
+                            "a steady decision count before the test's requests")[0]
+        for i in range(num_requests):
+            r = c.post(f"{url}/v1/completions", json={"prompt": f"a shared system prompt, then question {i % 2}",
+                                                      "max_tokens": 2})
+            assert r.status_code == 200
+
+        def routed() -> str | None:
+            text = c.get(f"{url}/metrics").text
+            entries = [v for lab, v in _samples(text, "affinity_routing_index_entries") if lab["index"] == "pool"]
+            counted = decisions(text) == before + num_requests
+            return text if counted and entries and max(entries) > 0 and _feeds_everyone(text) else None
+        text = wait_until(routed, 30, "every request's decision and each router's index fed by both replicas")
+    by_reason = {lab["reason"]: v for lab, v in _samples(text, "affinity_routing_decisions_total")}
+    assert set(by_reason) <= {"affinity", "released", "new_group", "spill", "hot_replica"}, by_reason
+    replicas = {lab["replica"] for lab, _ in _samples(text, "affinity_replica_running_requests")}
+    routers = {lab["router"] for lab, _ in _samples(text, "affinity_routing_index_entries")}
+    assert len(replicas) == 2 and 1 <= len(routers) <= 2, (replicas, routers)
+    capacity = {(lab["router"], lab["index"]): v for lab, v in _samples(text, "affinity_routing_index_capacity")}
+    for lab, v in _samples(text, "affinity_routing_index_entries"):
+        assert lab["deployment"] == "LLMReplica" and 0 <= v <= capacity[(lab["router"], lab["index"])], (lab, v)
+    # each router follows both model replicas' KV event logs, and they answer (the push is 0.25 s, a router
+    # samples every 0.5 s, pulls every 0.25 s: seconds of lag would mean a stuck feed)
+    lags = _samples(text, "affinity_routing_kv_feed_lag_seconds")
+    assert _feeds_everyone(text) and all(0 <= v < 5 for _, v in lags), lags
+    assert all(v == 0 for _, v in _samples(text, "affinity_routing_kv_feed_consecutive_timeouts")), text
+    assert _total(text, "affinity_routing_kv_feed_events_total") > 0
+    assert _total(text, "affinity_routing_errors_total") == 0
+
+
+def _feeds_everyone(text: str) -> bool:
+    """Every router on the page has feed series for exactly the model replicas on it (a router's first sample
+    can come before its feed's first pull)."""
+    replicas = {lab["replica"] for lab, _ in _samples(text, "affinity_replica_running_requests")}
+    routers = {lab["router"] for lab, _ in _samples(text, "affinity_routing_index_entries")}
+    pairs = {(lab["router"], lab["replica"]) for lab, _ in _samples(text, "affinity_routing_kv_feed_lag_seconds")}
+    return bool(routers) and pairs == {(r, x) for r in routers for x in replicas}
