@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from affinity_serve.observability import names
 from affinity_serve.observability.aggregate import render, snapshot_of
-from affinity_serve.observability.metrics import ReplicaLoadSample, ReplicaMetrics, ServingMetrics
+from affinity_serve.observability.metrics import (FeedReplicaSample, IndexSample, ReplicaLoadSample, ReplicaMetrics,
+                                                 RouterMetrics, RouterSample, ServingMetrics)
 
 DASHBOARDS = sorted((Path(__file__).resolve().parents[3] / "deploy" / "grafana").glob("*.json"))
 
@@ -75,6 +76,9 @@ def _rendered_series() -> set[str]:
                                   "load_failures_timed_out": 0, "load_failures_error": 0, "stored_blocks": 1,
                                   "stores_failed": 0, "evicted_blocks": 0, "loaded_bytes": 10, "stored_bytes": 10})
     rep.record_sequence(finish_reason="stop", queue_s=0.01, prefill_s=0.02, decode_s=0.1)
+    router = RouterSample("LLMReplica", num_pulls_ok=3, num_events=4, index={"pool": IndexSample(10, 100, 1)},
+                          feed={"r1": FeedReplicaSample(0, 0.1)})
+    RouterMetrics(meter, lambda: [("ing-1", router)])
     text = render(snapshot_of(reader.get_metrics_data()), "m")
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
