@@ -113,28 +113,36 @@ def config_cmd(args) -> int:
     from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
-    model = cfg.engine.model
-    if model and os.path.isfile(os.path.join(model, "config.json")):
-        check_model(cfg, replicas_here=False)
-        note = (f"checked the checkpoint at {model} (weights, tokenizer, context length, engine support); the "
-                "device, dtype and KV tier are checked where the replicas start")
-    elif model:
-        note = (f"engine.model {model!r} is not a checkpoint directory on this machine (a hub id, or a path on "
-                "the replicas' nodes): its checks run where the replicas start")
-    else:
-        note = "no engine.model: `serve` uses the embedded demo model"
+    note = check_local_checkpoint(cfg)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     print(f"[affinity-serve] {note}", file=sys.stderr)
     return 0
 
 
+def check_local_checkpoint(cfg: "AppConfig") -> str:
+    """`config` and `deploy`: where engine.model is a checkpoint directory on this machine, serve's checkpoint
+    checks (raising as they do); the device, dtype and KV tier are left to the replicas' machines. Returns
+    what was checked, or why nothing was."""
+    model = cfg.engine.model
+    if model and os.path.isfile(os.path.join(model, "config.json")):
+        check_model(cfg, replicas_here=False)
+        return (f"checked the checkpoint at {model} (weights, tokenizer, context length, engine support); the "
+                "device, dtype and KV tier are checked where the replicas start")
+    if model:
+        return (f"engine.model {model!r} is not a checkpoint directory on this machine (a hub id, or a path on "
+                "the replicas' nodes): its checks run where the replicas start")
+    return "no engine.model: `serve` uses the embedded demo model"
+
+
 def deploy_cmd(args) -> int:
     """Connects to the running cluster, starts Serve's HTTP proxy on serve.host:serve.port (proxy_location),
-    deploys, and returns once the app runs; Serve keeps it running inside the cluster. The model path is
-    checked by the replicas: it lives on their nodes."""
+    deploys, and returns once the app runs; Serve keeps it running inside the cluster. A checkpoint directory
+    that is on this machine too (a shared filesystem, the same image) is checked here first, as `config`
+    does; one only on the replicas' nodes is checked by the replicas."""
     from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config)
     check_extras(cfg)
+    print(f"[affinity-serve] {check_local_checkpoint(cfg)}", file=sys.stderr, flush=True)
     import ray
     from ray import serve
 

@@ -119,3 +119,21 @@ def test_ready_message_says_how_drivers_and_rays_tools_attach(monkeypatch):
             'serve.get_app_handle("affinity"))') in text
     assert "RAY_AUTH_MODE=token serve status --address http://127.0.0.1:8265" in text
     assert text.rstrip().endswith("Ctrl-C to stop.")
+
+
+def test_deploy_checks_a_checkpoint_it_can_see_before_connecting(checkpoints, tmp_path, capsys):
+    """`deploy` checks a checkpoint directory that is on this machine too (as `config` does) before it connects
+    to the cluster: a broken one is one line and status 2, not a failure in every replica after the deploy."""
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(checkpoints["llama"], d)
+    (d / "model.safetensors").unlink()
+    p = tmp_path / "c.yaml"
+    p.write_text(json.dumps({"engine": {"model": str(d)}}))
+    assert main(["deploy", "--config", str(p)]) == 2           # the fixture fails the test if Ray starts
+    err = capsys.readouterr().err
+    assert err.startswith("affinity-serve: error: engine.model:") and "model.safetensors" in err
+    p.write_text(json.dumps({"engine": {"model": "/only/on/the/replicas/nodes"}}))
+    with pytest.raises(AssertionError, match="Ray was started"):
+        main(["deploy", "--config", str(p)])
+    assert "not a checkpoint directory on this machine" in capsys.readouterr().err
