@@ -145,7 +145,11 @@ class OpenAIServing:
     async def _admit(self, p: PreparedRequest) -> None:
         """Admission control (`serve.max_queue_wait_s`): a 429 with Retry-After, before anything is sent,
         when this process's router predicts that no replica would start the request's (first) prompt within
-        the bound. Nothing to ask (no router yet, a load-only policy, a failed call) admits the request."""
+        the bound. Nothing to ask (no router yet, a load-only policy, a failed call) admits the request.
+
+        An admitted request's load is held in the router's core until it is routed (`hold_admitted`, in the
+        same call on the router loop as the prediction): a burst admitted faster than Serve routes it would
+        otherwise find the replicas as idle as the first of it did."""
         bound = self.max_queue_wait_s
         if bound is None:
             return
@@ -154,9 +158,17 @@ class OpenAIServing:
             if not routers:
                 return
             router = routers[0]
-            wait = await router.run_on_loop(router.predicted_wait_s, p.request_id, p.prompts[0],
-                                            p.block_hashes[0] if p.block_hashes else None,
-                                            (p.params.max_tokens or 0) * max(1, p.params.n))
+            hashes = p.block_hashes[0] if p.block_hashes else None
+            max_tokens = (p.params.max_tokens or 0) * max(1, p.params.n)
+
+            def predict_and_hold() -> float | None:
+                wait = router.predicted_wait_s(p.request_id, p.prompts[0], hashes, max_tokens)
+                hold = getattr(getattr(router, "core", None), "hold_admitted", None)
+                if wait is not None and wait <= bound and hold is not None:
+                    hold(p.request_id)
+                return wait
+
+            wait = await router.run_on_loop(predict_and_hold)
         except Exception:
             logger.debug("admission control: no prediction for %s", p.request_id, exc_info=True)
             return

@@ -7,8 +7,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from affinity_serve.app.routing.api import (CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason, ReplicaInfo,
-                             ReplicaLoadView, RouterCore, RouterCounters, RouteRequest)
+from affinity_serve.app.routing.api import (BlockHash, CandidateScores, Decision, KVEventBatch, KVSnapshot, Reason,
+                             ReplicaInfo, ReplicaLoadView, RouterCore, RouterCounters, RouteRequest)
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
 from affinity_serve.app.routing.eviction import EvictionShadow
 from affinity_serve.app.routing.load import LoadTracker, ReplicaLoad, TTFTModel
@@ -17,6 +17,9 @@ from affinity_serve.app.routing.prefix_index import PrefixIndex
 from affinity_serve.app.routing.warmup import HotPrefixes
 
 logger = logging.getLogger(__name__)
+
+#: an admitted request's load is held on its best replica until a route matches it, at most this long
+ADMISSION_HOLD_S = 10.0
 
 
 class PrefixAffinityRouterCore:
@@ -46,6 +49,11 @@ class PrefixAffinityRouterCore:
         self._nodes: dict[str, str | None] = {}
         self._decisions: deque[Decision] = deque(maxlen=config.recent_decisions)
         self._counters = RouterCounters()
+        #: admission holds: (prompt tokens, first block hash) -> hold ids, oldest first; and by expiry
+        self._last_wait: tuple | None = None
+        self._holds: dict[tuple[int, BlockHash | None], deque[str]] = {}
+        self._hold_expiry: deque[tuple[float, str, tuple[int, BlockHash | None]]] = deque()
+        self._num_holds = 0
 
     # ------------------------------------------------------------ membership, stats, events
     def set_replicas(self, replicas: list[ReplicaInfo]) -> None:
@@ -103,6 +111,7 @@ class PrefixAffinityRouterCore:
     def _route(self, request: RouteRequest, candidate_ids: list[str], start: float) -> Decision:
         now = self.clock()
         self.index.expire(now)
+        self._take_hold(request, now)
         self.loads.expire(now)
         self.policy.groups.expire(now)
         for rid in candidate_ids:
@@ -139,9 +148,10 @@ class PrefixAffinityRouterCore:
 
         Beyond the routing TTFT (queued prefill, running load, KV pressure), each candidate's wait for KV
         room (TTFTModel.kv_wait_many): a backlog bound by the pool (long outputs: requests wait for running
-        sequences to finish and free blocks) is a wait the prefill queue does not show. Routing does not
-        add it: it is 0 wherever the demand fits the pool, and where it does not, the KV-pressure penalty
-        already steers new work off a full pool; admission needs the size of the wait, routing an order."""
+        sequences to finish and free blocks) is a wait the prefill queue does not show; it stands in for the
+        routing's bounded KV-pressure penalty on replicas that report their pool size. Routing does not use
+        it: it is 0 wherever the demand fits the pool, and where it does not, the KV-pressure penalty already
+        steers new work off a full pool; admission needs the size of the wait, routing an order."""
         ids = [rid for rid in candidate_ids if rid in self._nodes]
         if not ids:
             return None
@@ -155,9 +165,62 @@ class PrefixAffinityRouterCore:
         loaded = [c - p for c, p in zip(cached, pool)]
         out_tokens = int(self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens))
         own_blocks = [-(-(prompt - c + out_tokens) // bs) for c in cached]
-        ttfts = self.model.predict_many(cands, [prompt - c for c in cached], loaded if tier else None, own_blocks)
+        own = [prompt - c for c in cached]
+        ttfts = self.model.predict_many(cands, own, loaded if tier else None, own_blocks)
+        # Where a replica's pool size is known, its wait for KV room replaces the routing's bounded
+        # KV-pressure penalty (both would count the same overage); elsewhere the penalty stays.
+        bare = self.model.predict_many(cands, own, loaded if tier else None, own_blocks, kv_penalty=False)
         kv_waits = self.model.kv_wait_many(cands, own_blocks, out_tokens, bs)
-        return min(t + w for t, w in zip(ttfts, kv_waits))
+        waits = [b + w if c.stats.num_blocks else t for c, t, b, w in zip(cands, ttfts, bare, kv_waits)]
+        i = min(range(len(waits)), key=waits.__getitem__)
+        self._last_wait = (request, ids[i], own[i], cached[i], loaded[i], own_blocks[i], out_tokens)
+        return waits[i]
+
+    def hold_admitted(self, req_id: str) -> bool:
+        """Count the request that `predict_wait` just judged (`req_id`) as load on its best replica until it
+        is routed: a burst of requests admitted before any of them reaches the router must not each see the
+        replicas as the first did. A later `route` of a request with the same prompt length and first block
+        hash takes the hold's place (the router never sees the admission's ids); a hold nobody routes (the
+        request failed before routing) lapses after ADMISSION_HOLD_S. False if `req_id` was not the last
+        prediction."""
+        memo, self._last_wait = self._last_wait, None
+        if memo is None or memo[0].req_id != req_id:
+            return False
+        request, rid, uncached, cached, loaded, blocks, out_tokens = memo
+        now = self.clock()
+        self._expire_holds(now)
+        self._num_holds += 1
+        hold_id = f"admission-hold:{self._num_holds}"
+        self.loads.add(hold_id, rid, uncached_tokens=uncached, predicted_cached_tokens=cached,
+                       num_prompt_tokens=request.num_prompt_tokens, block_hashes=[], now=now, tier_tokens=loaded,
+                       kv_blocks=blocks, out_tokens=out_tokens)
+        key = _hold_key(request)
+        self._holds.setdefault(key, deque()).append(hold_id)
+        self._hold_expiry.append((now + ADMISSION_HOLD_S, hold_id, key))
+        return True
+
+    def _take_hold(self, request: RouteRequest, now: float) -> None:
+        """The routed request replaces the oldest admission hold of its kind (its own load is added next)."""
+        self._expire_holds(now)
+        if self.loads.in_flight(request.req_id) is not None:
+            return                               # routed before (Serve asks again): its hold is gone already
+        key = _hold_key(request)
+        held = self._holds.get(key)
+        if held:
+            self.loads.cancel(held.popleft())
+            if not held:
+                del self._holds[key]
+
+    def _expire_holds(self, now: float) -> None:
+        expiry = self._hold_expiry
+        while expiry and expiry[0][0] <= now:
+            _, hold_id, key = expiry.popleft()
+            held = self._holds.get(key)
+            if held and hold_id in held:
+                held.remove(hold_id)
+                self.loads.cancel(hold_id)
+                if not held:
+                    del self._holds[key]
 
     def _evict_cost(self, load: ReplicaLoad, new_blocks: int) -> float:
         return self.shadow.cost_s(load.replica_id, new_blocks, self.model.prefill_tokens_per_s)
@@ -267,6 +330,10 @@ class PrefixAffinityRouterCore:
             c.actual_cached_tokens, c.num_accuracy_samples, self.index.num_resyncs, self.index.num_entries,
             self.index.num_evictions, self.model.prefill_tokens_per_s, self.model.decode_step_s,
             self.model.tier_load_tokens_per_s, self.index.num_tier_entries)
+
+
+def _hold_key(request: RouteRequest) -> tuple[int, BlockHash | None]:
+    return request.num_prompt_tokens, (request.block_hashes[0] if request.block_hashes else None)
 
 
 def make_core(policy: RoutingPolicyName, config: AffinityConfig, block_size: int,

@@ -205,6 +205,11 @@ class LoadTracker:
             load.refresh()
         return f
 
+    def cancel(self, req_id: str) -> None:
+        """Forget a request that never reached a replica (an admission hold that was routed or expired)."""
+        if req_id in self._in_flight:
+            self._cancel(req_id)
+
     @staticmethod
     def _unpend(load: ReplicaLoad, f: InFlight) -> None:
         """Take a request sent after the snapshot off the load added on top of it."""
@@ -294,7 +299,8 @@ class TTFTModel:
         self._sy = [0.0] * 3                          # decayed sums of z_i * y
 
     def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int],
-                     tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None) -> list[float]:
+                     tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None,
+                     kv_penalty: bool = True) -> list[float]:
         """Predicted TTFT per replica, for a request with `own_tokens[i]` uncached tokens on `loads[i]` and
         `tier_tokens[i]` to load from a KV tier there.
 
@@ -303,8 +309,11 @@ class TTFTModel:
         usage. The penalty rises linearly from 0 at `kv_pressure_threshold` by `kv_pressure_penalty_s` per
         pool's worth of usage above it (over 1 - threshold when the threshold is below 1), at most twice the
         penalty. At threshold 1 (the default) only a request that does not fit pays, in proportion to its
-        overage: a full small pool must not shed the requests of the prefixes it caches."""
+        overage: a full small pool must not shed the requests of the prefixes it caches. `kv_penalty` False:
+        no penalty (admission control, which predicts the wait for KV room itself: kv_wait_many)."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
+        if not kv_penalty:
+            pen = 0.0
         span = 1.0 - thr if thr < 1.0 else 1.0
         if own_blocks is None:
             usage = [c.kv_usage for c in loads]
