@@ -142,9 +142,9 @@ class PrefixAffinityRouterCore:
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
     def predict_wait(self, request: RouteRequest, candidate_ids: list[str]) -> float | None:
-        """The lowest TTFT the model predicts for `request` over the candidates, recording nothing (the
+        """The lowest TTFT the model predicts for `request` over the candidates, recording no load (the
         ingress's admission control: a request no replica can start within its bound is turned away before
-        it queues). None without candidates.
+        it queues; `hold_admitted` then counts one it lets in). None without candidates.
 
         Beyond the routing TTFT (queued prefill, running load, KV pressure), each candidate's wait for KV
         room (TTFTModel.kv_wait_many): a backlog bound by the pool (long outputs: requests wait for running

@@ -214,6 +214,10 @@ async def test_the_ingress_turns_a_kv_bound_backlog_away_with_429_queue_full():
         await serving.complete(RequestKind.COMPLETION, req, "cmpl-kv", {})
     assert e.value.status_code == 429 and e.value.code == "queue_full"
     assert e.value.retry_after_s >= 10 and replica.calls == 0
+    assert core.loads.num_in_flight == 0                     # a refused request holds nothing
     core.on_stats("a", ReplicaLoadView(num_blocks=POOL))     # the backlog drained: admitted
     out = await serving.complete(RequestKind.COMPLETION, req, "cmpl-kv2", {})
     assert out["choices"] and replica.calls == 1
+    # an admitted one holds its load until a route takes its place (this test's handle routes around the core)
+    held = core.loads.get("a")
+    assert core.loads.num_in_flight == 1 and held.pending_blocks == 34 and held.in_flight_out_tokens == OUT
