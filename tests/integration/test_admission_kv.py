@@ -23,7 +23,7 @@ KV_APP = "affinity-kv-admission"
 BLOCK = 4
 POOL = 40                      # blocks, the null block included: 156 tokens of room
 PROMPT, OUT = 40, 100          # one request needs 35 blocks: the pool runs one at a time
-CONCURRENT = 64               # served one after another: about twice the first-token timeout in all
+CONCURRENT = 64               # served one after another: longer than the first-token timeout in all (~13 s)
 #: serve.max_queue_wait_s: above the KV-pressure penalty the model charged such a backlog before (bounded,
 #: under 1 s here), so without a wait for KV room the prefill queue alone admitted the whole burst
 BOUND_S = 2.0
