@@ -361,8 +361,14 @@ class LLMEngine:
                 continue            # already reported finished (stop string) or dropped
             if seq.grammar is not None and d.token_ids and not d.finished:
                 d.finish_reason = self._advance_grammar(seq_id, seq.grammar, d.token_ids)
+            remote = self.pd.take_transfer_params(seq_id) if d.finished and self.pd is not None else None
             if seq.detok is not None:
-                d.text = seq.detok.update(d.token_ids, d.finished)
+                # a prefill whose sequence goes on in a decode engine (P/D) has not ended its text: a character
+                # its first token only began, and the tail a stop string could start with, are held back as in
+                # a stream; the decode engine's detokenizer takes the same first token the same way (`skip`)
+                # and sends them when they are complete
+                going_on = remote is not None and d.finish_reason == "length"
+                d.text = seq.detok.update(d.token_ids, d.finished and not going_on)
                 if seq.detok.stop_hit is not None:
                     if not d.finished:
                         self.scheduler.finish_requests(seq_id, RequestStatus.FINISHED_STOPPED)
@@ -372,7 +378,6 @@ class LLMEngine:
             if not d.finished:
                 continue
             if self.pd is not None:
-                remote = self.pd.take_transfer_params(seq_id)
                 if remote is not None and d.finish_reason != "length":     # a stop string on the first token
                     self._kv_connector_worker.release_held(remote.transfer_id)
                     remote = None

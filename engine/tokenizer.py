@@ -141,9 +141,10 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def skip(self, token_ids: list[int]) -> None:
-        """Take `token_ids` as context whose text was sent elsewhere (P/D: the prefill engine's first token)."""
+        """Take `token_ids` as output whose text was sent elsewhere (P/D: the prefill engine's first token), as
+        far as that engine sent it: it took them as an unfinished stream does, so it held back a character they
+        only began and the last characters a stop string could start with; those are sent from here."""
         self.update(token_ids, False)
-        self._emitted = len(self.text)
 
     def update(self, new_token_ids: list[int], finished: bool) -> str:
         """Add tokens; return the text delta to emit now. Sets `stop_hit` when a stop string matched."""

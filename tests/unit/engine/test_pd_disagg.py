@@ -454,3 +454,78 @@ def test_stop_string_on_the_first_token_releases_the_hold(pair):
     _settle(p)
     assert p.pd.pd_stats.holds_released == 1
     _assert_empty(p)
+
+
+def _text(engine, rid, prompt, params, kv_transfer=None):
+    """One sequence's text as its deltas carry it, and its finishing delta."""
+    engine.add_request(engine.make_request(prompt, params, kv_transfer=kv_transfer, req_id=rid))
+    text, deadline = "", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for d in engine.step().deltas:
+            if d.req_id == rid:
+                text += d.text
+                if d.finished:
+                    return text, d
+    raise AssertionError(f"{rid} did not finish")
+
+
+def _pd_text(p, d, rid, prompt, params) -> tuple[str, str | None]:
+    one = dataclasses.replace(params, max_tokens=1)
+    first, fin = _text(p, rid, prompt, one, RemoteDecode())
+    if fin.kv_transfer is None:                 # ended on the prefill engine (a stop on the first token)
+        return first, fin.finish_reason
+    rest, fin = _text(d, rid, prompt, params, [fin.kv_transfer])
+    return first + rest, fin.finish_reason
+
+
+def _unified_text(engine, rid, prompt, params) -> tuple[str, str | None]:
+    text, fin = _text(engine, rid, prompt, params)
+    return text, fin.finish_reason
+
+
+def test_text_is_unified_when_the_first_token_only_begins_a_character(pair):
+    """A first token that is part of a multi-byte character: the prefill engine used to end its text with
+    U+FFFD, and the decode engine then sent the whole character after it (an extra U+FFFD, or one in place of
+    a real character). Now the prefill engine holds it back and the decode engine sends it when complete."""
+    path, p, d = pair
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    tried = 0
+    for seed in range(60):
+        prompt = _ids(40, 500 + seed)
+        ids = _run(p, f"u{seed}", prompt, params)[0][0]
+        if "\ufffd" not in p.tokenizer.decode(ids[:1]):
+            continue
+        tried += 1
+        assert _pd_text(p, d, f"pd{seed}", prompt, params) == _unified_text(p, f"w{seed}", prompt, params), seed
+        if tried == 4:
+            break
+    assert tried == 4, "fewer prompts whose first token is part of a character than expected"
+    _settle_until_empty(p, d)
+    _assert_empty(p, d)
+
+
+def test_a_stop_string_across_the_first_and_second_token_is_cut_as_unified(pair):
+    """The stop string starts in the first token's text and ends in the second's: the prefill engine used to
+    send the first token's whole text, so the part before the cut was already out (even without streaming)."""
+    path, p, d = pair
+    tried = 0
+    for seed in range(60):
+        prompt = _ids(40, 700 + seed)
+        ids = _run(p, f"u{seed}", prompt, SamplingParams(max_tokens=6, **GREEDY))[0][0]
+        first, whole = (p.tokenizer.decode(x, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                        for x in (ids[:1], ids))
+        if not first or "\ufffd" in whole or not whole.startswith(first) or len(whole) <= len(first):
+            continue
+        stop = whole[len(first) - 1:len(first) + 1]
+        if whole.find(stop) != len(first) - 1:
+            continue
+        tried += 1
+        params = SamplingParams(max_tokens=6, stop=[stop], **GREEDY)
+        unified = _unified_text(p, f"w{seed}", prompt, params)
+        assert unified == (whole[:len(first) - 1], "stop")
+        assert _pd_text(p, d, f"pd{seed}", prompt, params) == unified, seed
+        if tried == 3:
+            break
+    assert tried == 3
+    _settle_until_empty(p, d)
+    _assert_empty(p, d)
