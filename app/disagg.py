@@ -56,7 +56,8 @@ SPAN_PD_DECODE = "llm.pd.decode"
 class ReadRecord:
     """One transfer as the decode side's transport saw it, for its span: `outcome` "reading" until it ends, then
     "read", "missing" (the object is gone or was never copied out), "cancelled" (the engine gave up: timeout,
-    abort) or "local" (released unread: the decode replica held every block)."""
+    abort), "local" (released unread: the decode replica held every block) or "incompatible" (released unread:
+    another model or KV layout, recomputed)."""
 
     num_blocks: int
     start_ns: int                 # wall clock (a span's time base)
@@ -126,9 +127,9 @@ class RayObjectTransport:
             raise KVTransferError(f"blocks from {start_block} were not copied out (from {first})", "missing")
         return _ObjectRead(ref, start_block - first, num_blocks, record)
 
-    def release(self, remote: RemotePrefill) -> None:
-        # the prefill side freed its blocks when it copied them out
-        self._keep(remote.transfer_id, ReadRecord(0, time.time_ns(), time.monotonic())).end("local")
+    def release(self, remote: RemotePrefill, reason: str = "local") -> None:
+        # the prefill side freed its blocks when it copied them out; the span says why none were read
+        self._keep(remote.transfer_id, ReadRecord(0, time.time_ns(), time.monotonic())).end(reason)
 
 
 # ---------------------------------------------------------------- metrics (both pools)

@@ -72,9 +72,9 @@ class KVTransport(Protocol):
         """Begin reading blocks [start_block, start_block + num_blocks) of `remote`; never blocks on the read.
         A successful read also frees the held transfer on the prefill side."""
 
-    def release(self, remote: RemotePrefill) -> None:
-        """The decode side needs none of `remote`'s blocks (it holds them already): free them now. Best
-        effort, never raises."""
+    def release(self, remote: RemotePrefill, reason: str = "local") -> None:
+        """The decode side reads none of `remote`'s blocks: free them now. `reason`: "local" (it holds them
+        already) or "incompatible" (another model or KV layout: it recomputes). Best effort, never raises."""
 
 
 class KVSource(Protocol):
@@ -257,7 +257,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self.pd_stats.incompatible += 1
             self.stats.loads_failed += 1
             self.stats.load_failures_error += 1
-            self._settle(request, remote, release=True)
+            self._settle(request, remote, release=True, reason="incompatible")
             return 0, False
         # never the block of the token that must be computed here (the first output token's position)
         num_remote = min(remote.num_blocks, (request.num_tokens - 1) // bs)
@@ -274,10 +274,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.stats.lookups += 1
         self.pd_stats.remote_requests += 1
 
-    def _settle(self, request: "Request", remote: RemotePrefill, *, release: bool) -> None:
+    def _settle(self, request: "Request", remote: RemotePrefill, *, release: bool, reason: str = "local") -> None:
         self._settled.add(request.req_id)
         if release and self.transport is not None:
-            self.transport.release(remote)
+            self.transport.release(remote, reason)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         remote = request.kv_transfer
@@ -423,7 +423,7 @@ class LocalTransport:
     def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int) -> KVReadHandle:
         return _FutureRead(self._pool.submit(self._read, remote, start_block, num_blocks))
 
-    def release(self, remote: RemotePrefill) -> None:
+    def release(self, remote: RemotePrefill, reason: str = "local") -> None:
         try:
             self._source(remote.engine_id).release_held(remote.transfer_id)
         except KVTransferError:     # the prefill engine is gone: its holds went with it (best effort, per the API)

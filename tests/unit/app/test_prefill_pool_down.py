@@ -186,3 +186,13 @@ def test_the_prefill_timeout_defaults_to_half_the_first_token_timeout_and_must_b
     assert cfg.disaggregation.prefill_timeout(cfg.serve.first_token_timeout_s) == 5
     with pytest.raises(ValueError, match=r"prefill_timeout_s \(60s\) must be below serve.first_token_timeout_s"):
         AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "prefill_timeout_s": 60}})
+
+
+def test_the_object_store_transport_records_why_a_transfer_was_not_read():
+    from affinity_serve.app.disagg import RayObjectTransport
+    from affinity_serve.engine import RemotePrefill
+    t = RayObjectTransport()
+    for tid, reason in (("a", "local"), ("b", "incompatible")):
+        t.release(RemotePrefill("p", tid, "k", 12, 3, 1), reason)
+        rec = t.take_record(tid)
+        assert rec.outcome == reason and rec.num_blocks == 0

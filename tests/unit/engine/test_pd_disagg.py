@@ -434,9 +434,13 @@ def test_incompatible_layout_recomputes(pair, hf_reference):
     first, remotes = _prefill(p, "i", prompt, params)
     import dataclasses
     bad = [dataclasses.replace(remotes[0], layout_key="other-model")]
+    reasons = []
+    release = d.pd.transport.release
+    d.pd.transport.release = lambda remote, reason="local": (reasons.append(reason), release(remote, reason))[1]
     rest, _ = _run(d, "i", prompt, params, bad)
     assert [first[0] + rest[0]] == [hf_reference(path, prompt, 5)]
     assert d.pd.pd_stats.incompatible == 1 and d.pd.stats.loads_failed == 1
+    assert reasons == ["incompatible"]           # the transfer's span says why nothing was read, not "local"
     _settle(p, d)
     assert p.pd.pd_stats.holds_released == 1     # D told P it would read nothing
     _assert_empty(p, d)
