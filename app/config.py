@@ -15,7 +15,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, Va
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
 from affinity_serve.autoscale.policy import PolicyConfig
-from affinity_serve.engine.config import EngineConfig
+from affinity_serve.engine.config import EngineConfig, KVConnectorConfig
 
 
 class _Strict(BaseModel):
@@ -76,9 +76,11 @@ class ServeSection(_Strict):
     max_prompts_per_request: int = Field(64, ge=1, description="completions: more prompts in one request get 400")
     max_queue_wait_s: float | None = Field(30.0, gt=0, description="admission control: a request whose best "
                                            "predicted time to first token over the replicas (the router's TTFT "
-                                           "model: queued prefill, running load, KV pressure) exceeds this gets "
-                                           "429 with Retry-After instead of queueing; null: never (prefix_affinity "
-                                           "policy only)")
+                                           "model: queued prefill, running load, KV pressure, and the wait for "
+                                           "KV room while the blocks ahead of it exceed the replica's pool; "
+                                           "docs/limits.md) exceeds this "
+                                           "gets 429 with Retry-After instead of queueing; null: never "
+                                           "(prefix_affinity policy only)")
     max_json_depth: int = Field(32, ge=2, description="request bodies nested deeper than this get 400")
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="larger request headers (all together) get 431")
     body_read_timeout_s: float = Field(15.0, gt=0, description="a request body not received within this gets 408")
@@ -233,20 +235,11 @@ class AppConfig(_Strict):
         """Each pool's autoscaling and engine settings (laid over the app's sections) are checked whether or
         not disaggregation is enabled, one line per problem naming its full path; the P/D connector's needs only
         when it is."""
-        from affinity_serve.app.disagg_config import pool_autoscaling, pool_engine_config
         d = self.disaggregation
-        problems = []
         base = EngineConfig.model_validate({**self.engine.model_dump(), "model": self.engine.model or "unresolved"})
+        problems = []
         for name in ("prefill", "decode"):
-            for part, check in (("autoscaling", lambda pool: pool_autoscaling(self.autoscaling, pool, name)),
-                                ("engine", lambda pool: pool_engine_config(base, pool, d))):
-                try:
-                    check(getattr(d, name))
-                except ValidationError as e:
-                    problems += [f"disaggregation.{name}." + _describe({**err, "loc": (part, *err["loc"])})
-                                 for err in e.errors()]
-                except ValueError as e:              # a check across fields, its message names the path
-                    problems.append(str(e))
+            problems += _pool_problems(name, d, base, self.engine.model_dump(), self.autoscaling)
         if problems:
             raise ValueError("\n  ".join(problems))
         if not d.enabled:
@@ -259,6 +252,11 @@ class AppConfig(_Strict):
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")
+        timeout = self.engine.kv_connector.transfer_timeout_s
+        if timeout not in (d.transfer_timeout_s, KVConnectorConfig.model_fields["transfer_timeout_s"].default):
+            raise ValueError(f"engine.kv_connector.transfer_timeout_s: {timeout:g} is not used with disaggregation: "
+                             "set disaggregation.transfer_timeout_s (how long a prefill replica holds KV nobody "
+                             "copied out) instead")
         if not self.engine.cache.enable_prefix_caching:
             raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
                              "admitted as prefix hits)")
@@ -282,7 +280,71 @@ class AppConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(source, [line for err in e.errors() for line in _describe(err).split("\n  ")]) from None
+            problems = [line for err in e.errors() for line in _describe(err).split("\n  ")]
+            if any(err["loc"] for err in e.errors()):    # a field's error: the pools' checks did not run
+                problems += [p for p in _unchecked_pool_problems(data) if p not in problems]
+            raise ConfigError(source, problems) from None
+
+
+def _pool_problems(name: str, d: DisaggregationSection, base: EngineConfig, engine: dict[str, Any],
+                   autoscaling: AutoscalingSection, *, cross_field: bool = True) -> list[str]:
+    """One P/D pool's autoscaling and engine settings laid over the app's sections (`base`: the engine
+    section with a model; `engine`: it as given), one line per problem naming its full path. `cross_field`
+    False: only the problems of a key on its own (an unknown key, a value out of range), for a check against
+    default sections when the app's own were invalid."""
+    from affinity_serve.app.disagg_config import (PoolSection, pool_autoscaling, pool_engine_config,
+                                                  pool_engine_problems, without_shared_keys)
+    pool: PoolSection = getattr(d, name)
+    other: PoolSection = getattr(d, "decode" if name == "prefill" else "prefill")
+    problems = pool_engine_problems(name, pool.engine, engine, other.engine, devices=cross_field)
+    checked_pool = pool.model_copy(update={"engine": without_shared_keys(pool.engine)})
+    for part, check in (("autoscaling", lambda: pool_autoscaling(autoscaling, pool, name)),
+                        ("engine", lambda: pool_engine_config(base, checked_pool, d))):
+        try:
+            check()
+        except ValidationError as e:
+            problems += [f"disaggregation.{name}." + _describe({**err, "loc": (part, *err["loc"])})
+                         for err in e.errors() if cross_field or err["type"] != "value_error"]
+        except ValueError as e:              # a check across fields, its message names the path
+            if cross_field:
+                problems.append(str(e))
+    return problems
+
+
+def _unchecked_pool_problems(data: dict[str, Any]) -> list[str]:
+    """The P/D pools' problems when an error elsewhere kept AppConfig's own check of them from running (it
+    runs once every section is valid), so one pass reports them all: each pool's settings on their own, laid
+    over the app's engine and autoscaling sections where those are valid, else over the defaults (then only
+    the problems of a key on its own)."""
+    raw = data.get("disaggregation")
+    if not isinstance(raw, dict):
+        return []
+    pools = {}
+    for name in ("prefill", "decode"):
+        pool = raw.get(name, {})
+        if not isinstance(pool, dict):
+            return []
+        pools[name] = {k: v for k, v in pool.items() if k in ("engine", "autoscaling") and isinstance(v, dict)}
+    try:
+        d = DisaggregationSection.model_validate(pools)
+    except ValidationError:
+        return []
+    engine = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+    try:
+        base = EngineConfig.model_validate({**engine, "model": engine.get("model") or "unresolved"})
+        engine_ok = True
+    except (ValidationError, TypeError):
+        base, engine_ok = EngineConfig(model="unresolved"), False
+    try:
+        autoscaling = AutoscalingSection.model_validate(data.get("autoscaling") or {})
+        autoscaling_ok = True
+    except (ValidationError, TypeError):
+        autoscaling, autoscaling_ok = AutoscalingSection(), False
+    out = []
+    for name in ("prefill", "decode"):
+        out += _pool_problems(name, d, base, engine if engine_ok else {}, autoscaling,
+                              cross_field=engine_ok and autoscaling_ok)
+    return out
 
 
 def served_model_name(config: "AppConfig") -> str:

@@ -79,19 +79,95 @@ _Autoscaling = TypeVar("_Autoscaling", bound=BaseModel)
 def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection, name: str = "pool") -> _Autoscaling:
     """A pool's autoscaling section: the app's `autoscaling` section with the pool's settings laid over it,
     its initial replicas the pool's num_replicas unless either sets initial_replicas (kept within its
-    bounds). Raises pydantic's ValidationError for a bad setting, ValueError for a num_replicas set outside
-    the bounds (`name`: the pool's, for the message)."""
-    data = merge(autoscaling.model_dump(exclude_unset=True), pool.autoscaling)
+    bounds). Raises pydantic's ValidationError for a bad setting, ValueError for bounds the wrong way round
+    (saying where each one came from) or a num_replicas set outside them (`name`: the pool's, for the
+    message)."""
+    set_here = autoscaling.model_dump(exclude_unset=True)
+    data = merge(set_here, pool.autoscaling)
+    fields = type(autoscaling).model_fields
+    lo, hi = (data.get(k, fields[k].default) for k in ("min_replicas", "max_replicas"))
+    enabled = data.get("enabled", fields["enabled"].default)
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:     # (a value of the wrong type: pydantic's line)
+        def where(key: str) -> str:
+            if key in pool.autoscaling:
+                return "set in this pool"
+            return f"inherited from autoscaling.{key}" + ("" if key in set_here else ", its default")
+        note = ("" if enabled else "; this pool is not autoscaled (autoscaling.enabled is false: it runs "
+                "num_replicas), but its bounds must still hold for when it is")
+        fix = ("raise max_replicas or lower min_replicas" if "max_replicas" in pool.autoscaling
+               else "set this pool's max_replicas too, or a lower min_replicas")
+        raise ValueError(f"disaggregation.{name}.autoscaling: min_replicas ({lo}, {where('min_replicas')}) is above "
+                         f"max_replicas ({hi}, {where('max_replicas')}): {fix}{note}")
     if data.get("initial_replicas") is None:
-        fields = type(autoscaling).model_fields
-        lo, hi = (data.get(k, fields[k].default) for k in ("min_replicas", "max_replicas"))
-        enabled = data.get("enabled", fields["enabled"].default)
         if enabled and "num_replicas" in pool.model_fields_set and not lo <= pool.num_replicas <= hi:
             raise ValueError(f"disaggregation.{name}.num_replicas: {pool.num_replicas} is outside this pool's "
                              f"autoscaling bounds [{lo}, {hi}] (it is the pool's initial size; change it or the "
                              "bounds)")
         data["initial_replicas"] = max(lo, min(pool.num_replicas, hi))
     return type(autoscaling).model_validate(data)
+
+
+def pool_initial_replicas(autoscaling: _Autoscaling, pool: PoolSection, name: str = "pool") -> int:
+    """How many replicas a pool starts with: its autoscaling's initial replicas, or num_replicas when the
+    pool is not autoscaled."""
+    scaling = pool_autoscaling(autoscaling, pool, name)
+    return scaling.initial_replicas if scaling.enabled else pool.num_replicas
+
+
+#: engine keys the two pools must share (a pool's `engine` may not set them), and why
+SHARED_ENGINE_KEYS: dict[str, str] = {
+    "model": "both pools run one model, the decode pool continuing from the prefill pool's KV and first token",
+    "dtype": "KV blocks move between the pools as they are: with another dtype every transfer is refused and "
+             "the decode pool recomputes the prompt",
+    "cache.block_size": "KV moves in whole blocks: with another block size every transfer is refused and the "
+                        "decode pool recomputes the prompt",
+    "max_model_len": "a prompt one pool takes and the other refuses fails its remote prefill and is recomputed",
+    "skip_tokenizer_init": "the prefill pool's first token is the decode pool's first output: both return text "
+                           "or neither does",
+    "generation_config": "the prefill pool samples the first token and the decode pool the rest: both must "
+                         "apply the checkpoint's sampling defaults alike",
+}
+
+
+def _lookup(data: Any, path: str) -> tuple[bool, Any]:
+    for part in path.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False, None
+        data = data[part]
+    return True, data
+
+
+def pool_engine_problems(name: str, overrides: dict[str, Any], engine: dict[str, Any],
+                         other: dict[str, Any], *, devices: bool = True) -> list[str]:
+    """What a pool's `engine` overrides may not set, one line each naming its key: a key both pools must
+    share (SHARED_ENGINE_KEYS), the KV connector (P/D sets it), and, with dtype auto, a device other than the
+    other pool's (the KV dtype follows the device). `engine`: the engine section as a dict; `other`: the
+    other pool's overrides; `devices` False leaves out the device check (`engine` is not the app's)."""
+    out = []
+    for key, why in SHARED_ENGINE_KEYS.items():
+        if _lookup(overrides, key)[0]:
+            out.append(f"disaggregation.{name}.engine.{key}: must be the same in both pools ({why}); set "
+                       f"engine.{key} in the top-level engine section instead")
+    if "kv_connector" in overrides:
+        out.append(f"disaggregation.{name}.engine.kv_connector: not a per-pool setting: disaggregation gives both "
+                   "pools the pd connector; set how long a prefill replica holds KV with "
+                   "disaggregation.transfer_timeout_s, and engine.kv_connector.load_timeout_s or model_identity "
+                   "(both pools) in the top-level engine section")
+    if devices and "device" in overrides and "dtype" not in overrides and engine.get("dtype", "auto") == "auto":
+        theirs = other.get("device", engine.get("device", "auto"))
+        if overrides["device"] != theirs:
+            out.append(f"disaggregation.{name}.engine.device: {overrides['device']!r} while the other pool's is "
+                       f"{theirs!r}: with engine.dtype auto the KV dtype follows the device (float32 on CPU, "
+                       "bfloat16 on CUDA) and the pools must share it; set engine.dtype explicitly")
+    return out
+
+
+def without_shared_keys(overrides: dict[str, Any]) -> dict[str, Any]:
+    """A pool's overrides less what pool_engine_problems refuses (so a refused key is reported once)."""
+    out = {k: v for k, v in overrides.items() if k not in ("kv_connector", *SHARED_ENGINE_KEYS)}
+    if isinstance(overrides.get("cache"), dict):
+        out["cache"] = {k: v for k, v in overrides["cache"].items() if k != "block_size"}
+    return out
 
 
 def pool_engine_config(engine: EngineConfig, pool: PoolSection, section: DisaggregationSection) -> EngineConfig:

@@ -54,3 +54,11 @@ def test_cascade_min_tokens_takes_a_positive_count_or_null(tmp_path):
     assert AppConfig.from_yaml(p).engine.cascade_min_tokens is None
     p.write_text("engine:\n  cascade_min_tokens: 128\n")
     assert AppConfig.from_yaml(p).engine.cascade_min_tokens == 128
+
+
+def test_max_queue_wait_s_says_admission_predicts_the_wait_for_kv_room():
+    """Admission adds each replica's wait for KV room to the routing TTFT (docs/limits.md, "Admission
+    control"); the key's description (and the generated reference) says so."""
+    from affinity_serve.app.config import ServeSection
+    text = ServeSection.model_fields["max_queue_wait_s"].description
+    assert "wait for KV room" in text and "docs/limits.md" in text

@@ -112,3 +112,118 @@ def test_every_pool_problem_is_listed_at_once():
         "disaggregation.prefill.num_replicas: 3 is outside this pool's autoscaling bounds [1, 2] (it is the pool's "
         "initial size; change it or the bounds)",
         "disaggregation.decode.engine.cache.blok_size: unknown key (did you mean 'block_size'?)"]
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"cache": {"block_size": 32}}, "cache.block_size"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"max_model_len": 512}, "max_model_len"),
+    ({"model": "/other"}, "model"),
+    ({"skip_tokenizer_init": True}, "skip_tokenizer_init"),
+    ({"generation_config": "ignore"}, "generation_config"),
+])
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_a_pool_cannot_set_what_both_pools_must_share(override, key, pool):
+    """A per-pool block size, dtype, model, context length or tokenizer/sampling-default setting makes every
+    transfer fail (or some prompts, or the first token differ) while P/D looks on: refused, naming the key and
+    where to set it, even with disaggregation off (the pools are checked either way)."""
+    for enabled in (True, False):
+        with pytest.raises(ConfigError) as e:
+            AppConfig.from_dict({"engine": {"model": "/m"},
+                                 "disaggregation": {"enabled": enabled, pool: {"engine": override}}})
+        assert len(e.value.problems) == 1
+        assert e.value.problems[0].startswith(f"disaggregation.{pool}.engine.{key}: must be the same in both pools (")
+        assert e.value.problems[0].endswith(f"set engine.{key} in the top-level engine section instead")
+
+
+def test_every_shared_key_a_pool_sets_is_its_own_line():
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m"}, "disaggregation": {"enabled": True, "prefill": {"engine": {
+            "cache": {"block_size": 32, "num_blocks": 64}, "dtype": "float16", "model": "/x",
+            "scheduler": {"max_num_seqs": 0}}}}})
+    assert [p.split(":")[0] for p in e.value.problems] == [
+        "disaggregation.prefill.engine.model", "disaggregation.prefill.engine.dtype",
+        "disaggregation.prefill.engine.cache.block_size", "disaggregation.prefill.engine.scheduler.max_num_seqs"]
+
+
+def test_a_pool_cannot_set_its_kv_connector():
+    """The pd connector is the builder's: a pool's kv_connector (its type, its transfer_timeout_s) used to be
+    overwritten without a word."""
+    for kv in ({"type": "offload"}, {"transfer_timeout_s": 5}):
+        with pytest.raises(ConfigError) as e:
+            AppConfig.from_dict({"engine": {"model": "/m"},
+                                 "disaggregation": {"enabled": True, "decode": {"engine": {"kv_connector": kv}}}})
+        [problem] = e.value.problems
+        assert problem.startswith("disaggregation.decode.engine.kv_connector: not a per-pool setting")
+        assert "disaggregation.transfer_timeout_s" in problem
+    with pytest.raises(ConfigError, match=r"engine.kv_connector.transfer_timeout_s: 5 is not used with "
+                                          r"disaggregation: set disaggregation.transfer_timeout_s"):
+        AppConfig.from_dict({"engine": {"model": "/m", "kv_connector": {"transfer_timeout_s": 5}},
+                             "disaggregation": {"enabled": True}})
+    # the same value as disaggregation's is not a conflict, nor any value without disaggregation
+    AppConfig.from_dict({"engine": {"model": "/m", "kv_connector": {"transfer_timeout_s": 5}},
+                         "disaggregation": {"enabled": True, "transfer_timeout_s": 5}})
+    AppConfig.from_dict({"engine": {"model": "/m", "kv_connector": {"transfer_timeout_s": 5}}})
+
+
+def test_pools_on_different_devices_need_an_explicit_dtype():
+    data = {"engine": {"model": "/m"}, "disaggregation": {"enabled": True, "prefill": {"engine": {"device": "cuda"}},
+                                                          "decode": {"engine": {"device": "cpu"}}}}
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict(data)
+    assert [p.split(":")[0] for p in e.value.problems] == ["disaggregation.prefill.engine.device",
+                                                           "disaggregation.decode.engine.device"]
+    assert "set engine.dtype explicitly" in e.value.problems[0]
+    AppConfig.from_dict({**data, "engine": {"model": "/m", "dtype": "float32"}})
+
+
+def test_pool_overrides_that_keep_the_pools_compatible_are_accepted():
+    cfg = _cfg(prefill={"engine": {"scheduler": {"max_num_batched_tokens": 8192}, "attention_backend": "torch",
+                                   "cache": {"num_blocks": 64}, "enforce_eager": True, "num_threads": 2}},
+               decode={"engine": {"scheduler": {"max_num_seqs": 256}, "cascade_min_tokens": None}})
+    decode = disagg_deployments(cfg, cfg.engine.to_engine_config())._bound_deployment
+    p_cfg = decode.init_args[3]._bound_deployment.init_args[0]
+    assert p_cfg.cache.num_blocks == 64 and p_cfg.cache.block_size == 4 and p_cfg.attention_backend == "torch"
+
+
+def test_bounds_the_wrong_way_round_say_so_and_where_each_came_from():
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m"}, "autoscaling": {"enabled": True}, "disaggregation": {
+            "enabled": True, "prefill": {"num_replicas": 2, "autoscaling": {"min_replicas": 4, "max_replicas": 2}}}})
+    assert e.value.problems == [
+        "disaggregation.prefill.autoscaling: min_replicas (4, set in this pool) is above max_replicas (2, set in "
+        "this pool): raise max_replicas or lower min_replicas"]
+    # not autoscaled, max_replicas inherited: the message says where the 2 comes from and what the bounds are for
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m"}, "disaggregation": {
+            "enabled": True, "decode": {"num_replicas": 2, "autoscaling": {"min_replicas": 3}}}})
+    [problem] = e.value.problems
+    assert problem.startswith("disaggregation.decode.autoscaling: min_replicas (3, set in this pool) is above "
+                              "max_replicas (2, inherited from autoscaling.max_replicas, its default): set this "
+                              "pool's max_replicas too, or a lower min_replicas; this pool is not autoscaled")
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m"}, "autoscaling": {"max_replicas": 2}, "disaggregation": {
+            "decode": {"autoscaling": {"min_replicas": 3}}}})
+    assert "(2, inherited from autoscaling.max_replicas)" in e.value.problems[0]
+
+
+def test_typos_at_every_level_are_reported_in_one_pass():
+    """A pool's engine and autoscaling keys are checked once the sections they lie over are valid; an error
+    elsewhere used to hide them until it was fixed."""
+    data = {"engine": {"model": "/m"}, "serve": {"num_replica": 2},
+            "disaggregation": {"enabled": True, "engin": {}, "min_remote_prefil_tokens": 3, "prefill": {
+                "engine": {"scheduler": {"max_num_batched_token": 5}, "cache": {"block_size": 8}},
+                "autoscaling": {"max_replica": 3}}}}
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict(data)
+    assert [p.split(":")[0] for p in e.value.problems] == [
+        "serve.num_replica", "disaggregation.engin", "disaggregation.min_remote_prefil_tokens",
+        "disaggregation.prefill.engine.cache.block_size", "disaggregation.prefill.autoscaling.max_replica",
+        "disaggregation.prefill.engine.scheduler.max_num_batched_token"]
+    # an invalid engine section: the pool's own key problems still show, not those that depend on the section
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m", "cache": {"block_siz": 3}, "pace": {"step_base_s": 0.1}},
+                             "disaggregation": {"prefill": {"engine": {"pace": {"enabled": True},
+                                                                       "scheduler": {"max_num_seqs": 0}}}}})
+    assert [p.split(":")[0] for p in e.value.problems] == [
+        "engine.cache.block_siz", "disaggregation.prefill.engine.scheduler.max_num_seqs"]
