@@ -713,8 +713,10 @@ def decide(signals: Sequence[ReplicaSignals], current: int, now: float, state: P
     inflate = downscale_band(state, cfg)
     down_need = replicas_needed((load.projected_units + load.falling_units) * inflate, cfg, per_unit,
                                 cold_units=load.cold_units * inflate)
+    # never below what the up rule wants now: on a falling trend the down rule sizes for the load a start-up
+    # ahead, which can be under today's up target, and scaling in to it would scale straight back out (flapping)
     down_target = max(1, math.ceil(max(down_need, load.kv_units * inflate, cache_floor) - 1e-9),
-                      up_target + cfg.downscale_spare_replicas if cfg.downscale_spare_replicas else 0)
+                      up_target + cfg.downscale_spare_replicas)
 
     # The planner-style target (feedforward_target): the steady state both ways; the rule's headroom and band
     # add capacity only while their evidence fires, and scale-in follows the feed-forward target once none

@@ -89,8 +89,11 @@ def test_the_short_hold_needs_the_fall_confirmed_over_the_last_start_up():
     step = lambda t: 5.0 if t < 45 else 2.0            # noqa: E731
     at_58 = [run(step, c, 58.0) for c in (cfg, short, confirmed)]
     assert all(d.load.falling_units < 0 for d in at_58)                    # the 30 s slope still falls
-    assert [d.down_target for d in at_58] == [2, 2, 2]
-    assert [d.target_replicas for d in at_58] == [3, 2, 3]
+    # the down rule alone would allow 2 on the plateau, under the up rule's 3 (2 units at 0.8): the down
+    # target never goes below the up target (scaling in to 2 would scale straight back out), so each holds 3
+    assert [d.up_target for d in at_58] == [3, 3, 3]
+    assert [d.down_target for d in at_58] == [3, 3, 3]
+    assert [d.target_replicas for d in at_58] == [3, 3, 3]
     falling = lambda t: max(0.5, 5.0 - 0.05 * t)       # noqa: E731
     slow = cfg.model_copy(update=dict(downscale_delay_s=30.0))
     assert [run(falling, c, 70.0).target_replicas for c in (
@@ -108,3 +111,23 @@ def test_a_spare_replica_floor_keeps_a_small_fleet_one_above_its_up_target_under
     assert (narrow.up_target, narrow.down_target, narrow.target_replicas) == (2, 2, 2)
     spare = decide(fleet, 3, NOW, long_down, cfg.model_copy(update=dict(downscale_spare_replicas=1)))
     assert (spare.down_target, spare.target_replicas, spare.reason) == (3, 3, Reason.HOLD)
+
+
+def test_a_falling_trend_never_scales_in_below_the_up_target_so_a_steady_tail_does_not_flap():
+    """A burst (6 replicas of load) ends and one light stream stays (0.9 units): on the falling trend the down
+    rule sized for no load a start-up ahead (down target 1 against an up target of 2), so the fleet went
+    3 -> 1 and the up rule took it straight back to 2 (seen live: 3, 1, 3, 1, 2, 1 within 30 s)."""
+    from affinity_serve.autoscale.policy import PolicyConfig
+    cfg = PolicyConfig(min_replicas=1, max_replicas=3, upscale_delay_s=1.0, downscale_delay_s=5.0,
+                       online_capacity=False, decode_seqs_per_replica=1.0, ttft_slo_s=30, tpot_slo_s=30)
+    st, cur, counts = PolicyState(), 3, []
+    for i in range(600):
+        t = i * 0.1
+        running = 6.0 if t < 20 else 0.9
+        d = decide([S(num_running=running / cur, num_in_flight=running / cur, num_recent_requests=2,
+                      requests_per_s=0.2 / cur) for _ in range(cur)], cur, t, st, cfg)
+        st, cur = d.state, d.target_replicas
+        assert d.down_target >= d.up_target
+        counts.append(cur)
+    changes = [b for a, b in zip(counts, counts[1:]) if a != b]
+    assert changes == [2]                # 3 -> 2 once, then it holds
