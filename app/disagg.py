@@ -366,6 +366,17 @@ class DecodeReplica(_PDMetrics):
             async for c in super().generate(req):
                 yield c
             return
+        # in flight for the autoscaler from here, not only once the engine has it: while the prefill pool
+        # answers (or starts from zero) this replica is not idle, and must not scale to zero under the request
+        self.num_waiting_elsewhere += 1
+        try:
+            async for c in self._generate_remote(req, skip):
+                yield c
+        finally:
+            self.num_waiting_elsewhere -= 1
+
+    async def _generate_remote(self, req: GenerateRequest, skip: int) -> AsyncIterator[ReplicaChunk]:
+        """`generate` for a request the prefill pool prefills (`skip`: the leading blocks held here)."""
         from opentelemetry import trace
 
         from affinity_serve.observability.tracing import context_from_carrier, inject_carrier

@@ -196,3 +196,41 @@ def test_the_object_store_transport_records_why_a_transfer_was_not_read():
         t.release(RemotePrefill("p", tid, "k", 12, 3, 1), reason)
         rec = t.take_record(tid)
         assert rec.outcome == reason and rec.num_blocks == 0
+
+
+def test_a_request_waiting_on_the_prefill_pool_keeps_the_decode_replica_in_flight_for_the_autoscaler():
+    """P/D scaled to zero: a request waited on the decode replica for the prefill pool's cold start, while the
+    decode replica's signals read idle (its engine held nothing), so the decode pool scaled to zero under it
+    (503). The request counts in flight from the call to its end."""
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.autoscale.signals import SignalRecorder
+    from affinity_serve.engine.types import EngineLoad
+
+    load = EngineLoad(0, 0, 0.0, 0, 10, 10, 0, 0, 0, 0, 0, 0, "e:0", 0.0)
+    engine = SimpleNamespace(num_in_flight=0, num_background_in_flight=0, load=lambda: load)
+    release = asyncio.Event()
+
+    async def remote(req, skip):
+        await release.wait()
+        yield "chunk"
+
+    d = SimpleNamespace(num_waiting_elsewhere=0, _route=lambda req: 0, _generate_remote=remote, engine=engine,
+                        signals=SignalRecorder(window_s=2.0), _max_num_seqs=8, _last_step_recorded=0)
+    d._record_steps = lambda: LLMReplica._record_steps(d)
+
+    def in_flight() -> float:
+        return LLMReplica.record_autoscaling_stats(d)["num_in_flight"]
+
+    async def run():
+        assert in_flight() == 0
+        gen = DecodeReplica.generate(d, SimpleNamespace(req_id="r"))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert d.num_waiting_elsewhere == 1 and in_flight() == 1      # waiting: not idle
+        release.set()
+        assert await first == "chunk"
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        assert d.num_waiting_elsewhere == 0 and in_flight() == 0
+
+    asyncio.run(run())
