@@ -187,9 +187,13 @@ def autoscaling_config(config: AppConfig, section: AutoscalingSection | None = N
 
 def ingress_deployment(config: AppConfig):
     s = config.serve
+    replicas = s.num_replicas
+    if config.disaggregation.enabled:            # the ingress calls the decode pool
+        from affinity_serve.app.disagg_config import pool_initial_replicas
+        replicas = max(1, pool_initial_replicas(config.autoscaling, config.disaggregation.decode, "decode"))
     return serve.deployment(IngressServer).options(
         name="Ingress", num_replicas=s.ingress_replicas, **ingress_placement(config),
-        max_ongoing_requests=max(1000, s.max_ongoing_requests * s.num_replicas * 4),
+        max_ongoing_requests=max(1000, s.max_ongoing_requests * replicas * 4),
         graceful_shutdown_timeout_s=s.graceful_shutdown_timeout_s)
 
 

@@ -114,6 +114,8 @@ def config_cmd(args) -> int:
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
     note = check_local_checkpoint(cfg)
+    for line in replica_warnings(cfg, "num_replicas" in cfg.serve.model_fields_set):
+        print(f"[affinity-serve] warning: {line}", file=sys.stderr)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     print(f"[affinity-serve] {note}", file=sys.stderr)
     return 0
@@ -143,6 +145,8 @@ def deploy_cmd(args) -> int:
     cfg = AppConfig.from_yaml(args.config)
     check_extras(cfg)
     print(f"[affinity-serve] {check_local_checkpoint(cfg)}", file=sys.stderr, flush=True)
+    for line in replica_warnings(cfg, "num_replicas" in cfg.serve.model_fields_set):
+        print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     import ray
     from ray import serve
 
@@ -189,12 +193,45 @@ def _load_config(args) -> "AppConfig":
             section = section[part]
         section[key] = value
     source = f"{args.config or 'the defaults'} with the command-line options"
+    file_sets_replicas = "num_replicas" in cfg.serve.model_fields_set
     cfg = AppConfig.from_dict(data, source=source)
+    if cfg.disaggregation.enabled and args.replicas is not None:
+        raise ConfigError("the command line", [
+            f"--replicas {args.replicas}: with disaggregation each pool has its own size; set "
+            "disaggregation.prefill.num_replicas and disaggregation.decode.num_replicas (or each pool's "
+            "autoscaling) in the --config file instead"])
+    for line in replica_warnings(cfg, file_sets_replicas):
+        print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     if cfg.engine.num_threads is None and cfg.engine.device != "cuda":
-        # share the cores between replicas instead of oversubscribing them
-        per = max(1, (os.cpu_count() or 1) // max(1, cfg.serve.num_replicas))
+        # share the cores between replicas instead of oversubscribing them (with P/D: both pools' replicas)
+        per = max(1, (os.cpu_count() or 1) // max(1, sum(model_replicas(cfg).values())))
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_threads": per})})
     return cfg
+
+
+def model_replicas(cfg: "AppConfig") -> dict[str, int]:
+    """The model replicas the app starts with: {"": serve.num_replicas}, or with disaggregation each pool's
+    initial count ({"prefill": n, "decode": m}: num_replicas, or its autoscaling's initial replicas)."""
+    if not cfg.disaggregation.enabled:
+        return {"": cfg.serve.num_replicas}
+    from affinity_serve.app.disagg_config import pool_initial_replicas
+    d = cfg.disaggregation
+    return {name: pool_initial_replicas(cfg.autoscaling, getattr(d, name), name) for name in ("prefill", "decode")}
+
+
+def describe_replicas(cfg: "AppConfig") -> str:
+    """`1 replica(s)`, or with disaggregation `1 prefill + 1 decode replica(s)`, for the start-up message."""
+    counts = model_replicas(cfg)
+    return " + ".join(f"{n} {name}".rstrip() for name, n in counts.items()) + " replica(s)"
+
+
+def replica_warnings(cfg: "AppConfig", num_replicas_set: bool) -> list[str]:
+    """With disaggregation, a serve.num_replicas the configuration file sets (`num_replicas_set`) is not used:
+    a warning (the same file may serve either mode)."""
+    if cfg.disaggregation.enabled and num_replicas_set:
+        return [f"serve.num_replicas ({cfg.serve.num_replicas}) is ignored with disaggregation: each pool has its "
+                "own size (disaggregation.prefill.num_replicas, disaggregation.decode.num_replicas)"]
+    return []
 
 
 def _api_key(args) -> str | None:
@@ -260,6 +297,13 @@ def check_model(cfg: "AppConfig", *, replicas_here: bool = True) -> None:
         raise ConfigError(None, [f"engine.max_model_len: {e}"]) from None
     try:
         check_engine_support(args, cfg.engine.kv_connector.type)
+        if cfg.disaggregation.enabled:             # both pools run the pd connector (disagg_config)
+            try:
+                check_engine_support(args, "pd")
+            except ValueError:
+                raise ValueError("disaggregation.enabled: P/D moves one block table per request and this model "
+                                 "has sliding-window layers (a table per KV-cache group); serve it without "
+                                 "disaggregation") from None
     except ValueError as e:
         raise ConfigError(None, [str(e)]) from None
     import torch
@@ -320,7 +364,7 @@ def serve_cmd(args) -> int:
         init_ray(address, cfg, dashboard_port=None if args.no_dashboard else args.dashboard_port)
         _raise_if_interrupted()
         from ray import serve
-        print(f"[affinity-serve] deploying {cfg.serve.num_replicas} replica(s) of {cfg.engine.model} ...",
+        print(f"[affinity-serve] deploying {describe_replicas(cfg)} of {cfg.engine.model} ...",
               flush=True)
         start_serve(cfg)
         _raise_if_interrupted()
