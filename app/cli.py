@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, help="engine.scheduler.max_num_seqs")
     s.add_argument("--max-num-batched-tokens", type=int, help="engine.scheduler.max_num_batched_tokens")
     s.add_argument("--replicas", type=int, help="number of model replicas (with autoscaling: the initial number, "
-                   "within its bounds)")
+                   "within its bounds; refused with disaggregation: set each pool's num_replicas)")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, help="how tool_choice 'auto' reads tool calls "
                    "back (serve.tool_call_parser; default auto: the chat template's format)")
     s.add_argument("--chat-template", help="a Jinja chat template, or a file holding one, used instead of the "

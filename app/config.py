@@ -40,7 +40,8 @@ class ServeSection(_Strict):
     host: str = Field("127.0.0.1", description="bind address; use 0.0.0.0 only deliberately")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     model_name: str | None = Field(None, description="name clients send as `model` (default: dir name)")
-    num_replicas: int = Field(1, ge=1, description="model replicas when autoscaling is off")
+    num_replicas: int = Field(1, ge=1, description="model replicas when autoscaling is off (not used with "
+                              "disaggregation: each pool has its own num_replicas)")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPU share per CPU replica")
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per model replica; 0: one with engine.device "
                                     "cuda, none otherwise")

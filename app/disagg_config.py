@@ -22,7 +22,9 @@ class PoolSection(BaseModel):
         "TTFT SLO, decode on running sequences, KV usage and TPOT (autoscale/pools.py)")
     engine: dict[str, Any] = Field(
         {}, description="engine settings for this pool laid over the engine section (nested keys merge), e.g. "
-        "{scheduler: {max_num_batched_tokens: 8192}} for prefill or {scheduler: {max_num_seqs: 256}} for decode")
+        "{scheduler: {max_num_batched_tokens: 8192}} for prefill or {scheduler: {max_num_seqs: 256}} for decode. "
+        "Not the keys both pools must share (model, dtype, cache.block_size, max_model_len, skip_tokenizer_init, "
+        "generation_config: set them in the engine section) nor kv_connector (P/D's own)")
     replica_resources: dict[str, PositiveFloat] | None = Field(
         None, description="custom Ray resources each replica of this pool requests (null: serve.replica_resources), "
         "e.g. a slot only the prefill pool's node type declares")
