@@ -165,6 +165,12 @@ class Ingress:
         if self.draining:
             return error_response(APIError("the server is shutting down", 503, "service_unavailable", None,
                                            "draining", retry))
+        a = self.cfg.autoscaling
+        may_be_zero = a.enabled and a.min_replicas == 0
+        if self.serving.known_limits is None and may_be_zero and not self.serving.replicas_seen():
+            # scaled to zero (or never started: initial_replicas 0) and no replica ever answered: asking one
+            # for its limits would start one, so a load balancer's probe would undo the scale to zero
+            return JSONResponse({"status": "scaled_to_zero", "model": self.model_name, "num_replicas": 0})
         if self.serving.known_limits is None:
             if self._limits_task is None or self._limits_task.done():
                 self._limits_task = asyncio.ensure_future(self.serving.limits())
@@ -175,8 +181,7 @@ class Ingress:
             return error_response(APIError("the model is loading: no model replica has answered yet", 503,
                                            "service_unavailable", None, "starting", retry))
         num_replicas = self.serving.num_replicas()
-        a = self.cfg.autoscaling
-        if num_replicas == 0 and not (a.enabled and a.min_replicas == 0):
+        if num_replicas == 0 and not may_be_zero:
             return error_response(APIError("no model replica is running", 503, "service_unavailable", None,
                                            "no_replica_running", retry))
         return JSONResponse({"status": "ok" if num_replicas != 0 else "scaled_to_zero", "model": self.model_name,

@@ -24,6 +24,7 @@ from affinity_serve.app.protocol import (ChatCompletionRequest, CompletionReques
 from affinity_serve.app.tool_calls import (ToolCallMode, ToolCallStream, auto_content, read_calls,
                                            tool_calls_message)
 from affinity_serve.app.routing import debug as routing_debug
+from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
 from affinity_serve.engine import EngineLimits
 from affinity_serve.observability.metrics import ServingMetrics
 from affinity_serve.observability.requests import RequestObserver, RequestSpan
@@ -75,6 +76,11 @@ class OpenAIServing:
         except Exception:
             return None
         return max((r.num_replicas() for r in routers), default=None)
+
+    def replicas_seen(self) -> bool:
+        """Whether this process knows of a running model replica: its router counts one now, or Serve's handle
+        has once been given a non-empty replica set (state only, no call made)."""
+        return bool(self._num_replicas()) or handle_has_known_replicas(self.replica)
 
     async def limits(self) -> EngineLimits:
         """The engine's limits, asked of a replica once (they are fixed when its KV pool is built).

@@ -443,3 +443,19 @@ async def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(checkpo
     r = await ing._http(RequestKind.COMPLETION, Request(scope, receive))
     assert r.status_code == 413 and json.loads(r.body)["error"]["code"] == "request_too_large"
     assert sent <= 5
+
+
+async def test_health_at_zero_before_any_replica_answered_starts_none(checkpoints, monkeypatch):
+    """Scaled to zero (or deployed with initial_replicas 0) and no replica has answered yet: /health asked a
+    replica for the engine's limits, which started one (a load balancer's probe undid the scale to zero) and
+    answered 503 `starting` meanwhile. Now it answers 200 `scaled_to_zero` and calls nothing."""
+    ing, handle = ingress(checkpoints)
+    ing.cfg = AppConfig.model_validate({**ing.cfg.model_dump(), "autoscaling": {"enabled": True, "min_replicas": 0}})
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: None)        # no router yet: no call made
+    r = await ing.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero"
+    assert handle.calls == []
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: 1)           # a replica runs: its limits are asked
+    r = await ing.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["status"] == "ok"
+    assert {name for name, _ in handle.calls} == {"limits"}
