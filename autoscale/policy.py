@@ -273,10 +273,13 @@ class ScalingDecision:
 
     def describe(self) -> str:
         ld = self.load
+        # no sample (nothing finished a first token or a decode step in the window, or a P/D pool that does not
+        # measure it): n/a, not a latency of 0
+        ttft = f"{ld.ttft_p90_s:.2f} s" if ld.ttft_p90_s > 0 else "n/a"
+        tpot = f"{ld.tpot_p90_s * 1e3:.0f} ms" if ld.tpot_p90_s > 0 else "n/a"
         return (f"{self.reason.value} -> {self.target_replicas} (load {ld.load_units:.2f} = prefill "
                 f"{ld.prefill_units:.2f} + decode {ld.decode_units:.2f}, trend +{ld.trend_units:.2f}, refills "
-                f"{ld.refill_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 "
-                f"{ld.ttft_p90_s:.2f} s, TPOT p90 {ld.tpot_p90_s * 1e3:.0f} ms, preempt "
+                f"{ld.refill_units:.2f}; kv {ld.kv_units:.2f}; TTFT p90 {ttft}, TPOT p90 {tpot}, preempt "
                 f"{ld.preemptions_per_s:.2f}/s; {ld.requests_per_s:.1f} req/s; up {self.up_target}, down "
                 f"{self.down_target})")
 
