@@ -89,6 +89,10 @@ def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection, name: str = "
     fields = type(autoscaling).model_fields
     lo, hi = (data.get(k, fields[k].default) for k in ("min_replicas", "max_replicas"))
     enabled = data.get("enabled", fields["enabled"].default)
+    if not (isinstance(lo, int) and isinstance(hi, int)) or isinstance(lo, bool) or isinstance(hi, bool):
+        # a bound of another type: pydantic's line names it (null, "many"), or coerces it as at the top level ("3")
+        checked = type(autoscaling).model_validate({k: v for k, v in data.items() if k != "initial_replicas"})
+        lo, hi = checked.min_replicas, checked.max_replicas
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:     # (a value of the wrong type: pydantic's line)
         def where(key: str) -> str:
             if key in pool.autoscaling:

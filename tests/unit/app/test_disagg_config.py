@@ -227,3 +227,18 @@ def test_typos_at_every_level_are_reported_in_one_pass():
                                                                        "scheduler": {"max_num_seqs": 0}}}}})
     assert [p.split(":")[0] for p in e.value.problems] == [
         "engine.cache.block_siz", "disaggregation.prefill.engine.scheduler.max_num_seqs"]
+
+
+def test_a_pool_bound_of_the_wrong_type_is_a_config_line_not_a_traceback():
+    """A pool's max_replicas of null or "many" crashed the check (comparing it with an int: TypeError, exit 1);
+    "3" is coerced, as at the top level."""
+    base = {"engine": {"model": "/m"}, "autoscaling": {"enabled": True, "max_replicas": 2}}
+    for value, problem in ((None, "disaggregation.decode.autoscaling.max_replicas: Input should be a valid integer"),
+                           ("many", "disaggregation.decode.autoscaling.max_replicas: Input should be a valid integer")):
+        with pytest.raises(ConfigError) as e:
+            AppConfig.from_dict({**base, "disaggregation": {"enabled": True,
+                                                            "decode": {"autoscaling": {"max_replicas": value}}}})
+        assert e.value.problems[0].startswith(problem), e.value.problems
+    cfg = AppConfig.from_dict({**base, "disaggregation": {"enabled": True,
+                                                           "decode": {"autoscaling": {"max_replicas": "3"}}}})
+    assert disagg_deployments(cfg, cfg.engine.to_engine_config()) is not None
