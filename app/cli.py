@@ -111,8 +111,12 @@ def config_cmd(args) -> int:
     replicas' nodes is said to be unchecked."""
     import yaml
     from affinity_serve.app.config import AppConfig
+    from affinity_serve.app.config import ConfigError
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
     check_extras(cfg)
+    problems = replica_bound_problems(cfg, "num_replicas" in cfg.serve.model_fields_set)
+    if problems:
+        raise ConfigError(args.config, problems)
     note = check_local_checkpoint(cfg)
     for line in replica_warnings(cfg, "num_replicas" in cfg.serve.model_fields_set):
         print(f"[affinity-serve] warning: {line}", file=sys.stderr)
@@ -200,6 +204,9 @@ def _load_config(args) -> "AppConfig":
             f"--replicas {args.replicas}: with disaggregation each pool has its own size; set "
             "disaggregation.prefill.num_replicas and disaggregation.decode.num_replicas (or each pool's "
             "autoscaling) in the --config file instead"])
+    problems = replica_bound_problems(cfg, file_sets_replicas or args.replicas is not None)
+    if problems:
+        raise ConfigError(source, problems)
     for line in replica_warnings(cfg, file_sets_replicas):
         print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
     if cfg.engine.num_threads is None and cfg.engine.device != "cuda":
@@ -213,6 +220,10 @@ def model_replicas(cfg: "AppConfig") -> dict[str, int]:
     """The model replicas the app starts with: {"": serve.num_replicas}, or with disaggregation each pool's
     initial count ({"prefill": n, "decode": m}: num_replicas, or its autoscaling's initial replicas)."""
     if not cfg.disaggregation.enabled:
+        a = cfg.autoscaling
+        if a.enabled:                      # as the builder starts it (autoscaling_config's initial_replicas)
+            initial = a.initial_replicas if a.initial_replicas is not None else cfg.serve.num_replicas
+            return {"": max(a.min_replicas, min(initial, a.max_replicas))}
         return {"": cfg.serve.num_replicas}
     from affinity_serve.app.disagg_config import pool_initial_replicas
     d = cfg.disaggregation
@@ -223,6 +234,19 @@ def describe_replicas(cfg: "AppConfig") -> str:
     """`1 replica(s)`, or with disaggregation `1 prefill + 1 decode replica(s)`, for the start-up message."""
     counts = model_replicas(cfg)
     return " + ".join(f"{n} {name}".rstrip() for name, n in counts.items()) + " replica(s)"
+
+
+def replica_bound_problems(cfg: "AppConfig", num_replicas_set: bool) -> list[str]:
+    """With autoscaling (no P/D, no initial_replicas), a serve.num_replicas the user set (`num_replicas_set`:
+    --replicas or the file) is the initial size: outside [min_replicas, max_replicas] it was clamped without a
+    word; now it is an error, as a pool's num_replicas outside its bounds is."""
+    a, n = cfg.autoscaling, cfg.serve.num_replicas
+    if (a.enabled and not cfg.disaggregation.enabled and a.initial_replicas is None and num_replicas_set
+            and not a.min_replicas <= n <= a.max_replicas):
+        return [f"serve.num_replicas: {n} is outside the autoscaling bounds [{a.min_replicas}, {a.max_replicas}] "
+                "(with autoscaling it is the initial size; change it or the bounds, or set "
+                "autoscaling.initial_replicas)"]
+    return []
 
 
 def replica_warnings(cfg: "AppConfig", num_replicas_set: bool) -> list[str]:

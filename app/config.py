@@ -200,6 +200,11 @@ class AutoscalingSection(PolicyConfig, _ServeAutoscaling):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to policy: requests (Serve's own rule); the engine policy "
                                      "bounds a scale-up step with max_upscale_factor")
+            # (a value other than the default: the CLI re-validates a dumped config, where every field reads as set)
+            if self.target_ongoing_requests != type(self).model_fields["target_ongoing_requests"].default:
+                raise ValueError("target_ongoing_requests applies to policy: requests (Serve's own rule); the "
+                                 "engine policy sizes the fleet from the engines' load against ttft_slo_s, "
+                                 "tpot_slo_s and target_utilization (set policy: requests to count requests)")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be greater than "
                              f"metrics_interval_s ({self.metrics_interval_s})")

@@ -134,3 +134,37 @@ def test_pd_with_a_sliding_window_model_is_refused_before_ray(tmp_path, capsys, 
     assert err.strip() == ("affinity-serve: error: invalid configuration: disaggregation.enabled: P/D moves one "
                            "block table per request and this model has sliding-window layers (a table per "
                            "KV-cache group); serve it without disaggregation")
+
+
+@pytest.mark.parametrize("cmd", ["config", "serve"])
+def test_a_num_replicas_outside_the_autoscaling_bounds_is_refused_not_clamped(tmp_path, capsys, cmd):
+    """serve.num_replicas 5 with max_replicas 2 was clamped to 2 without a word (a pool's was refused)."""
+    p = _write(tmp_path, {"engine": {"model": "/m"}, "serve": {"num_replicas": 5},
+                          "autoscaling": {"enabled": True, "max_replicas": 2}})
+    assert main([cmd, "--config", p]) == 2
+    err = capsys.readouterr().err
+    assert "serve.num_replicas: 5 is outside the autoscaling bounds [1, 2]" in err and "Traceback" not in err
+    if cmd == "serve":
+        p = _write(tmp_path, {"engine": {"model": "/m"}, "autoscaling": {"enabled": True, "max_replicas": 2}})
+        assert main([cmd, "--config", p, "--replicas", "3"]) == 2
+        assert "serve.num_replicas: 3 is outside" in capsys.readouterr().err
+
+
+def test_the_start_message_counts_the_replicas_autoscaling_starts_with():
+    from affinity_serve.app.config import AppConfig
+    cfg = lambda a, **s: AppConfig.model_validate({"engine": {"model": "/m"}, "serve": s,      # noqa: E731
+                                                   "autoscaling": {"enabled": True, **a}})
+    assert cli.describe_replicas(cfg({"initial_replicas": 2, "max_replicas": 3})) == "2 replica(s)"
+    assert cli.describe_replicas(cfg({"min_replicas": 0, "initial_replicas": 0})) == "0 replica(s)"
+    assert cli.describe_replicas(cfg({"min_replicas": 2, "max_replicas": 4})) == "2 replica(s)"
+    assert cli.describe_replicas(cfg({"max_replicas": 4}, num_replicas=3)) == "3 replica(s)"
+
+
+def test_target_ongoing_requests_with_the_engine_policy_is_refused_not_ignored():
+    from affinity_serve.app.config import AppConfig, ConfigError
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m"}, "autoscaling": {"enabled": True,
+                                                                        "target_ongoing_requests": 2}})
+    assert "target_ongoing_requests applies to policy: requests" in str(e.value)
+    AppConfig.from_dict({"engine": {"model": "/m"}, "autoscaling": {"enabled": True, "policy": "requests",
+                                                                    "target_ongoing_requests": 2}})
