@@ -418,9 +418,23 @@ _SERVE_AUTOSCALING_NAMES = {
 }
 
 
+#: Ray Serve's nesting of deployment options, and where this config keeps them
+_SERVE_NESTING = {
+    "autoscaling_config": "the top-level `autoscaling` section (Ray Serve's autoscaling_config, with its "
+                          "names; the engine policy is its default)",
+    "deployment_config": "the top-level sections: autoscaling for autoscaling_config, serve for num_replicas "
+                         "and max_ongoing_requests, serve.replica_num_cpus / replica_num_gpus / replica_resources for "
+                         "ray_actor_options",
+    "ray_actor_options": "serve.replica_num_cpus, serve.replica_num_gpus and serve.replica_resources (and "
+                         "disaggregation.<pool>.replica_resources)",
+}
+
+
 def _suggest(loc: tuple[str, ...]) -> str:
     if len(loc) == 2 and loc[0] == "autoscaling" and loc[1] in _SERVE_AUTOSCALING_NAMES:
         return f" (a Ray Serve autoscaling_config name; here use {_SERVE_AUTOSCALING_NAMES[loc[1]]})"
+    if loc and loc[-1] in _SERVE_NESTING:
+        return f" (a Ray Serve deployment option; here use {_SERVE_NESTING[loc[-1]]})"
     model: type[BaseModel] = AppConfig
     for part in loc[:-1]:
         field = model.model_fields.get(part)

@@ -168,3 +168,13 @@ def test_target_ongoing_requests_with_the_engine_policy_is_refused_not_ignored()
     assert "target_ongoing_requests applies to policy: requests" in str(e.value)
     AppConfig.from_dict({"engine": {"model": "/m"}, "autoscaling": {"enabled": True, "policy": "requests",
                                                                     "target_ongoing_requests": 2}})
+
+
+def test_ray_serve_nesting_points_to_where_this_config_keeps_it():
+    from affinity_serve.app.config import AppConfig, ConfigError
+    for data, hint in (({"deployment_config": {"autoscaling_config": {}}}, "the top-level sections"),
+                       ({"serve": {"autoscaling_config": {"min_replicas": 1}}}, "the top-level `autoscaling`"),
+                       ({"serve": {"ray_actor_options": {"num_gpus": 1}}}, "serve.replica_num_gpus")):
+        with pytest.raises(ConfigError) as e:
+            AppConfig.from_dict({"engine": {"model": "/m"}, **data})
+        assert "a Ray Serve deployment option; here use" in str(e.value) and hint in str(e.value), str(e.value)
