@@ -263,6 +263,10 @@ class AppConfig(_Strict):
             raise ValueError(f"engine.kv_connector.transfer_timeout_s: {timeout:g} is not used with disaggregation: "
                              "set disaggregation.transfer_timeout_s (how long a prefill replica holds KV nobody "
                              "copied out) instead")
+        if self.engine.kv_connector.engine_id is not None:
+            raise ValueError(f"engine.kv_connector.engine_id: {self.engine.kv_connector.engine_id!r} would name "
+                             "every replica of both pools alike (a transfer names the engine that holds its KV); "
+                             "remove it: each engine takes a unique one")
         if not self.engine.cache.enable_prefix_caching:
             raise ValueError("disaggregation needs engine.cache.enable_prefix_caching (transferred blocks are "
                              "admitted as prefix hits)")

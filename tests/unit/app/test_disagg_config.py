@@ -242,3 +242,10 @@ def test_a_pool_bound_of_the_wrong_type_is_a_config_line_not_a_traceback():
     cfg = AppConfig.from_dict({**base, "disaggregation": {"enabled": True,
                                                            "decode": {"autoscaling": {"max_replicas": "3"}}}})
     assert disagg_deployments(cfg, cfg.engine.to_engine_config()) is not None
+
+
+def test_one_engine_id_for_every_replica_is_refused():
+    with pytest.raises(ConfigError) as e:
+        AppConfig.from_dict({"engine": {"model": "/m", "kv_connector": {"engine_id": "e1"}},
+                             "disaggregation": {"enabled": True}})
+    assert "engine.kv_connector.engine_id: 'e1' would name every replica of both pools alike" in str(e.value)
