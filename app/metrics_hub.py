@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -81,8 +82,12 @@ class MetricsExporter:
     """This process's side: pushes its snapshot to the app's hub on a timer, and renders `/metrics`."""
 
     def __init__(self, reader: InMemoryMetricReader, app_name: str | None, process: str,
-                 interval_s: float = PUSH_INTERVAL_S):
+                 interval_s: float = PUSH_INTERVAL_S, active: Callable[[], bool] | None = None):
+        """`active`, if given, is asked before each timed push: while it says False nothing is pushed, so the
+        hub lets this process's gauges go after GAUGE_TTL_S and retires its counters after RETIRE_AFTER_S (a
+        source that outlives what it measures, such as the autoscaling policy's of a deleted deployment)."""
         self.reader = reader
+        self.active = active
         self.app_name = app_name
         self.process = f"{process}:{uuid.uuid4().hex[:8]}"      # a restarted process is a new one
         self.interval_s = interval_s
@@ -120,7 +125,8 @@ class MetricsExporter:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.push_once()
+                if self.active is None or self.active():
+                    self.push_once()
             except Exception as e:         # the hub restarting, Ray shutting down: try again next tick
                 self._forget_hub(e)
 

@@ -330,3 +330,52 @@ class RouterMetrics:
                     yield Observation(getattr(f, field_name),
                                       {"router": router, "deployment": s.deployment, "replica": replica})
         return observe
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleSample:
+    """One autoscaling decision for one deployment (plain values: autoscale/serve_policy.py builds it from a
+    `ScalingDecision`, so this module needs no autoscale import)."""
+
+    reason: str
+    target_replicas: int
+    current_replicas: int
+    up_target: int
+    down_target: int
+    load_units: float
+    prefill_units: float
+    decode_units: float
+    kv_units: float
+    trend_units: float
+
+
+_AUTOSCALER_GAUGES = [(names.M_AUTOSCALER_TARGET, "target_replicas"),
+                      (names.M_AUTOSCALER_CURRENT, "current_replicas"),
+                      (names.M_AUTOSCALER_UP_TARGET, "up_target"), (names.M_AUTOSCALER_DOWN_TARGET, "down_target"),
+                      (names.M_AUTOSCALER_LOAD, "load_units"), (names.M_AUTOSCALER_PREFILL, "prefill_units"),
+                      (names.M_AUTOSCALER_DECODE, "decode_units"), (names.M_AUTOSCALER_KV, "kv_units"),
+                      (names.M_AUTOSCALER_TREND, "trend_units")]
+
+
+class AutoscalerMetrics:
+    """The autoscaling policy's decisions (it runs in Serve's controller), labelled `deployment`: the gauges
+    read each deployment's latest decision when the meter is collected (the push timer, not the policy's
+    tick); the counter counts every decision by `reason`. `record` is all the policy pays per tick."""
+
+    def __init__(self, meter: metrics.Meter):
+        self._latest: dict[str, AutoscaleSample] = {}
+        self.decisions = _counter(meter, names.M_AUTOSCALER_DECISIONS)
+        for name, sample_field in _AUTOSCALER_GAUGES:
+            spec = METRICS[name]
+            assert spec.kind is Kind.GAUGE, name
+            meter.create_observable_gauge(name, callbacks=[self._gauge_callback(sample_field)],
+                                          description=spec.description)
+
+    def record(self, deployment: str, sample: AutoscaleSample) -> None:
+        self._latest[deployment] = sample
+        self.decisions.add(1, {"deployment": deployment, "reason": sample.reason})
+
+    def _gauge_callback(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(getattr(s, field_name), {"deployment": d}) for d, s in list(self._latest.items())]
+        return observe

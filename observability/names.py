@@ -82,6 +82,20 @@ M_PD_HOLDS = "affinity_pd_holds"
 M_PD_HOLD_TIME = "affinity_pd_hold_time"
 M_PD_HELD_BLOCKS = "affinity_pd_held_blocks"
 
+# ------------------------------------------------------------------ kept by the autoscaling policy in Serve's
+# controller (autoscale/serve_policy.py): its latest decision per deployment (label `deployment`), pushed to the
+# app's hub
+M_AUTOSCALER_TARGET = "affinity_autoscaler_target_replicas"
+M_AUTOSCALER_CURRENT = "affinity_autoscaler_current_replicas"
+M_AUTOSCALER_UP_TARGET = "affinity_autoscaler_up_target"
+M_AUTOSCALER_DOWN_TARGET = "affinity_autoscaler_down_target"
+M_AUTOSCALER_LOAD = "affinity_autoscaler_load_units"
+M_AUTOSCALER_PREFILL = "affinity_autoscaler_prefill_units"
+M_AUTOSCALER_DECODE = "affinity_autoscaler_decode_units"
+M_AUTOSCALER_KV = "affinity_autoscaler_kv_units"
+M_AUTOSCALER_TREND = "affinity_autoscaler_trend_units"
+M_AUTOSCALER_DECISIONS = "affinity_autoscaler_decisions"
+
 #: labels renamed on the vLLM aliases (vLLM's dashboards filter on `model_name`)
 VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
 
@@ -202,6 +216,18 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
        "needed none, expired: unread at transfer_timeout_s)"),
     _h(M_PD_HOLD_TIME, "P/D, prefill side: first token to the hold's blocks freed, by outcome", "s"),
     _g(M_PD_HELD_BLOCKS, "P/D, prefill side: KV blocks held now for decode replicas to read"),
+    _g(M_AUTOSCALER_TARGET, "the replica count the autoscaling policy's latest decision asks Serve for"),
+    _g(M_AUTOSCALER_CURRENT, "the replicas Serve counted at that decision (current_num_replicas)"),
+    _g(M_AUTOSCALER_UP_TARGET, "what the policy's up rule wanted at its latest decision (before delays and bounds)"),
+    _g(M_AUTOSCALER_DOWN_TARGET, "the fewest replicas the policy's down rule would allow at its latest decision"),
+    _g(M_AUTOSCALER_LOAD, "the fleet's load at the policy's latest decision, in replicas (prefill + decode units)"),
+    _g(M_AUTOSCALER_PREFILL, "of the load, prefill: (prefill rate + backlog / TTFT SLO) over one replica's rate"),
+    _g(M_AUTOSCALER_DECODE, "of the load, decode: sequences running and queued over one replica's decode capacity"),
+    _g(M_AUTOSCALER_KV, "held KV over the KV usage target, in replicas"),
+    _g(M_AUTOSCALER_TREND, "the rising trend's extra load at the lead time ahead, in replicas (the predicted load is "
+       "load + trend)"),
+    _c(M_AUTOSCALER_DECISIONS, "autoscaling policy decisions by reason, one per policy call (rate() by reason: the "
+       "share of time in each)"),
 ]}
 
 
