@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from affinity_serve.observability import names
 from affinity_serve.observability.aggregate import render, snapshot_of
-from affinity_serve.observability.metrics import (FeedReplicaSample, IndexSample, ReplicaLoadSample, ReplicaMetrics,
-                                                 RouterMetrics, RouterSample, ServingMetrics)
+from affinity_serve.observability.metrics import (AutoscalerMetrics, AutoscaleSample, FeedReplicaSample, IndexSample,
+                                                 ReplicaLoadSample, ReplicaMetrics, RouterMetrics, RouterSample,
+                                                 ServingMetrics)
 
 DASHBOARDS = sorted((Path(__file__).resolve().parents[3] / "deploy" / "grafana").glob("*.json"))
 
@@ -79,6 +80,7 @@ def _rendered_series() -> set[str]:
     router = RouterSample("LLMReplica", num_pulls_ok=3, num_events=4, index={"pool": IndexSample(10, 100, 1)},
                           feed={"r1": FeedReplicaSample(0, 0.1)})
     RouterMetrics(meter, lambda: [("ing-1", router)])
+    AutoscalerMetrics(meter).record("LLMReplica", AutoscaleSample("up_predicted", 3, 1, 3, 1, 2.2, 2.0, 0.2, 0.4, 0.1))
     text = render(snapshot_of(reader.get_metrics_data()), "m")
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
@@ -108,10 +110,12 @@ def test_every_dashboard_query_names_exported_metrics(path):
         assert found <= declared, f"{path.name}: {where} queries {sorted(found - declared)}, not exported"
         assert found <= rendered, f"{path.name}: {where} queries {sorted(found - rendered)}, never written"
         used |= found
-    # the list: replica gauges, phase histograms, preemptions, finish reasons, routing, tier hits
+    # the list: replica gauges, phase histograms, preemptions, finish reasons, routing, tier hits; and the
+    # autoscaler's target against current replicas and its decisions by reason
     for spec in (names.M_RUNNING, names.M_WAITING, names.M_KV_USAGE, names.M_PREFIX_HIT_RECENT, names.M_QUEUE_TIME,
                  names.M_PREFILL_TIME, names.M_DECODE_TIME, names.M_PREEMPTIONS, names.M_FINISHED,
-                 names.M_ROUTING_DECISIONS, names.M_KV_TIER_HIT_TOKENS, names.M_TTFT, names.M_HTTP):
+                 names.M_ROUTING_DECISIONS, names.M_KV_TIER_HIT_TOKENS, names.M_TTFT, names.M_HTTP,
+                 names.M_AUTOSCALER_TARGET, names.M_AUTOSCALER_CURRENT, names.M_AUTOSCALER_DECISIONS):
         assert set(names.METRICS[spec].series()) & used, f"{path.name} shows no {spec}"
 
 
