@@ -5,7 +5,7 @@ record_autoscaling_stats -> EngineAwarePolicy):
   request completes whole (a stream cut by a scale-in would still have status 200, so each is judged by its
   content);
 - with min_replicas 0 the policy takes an idle fleet to zero, and the next request starts a replica and is
-  served."""
+  served; its decisions are on the app's /metrics (target and current replicas, decisions by reason)."""
 from __future__ import annotations
 
 import threading
@@ -13,9 +13,11 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
+from tests.integration.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +30,14 @@ def _running(app: str) -> int:
     st = serve.status().applications.get(app)
     dep = st.deployments.get("LLMReplica") if st else None
     return dep.replica_states.get("RUNNING", 0) if dep else 0
+
+
+def _autoscaler(c: httpx.Client, url: str) -> dict[tuple[str, str], float]:
+    """The app's affinity_autoscaler_* samples for LLMReplica on /metrics: {(sample name, reason or ""): value}."""
+    text = c.get(f"{url}/metrics").text
+    return {(s.name, s.labels.get("reason", "")): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name.startswith("affinity_autoscaler_") and s.labels.get("deployment") == "LLMReplica"}
 
 
 def _fast_engine_policy(**overrides) -> dict:
@@ -128,6 +138,11 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
             first = send(c, url, [5, 6, 7, 8], 8, stream=True)
             assert first.completed, (first.status, first.payloads[-2:], first.transport_error)
             t_idle = time.monotonic()
+            # the policy's decisions on /metrics, pushed from Serve's controller (the request keeps the replica
+            # for the signal window: no decision to zero before it)
+            at_one = wait_until(lambda: (m := _autoscaler(c, url)).get(("affinity_autoscaler_current_replicas", ""))
+                                == 1 and m, 15, "the autoscaler's series at one replica on /metrics")
+            assert at_one[("affinity_autoscaler_target_replicas", "")] in (0, 1), at_one
             deadline = t_idle + 30
             while time.monotonic() < deadline and _running(ZERO_APP) > 0:
                 time.sleep(0.2)
@@ -137,6 +152,11 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
             # and no request in the replica's signal window (3 s): a request shorter than the metrics
             # interval can fall between in-flight samples, but its first token stays in that window
             assert to_zero_s >= 2.0, to_zero_s
+            # and at zero: the count it holds now, and the decision that took the fleet there
+            got = wait_until(lambda: (m := _autoscaler(c, url)).get(("affinity_autoscaler_current_replicas", ""))
+                             == 0 and m, 15, "the autoscaler's series at zero replicas on /metrics")
+            assert got[("affinity_autoscaler_target_replicas", "")] == 0, got
+            assert got.get(("affinity_autoscaler_decisions_total", "to_zero"), 0) >= 1, got
             again = send(c, url, [5, 6, 7, 9], 8, stream=True)
             assert again.completed, (again.status, again.payloads[-2:], again.transport_error)
             plain = send(c, url, [5, 6, 7, 10], 8, stream=False)
@@ -145,3 +165,12 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
               f"{again.end - again.start:.1f} s")
     finally:
         serve.delete(ZERO_APP)
+    # deleted: the controller stops pushing the policy's series, so the hub (it outlives the app) drops the
+    # gauges; the decision counts stay in its totals
+    import ray
+
+    from affinity_serve.app.metrics_hub import get_hub
+    hub = get_hub(ZERO_APP)
+    left = wait_until(lambda: "affinity_autoscaler_target_replicas" not in (t := ray.get(
+        hub.render.remote("test-probe", {}, None))) and t, 30, "the deleted deployment's autoscaler gauges to go")
+    assert 'affinity_autoscaler_decisions_total{deployment="LLMReplica",reason="to_zero"}' in left, left
