@@ -217,7 +217,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _h(M_PD_HOLD_TIME, "P/D, prefill side: first token to the hold's blocks freed, by outcome", "s"),
     _g(M_PD_HELD_BLOCKS, "P/D, prefill side: KV blocks held now for decode replicas to read"),
     _g(M_AUTOSCALER_TARGET, "the replica count the autoscaling policy's latest decision asks Serve for"),
-    _g(M_AUTOSCALER_CURRENT, "the replicas Serve counted at that decision (current_num_replicas)"),
+    _g(M_AUTOSCALER_CURRENT, "the replicas running at that decision (Serve's current_num_replicas: not those "
+       "starting)"),
     _g(M_AUTOSCALER_UP_TARGET, "what the policy's up rule wanted at its latest decision (before delays and bounds)"),
     _g(M_AUTOSCALER_DOWN_TARGET, "the fewest replicas the policy's down rule would allow at its latest decision"),
     _g(M_AUTOSCALER_LOAD, "the fleet's load at the policy's latest decision, in replicas (prefill + decode units)"),
