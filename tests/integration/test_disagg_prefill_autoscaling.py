@@ -4,7 +4,7 @@ replica, prefilled in small chunks) and a prefill rate that one prefill replica 
 SLO at the configured prefill rate, so the prefill pool goes from 1 to 2 replicas while the decode pool (same
 policy, its decode capacity far from reached) stays at 1; when the long prompts stop (a client's short prompts,
 which the decode replica prefills itself, keep the app busy) the prefill pool returns to 1. Every request
-completes whole, and both pools end with every KV block free."""
+completes whole, and both pools end with every KV block free. Each pool's decisions are on /metrics."""
 from __future__ import annotations
 
 import random
@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
@@ -35,6 +36,13 @@ def _pools_empty() -> bool:
         if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
             return False
     return True
+
+
+def _autoscaler_current(c: httpx.Client, url: str) -> dict[str, float]:
+    """affinity_autoscaler_current_replicas on the app's /metrics, by deployment."""
+    text = c.get(f"{url}/metrics").text
+    return {s.labels["deployment"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "affinity_autoscaler_current_replicas"}
 
 
 def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_stays(ray_serve, checkpoints):
@@ -86,6 +94,10 @@ def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_s
     try:
         wait_running(APP, "LLMReplica", 1)
         wait_running(APP, "PrefillReplica", 1)
+        # each pool's policy puts its decisions on the app's /metrics under its own deployment
+        with httpx.Client(timeout=30) as c:
+            wait_until(lambda: _autoscaler_current(c, url) == {"LLMReplica": 1, "PrefillReplica": 1}, 30,
+                       "both pools' autoscaler series on /metrics")
         threads = [threading.Thread(target=heavy, args=(i,), daemon=True) for i in range(4)]
         light_thread = threading.Thread(target=light, daemon=True)
         seen = scale_out_and_in(APP, "PrefillReplica", "LLMReplica", threads, heavy_stop, light_thread, light_stop)
