@@ -164,7 +164,9 @@ class PolicyConfig(BaseModel):
                                                    "the rule's own up target counting while the burst's "
                                                    "evidence fired (null: feedforward_hold_s after every "
                                                    "episode)")
-    warm_prefix_headroom: bool = Field(True, description="price the headroom for arrival noise at the prefill "
+    warm_prefix_headroom: bool = Field(False, description="(off since issue 29's re-measure of 2026-11-29: "
+                                       "worse in 2 of 15 cells, better in 1) price the headroom for arrival "
+                                       "noise at the prefill "
                                        "the replicas will do once the prefixes now turning warm hit: while the "
                                        "fleet's prefix-cache hit share (cached / whole prompt tokens of the "
                                        "recent first tokens) rises, the share the requests arriving now hit is "

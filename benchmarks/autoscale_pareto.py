@@ -20,7 +20,8 @@ For each workload and fleet size it runs
   (`feedforward_target`: arrivals x learned work per request as the steady state both ways, the headroom and
   band only while evidence fires), the feed-forward target holding its largest for 60 s after a burst
   (`feedforward_burst_hold_s`), and the headroom pricing the prefill of prefixes turning warm as the
-  cold window shows it (`warm_prefix_headroom` off: the policy before round 5). Rounds 4-5's batching
+  cold window shows it (`warm_prefix_headroom`: on by default from round 5 until its re-measure on
+  2026-11-29, off since). Rounds 4-5's batching
   headroom, rounded headroom and small fleet's z were measured, lost and were removed
   (docs/benchmarks/autoscaling.md);
 - a Dynamo-planner-style baseline (benchmarks/autoscale.py:DynamoPlannerPolicy) at each `--dynamo-utils`;
@@ -298,7 +299,7 @@ def policies(n: int, spec: ReplicaSpec, a) -> list:
                             ("feed-forward target", dict(feedforward_target=True)),
                             ("feed-forward, 60 s hold after a burst", dict(feedforward_target=True,
                                                                           feedforward_burst_hold_s=60.0)),
-                            ("no warm-prefix headroom", dict(warm_prefix_headroom=False)),
+                            ("warm-prefix headroom", dict(warm_prefix_headroom=True)),
                             ("KV apart", dict(kv_apart=True))):
             pol = EnginePolicy(ours_config(n, a, u, **{"headroom_z": a.zs[0], **over}), APP_LOOK_BACK_S,
                                APP_METRICS_INTERVAL_S, f"ours, util {u:g}, z {a.zs[0]:g}, {label}")

@@ -90,8 +90,9 @@ Policies (`--policies`):
 - `serve-t<N>` (optional sensitivity row): Serve's rule at target N with this app's delays and windows;
 - `engine-nowarm` (optional variant): ours with the router's warm-up on join off (`routing.warmup_on_join:
   false`), to measure whether warming a joining replica pays on a live fleet.
-- `engine-coldprefix` (optional variant, issue 29's fifth round): ours with `warm_prefix_headroom: false`
-  (the policy before that round; `VARIANT_OPTIONS`); the table gives its own ratio to Serve's frontier.
+- `engine-warmprefix` (optional variant, issue 29's fifth round): ours with `warm_prefix_headroom: true`
+  (the default from that round until 2026-11-29; `VARIANT_OPTIONS`); the table gives its own ratio to Serve's
+  frontier.
 
     python -m benchmarks.autoscale_real --json /tmp/autoscale_real.json --png /tmp/autoscale_real.png
     python -m benchmarks.autoscale_real --duration 60 --policies engine     # a smoke run (~4 min)
@@ -512,7 +513,7 @@ def serve_frontier(results: list[Summary]) -> dict[str, Any] | None:
 NO_WARMUP_POLICY = "engine-nowarm"
 #: ours with one of the policy's options flipped (issue 29): variant -> the autoscaling keys it sets
 VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
-    "engine-coldprefix": {"warm_prefix_headroom": False},            # the policy before round 5
+    "engine-warmprefix": {"warm_prefix_headroom": True},             # the default of rounds 5-6
 }
 
 

@@ -175,13 +175,13 @@ def test_ours_is_judged_against_the_tuned_rules_frontier_at_ours_attainment():
     assert not above["reached"] and above["serve_replica_seconds"] == 800.0        # a bound: its best point
     assert serve_frontier([_row("engine", "ours", 0.9, 1.0), _row("serve-default", "baseline", 1.0, 2.0)]) is None
     assert serve_frontier(tuned) is None
-    # a variant row (engine-coldprefix) gets its own ratio, with or without ours' row in the run
+    # a variant row (engine-warmprefix) gets its own ratio, with or without ours' row in the run
     with_variant = serve_frontier([_row("engine", "ours", 0.97, 560.0),
-                                   _row("engine-coldprefix", "ours-variant", 0.95, 480.0), *tuned])
+                                   _row("engine-warmprefix", "ours-variant", 0.95, 480.0), *tuned])
     assert with_variant["ratio"] == pytest.approx(0.8)
-    assert with_variant["variants"] == [{"policy": "engine-coldprefix", "attainment": 0.95, "replica_seconds": 480.0,
+    assert with_variant["variants"] == [{"policy": "engine-warmprefix", "attainment": 0.95, "replica_seconds": 480.0,
                                          "serve_replica_seconds": 600.0, "reached": True, "ratio": 0.8}]
-    alone = serve_frontier([_row("engine-coldprefix", "ours-variant", 0.95, 480.0), *tuned])
+    alone = serve_frontier([_row("engine-warmprefix", "ours-variant", 0.95, 480.0), *tuned])
     assert "ratio" not in alone and alone["variants"][0]["ratio"] == pytest.approx(0.8)
 
 
@@ -294,7 +294,7 @@ def test_the_controller_log_lines_kept_are_serves_scaling_lines_and_our_acting_d
     assert _DECISION_LINE.match(head + "affinity/LLMReplica: up_pending -> 2 (load 0.1)") is None
 
 
-@pytest.mark.parametrize("policy,keys", [("engine-coldprefix", {"warm_prefix_headroom": False})])
+@pytest.mark.parametrize("policy,keys", [("engine-warmprefix", {"warm_prefix_headroom": True})])
 def test_the_round_5_variant_is_ours_with_its_option_flipped(policy, keys):
     spec, cal = RealSpec(), _cal()
     role, section = autoscaling_section(policy, spec, cal)
