@@ -193,7 +193,7 @@ class PrefixAffinityRouterCore:
         hold_id = f"admission-hold:{self._num_holds}"
         self.loads.add(hold_id, rid, uncached_tokens=uncached, predicted_cached_tokens=cached,
                        num_prompt_tokens=request.num_prompt_tokens, block_hashes=[], now=now, tier_tokens=loaded,
-                       kv_blocks=blocks, out_tokens=out_tokens)
+                       kv_blocks=blocks, out_tokens=out_tokens, held=True)
         key = _hold_key(request)
         self._holds.setdefault(key, deque()).append(hold_id)
         self._hold_expiry.append((now + ADMISSION_HOLD_S, hold_id, key))

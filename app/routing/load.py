@@ -41,6 +41,11 @@ class InFlight:
     started_at: float = 0.0
     kv_blocks: int = 0         # KV blocks it will hold there (prompt + expected output)
     out_tokens: int = 0        # output tokens it is expected to generate (for the KV-wait model)
+    held: bool = False         # an admission hold: never reaches the replica, so no snapshot includes it
+
+    def pending_at(self, taken: float) -> bool:
+        """Whether a snapshot taken at `taken` leaves this request out (it is added on top)."""
+        return self.held or self.routed_at >= taken
 
 
 @dataclass(slots=True)
@@ -120,7 +125,7 @@ class LoadTracker:
         load.stats, load.taken_at = stats, taken
         pending_tokens = num_pending = retired_tokens = num_retired = pending_blocks = retired_blocks = 0
         for f in load.in_flight.values():
-            if f.routed_at >= taken:
+            if f.pending_at(taken):
                 num_pending += 1
                 pending_blocks += f.kv_blocks
                 if not f.started:
@@ -159,7 +164,7 @@ class LoadTracker:
     # ------------------------------------------------------------ request lifecycle
     def add(self, req_id: str, replica_id: str, *, uncached_tokens: int, predicted_cached_tokens: int,
             num_prompt_tokens: int, block_hashes: list[BlockHash], now: float, tier_tokens: int = 0,
-            kv_blocks: int = 0, out_tokens: int = 0) -> None:
+            kv_blocks: int = 0, out_tokens: int = 0, held: bool = False) -> None:
         if req_id in self._in_flight:
             self._cancel(req_id)
         load = self._loads.get(replica_id)
@@ -168,7 +173,7 @@ class LoadTracker:
         f = self._in_flight[req_id] = InFlight(
             replica_id, uncached_tokens, predicted_cached_tokens, num_prompt_tokens, block_hashes, now,
             load.queued_prefill_tokens, load.decode_load, tier_tokens=tier_tokens, kv_blocks=kv_blocks,
-            out_tokens=out_tokens)
+            out_tokens=out_tokens, held=held)
         load.in_flight[req_id] = f
         load.in_flight_out_tokens += out_tokens
         if now >= load.taken_at:
@@ -198,7 +203,7 @@ class LoadTracker:
         f.started, f.started_at = True, now
         load = self._loads.get(f.replica_id)
         if load is not None:
-            if f.routed_at >= load.taken_at:
+            if f.pending_at(load.taken_at):
                 load.pending_tokens -= f.uncached_tokens
             else:
                 load.retired_tokens += f.uncached_tokens
@@ -226,7 +231,7 @@ class LoadTracker:
             return
         if load.in_flight.pop(req_id, None) is not None:
             load.in_flight_out_tokens -= f.out_tokens
-        if f.routed_at >= load.taken_at:
+        if f.pending_at(load.taken_at):
             self._unpend(load, f)
             load.refresh()
 
@@ -238,7 +243,7 @@ class LoadTracker:
         if load is not None:
             if load.in_flight.pop(req_id, None) is not None:
                 load.in_flight_out_tokens -= f.out_tokens
-            if f.routed_at >= load.taken_at:
+            if f.pending_at(load.taken_at):
                 self._unpend(load, f)
             elif not f.started:
                 load.retired_tokens += f.uncached_tokens      # counted queued, never ran

@@ -221,3 +221,22 @@ async def test_the_ingress_turns_a_kv_bound_backlog_away_with_429_queue_full():
     # an admitted one holds its load until a route takes its place (this test's handle routes around the core)
     held = core.loads.get("a")
     assert core.loads.num_in_flight == 1 and held.pending_blocks == 34 and held.in_flight_out_tokens == OUT
+
+
+def test_a_hold_outlives_the_replicas_next_stats_snapshot():
+    """A hold never reaches the replica, so no snapshot includes it: a snapshot after the admission used to drop
+    the hold's load (the wait fell back to idle within a stats period while Serve still queued the requests)."""
+    core, clock = _core()
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))
+    idle = core.predict_wait(_distinct(0), ["a"])
+    for i in range(4):
+        core.predict_wait(_distinct(i), ["a"])
+        assert core.hold_admitted(f"q{i}")
+    held = core.predict_wait(_distinct(9), ["a"])
+    assert held > idle + 1.0
+    clock.t += 1.0
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))          # the replica's next (idle) snapshot
+    assert core.predict_wait(_distinct(9), ["a"]) == pytest.approx(held)
+    for i in range(4):                                            # routed: each takes its hold's place
+        core.route(_distinct(i), ["a"])
+    assert core.loads.num_in_flight == 4
