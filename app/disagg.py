@@ -300,7 +300,7 @@ class DecodeReplica(_PDMetrics):
         self._pool_was_empty = False
         self._pool_seen_replicas = False       # this process's router over the prefill pool has counted one
         self.pool_watch_s = POOL_WATCH_S
-        self.prefill_timeout_s = disaggregation.prefill_timeout(serve.first_token_timeout_s)
+        self.prefill_timeout_s = disaggregation.prefill_timeout((serve or ServeSection()).first_token_timeout_s)
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)

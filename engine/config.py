@@ -67,9 +67,10 @@ class KVConnectorConfig(_Strict):
         False, description="shared: fsync each block file before it appears (for a disk-backed shared_dir; "
                            "tmpfs needs none, and a torn file fails its checksum and is recomputed)")
     shared_namespace_ttl_s: float | None = Field(
-        7 * 86400.0, gt=0, description="shared: at start-up a replica removes the namespace directories under "
+        7 * 86400.0, ge=3600.0, description="shared: at start-up a replica removes the namespace directories under "
         "shared_dir that no replica has read or written for this long (what a model no longer served leaves "
-        "behind: other weights, dtype or block size); null keeps them. Default 7 days")
+        "behind: other weights, dtype or block size); null keeps them. Default 7 days; at least 1 hour (a replica "
+        "that only reads marks its namespace in use every 10 minutes)")
     share_salted_requests: bool = Field(
         True, description="shared: requests with a cache_salt use the store too (their blocks live under "
                           "salted hashes no other tenant can match); false keeps them to the replica's own pool")

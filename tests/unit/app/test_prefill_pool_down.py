@@ -169,6 +169,7 @@ def test_a_call_the_pool_does_not_answer_in_time_is_cancelled_and_counted():
             await asyncio.wait_for(hung, 2.0)
         assert pool.calls[0].cancelled and d.disagg.prefill_timeouts == 1
         # an answer inside the deadline is taken as before, and counts nothing
+        d.prefill_timeout_s = 30.0
         ok = asyncio.ensure_future(DecodeReplica._call_prefill(d, SimpleNamespace(req_id="o"), 0))
         await asyncio.sleep(0.05)
         pool.calls[1].answered.set()
