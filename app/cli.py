@@ -148,6 +148,10 @@ def deploy_cmd(args) -> int:
     from affinity_serve.app.config import AppConfig
     cfg = AppConfig.from_yaml(args.config)
     check_extras(cfg)
+    problems = replica_bound_problems(cfg, "num_replicas" in cfg.serve.model_fields_set)
+    if problems:
+        from affinity_serve.app.config import ConfigError
+        raise ConfigError(args.config, problems)
     print(f"[affinity-serve] {check_local_checkpoint(cfg)}", file=sys.stderr, flush=True)
     for line in replica_warnings(cfg, "num_replicas" in cfg.serve.model_fields_set):
         print(f"[affinity-serve] warning: {line}", file=sys.stderr, flush=True)
@@ -241,8 +245,9 @@ def replica_bound_problems(cfg: "AppConfig", num_replicas_set: bool) -> list[str
     --replicas or the file) is the initial size: outside [min_replicas, max_replicas] it was clamped without a
     word; now it is an error, as a pool's num_replicas outside its bounds is."""
     a, n = cfg.autoscaling, cfg.serve.num_replicas
+    default = type(cfg.serve).model_fields["num_replicas"].default     # a dumped config sets it too
     if (a.enabled and not cfg.disaggregation.enabled and a.initial_replicas is None and num_replicas_set
-            and not a.min_replicas <= n <= a.max_replicas):
+            and n != default and not a.min_replicas <= n <= a.max_replicas):
         return [f"serve.num_replicas: {n} is outside the autoscaling bounds [{a.min_replicas}, {a.max_replicas}] "
                 "(with autoscaling it is the initial size; change it or the bounds, or set "
                 "autoscaling.initial_replicas)"]

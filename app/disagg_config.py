@@ -105,7 +105,10 @@ def pool_autoscaling(autoscaling: _Autoscaling, pool: PoolSection, name: str = "
         raise ValueError(f"disaggregation.{name}.autoscaling: min_replicas ({lo}, {where('min_replicas')}) is above "
                          f"max_replicas ({hi}, {where('max_replicas')}): {fix}{note}")
     if data.get("initial_replicas") is None:
-        if enabled and "num_replicas" in pool.model_fields_set and not lo <= pool.num_replicas <= hi:
+        # set, and not the default: the CLI re-validates a dumped config (every field reads as set), and a
+        # default 1 under min_replicas 2 of a config that does not use the pool must not be an error
+        explicit = "num_replicas" in pool.model_fields_set and pool.num_replicas != PoolSection().num_replicas
+        if enabled and explicit and not lo <= pool.num_replicas <= hi:
             raise ValueError(f"disaggregation.{name}.num_replicas: {pool.num_replicas} is outside this pool's "
                              f"autoscaling bounds [{lo}, {hi}] (it is the pool's initial size; change it or the "
                              "bounds)")

@@ -167,9 +167,11 @@ class Ingress:
                                            "draining", retry))
         a = self.cfg.autoscaling
         may_be_zero = a.enabled and a.min_replicas == 0
-        if self.serving.known_limits is None and may_be_zero and not self.serving.replicas_seen():
-            # scaled to zero (or never started: initial_replicas 0) and no replica ever answered: asking one
-            # for its limits would start one, so a load balancer's probe would undo the scale to zero
+        if (self.serving.known_limits is None and may_be_zero and self._starts_at_zero()
+                and not self.serving.replicas_seen()):
+            # deployed with no replica (initial_replicas 0) and none seen since: asking one for its limits would
+            # start one, so a load balancer's probe would undo the scale to zero (a deployment that starts with
+            # replicas says "starting" while they load, as before)
             return JSONResponse({"status": "scaled_to_zero", "model": self.model_name, "num_replicas": 0})
         if self.serving.known_limits is None:
             if self._limits_task is None or self._limits_task.done():
@@ -186,6 +188,15 @@ class Ingress:
                                            "no_replica_running", retry))
         return JSONResponse({"status": "ok" if num_replicas != 0 else "scaled_to_zero", "model": self.model_name,
                              "num_replicas": num_replicas})
+
+    def _starts_at_zero(self) -> bool:
+        """Whether the model deployment starts with no replica (autoscaling's initial replicas 0; with P/D the
+        decode pool's, the ingress's target)."""
+        cfg = self.cfg
+        if cfg.disaggregation.enabled:
+            from affinity_serve.app.disagg_config import pool_initial_replicas
+            return pool_initial_replicas(cfg.autoscaling, cfg.disaggregation.decode, "decode") == 0
+        return cfg.autoscaling.initial_replicas == 0
 
     @fastapi_app.get("/openapi.json", include_in_schema=False)
     async def http_openapi(self, request: Request) -> Response:

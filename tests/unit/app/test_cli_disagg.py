@@ -178,3 +178,19 @@ def test_ray_serve_nesting_points_to_where_this_config_keeps_it():
         with pytest.raises(ConfigError) as e:
             AppConfig.from_dict({"engine": {"model": "/m"}, **data})
         assert "a Ray Serve deployment option; here use" in str(e.value) and hint in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("cmd", ["config", "serve"])
+def test_min_replicas_above_one_without_disaggregation_is_not_a_pool_error(tmp_path, capsys, cmd):
+    """The CLI re-validates a dumped config, where every field reads as set: the pools' default num_replicas 1
+    was then 'outside' min_replicas 2 (with disaggregation off), and so was serve.num_replicas 1."""
+    p = _write(tmp_path, {"engine": {"model": "/m"}, "autoscaling": {"enabled": True, "min_replicas": 2,
+                                                                     "max_replicas": 4}})
+    if cmd == "config":
+        assert main([cmd, "--config", p]) == 0
+        dumped = capsys.readouterr().out                    # the effective config, fed back in
+        (tmp_path / "dump.yaml").write_text(dumped)
+        assert main([cmd, "--config", str(tmp_path / "dump.yaml")]) == 0
+    else:                                                   # serve's loading (re-validates the dump)
+        cfg = cli._load_config(cli._parser().parse_args([cmd, "--config", p]))
+        assert cfg.autoscaling.min_replicas == 2 and "outside" not in capsys.readouterr().err

@@ -450,8 +450,12 @@ async def test_health_at_zero_before_any_replica_answered_starts_none(checkpoint
     replica for the engine's limits, which started one (a load balancer's probe undid the scale to zero) and
     answered 503 `starting` meanwhile. Now it answers 200 `scaled_to_zero` and calls nothing."""
     ing, handle = ingress(checkpoints)
+    # deployed with min_replicas 1: its replica is loading, so the probe asks (and says "starting" meanwhile)
     ing.cfg = AppConfig.model_validate({**ing.cfg.model_dump(), "autoscaling": {"enabled": True, "min_replicas": 0}})
-    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: None)        # no router yet: no call made
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: None)        # no router yet
+    assert not ing._starts_at_zero()
+    ing.cfg = AppConfig.model_validate({**ing.cfg.model_dump(), "autoscaling": {
+        "enabled": True, "min_replicas": 0, "initial_replicas": 0}})
     r = await ing.http_health()
     assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero"
     assert handle.calls == []
