@@ -164,7 +164,8 @@ def pool_engine_problems(name: str, overrides: dict[str, Any], engine: dict[str,
                    "(both pools) in the top-level engine section")
     if devices and "device" in overrides and "dtype" not in overrides and engine.get("dtype", "auto") == "auto":
         theirs = other.get("device", engine.get("device", "auto"))
-        if overrides["device"] != theirs:
+        # auto on either side may well be the same device (cuda on a GPU node): only two named ones differ
+        if overrides["device"] != theirs and "auto" not in (overrides["device"], theirs):
             out.append(f"disaggregation.{name}.engine.device: {overrides['device']!r} while the other pool's is "
                        f"{theirs!r}: with engine.dtype auto the KV dtype follows the device (float32 on CPU, "
                        "bfloat16 on CUDA) and the pools must share it; set engine.dtype explicitly")

@@ -175,6 +175,9 @@ def test_pools_on_different_devices_need_an_explicit_dtype():
                                                            "disaggregation.decode.engine.device"]
     assert "set engine.dtype explicitly" in e.value.problems[0]
     AppConfig.from_dict({**data, "engine": {"model": "/m", "dtype": "float32"}})
+    # a named device beside the other pool's auto (cuda on a GPU node) is not refused
+    AppConfig.from_dict({"engine": {"model": "/m"}, "disaggregation": {"enabled": True,
+                                                                      "prefill": {"engine": {"device": "cuda"}}}})
 
 
 def test_pool_overrides_that_keep_the_pools_compatible_are_accepted():
