@@ -210,13 +210,13 @@ def _is_namespace(name: str) -> bool:
 def _last_use(name: str, root_fd: int, st: os.stat_result) -> float:
     """When namespace directory `name` was last used: the latest of its own mtime (a block stored or
     evicted), `.alive` (a replica reading or writing it, refreshed every ALIVE_REFRESH_S) and `.index`."""
-    last = st.st_mtime
+    times = [st.st_mtime]
     for f in (_ALIVE, ".index"):
         try:
-            last = max(last, os.stat(f"{name}/{f}", dir_fd=root_fd, follow_symlinks=False).st_mtime)
-        except OSError:
-            pass
-    return last
+            times.append(os.stat(f"{name}/{f}", dir_fd=root_fd, follow_symlinks=False).st_mtime)
+        except OSError:          # never written (an older store, or nothing stored yet): the others decide
+            continue
+    return max(times)
 
 
 def remove_stale_namespaces(root: str, keep: Sequence[str], ttl_s: float) -> list[str]:
