@@ -3,27 +3,17 @@ it reports and splits the cores by is the pools'."""
 import json
 
 import pytest
-import ray
 
 from affinity_serve.app import cli
 from affinity_serve.app.cli import main
-
-
-class _RayStarted(Exception):
-    pass
+from tests.unit.app.ray_guard import RayStarted, no_ray  # noqa: F401 (the fixture)
 
 
 class _Deploying(Exception):
-    pass
+    """The CLI reached the deploy step."""
 
 
-@pytest.fixture(autouse=True)
-def no_ray(monkeypatch):
-    """Starting Ray raises _RayStarted: a test that expects exit 2 fails if the CLI got that far."""
-    def refuse(*a, **kw):
-        raise _RayStarted
-    monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+pytestmark = pytest.mark.usefixtures("no_ray")
 
 
 def _write(tmp_path, data: dict):

@@ -7,23 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray
 from safetensors.torch import load_file, save_file
 
 from affinity_serve.app.cli import main
+from tests.unit.app.ray_guard import RayStarted, no_ray  # noqa: F401 (the fixture)
 
 
-class _RayStarted(Exception):
-    pass
-
-
-@pytest.fixture(autouse=True)
-def no_ray(monkeypatch):
-    """Starting Ray raises _RayStarted: a test that expects exit 2 fails if the CLI got that far."""
-    def refuse(*a, **kw):
-        raise _RayStarted
-    monkeypatch.setattr(ray, "init", refuse)
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+pytestmark = pytest.mark.usefixtures("no_ray")
 
 
 def _serve(tmp_path, capsys, engine: dict) -> tuple[int, str]:
@@ -77,7 +67,7 @@ def test_a_broken_tokenizer_json(checkpoints, tmp_path, capsys):
     d = _copy(checkpoints, tmp_path)
     (d / "tokenizer.json").write_text('{"version": "1.0", "truncated')
     _one_line_exit_2(tmp_path, capsys, {"model": str(d)}, r"engine\.model: could not load a tokenizer from")
-    with pytest.raises(_RayStarted):                    # token-ids-only mode loads no tokenizer: it passes
+    with pytest.raises(RayStarted):                    # token-ids-only mode loads no tokenizer: it passes
         _serve(tmp_path, capsys, {"model": str(d), "skip_tokenizer_init": True})
 
 
@@ -88,14 +78,14 @@ def test_float16_where_the_replicas_run_on_cpu(checkpoints, tmp_path, capsys, mo
     d = str(_copy(checkpoints, tmp_path))
     _one_line_exit_2(tmp_path, capsys, {"model": d, "dtype": "float16", "device": device},
                      r"engine\.dtype: 'float16' is not supported on CPU.*use float32 or bfloat16")
-    with pytest.raises(_RayStarted):
+    with pytest.raises(RayStarted):
         _serve(tmp_path, capsys, {"model": d, "dtype": "bfloat16", "device": device})
     monkeypatch.setenv("RAY_ADDRESS", "local")                 # a new Ray here: still this machine's replicas
     _one_line_exit_2(tmp_path, capsys, {"model": d, "dtype": "float16", "device": device},
                      r"engine\.dtype: 'float16' is not supported on CPU")
     # joining a cluster: the replicas run on its nodes (GPU workers behind a CPU-only head), not here
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
-    with pytest.raises(_RayStarted):
+    with pytest.raises(RayStarted):
         _serve(tmp_path, capsys, {"model": d, "dtype": "float16", "device": device})
 
 
