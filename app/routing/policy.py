@@ -32,17 +32,17 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from affinity_serve.app.routing.api import BlockHash, CandidateScores, Reason, RouteRequest
+from affinity_serve.app.routing.api import BlockHash, CandidateScores, RankedIds, Reason, RouteRequest
 from affinity_serve.app.routing.config import AffinityConfig
 from affinity_serve.app.routing.load import ReplicaLoad, TTFTModel
 
 
 @dataclass(slots=True)
 class PolicyResult:
-    ranked: list[str]
+    ranked: Sequence[str]
     chosen_index: int
     reason: Reason
     scores: CandidateScores
@@ -321,9 +321,9 @@ class AffinityPolicy:
     def _result(self, cands: list[ReplicaLoad], cached: list[int], ttft: list[float], chosen: int,
                 reason: Reason, affinity: int | None, k: int, loaded: list[int] | None = None) -> PolicyResult:
         order = sorted(range(len(cands)), key=ttft.__getitem__)
-        ranked = [cands[chosen].replica_id] + [cands[i].replica_id for i in order if i != chosen]
         scores = CandidateScores([c.replica_id for c in cands], cached, ttft,
                                  [c.queued_prefill_tokens for c in cands], [c.decode_load for c in cands],
                                  [c.kv_usage for c in cands], loaded if loaded is not None else [])
+        ranked = RankedIds(scores.replica_ids, [chosen] + [i for i in order if i != chosen])
         return PolicyResult(ranked, chosen, reason, scores,
                             cands[affinity].replica_id if affinity is not None else None, k)
