@@ -4,6 +4,7 @@ sequences' phase times) and `RouterMetrics` (the routers of one process: their K
 index, read at every collection). Names, units and descriptions come from observability/names.py."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from affinity_serve.observability import names
 from affinity_serve.observability.names import METRICS, Kind
+
+Labels = tuple[tuple[str, str], ...]      # sorted (name, value) pairs
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _DECISION_BUCKETS = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05]
@@ -272,19 +275,42 @@ _ROUTER_COUNTERS: list[tuple[str, list[tuple[str, dict[str, str]]]]] = [
 ]
 
 
+def _router_counts(s: RouterSample) -> Iterable[tuple[str, Labels, float]]:
+    """A router sample's counters as (metric name, labels, value)."""
+    for name, series in _ROUTER_COUNTERS:
+        for key, extra in series:
+            yield name, _labels({"deployment": s.deployment, **extra}), getattr(s, key)
+    for index_name, ix in s.index.items():
+        yield (names.M_ROUTING_INDEX_EVICTIONS, _labels({"deployment": s.deployment, "index": index_name}),
+               ix.num_evictions_total)
+
+
+def _labels(attrs: Mapping[str, str]) -> Labels:
+    return tuple(sorted(attrs.items()))
+
+
 class RouterMetrics:
     """The routers of one process, read whenever the meter is collected: `read()` gives (router label,
-    RouterSample) for each live router (the label tells the app's routers apart: the Serve replica hosting
-    it). Counters are labelled by `deployment` only and summed over the process's routers of it (the app's
-    hub then sums them over processes: a router's counts stay in the totals after its process is gone);
-    gauges are each router's own, labelled `router` and `deployment`, per `replica` for the feed."""
+    RouterSample) for each live router; the label tells the app's routers apart (the Serve replica hosting it)
+    and names one router for its life: the process never gives it to another router of the deployment.
+    Counters are labelled by `deployment` only and summed over the process's routers of it (the app's hub then
+    sums them over processes: a router's counts stay in the totals after its process is gone). A router that is
+    read no more (collected: its handle dropped, its app redeployed) keeps its counts in the sums: its counts at
+    its last read are folded into retired totals then, so a counter never goes back while the process lives.
+    Gauges are each live router's own, labelled `router` and `deployment`, per `replica` for the feed."""
 
     def __init__(self, meter: metrics.Meter, read: Callable[[], Iterable[tuple[str, RouterSample]]]):
         self._read = read
-        for name, series in _ROUTER_COUNTERS:
-            meter.create_observable_counter(name, callbacks=[self._counter_callback(series)],
+        self._lock = threading.Lock()
+        #: (deployment, router label) -> the router's sample at the last read
+        self._last: dict[tuple[str, str], RouterSample] = {}
+        #: metric name -> labels -> the counts of routers read no more
+        self._retired: dict[str, dict[Labels, float]] = {}
+        for name, _ in _ROUTER_COUNTERS:
+            meter.create_observable_counter(name, callbacks=[self._counter_callback(name)],
                                             description=METRICS[name].description)
-        meter.create_observable_counter(names.M_ROUTING_INDEX_EVICTIONS, callbacks=[self._evictions_callback],
+        meter.create_observable_counter(names.M_ROUTING_INDEX_EVICTIONS,
+                                        callbacks=[self._counter_callback(names.M_ROUTING_INDEX_EVICTIONS)],
                                         description=METRICS[names.M_ROUTING_INDEX_EVICTIONS].description)
         gauges = [(names.M_ROUTING_INDEX_ENTRIES, self._index_callback("num_entries")),
                   (names.M_ROUTING_INDEX_CAPACITY, self._index_callback("capacity")),
@@ -295,25 +321,33 @@ class RouterMetrics:
             meter.create_observable_gauge(name, callbacks=[callback], unit=spec.unit, description=spec.description)
 
     def _samples(self) -> list[tuple[str, RouterSample]]:
-        return list(self._read())
+        return self._read_and_retire()[0]
 
-    def _summed(self, values: Iterable[tuple[dict[str, str], float]]) -> Iterable[Observation]:
-        totals: dict[tuple[tuple[str, str], ...], float] = {}
-        for attrs, v in values:
-            key = tuple(sorted(attrs.items()))
-            totals[key] = totals.get(key, 0) + v
-        return [Observation(v, dict(key)) for key, v in totals.items()]
+    def _read_and_retire(self) -> tuple[list[tuple[str, RouterSample]], dict[str, dict[Labels, float]]]:
+        """The live routers' samples, and the retired totals with the routers gone since the last read folded
+        in. One read at a time (collections may run on several threads): a router is folded once, and never
+        counted both live and retired by one read."""
+        with self._lock:
+            live = list(self._read())
+            now = {(s.deployment, label): s for label, s in live}
+            for key, gone in self._last.items():
+                if key not in now:
+                    for name, labels, v in _router_counts(gone):
+                        totals = self._retired.setdefault(name, {})
+                        totals[labels] = totals.get(labels, 0) + v
+            self._last = now
+            return live, {name: dict(totals) for name, totals in self._retired.items()}
 
-    def _counter_callback(self, series: list[tuple[str, dict[str, str]]]
-                          ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _counter_callback(self, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
-            return self._summed(({"deployment": s.deployment, **extra}, getattr(s, key))
-                                for _, s in self._samples() for key, extra in series)
+            live, retired = self._read_and_retire()
+            totals = retired.get(name, {})
+            for _, s in live:
+                for n, labels, v in _router_counts(s):
+                    if n == name:
+                        totals[labels] = totals.get(labels, 0) + v
+            return [Observation(v, dict(labels)) for labels, v in totals.items()]
         return observe
-
-    def _evictions_callback(self, options: CallbackOptions) -> Iterable[Observation]:
-        return self._summed(({"deployment": s.deployment, "index": name}, ix.num_evictions_total)
-                            for _, s in self._samples() for name, ix in s.index.items())
 
     def _index_callback(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

@@ -23,15 +23,24 @@ from affinity_serve.observability.metrics import RouterMetrics, RouterSample
 from affinity_serve.observability.requests import RoutingRecord
 from affinity_serve.observability.setup import current_telemetry
 
-_ROUTERS: dict[str, list[weakref.ref]] = {}
+#: "app#deployment" -> (router, its number among the process's routers of the deployment), oldest first
+_ROUTERS: dict[str, list[tuple[weakref.ref, int]]] = {}
+_num_registered: dict[str, int] = {}  # deployment name -> routers of it registered in this process so far
+_registry_lock = threading.Lock()
 _metrics_lock = threading.Lock()
 _metrics_provider: Any = None          # the MeterProvider RouterMetrics was added to (one per process)
 
 
 def register(app_name: str, deployment_name: str, router: Any) -> bool:
     """Find `router` by its deployment from now on; True when this process exports routers' metrics (then it
-    should leave a `metrics_sample` now and then)."""
-    _ROUTERS.setdefault(f"{app_name}#{deployment_name}", []).append(weakref.ref(router))
+    should leave a `metrics_sample` now and then). Its number (its metrics label's) is never given to another
+    router of the deployment in this process, so RouterMetrics can tell a router gone from one relabelled."""
+    key = f"{app_name}#{deployment_name}"
+    with _registry_lock:
+        n = _num_registered.get(deployment_name, 0)
+        _num_registered[deployment_name] = n + 1
+        live = [(ref, i) for ref, i in _ROUTERS.get(key, []) if ref() is not None]
+        _ROUTERS[key] = [*live, (weakref.ref(router), n)]
     return install_router_metrics()
 
 
@@ -52,18 +61,15 @@ def install_router_metrics() -> bool:
 def router_samples() -> list[tuple[str, RouterSample]]:
     """(router label, latest sample) of each live router in this process that has left one (any thread).
     The label is the Serve replica hosting the process, so it tells the app's routers apart; a further
-    router of the same deployment in the process (a second handle) gets `:<n>` after it."""
+    router of the same deployment in the process (a second handle) gets `:<n>` after it, n its number
+    (register), kept for its life."""
     host = _host_label()
     out: list[tuple[str, RouterSample]] = []
-    seen: dict[str, int] = {}
-    for refs in list(_ROUTERS.values()):
-        for ref in list(refs):
+    for entries in list(_ROUTERS.values()):
+        for ref, n in entries:
             sample = getattr(ref(), "metrics_sample", None)
-            if sample is None:
-                continue
-            n = seen.get(sample.deployment, 0)
-            seen[sample.deployment] = n + 1
-            out.append((host if n == 0 else f"{host}:{n}", sample))
+            if sample is not None:
+                out.append((host if n == 0 else f"{host}:{n}", sample))
     return out
 
 
@@ -76,8 +82,8 @@ def _host_label() -> str:
 
 def routers_for(app_name: str, deployment_name: str) -> list[Any]:
     """Live routers of a deployment in this process, oldest first."""
-    refs = _ROUTERS.get(f"{app_name}#{deployment_name}", [])
-    live = [r() for r in refs]
+    entries = _ROUTERS.get(f"{app_name}#{deployment_name}", [])
+    live = [ref() for ref, _ in entries]
     return [r for r in live if r is not None]
 
 
