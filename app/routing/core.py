@@ -158,6 +158,26 @@ class PrefixAffinityRouterCore:
         matched = self.index.match(request.block_hashes, ids)
         tier = self.index.match_tiers(request.block_hashes, ids, matched)
         bs, prompt = self.block_size, request.num_prompt_tokens
+        out_tokens = int(self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens))
+        cands = [self.loads.get(rid) for rid in ids]
+        waits = self.model.admission_waits(cands, [matched.get(rid, 0) for rid in ids],
+                                           [tier.get(rid, 0) for rid in ids] if tier else None,
+                                           prompt, out_tokens, bs)
+        i = min(range(len(waits)), key=waits.__getitem__)
+        cap = max(0, prompt - 1) // bs
+        pool = min(matched.get(ids[i], 0), cap) * bs
+        cached = min(matched.get(ids[i], 0) + tier.get(ids[i], 0), cap) * bs
+        self._last_wait = (request, ids[i], prompt - cached, cached, cached - pool,
+                           -(-(prompt - cached + out_tokens) // bs), out_tokens)
+        return waits[i]
+
+    def _predict_wait_reference(self, request: RouteRequest, candidate_ids: list[str]) -> list[float]:
+        """What `predict_wait` computes per candidate, in the routing's own terms (two predict_many passes
+        and kv_wait_many): the reference `TTFTModel.admission_waits` is tested against."""
+        ids = [rid for rid in candidate_ids if rid in self._nodes]
+        matched = self.index.match(request.block_hashes, ids)
+        tier = self.index.match_tiers(request.block_hashes, ids, matched)
+        bs, prompt = self.block_size, request.num_prompt_tokens
         cap = max(0, prompt - 1) // bs
         cands = [self.loads.get(rid) for rid in ids]
         pool = [min(matched.get(rid, 0), cap) * bs for rid in ids]
@@ -171,10 +191,7 @@ class PrefixAffinityRouterCore:
         # KV-pressure penalty (both would count the same overage); elsewhere the penalty stays.
         bare = self.model.predict_many(cands, own, loaded if tier else None, own_blocks, kv_penalty=False)
         kv_waits = self.model.kv_wait_many(cands, own_blocks, out_tokens, bs)
-        waits = [b + w if c.stats.num_blocks else t for c, t, b, w in zip(cands, ttfts, bare, kv_waits)]
-        i = min(range(len(waits)), key=waits.__getitem__)
-        self._last_wait = (request, ids[i], own[i], cached[i], loaded[i], own_blocks[i], out_tokens)
-        return waits[i]
+        return [b + w if c.stats.num_blocks else t for c, t, b, w in zip(cands, ttfts, bare, kv_waits)]
 
     def hold_admitted(self, req_id: str) -> bool:
         """Count the request that `predict_wait` just judged (`req_id`) as load on its best replica until it

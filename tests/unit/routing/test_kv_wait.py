@@ -240,3 +240,53 @@ def test_a_hold_outlives_the_replicas_next_stats_snapshot():
     for i in range(4):                                            # routed: each takes its hold's place
         core.route(_distinct(i), ["a"])
     assert core.loads.num_in_flight == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_pass_admission_wait_equals_the_routing_models_three_passes(seed):
+    """`predict_wait` computes each candidate's wait in one pass (TTFTModel.admission_waits); it must equal
+    predict_many (with and without the KV-pressure penalty) plus kv_wait_many on every replica state: pools
+    known and unknown, full and empty, prefix hits in the pool and in an offload tier, this router's
+    in-flight requests and admission holds, calibrated rates."""
+    from affinity_serve.app.routing import KVEventBatch
+    from affinity_serve.engine.types import MEDIUM_OFFLOAD, BlockStored
+    from tests.unit.routing.helpers import chain
+
+    rng = random.Random(seed)
+    ids = [f"r{i}" for i in range(12)]
+    clock = Clock()
+    core = PrefixAffinityRouterCore(AffinityConfig(calibrate=True, kv_pressure_threshold=rng.choice([0.7, 1.0])),
+                                    BS, clock=clock, rng=random.Random(seed))
+    core.set_replicas([ReplicaInfo(r, f"n{i % 3}") for i, r in enumerate(ids)])
+    prefixes = [chain(f"p{k}", 40) for k in range(4)]
+    for rid in ids:
+        held = [prefixes[rng.randrange(4)][:rng.randrange(0, 40)]]
+        events = [BlockStored(h, None, [], BS) for h in held if h]
+        if rng.random() < 0.4:
+            p = prefixes[rng.randrange(4)]
+            events.append(BlockStored(p[:rng.randrange(1, 40)], None, [], BS, medium=MEDIUM_OFFLOAD))
+        core.on_kv_events(KVEventBatch(rid, "e", 0, events))
+        core.on_stats(rid, ReplicaLoadView(
+            num_running=rng.randrange(0, 30), num_waiting=rng.randrange(0, 20),
+            kv_cache_usage=rng.random(), num_queued_prefill_tokens=rng.randrange(0, 20_000),
+            num_blocks=rng.choice([None, 64, 400, 5000])))
+    for k in range(30):                       # in flight, some started, some finished; observed TTFTs
+        clock.t += 0.05
+        hashes = prefixes[rng.randrange(4)][:rng.randrange(1, 40)] + chain(f"u{k}", rng.randrange(0, 8))
+        d = core.route(RouteRequest(f"f{k}", hashes, len(hashes) * BS + rng.randrange(1, BS), rng.randrange(0, 300)),
+                       ids)
+        if rng.random() < 0.6:
+            clock.t += 0.02
+            core.on_first_token(d.req_id, 0)
+            if rng.random() < 0.5:
+                clock.t += 0.3
+                core.on_finished(d.req_id, rng.randrange(1, 300))
+    for k in range(20):
+        hashes = prefixes[rng.randrange(4)][:rng.randrange(0, 40)] + chain(f"q{k}", rng.randrange(0, 8))
+        req = RouteRequest(f"q{k}", hashes, max(1, len(hashes) * BS + rng.randrange(0, BS)), rng.randrange(0, 400))
+        ref = core._predict_wait_reference(req, ids)
+        for rid, want in zip(ids, ref):
+            assert core.predict_wait(req, [rid]) == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert core.predict_wait(req, ids) == pytest.approx(min(ref), rel=1e-12, abs=1e-12)
+        if rng.random() < 0.5:
+            assert core.hold_admitted(req.req_id)
