@@ -162,6 +162,26 @@ def test_hot_prefixes_stay_bounded():
     assert hot.num_groups <= 16 and hot.num_token_blocks <= 64 and len(hot._wanted) <= 64   # noqa: SLF001
 
 
+def test_a_hot_group_outlives_a_flood_of_one_off_prompts_and_each_request_evicts_at_most_one(monkeypatch):
+    """Past the group bound a new group evicts one group, the coldest of the least recently routed, never a
+    bulk pass over all groups in one request (that pass was in the slowest 1% of 128-replica decisions)."""
+    from affinity_serve.app.routing import warmup
+    hot = _hot(max_groups=16, max_blocks=8192, max_prefix_blocks=8)
+    calls = []
+    real = warmup.HotPrefixes._decayed
+    monkeypatch.setattr(warmup.HotPrefixes, "_decayed", lambda self, g, now: (calls.append(1), real(self, g, now))[1])
+    for i in range(400):
+        if i < 3 or i % 20 == 0:               # the system prompt's group: three, then one request in 20
+            ids = _tokens(i)
+        else:                                  # one-off prompts, each its own group
+            ids = _tokens(i, prefix=range(10_000 + 50 * i, 10_000 + 50 * i + 40))
+        calls.clear()
+        hot.on_route(hash_block_chain(ids, BS), 100, now=i * 0.01)
+        hot.on_events([_stored(ids)])
+        assert len(calls) <= warmup.EVICT_SAMPLE + 1 and hot.num_groups <= 16
+    assert hot.hot_prefixes(1, now=4.0) == [SYSTEM[:8 * BS]]
+
+
 # ---------------------------------------------------------------- the Serve shell warms a joining replica
 def _router(monkeypatch, warmed: list, **kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
