@@ -30,6 +30,7 @@ from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
 from affinity_serve.app.replica import LLMReplica
 from affinity_serve.app.routing import debug
 from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
+from affinity_serve.autoscale.pools import NUM_WAITING_ON_PREFILL
 from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
@@ -283,6 +284,20 @@ class DisaggCounters:
     prefill_timeouts: int = 0   # of those, no answer within disaggregation.prefill_timeout_s (the call cancelled)
 
 
+class _PrefillWait:
+    """A request counted in its decode replica's `num_waiting_on_prefill` until `end()` (idempotent)."""
+
+    def __init__(self, replica: DecodeReplica):
+        self._replica = replica
+        self._waiting = True
+        replica.num_waiting_on_prefill += 1
+
+    def end(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._replica.num_waiting_on_prefill -= 1
+
+
 class PrefillTimeout(Exception):
     """The prefill pool did not answer a decode replica's call within disaggregation.prefill_timeout_s."""
 
@@ -305,6 +320,16 @@ class DecodeReplica(_PDMetrics):
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
         self.disagg = DisaggCounters()
+        #: requests this replica holds that wait on the prefill pool (from the call until this replica's engine
+        #: holds the request: the engine counts it in flight from then on)
+        self.num_waiting_on_prefill = 0
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """LLMReplica's, whose in-flight count is this engine's requests only, and the requests waiting on the
+        prefill pool apart: that pool's work, counted in flight there; the decode pool's policy counts them only
+        so as not to scale to zero under their streams (autoscale/pools.py)."""
+        waiting = getattr(self, "num_waiting_on_prefill", 0)   # a collection may come before __init__ set it
+        return {**super().record_autoscaling_stats(), NUM_WAITING_ON_PREFILL: float(waiting)}
 
     async def debug_state(self) -> dict[str, Any]:
         return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg),
@@ -366,17 +391,20 @@ class DecodeReplica(_PDMetrics):
             async for c in super().generate(req):
                 yield c
             return
-        # in flight for the autoscaler from here, not only once the engine has it: while the prefill pool
-        # answers (or starts from zero) this replica is not idle, and must not scale to zero under the request
-        self.num_waiting_elsewhere += 1
+        # waiting on the prefill pool from here until this replica's engine holds the request (or recomputes
+        # it): not idle meanwhile (the decode pool must not scale to zero under it, even while the prefill pool
+        # starts from zero), yet counted in flight once, by the pool doing its work at the time
+        wait = _PrefillWait(self)
         try:
-            async for c in self._generate_remote(req, skip):
+            async for c in self._generate_remote(req, skip, wait):
                 yield c
         finally:
-            self.num_waiting_elsewhere -= 1
+            wait.end()
 
-    async def _generate_remote(self, req: GenerateRequest, skip: int) -> AsyncIterator[ReplicaChunk]:
-        """`generate` for a request the prefill pool prefills (`skip`: the leading blocks held here)."""
+    async def _generate_remote(self, req: GenerateRequest, skip: int,
+                               wait: _PrefillWait) -> AsyncIterator[ReplicaChunk]:
+        """`generate` for a request the prefill pool prefills (`skip`: the leading blocks held here); `wait`
+        ends as the engine here takes the request."""
         from opentelemetry import trace
 
         from affinity_serve.observability.tracing import context_from_carrier, inject_carrier
@@ -413,6 +441,7 @@ class DecodeReplica(_PDMetrics):
             span.end()
         if results is None:
             self.disagg.prefill_failed += 1
+            wait.end()                    # the engine counts it from here
             async for c in super().generate(req):
                 yield c
             return
@@ -437,6 +466,7 @@ class DecodeReplica(_PDMetrics):
             "replica": self.replica_id, "req_id": req.req_id, "pd.sequences": len(cont)})
         transfers_ended = False
         num_tokens = 0
+        wait.end()                        # no await until the engine has registered the request
         try:
             async for c in super().generate(d_req):
                 if not transfers_ended:       # a token: every read of this request has ended (or fell back)

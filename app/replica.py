@@ -88,9 +88,6 @@ class LLMReplica:
         # recent TTFT / TPOT / prefill rate for the autoscaler, over the autoscaling section's window
         self.signals = SignalRecorder(window_s=(autoscaling or AutoscalingSection()).signal_window_s)
         self._last_step_recorded = 0             # the engine's last step the signal recorder was given
-        #: requests on this replica that another pool serves part of (P/D: from the call to the prefill pool to
-        #: the request's end), counted in flight for the autoscaler: the replica is not idle while it waits
-        self.num_waiting_elsewhere = 0
         self._max_num_seqs = config.scheduler.max_num_seqs   # the batch cap bounds the learned decode capacity
         limits = self.engine.limits
         logger.info("replica %s ready (max_model_len %d, KV capacity %d tokens)", self.replica_id,
@@ -217,7 +214,7 @@ class LLMReplica:
         return self.signals.snapshot(
             time.monotonic(), num_running=load.num_running_reqs - load.num_background_running,
             num_waiting=load.num_waiting_reqs - load.num_background_waiting,
-            num_in_flight=self.engine.num_in_flight - self.engine.num_background_in_flight + self.num_waiting_elsewhere,
+            num_in_flight=self.engine.num_in_flight - self.engine.num_background_in_flight,
             kv_cache_usage=load.kv_cache_usage,
             num_queued_prefill_tokens=load.num_queued_prefill_tokens - load.num_background_queued_prefill_tokens,
             num_preemptions_total=load.num_preemptions_total, max_num_seqs=self._max_num_seqs).to_metrics()

@@ -11,6 +11,12 @@ engine-aware rule (`policy.decide`), given only the signals that measure its wor
   client's and is left out; the prompts they prefill themselves (short uncached parts, fallbacks) still
   count as prefill work there.
 
+A request counts in flight once, in the pool whose work it is: while the prefill pool prefills it, there
+(the prefill replica's engine, or queued at that pool's callers); from the moment the decode replica's engine
+holds it, in the decode pool. The decode replica reports the requests it holds that wait on the prefill pool
+apart (`NUM_WAITING_ON_PREFILL`), not in flight: the decode pool's idle rule alone takes them, so that pool does
+not scale to zero under a request whose stream it holds (they add no decode load).
+
 `PoolPolicy` is the Serve adapter: `EngineAwarePolicy` with the pool's view of the context.
 """
 from __future__ import annotations
@@ -25,17 +31,25 @@ from affinity_serve.autoscale.serve_policy import EngineAwarePolicy
 from affinity_serve.autoscale.signals import ReplicaSignals
 
 
+#: a decode replica's autoscaling stat (app/disagg.py, DecodeReplica): its requests waiting on the prefill pool
+NUM_WAITING_ON_PREFILL = "num_waiting_on_prefill"
+
+
 class Pool(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-def pool_signals(signals: Sequence[ReplicaSignals], pool: Pool, num_queued_at_callers: float = 0.0
-                 ) -> tuple[list[ReplicaSignals], float]:
+def pool_signals(signals: Sequence[ReplicaSignals], pool: Pool, num_queued_at_callers: float = 0.0,
+                 num_waiting_on_prefill: float = 0.0) -> tuple[list[ReplicaSignals], float]:
     """The signals `decide` should see for `pool`, and the requests queued at its callers it should count as
-    decodes (see the module docstring): for the prefill pool those become prefill backlog instead."""
+    decodes (see the module docstring): for the prefill pool those become prefill backlog instead.
+    `num_waiting_on_prefill` (decode pool): its replicas' requests waiting on the prefill pool, which keep it
+    from idling (its in-flight count, read only by the idle rule) and add no load."""
     if pool is Pool.DECODE:
-        return [replace(s, ttft_p90_s=0.0) for s in signals], num_queued_at_callers
+        hold = num_waiting_on_prefill / len(signals) if signals else 0.0
+        return [replace(s, ttft_p90_s=0.0, num_in_flight=s.num_in_flight + hold) for s in signals], \
+            num_queued_at_callers
     out = [replace(s, num_running=0.0, kv_cache_usage=0.0, tpot_p90_s=0.0, decode_s_per_context_token=0.0,
                    mean_context_tokens=0.0) for s in signals]
     if not out:
@@ -73,4 +87,13 @@ class PoolPolicy(EngineAwarePolicy):
 
     def decision_inputs(self, ctx: Any) -> tuple[list[ReplicaSignals], float]:
         signals, queued = super().decision_inputs(ctx)
-        return pool_signals(signals, self.pool, queued)
+        waiting = num_waiting_on_prefill(ctx) if self.pool is Pool.DECODE else 0.0
+        return pool_signals(signals, self.pool, queued, waiting)
+
+
+def num_waiting_on_prefill(ctx: Any) -> float:
+    """The running replicas' requests waiting on the prefill pool (NUM_WAITING_ON_PREFILL, Serve's average over
+    its look-back window)."""
+    per = (ctx.aggregated_metrics or {}).get(NUM_WAITING_ON_PREFILL) or {}
+    running = set(ctx.running_replicas or ())
+    return sum(float(v) for rid, v in per.items() if rid in running and v is not None)

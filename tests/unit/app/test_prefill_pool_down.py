@@ -199,39 +199,121 @@ def test_the_object_store_transport_records_why_a_transfer_was_not_read():
         assert rec.outcome == reason and rec.num_blocks == 0
 
 
-def test_a_request_waiting_on_the_prefill_pool_keeps_the_decode_replica_in_flight_for_the_autoscaler():
-    """P/D scaled to zero: a request waited on the decode replica for the prefill pool's cold start, while the
-    decode replica's signals read idle (its engine held nothing), so the decode pool scaled to zero under it
-    (503). The request counts in flight from the call to its end."""
-    from affinity_serve.app.replica import LLMReplica
+class _CountingEngine:
+    """The decode engine's surface the autoscaling stats read; `held` is how many requests it holds."""
+
+    block_size = 4
+    pd_block_bytes = 0
+    num_background_in_flight = 0
+
+    def __init__(self):
+        from affinity_serve.engine.types import EngineLoad
+        self.held = 0
+        self._load = EngineLoad(0, 0, 0.0, 0, 10, 10, 0, 0, 0, 0, 0, 0, "e:0", 0.0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.held
+
+    def load(self):
+        return self._load
+
+
+def _counting_decode(call_prefill) -> DecodeReplica:
+    """A DecodeReplica over a counting engine stand-in; `call_prefill(call, skip)` answers the prefill pool."""
+    from opentelemetry.trace import NoOpTracer
+
+    from affinity_serve.app.disagg import RayObjectTransport
     from affinity_serve.autoscale.signals import SignalRecorder
-    from affinity_serve.engine.types import EngineLoad
+    d = object.__new__(DecodeReplica)
+    d.engine, d.signals, d._max_num_seqs, d._last_step_recorded = _CountingEngine(), SignalRecorder(2.0), 8, 0
+    d.tracer, d.replica_id, d.transport, d.disagg = NoOpTracer(), "decode-1", RayObjectTransport(), DisaggCounters()
+    d.prefill_handle, d.min_remote_prefill_tokens, d.num_waiting_on_prefill = object(), 4, 0
+    d._local_hit_blocks = lambda req: 0
+    d._prefill_pool_down = lambda: False
+    d._call_prefill = call_prefill
+    return d
 
-    load = EngineLoad(0, 0, 0.0, 0, 10, 10, 0, 0, 0, 0, 0, 0, "e:0", 0.0)
-    engine = SimpleNamespace(num_in_flight=0, num_background_in_flight=0, load=lambda: load)
-    release = asyncio.Event()
 
-    async def remote(req, skip):
-        await release.wait()
-        yield "chunk"
+def test_a_pd_request_counts_in_flight_once_in_the_pool_doing_its_work(monkeypatch):
+    """P/D: a decode replica counted a request in flight from its prefill call to its end on top of its engine's
+    own count: while the prefill pool prefilled it (counted there too) and again while its own engine decoded it
+    (2 for one request). Now its in-flight count is its engine's requests, exactly; a request waiting on the
+    prefill pool is reported apart (`num_waiting_on_prefill`) until this engine holds it."""
+    from affinity_serve.app.disagg import PrefillResult
+    from affinity_serve.app.protocol import GenerateRequest, ReplicaChunk
+    from affinity_serve.app.replica import LLMReplica
+    from affinity_serve.engine import RemotePrefill, SamplingParams
 
-    d = SimpleNamespace(num_waiting_elsewhere=0, _route=lambda req: 0, _generate_remote=remote, engine=engine,
-                        signals=SignalRecorder(window_s=2.0), _max_num_seqs=8, _last_step_recorded=0)
-    d._record_steps = lambda: LLMReplica._record_steps(d)
+    prefilled, decoding, finish = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    failed = False
 
-    def in_flight() -> float:
-        return LLMReplica.record_autoscaling_stats(d)["num_in_flight"]
+    async def call_prefill(call, skip):
+        await prefilled.wait()
+        if failed:
+            return None                                   # the prefill pool lost its replicas: recomputed here
+        return [PrefillResult(ReplicaChunk(call.req_id, 0, "a", [7], "length", replica_id="prefill-1"),
+                              RemotePrefill("p", "t1", "k", 8, 2, 7))]
+
+    async def engine_generate(self, req):                 # LLMReplica.generate on the counting engine
+        self.engine.held += 1
+        try:
+            decoding.set()
+            await finish.wait()
+            yield ReplicaChunk(req.req_id, 0, "b", [8], "length", replica_id=self.replica_id)
+        finally:
+            self.engine.held -= 1
+
+    monkeypatch.setattr(LLMReplica, "generate", engine_generate)
+    d = _counting_decode(call_prefill)
+
+    def stats() -> tuple[float, float]:
+        m = d.record_autoscaling_stats()
+        return m["num_in_flight"], m["num_waiting_on_prefill"]
+
+    async def one_request() -> None:
+        prefilled.clear(), decoding.clear(), finish.clear()
+        req = GenerateRequest("r", list(range(16)), SamplingParams(max_tokens=4))
+        chunks = asyncio.ensure_future(_collect(d.generate(req)))
+        await asyncio.sleep(0.05)
+        assert stats() == (0, 1)              # waiting on the prefill pool: counted there, held here
+        prefilled.set()
+        await asyncio.wait_for(decoding.wait(), 30)
+        assert stats() == (1, 0)              # this engine holds it: once
+        finish.set()
+        await asyncio.wait_for(chunks, 30)
+        assert stats() == (0, 0)
 
     async def run():
-        assert in_flight() == 0
-        gen = DecodeReplica.generate(d, SimpleNamespace(req_id="r"))
-        first = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.05)
-        assert d.num_waiting_elsewhere == 1 and in_flight() == 1      # waiting: not idle
-        release.set()
-        assert await first == "chunk"
-        with pytest.raises(StopAsyncIteration):
-            await gen.__anext__()
-        assert d.num_waiting_elsewhere == 0 and in_flight() == 0
+        nonlocal failed
+        assert stats() == (0, 0)
+        await one_request()
+        assert d.disagg.remote == 1
+        failed = True
+        await one_request()                   # recomputed here: the same counts
+        assert d.disagg.prefill_failed == 1
 
     asyncio.run(run())
+
+
+async def _collect(gen) -> list:
+    return [c async for c in gen]
+
+
+def test_the_decode_pool_does_not_scale_to_zero_under_a_request_waiting_on_the_prefill_pool():
+    """The decode pool's policy holds a request waiting on the prefill pool (it holds its stream) without
+    counting it as load: idle otherwise, the pool went to zero under it (503) once its to-zero delay passed while
+    the prefill pool started from zero."""
+    from affinity_serve.autoscale.pools import PoolPolicy
+    from tests.unit.autoscale.test_serve_policy import KW, ctx
+
+    kw = {**KW, "min_replicas": 0, "downscale_to_zero_delay_s": 5.0}
+    idle = {"num_in_flight": 0.0, "num_recent_requests": 0.0}
+    for waiting, to_zero in ((1.0, False), (0.0, True)):
+        decode = PoolPolicy(pool="decode", **kw)
+        per = {0: {**idle, "num_waiting_on_prefill": waiting}}
+        targets = [decode(ctx(per, 1, now=100.0 + t))[0] for t in range(0, 20, 2)]
+        assert (targets[-1] == 0) is to_zero, targets
+        if not to_zero:
+            assert min(targets) == 1
+            assert decode.last.load.decode_units == 0.0            # held, not decode load
