@@ -3,9 +3,10 @@
 Each process of the app (every ingress replica and every model replica) runs a `MetricsExporter`: a daemon
 thread that collects the process's meter every `PUSH_INTERVAL_S` (so a replica's gauges are read while its
 requests run, not only when one finishes) and pushes the snapshot to the app's `MetricsHub`, a detached
-Ray actor named after the app. An ingress answering `/metrics` pushes its own fresh snapshot and gets back
-the Prometheus text of the merge (observability/aggregate.py): counters summed over processes, so they
-only grow across scrapes however the proxy spreads them over ingress replicas.
+Ray actor named after the app. Only the app's own processes create the hub, as they start; Serve's controller
+(the autoscaling policy's decisions) only looks it up. An ingress answering `/metrics` pushes its own fresh
+snapshot and gets back the Prometheus text of the merge (observability/aggregate.py): counters summed over
+processes, so they only grow across scrapes however the proxy spreads them over ingress replicas.
 
 Outside Serve (unit tests, a bare `Ingress`), nothing is pushed and `/metrics` shows this process only.
 """
@@ -55,11 +56,22 @@ def hub_name(app_name: str) -> str:
 
 
 def get_hub(app_name: str) -> Any:
-    """The app's hub actor, created by whichever process asks first. Detached: it outlives the process that
-    made it, so the totals survive any one replica (it goes when Ray does; `ray.kill` it after deleting
-    the app to free it sooner)."""
+    """The app's hub actor, created if missing: only for a process of the app as it starts (MetricsExporter's
+    first connection). Detached: it outlives the process that made it, so the totals survive any one replica
+    (it goes when Ray does; `ray.kill` it after deleting the app to free it sooner)."""
     return _hub_actor_class().options(name=hub_name(app_name), namespace=HUB_NAMESPACE, lifetime="detached",
                          get_if_exists=True).remote()
+
+
+def find_hub(app_name: str) -> Any | None:
+    """The app's hub actor if it exists, else None; never creates it, so a push for an app that is gone (Serve's
+    controller still calling a deleted deployment's policy, a replica of it shutting down) cannot bring back a
+    hub killed after the app was deleted."""
+    import ray
+    try:
+        return ray.get_actor(hub_name(app_name), namespace=HUB_NAMESPACE)
+    except ValueError:             # no actor of that name (Ray's answer for a missing named actor)
+        return None
 
 
 @functools.cache
@@ -82,12 +94,17 @@ class MetricsExporter:
     """This process's side: pushes its snapshot to the app's hub on a timer, and renders `/metrics`."""
 
     def __init__(self, reader: InMemoryMetricReader, app_name: str | None, process: str,
-                 interval_s: float = PUSH_INTERVAL_S, active: Callable[[], bool] | None = None):
+                 interval_s: float = PUSH_INTERVAL_S, active: Callable[[], bool] | None = None,
+                 creates_hub: bool = True):
         """`active`, if given, is asked before each timed push: while it says False nothing is pushed, so the
         hub lets this process's gauges go after GAUGE_TTL_S and retires its counters after RETIRE_AFTER_S (a
-        source that outlives what it measures, such as the autoscaling policy's of a deleted deployment)."""
+        source that outlives what it measures, such as the autoscaling policy's of a deleted deployment).
+        `creates_hub`: a process of the app, whose first connection creates the hub if it is missing (any later
+        one, after the hub was killed, only looks it up); False for a pusher from outside the app (Serve's
+        controller), which only ever looks it up and pushes nothing while there is none."""
         self.reader = reader
         self.active = active
+        self._may_create_hub = creates_hub
         self.app_name = app_name
         self.process = f"{process}:{uuid.uuid4().hex[:8]}"      # a restarted process is a new one
         self.interval_s = interval_s
@@ -104,9 +121,11 @@ class MetricsExporter:
         return snapshot_of(self.reader.get_metrics_data())
 
     def push_once(self) -> None:
-        """Collect and push now (blocking; the timer thread's step)."""
+        """Collect and push now (blocking; the timer thread's step); nothing while the app has no hub."""
         import ray
         hub = self._hub_handle()
+        if hub is None:
+            return
         ray.get(hub.push.remote(self.process, self.snapshot()), timeout=max(10.0, 5 * self.interval_s))
 
     async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
@@ -114,7 +133,9 @@ class MetricsExporter:
         snap = self.snapshot()
         if self.app_name is not None:
             try:
-                return await self._hub_handle().render.remote(self.process, snap, model_name, vllm_aliases)
+                hub = self._hub_handle()
+                if hub is not None:
+                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
             except Exception as e:
                 self._forget_hub(e)
         return render(snap, model_name, vllm_aliases)
@@ -130,11 +151,17 @@ class MetricsExporter:
             except Exception as e:         # the hub restarting, Ray shutting down: try again next tick
                 self._forget_hub(e)
 
-    def _hub_handle(self) -> Any:
+    def _hub_handle(self) -> Any | None:
+        """The hub, None while it does not exist; created here only at this process's first connection, if
+        it may (`creates_hub`)."""
         with self._hub_lock:
             if self._hub is None:
                 assert self.app_name is not None
-                self._hub = get_hub(self.app_name)
+                if self._may_create_hub:
+                    self._hub = get_hub(self.app_name)
+                    self._may_create_hub = False
+                else:
+                    self._hub = find_hub(self.app_name)
             return self._hub
 
     def _forget_hub(self, e: Exception) -> None:

@@ -75,7 +75,10 @@ class DecisionMetrics:
         self.exporter: Any = None
         if push:
             from affinity_serve.app.metrics_hub import MetricsExporter
-            self.exporter = MetricsExporter(self.reader, app_name, f"autoscaler:{deployment}", active=self.active)
+            # only looks the app's hub up: its own processes create it, so a push after the app was deleted
+            # cannot bring back a hub killed since
+            self.exporter = MetricsExporter(self.reader, app_name, f"autoscaler:{deployment}", active=self.active,
+                                            creates_hub=False)
 
     def record(self, d: ScalingDecision, current_replicas: int) -> None:
         ld = d.load

@@ -5,7 +5,9 @@ record_autoscaling_stats -> EngineAwarePolicy):
   request completes whole (a stream cut by a scale-in would still have status 200, so each is judged by its
   content);
 - with min_replicas 0 the policy takes an idle fleet to zero, and the next request starts a replica and is
-  served; its decisions are on the app's /metrics (target and current replicas, decisions by reason)."""
+  served; its decisions are on the app's /metrics (target and current replicas, decisions by reason);
+- the app's metrics hub killed, nothing but a process of the app starting creates it again (not the running
+  processes' pushes, nor Serve's controller's after the app is deleted)."""
 from __future__ import annotations
 
 import threading
@@ -118,8 +120,43 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
         in_flight = [o for o in outcomes if o.stream and any(o.start < t < o.end for t in drops)]
         assert in_flight, "no stream was in flight when the fleet scaled in"
         print(f"replica counts {seen}; {len(outcomes)} requests, {len(in_flight)} streams across a scale-in")
+        # the hub killed while the app runs: its processes and Serve's controller keep pushing, and none creates
+        # it again (only a process of the app starting does); nor once the app is deleted, while the controller
+        # still pushes the policy's decisions (DECISIONS_STALE_AFTER_S after its last call)
+        _kill_hub(APP)
+        _watch_no_hub(APP, 3.0)
     finally:
         serve.delete(APP)
+    from affinity_serve.autoscale.serve_policy import DECISIONS_STALE_AFTER_S
+    _watch_no_hub(APP, DECISIONS_STALE_AFTER_S + 2.0)
+
+
+def _hub_exists(app: str) -> bool:
+    import ray
+
+    from affinity_serve.app.metrics_hub import HUB_NAMESPACE, hub_name
+    try:
+        ray.get_actor(hub_name(app), namespace=HUB_NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def _kill_hub(app: str) -> None:
+    import ray
+
+    from affinity_serve.app.metrics_hub import HUB_NAMESPACE, hub_name
+    ray.kill(ray.get_actor(hub_name(app), namespace=HUB_NAMESPACE))
+    wait_until(lambda: not _hub_exists(app), 30, "the killed hub to go")
+
+
+def _watch_no_hub(app: str, window_s: float) -> None:
+    """No hub named for `app` at any look over `window_s` (pushes come every second: a hub created by one
+    would show)."""
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        assert not _hub_exists(app), f"the killed hub of app {app} was created again"
+        time.sleep(0.2)
 
 
 def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_back(ray_serve, checkpoints):
@@ -169,8 +206,8 @@ def test_the_policy_scales_an_idle_fleet_to_zero_and_a_request_brings_a_replica_
     # gauges; the decision counts stay in its totals
     import ray
 
-    from affinity_serve.app.metrics_hub import get_hub
-    hub = get_hub(ZERO_APP)
+    from affinity_serve.app.metrics_hub import HUB_NAMESPACE, hub_name
+    hub = ray.get_actor(hub_name(ZERO_APP), namespace=HUB_NAMESPACE)     # detached: it outlived the app
     left = wait_until(lambda: "affinity_autoscaler_target_replicas" not in (t := ray.get(
         hub.render.remote("test-probe", {}, None))) and t, 30, "the deleted deployment's autoscaler gauges to go")
     assert 'affinity_autoscaler_decisions_total{deployment="LLMReplica",reason="to_zero"}' in left, left
