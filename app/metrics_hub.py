@@ -28,7 +28,8 @@ logger = logging.getLogger("affinity.metrics")
 
 HUB_NAMESPACE = "affinity-serve"
 PUSH_INTERVAL_S = 1.0
-#: a process's gauges vanish this long after its last push (a replica that stopped has no load)
+#: a process's gauges vanish this long after its last push (a replica that stopped has no load), or after
+#: aggregate.GAUGE_TTL_PUSHES of its push intervals if longer
 GAUGE_TTL_S = 5.0
 #: after this long without a push a process's counters join the retired totals (observability/aggregate.py)
 RETIRE_AFTER_S = 300.0

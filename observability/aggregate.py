@@ -63,24 +63,42 @@ def snapshot_of(data: MetricsData | None) -> Snapshot:
     return out
 
 
+#: a process's gauges last until it has missed about this many pushes (when that is longer than gauge_ttl_s)
+GAUGE_TTL_PUSHES = 3
+
+
+@dataclass(slots=True)
+class _Pushed:
+    """A process's latest snapshot, when it came, and the process's push interval as the hub sees it: its latest
+    gap between pushes, or half its previous estimate if more (a one-off stall fades within a few pushes)."""
+
+    seen: float
+    snapshot: Snapshot
+    interval_s: float = 0.0
+
+
 class MetricsAggregate:
     """The latest snapshot of every process of one app, merged on demand.
 
     Counters and histograms are cumulative per process, so their sum over processes only grows while the
-    processes live. A process that stops reporting keeps its gauges for `gauge_ttl_s` (then they vanish: a
-    replica that left has no load); after `retire_after_s` its shared series (those without a `replica`
-    label, e.g. an ingress's HTTP counts) are folded into a retired total so the sums never go back, and its
-    own per-replica series are dropped (Prometheus sees a series end, not a counter reset).
+    processes live. A process that stops reporting keeps its gauges for `gauge_ttl_s`, or GAUGE_TTL_PUSHES of its
+    push intervals if longer (then they vanish: a replica that left has no load; a process pushing less often
+    than every `gauge_ttl_s`, `observability.metrics_push_interval_s` up to 60 s, keeps its gauges between its
+    pushes); after `retire_after_s` its shared series (those without a `replica` label, e.g. an ingress's HTTP
+    counts) are folded into a retired total so the sums never go back, and its own per-replica series are
+    dropped (Prometheus sees a series end, not a counter reset).
     """
 
     def __init__(self, gauge_ttl_s: float = 5.0, retire_after_s: float = 300.0):
         self.gauge_ttl_s = gauge_ttl_s
         self.retire_after_s = retire_after_s
-        self._processes: dict[str, tuple[float, Snapshot]] = {}
+        self._processes: dict[str, _Pushed] = {}
         self._retired: Snapshot = {}
 
     def push(self, process: str, snapshot: Snapshot, now: float) -> None:
-        self._processes[process] = (now, snapshot)
+        prev = self._processes.get(process)
+        interval_s = max(now - prev.seen, prev.interval_s / 2) if prev is not None else 0.0
+        self._processes[process] = _Pushed(now, snapshot, interval_s)
 
     @property
     def num_processes(self) -> int:
@@ -89,9 +107,9 @@ class MetricsAggregate:
     def merged(self, now: float) -> Snapshot:
         self._retire(now)
         out: Snapshot = dict(self._retired)
-        for seen, snap in self._processes.values():
-            fresh = now - seen <= self.gauge_ttl_s
-            for key, s in snap.items():
+        for p in self._processes.values():
+            fresh = now - p.seen <= max(self.gauge_ttl_s, GAUGE_TTL_PUSHES * p.interval_s)
+            for key, s in p.snapshot.items():
                 if METRICS[s.name].kind is Kind.GAUGE:
                     if fresh:
                         out[key] = s
@@ -100,10 +118,10 @@ class MetricsAggregate:
         return out
 
     def _retire(self, now: float) -> None:
-        for process, (seen, snap) in list(self._processes.items()):
-            if now - seen <= self.retire_after_s:
+        for process, p in list(self._processes.items()):
+            if now - p.seen <= self.retire_after_s:
                 continue
-            for key, s in snap.items():
+            for key, s in p.snapshot.items():
                 if METRICS[s.name].kind is not Kind.GAUGE and not any(k == "replica" for k, _ in s.labels):
                     self._retired[key] = self._retired[key].added(s) if key in self._retired else s
             del self._processes[process]
