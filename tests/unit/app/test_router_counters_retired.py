@@ -18,8 +18,6 @@ from affinity_serve.observability.setup import setup_telemetry
 from tests.unit.app.test_routing_shell import H, FakeReplica, _pending, _replica
 
 DEPLOYMENT = "RetiredCountsTest"       # this test's series only (other routers may live in the process)
-COUNTERS = ("num_pulls_ok", "num_pulls_timed_out", "num_pulls_error", "num_events", "num_snapshots",
-            "num_resyncs", "num_core_errors", "num_shell_errors", "num_rerouted")
 
 
 def _router(fakes: dict[str, FakeReplica]):
@@ -60,8 +58,24 @@ async def _route_through(router, reps, tag: str, num_errors: int) -> None:
     feed.stop()
 
 
-def _total(samples: list[RouterSample]) -> dict[str, int]:
-    return {f: sum(getattr(s, f) for s in samples) for f in COUNTERS}
+def _expected(samples: list[RouterSample]) -> dict[tuple[str, tuple], float]:
+    """Every routing counter series as the sum of the routers' samples."""
+    d = (("deployment", DEPLOYMENT), ("model", "tiny"))
+    fields = {("affinity_routing_kv_feed_pulls_total", (("outcome", "ok"),)): "num_pulls_ok",
+              ("affinity_routing_kv_feed_pulls_total", (("outcome", "timed_out"),)): "num_pulls_timed_out",
+              ("affinity_routing_kv_feed_pulls_total", (("outcome", "error"),)): "num_pulls_error",
+              ("affinity_routing_kv_feed_events_total", ()): "num_events",
+              ("affinity_routing_kv_feed_snapshots_total", ()): "num_snapshots",
+              ("affinity_routing_index_resyncs_total", ()): "num_resyncs",
+              ("affinity_routing_errors_total", (("where", "core"),)): "num_core_errors",
+              ("affinity_routing_errors_total", (("where", "shell"),)): "num_shell_errors",
+              ("affinity_routing_rerouted_total", ()): "num_rerouted"}
+    out = {(name, tuple(sorted(d + extra))): float(sum(getattr(s, f) for s in samples))
+           for (name, extra), f in fields.items()}
+    for index in ("pool", "tier"):
+        out[("affinity_routing_index_evictions_total", tuple(sorted(d + (("index", index),))))] = \
+            float(sum(s.index[index].num_evictions_total for s in samples))
+    return out
 
 
 async def test_a_collected_router_keeps_its_counts_in_the_process_counters():
@@ -79,9 +93,8 @@ async def test_a_collected_router_keeps_its_counts_in_the_process_counters():
     before = _counters(telemetry)
     d = (("deployment", DEPLOYMENT), ("model", "tiny"))
     shell = ("affinity_routing_errors_total", d + (("where", "shell"),))
-    assert before[shell] == 3
-    assert before[("affinity_routing_kv_feed_pulls_total", d + (("outcome", "timed_out"),))] == \
-        _total(final)["num_pulls_timed_out"] >= 2
+    assert before == _expected(final)
+    assert before[shell] == 3 and before[("affinity_routing_kv_feed_pulls_total", d + (("outcome", "timed_out"),))] >= 2
 
     gone = weakref.ref(first)
     del first
@@ -91,8 +104,7 @@ async def test_a_collected_router_keeps_its_counts_in_the_process_counters():
     assert after.keys() == before.keys()
     went_back = {k: (before[k], after[k]) for k in before if after[k] < before[k]}
     assert not went_back, went_back
-    assert after == before                # nothing routed since: the dropped router's counts all stay
-    assert after[shell] == 3
+    assert after == _expected(final)      # nothing routed since: the dropped router's counts all stay
 
     # the survivor counts on from there, and the dropped router's counts are folded once only
     second.num_shell_errors += 4
