@@ -96,8 +96,17 @@ class MetricsAggregate:
         self._retired: Snapshot = {}
 
     def push(self, process: str, snapshot: Snapshot, now: float) -> None:
+        """The process's latest snapshot. A counter or histogram series it reported before and lacks now (an
+        observable instrument's callback failed or skipped it this time) keeps its last value: its counts are
+        cumulative while the process lives, and dropping them would take them out of the sums."""
         prev = self._processes.get(process)
-        interval_s = max(now - prev.seen, prev.interval_s / 2) if prev is not None else 0.0
+        interval_s = 0.0
+        if prev is not None:
+            interval_s = max(now - prev.seen, prev.interval_s / 2)
+            kept = {k: s for k, s in prev.snapshot.items()
+                    if k not in snapshot and METRICS[s.name].kind is not Kind.GAUGE}
+            if kept:
+                snapshot = {**snapshot, **kept}
         self._processes[process] = _Pushed(now, snapshot, interval_s)
 
     @property
