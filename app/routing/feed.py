@@ -60,7 +60,7 @@ class KVEventFeed:
     """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now.
     `clock` (seconds, monotonic) times each replica's lag (`health`)."""
 
-    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient]],
+    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient] | None],
                  period_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self.replicas = replicas
@@ -72,17 +72,23 @@ class KVEventFeed:
         self._in_flight: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
-        """Tick forever (cancel the task to stop); a failing tick is logged and the next one runs."""
+        """Tick until `replicas()` answers None (its owner is gone) or the task is cancelled; a failing tick
+        is logged and the next one runs."""
         while True:
             try:
-                self.tick()
+                if self.tick() is None:
+                    self.stop()
+                    return
             except Exception:
                 logger.exception("KV event feed tick failed")
             await asyncio.sleep(self.period_s)
 
-    def tick(self) -> list[asyncio.Task]:
-        """Start one pull per replica that has none in flight; returns the tasks started (tests await them)."""
+    def tick(self) -> list[asyncio.Task] | None:
+        """Start one pull per replica that has none in flight; returns the tasks started (tests await them),
+        None when `replicas()` answers None (the owner is gone: nothing to pull for)."""
         clients = self.replicas()
+        if clients is None:
+            return None
         for rid in [r for r in self._cursors if r not in clients]:
             del self._cursors[rid]
         needing = set(self.core.replicas_needing_snapshot())
