@@ -13,16 +13,19 @@ import numpy as np
 import torch
 
 from affinity_serve.engine.structured_output.spec import StructuredOutputSpec
+from affinity_serve.engine.structured_output.utf8 import REJECT, Utf8Tables, advance
 
 logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher."""
+    """One sequence's grammar: its compile (shared through the cache) and, once compiled, its own matcher, and
+    its output's UTF-8 state (`utf8`: which tokens may come next and keep the bytes valid UTF-8)."""
 
-    __slots__ = ("spec", "is_json", "_future", "_matcher", "_prefix", "_ahead")
+    __slots__ = ("spec", "is_json", "_future", "_matcher", "_prefix", "_ahead", "_tables", "_utf8")
 
-    def __init__(self, spec: StructuredOutputSpec, future: Future, prefix: tuple[int, ...] = ()):
+    def __init__(self, spec: StructuredOutputSpec, future: Future, prefix: tuple[int, ...] = (),
+                 utf8: Utf8Tables | None = None):
         self.spec = spec
         #: JSON (a schema or any object): no token with a control byte is allowed (see the manager's _fill)
         self.is_json = spec.key[0] in ("json", "json_object")
@@ -32,6 +35,10 @@ class GrammarState:
         self._prefix = prefix
         #: a token its matcher took when the sampler asked about it (see `RowCheck.allows`), not yet accepted
         self._ahead: int | None = None
+        #: the tokenizer's UTF-8 tables (built with the compiler, so before this compile is done; None: the
+        #: output's UTF-8 is not followed) and the output's state in them: 0, at a character's start
+        self._tables = utf8
+        self._utf8 = 0
 
     @property
     def is_ready(self) -> bool:
@@ -47,16 +54,29 @@ class GrammarState:
         if self._matcher is None:
             import xgrammar as xgr
             m = xgr.GrammarMatcher(self._future.result())
+            rows = self._tables.next_rows if self._tables is not None else None
             for t in self._prefix:
-                if not m.accept_token(t):    # the other engine masked it by the same grammar: a mismatch
+                after = advance(rows, self._utf8, [t]) if rows is not None else 0
+                if after == REJECT or not m.accept_token(t):   # the other engine masked it the same: a mismatch
                     logger.error("token %s sampled before this engine is outside the grammar; going on from "
                                  "the tokens accepted", t)
                     break
+                self._utf8 = after
             self._matcher = m
         return self._matcher
 
     def accept(self, token_ids: Sequence[int]) -> bool:
-        """Advance over sampled tokens; False if one is outside the grammar (then the rest are not taken)."""
+        """Advance over sampled tokens; False if one is outside the grammar, or makes the output invalid UTF-8
+        (the mask allows neither; then the rest are not taken, and the sequence is ended)."""
+        ok = self._accept(token_ids)
+        if ok and self._tables is not None:
+            after = advance(self._tables.next_rows, self._utf8, token_ids)
+            if after == REJECT:
+                return False
+            self._utf8 = after
+        return ok
+
+    def _accept(self, token_ids: Sequence[int]) -> bool:
         m = self._matcher if self._matcher is not None else self.matcher
         ahead = self._ahead
         if ahead is not None:            # taken already when the sampler asked: the same token is accepted

@@ -11,11 +11,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from affinity_serve.engine.sampler import needs_mask_first
 from affinity_serve.engine.structured_output.grammar import GrammarBitmask, GrammarState
 from affinity_serve.engine.structured_output.spec import StructuredOutputSpec, import_xgrammar
+from affinity_serve.engine.structured_output.utf8 import NUM_STATES, REJECT, Utf8Tables
 
 if TYPE_CHECKING:
     from affinity_serve.engine.request import Request
@@ -38,15 +40,6 @@ _FILL_PROBE_EVERY = 64
 _clock = time.perf_counter          # the fills' timer (a test sets it)
 #: from this many, with fill_on_thread, on the worker thread (fewer fill in less than the hand-off costs)
 _THREAD_FILL_MIN_ROWS = 4
-
-
-def _no_control_byte_tokens(decoded_vocab: Sequence[bytes], vocab_size: int,
-                            stop_token_ids: Sequence[int]) -> torch.Tensor:
-    """[vocab_size] bool: tokens whose bytes hold no control character (< 0x20); stop tokens always."""
-    ok = torch.zeros(vocab_size, dtype=torch.bool)
-    ok[[i for i, b in enumerate(decoded_vocab[:vocab_size]) if not any(c < 0x20 for c in b)]] = True
-    ok[[t for t in stop_token_ids if t < vocab_size]] = True
-    return ok
 
 
 def _tokenizer_size(tokenizer: Any) -> int:
@@ -99,9 +92,10 @@ class StructuredOutputManager:
         #: row), while they are simply never allowed: their words stay 0 (see _fill). Set with the compiler
         #: (no tokenizer, skip_tokenizer_init: no grammar is accepted, so none is ever compiled)
         self._fill_vocab_size = vocab_size
-        #: [ceil(vocab / 32)] int32: every token but those holding a control byte (see _compile_now)
-        self._no_control_bytes: torch.Tensor | None = None
-        self._control_byte_ids: frozenset[int] = frozenset()     # the others, as ids
+        #: the tokens each row may take next and keep its output valid UTF-8 (and, in JSON, free of control
+        #: bytes); built with the compiler, shared with every GrammarState (see _fill and utf8.py)
+        self._utf8 = Utf8Tables()
+        self._control_byte_ids: frozenset[int] = frozenset()     # tokens holding a control byte, as ids
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._batch_matchers: dict[int, Any] = {}  # xgrammar's BatchGrammarMatcher by its thread count
@@ -118,7 +112,7 @@ class StructuredOutputManager:
         """A sequence's grammar state; its compile starts now (or is the cached one). `prefix`: output tokens
         sampled under this grammar elsewhere (P/D: the prefill engine's first token), which its matcher takes
         before any sampled here."""
-        return GrammarState(spec, self._compile(spec), prefix)
+        return GrammarState(spec, self._compile(spec), prefix, self._utf8)
 
     def _compile(self, spec: StructuredOutputSpec) -> Future:
         key = spec.key
@@ -161,9 +155,8 @@ class StructuredOutputManager:
         self._tail_word = _low_bits(self._fill_vocab_size % 32)
         info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self._fill_vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
-        allowed = _no_control_byte_tokens(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
-        self._no_control_bytes = _pack_bits(allowed)
-        self._control_byte_ids = frozenset((~allowed).nonzero().flatten().tolist())
+        self._utf8.build(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
+        self._control_byte_ids = self._utf8.control_byte_ids
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)     # last: set means the fields above are
 
     def wait_for_compile(self, states: Iterable[GrammarState], timeout_s: float) -> None:
@@ -196,19 +189,21 @@ class StructuredOutputManager:
         if not states:
             return None
         matchers = [st._matcher if st._matcher is not None else st.matcher for st in states]
+        utf8 = [st._utf8 for st in states]          # (after `matcher`: a P/D prefix is taken there)
         # a host sampler whose constrained rows are greedy or draw by temperature alone: most rows' winner is
         # allowed, so ask first and fill only the rest (a row with top-k/top-p/min-p reads its whole mask)
         check = _StepRows(self, states, json_rows) if ask else None
         on_thread = self.fill_on_thread and len(states) >= _THREAD_FILL_MIN_ROWS and check is None
         if on_thread and self._fill_executor is None:
             self._fill_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-bitmask")
-        return GrammarBitmask(req_ids, partial(self._fill, matchers, json_rows),
+        return GrammarBitmask(req_ids, partial(self._fill, matchers, json_rows, utf8),
                               self._fill_executor if on_thread else None,
                               None if self.pin_memory else self.vocab_size,   # a host sampler: unpack there too
                               check)
 
-    def _fill(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
-        """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens."""
+    def _fill(self, matchers: list, json_rows: list[int], utf8: Sequence[int] | None = None) -> torch.Tensor:
+        """[len(matchers), ceil(vocab / 32)] int32: the packed bitmask of `matchers`' next tokens, where
+        `utf8[i]` is row i's output's UTF-8 state (see utf8.py; None: all at a character's start)."""
         num_words = -(-self.vocab_size // 32)
         fill_words = -(-self._fill_vocab_size // 32)
         padded = self._fill_vocab_size < self.vocab_size
@@ -232,10 +227,21 @@ class StructuredOutputManager:
         if padded:
             target[:, -1] &= self._tail_word
             bitmask[:, :fill_words] = target
-        if json_rows:
-            # xgrammar (0.2.8) lets raw control characters into length-bounded strings, which JSON forbids
-            # (json.loads refuses them); compact JSON needs none anywhere, so none are allowed
-            bitmask[json_rows] &= self._no_control_bytes
+        # xgrammar (0.2.9) takes a UTF-16 surrogate's bytes for a character (in a JSON string, a regex's `.`):
+        # each row keeps only the tokens that leave its output valid UTF-8; and it lets raw control characters
+        # into length-bounded strings, which JSON forbids (json.loads refuses them), while compact JSON needs
+        # none anywhere: JSON rows allow none. One row of the precomputed masks a row, ANDed in
+        masks = self._utf8.masks
+        rows = list(utf8) if utf8 is not None else [0] * len(matchers)
+        for r in json_rows:
+            rows[r] += NUM_STATES
+        first = rows[0]
+        if rows.count(first) == len(rows):          # the usual step: every row at a character's start, one kind
+            bitmask &= masks[first]
+        else:                                       # in place, row by row (no gathered copy): ~2 us a row at 150k
+            out, table = bitmask.numpy(), masks.numpy()
+            for i, r in enumerate(rows):
+                np.bitwise_and(out[i], table[r], out=out[i])
         return bitmask
 
     def _use_threads(self, num_rows: int) -> bool:
@@ -259,10 +265,12 @@ class StructuredOutputManager:
             m = self._batch_matchers[num_threads] = xgr.BatchGrammarMatcher(max_threads=num_threads)
         return m
 
-    def _allows(self, matcher, token_id: int, is_json: bool) -> bool:
+    def _allows(self, matcher, token_id: int, is_json: bool, utf8: int = 0) -> bool:
         """Whether `matcher` takes `token_id` next, as its filled bitmask would say (the matcher is left as it
-        was): ids past the tokenizer and, in JSON, tokens with a control byte never (see _fill)."""
-        if token_id >= self._fill_vocab_size or (is_json and token_id in self._control_byte_ids):
+        was): ids past the tokenizer, tokens that would make the output (in UTF-8 state `utf8`) invalid UTF-8
+        and, in JSON, tokens with a control byte never (see _fill)."""
+        if (token_id >= self._fill_vocab_size or (is_json and token_id in self._control_byte_ids)
+                or self._utf8.next_rows[utf8][token_id] == REJECT):
             return False
         if not matcher.accept_token(token_id):
             return False
@@ -273,13 +281,13 @@ class StructuredOutputManager:
              token_ids: Sequence[int], keep: bool) -> list[bool]:
         """`_allows` for many rows in one loop (row rows[k] of `states` asked about token_ids[k]); with `keep` a
         matcher that allows its token keeps it (`GrammarState.accept` of that token then only confirms it)."""
-        limit, control = self._fill_vocab_size, self._control_byte_ids
+        limit, control, utf8 = self._fill_vocab_size, self._control_byte_ids, self._utf8.next_rows
         out = []
         for i, t in zip(rows, token_ids):
-            if t >= limit or (t in control and i in json_rows):
+            st = states[i]
+            if t >= limit or (t in control and i in json_rows) or utf8[st._utf8][t] == REJECT:
                 out.append(False)
                 continue
-            st = states[i]
             m = st._matcher if st._matcher is not None else st.matcher
             if not m.accept_token(t):
                 out.append(False)
@@ -328,4 +336,5 @@ class _StepRows:
         for i in rows:                          # (a row that kept a token is settled, so never filled)
             self._states[i].settle()
         return self._manager._fill([self._states[i].matcher for i in rows],
-                                   [k for k, i in enumerate(rows) if i in self._json_rows])
+                                   [k for k, i in enumerate(rows) if i in self._json_rows],
+                                   [self._states[i]._utf8 for i in rows])

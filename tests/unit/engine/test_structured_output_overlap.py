@@ -207,7 +207,7 @@ def _counting(eng: LLMEngine, monkeypatch) -> tuple[list[int], list[int]]:
     filled, asked = [0], [0]
     fill, ask = eng.structured_output._fill, eng.structured_output._ask
     monkeypatch.setattr(eng.structured_output, "_fill",
-                        lambda m, j: (filled.__setitem__(0, filled[0] + len(m)), fill(m, j))[1])
+                        lambda m, *a: (filled.__setitem__(0, filled[0] + len(m)), fill(m, *a))[1])
     monkeypatch.setattr(eng.structured_output, "_ask",
                         lambda *a: (asked.__setitem__(0, asked[0] + len(a[2])), ask(*a))[1])
     return filled, asked
