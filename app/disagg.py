@@ -157,44 +157,80 @@ class _PDMetrics(LLMReplica):
             self.metrics.record_pd(pd_sample(stats, self.engine.kv_connector_stats(), self._prefill_failed()))
         return super()._load_sample()
 
-    async def _call_prefill(self, call: GenerateRequest, skip: int) -> list[PrefillResult] | None:
-        """The prefill pool's answer to `call`; None when the pool lost its last running replica while the call
-        waited. A replica that died without a clean stop (`ray.kill`, a lost node) leaves the pool once a probe
-        or a call hits its death, and Serve then holds the call until a replacement has started (a model load):
-        the call is cancelled and the request recomputed here instead. A pool that is only busy keeps its
-        replicas listed, so its calls wait, up to `prefill_timeout_s` (disaggregation.prefill_timeout_s): a
-        replica that hangs without dying, or a backlog that long, raises PrefillTimeout (the call cancelled;
-        the caller recomputes)."""
-        response = self.prefill_handle.prefill.remote(call, skip)
-
-        async def answer() -> list[PrefillResult]:
-            return await response
-
-        task = asyncio.ensure_future(answer())
-        deadline = time.monotonic() + self.prefill_timeout_s
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(self.pool_watch_s, left)))
-                if done:
-                    return task.result()
-                if self._prefill_pool_down():
-                    logger.warning("the prefill pool lost its last running replica while a call waited: "
-                                   "recomputing %s here", call.req_id)
-                    return None
-                if time.monotonic() >= deadline:
-                    self.disagg.prefill_timeouts += 1
-                    raise PrefillTimeout(f"no answer from the prefill pool within disaggregation.prefill_timeout_s "
-                                         f"({self.prefill_timeout_s:g}s) for {call.req_id}")
-        finally:
-            if not task.done():
-                task.cancel()
-                cancel = getattr(response, "cancel", None)
-                if cancel is not None:
-                    cancel()
-
     def _prefill_failed(self) -> int:
         return 0
+
+
+# ---------------------------------------------------------------- a decode replica's view of hung prefill replicas
+class PrefillBreaker:
+    """The prefill replicas a decode replica keeps its calls from for a while (a circuit breaker). One whose call
+    missed disaggregation.prefill_timeout_s (hung without dying, or too backlogged to answer in time) gets no
+    call for `backoff_s`; after that one request at a time tries it again: its answer clears the replica,
+    another timeout starts a new back-off. Keys are the router's replica keys. Thread-safe: the decode replica
+    marks and asks on its loop, its router over the prefill pool (disagg_router.PrefillPoolRouter) filters on
+    its own."""
+
+    def __init__(self, backoff_s: float):
+        import threading
+        self.backoff_s = backoff_s
+        self._lock = threading.Lock()
+        self._until: dict[str, float] = {}       # replica key -> the end of its back-off (time.monotonic)
+        self._probe: dict[str, str] = {}         # replica key -> the req_id trying it again after its back-off
+
+    def on_timeout(self, key: str, now: float) -> None:
+        with self._lock:
+            self._until[key] = now + self.backoff_s
+            self._probe.pop(key, None)
+
+    def on_answer(self, key: str) -> None:
+        with self._lock:
+            self._until.pop(key, None)
+            self._probe.pop(key, None)
+
+    def release(self, req_id: str) -> None:
+        """`req_id`'s call ended: another request may try the replicas it was trying again."""
+        with self._lock:
+            for key in [k for k, r in self._probe.items() if r == req_id]:
+                del self._probe[key]
+
+    def blocked(self, key: str, req_id: str, now: float) -> bool:
+        """Whether `req_id` must not call `key` now: in its back-off, or past it while another request tries it."""
+        with self._lock:
+            return self._blocked(key, req_id, now)
+
+    def _blocked(self, key: str, req_id: str, now: float) -> bool:
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        probe = self._probe.get(key)
+        return probe is not None and probe != req_id
+
+    def claim(self, keys: list[str], req_id: str, now: float) -> list[str]:
+        """The replicas of `keys` (the running ones) `req_id` may call now. When those are only replicas past
+        their back-off, `req_id` becomes the one request trying the first of them again. Marks of replicas no
+        longer running are dropped (Serve never reuses a replica's id)."""
+        with self._lock:
+            for gone in [k for k in self._until if k not in keys]:
+                self._until.pop(gone)
+                self._probe.pop(gone, None)
+            usable = [k for k in keys if not self._blocked(k, req_id, now)]
+            if usable and all(k in self._until for k in usable):
+                self._probe.setdefault(usable[0], req_id)
+            return usable
+
+    def on_routed(self, key: str, req_id: str, now: float) -> None:
+        """The router sent `req_id` to `key`: past its back-off with no request trying it, that one does."""
+        with self._lock:
+            until = self._until.get(key)
+            if until is not None and now >= until:
+                self._probe.setdefault(key, req_id)
+
+    def state(self, now: float) -> dict[str, float]:
+        """Each marked replica's back-off seconds left (0: past it, tried by one request at a time)."""
+        with self._lock:
+            return {k: round(max(0.0, until - now), 3) for k, until in self._until.items()}
 
 
 # ---------------------------------------------------------------- the prefill pool
@@ -282,6 +318,8 @@ class DisaggCounters:
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
     prefill_pool_empty: int = 0  # of those, the pool had no running replica (not called)
     prefill_timeouts: int = 0   # of those, no answer within disaggregation.prefill_timeout_s (the call cancelled)
+    prefill_suspect: int = 0    # of those, every running prefill replica was in its back-off after a timeout
+                                # (disaggregation.prefill_backoff_s): not called
 
 
 class _PrefillWait:
@@ -320,6 +358,7 @@ class DecodeReplica(_PDMetrics):
         self.transport = RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
         self.disagg = DisaggCounters()
+        self.prefill_breaker = PrefillBreaker(disaggregation.prefill_backoff_s)
         #: requests this replica holds that wait on the prefill pool (from the call until this replica's engine
         #: holds the request: the engine counts it in flight from then on)
         self.num_waiting_on_prefill = 0
@@ -333,7 +372,88 @@ class DecodeReplica(_PDMetrics):
 
     async def debug_state(self) -> dict[str, Any]:
         return {**await super().debug_state(), "disaggregation": dataclasses.asdict(self.disagg),
-                "prefill_pool_size": self.prefill_pool_size()}
+                "prefill_pool_size": self.prefill_pool_size(),
+                "prefill_backoff": self.prefill_breaker.state(time.monotonic())}
+
+    def _prefill_routers(self) -> list[Any]:
+        """This process's routers over the prefill pool (PrefillPoolRouter: Serve builds it at the first call),
+        each given this replica's breaker."""
+        h = self.prefill_handle
+        app, name = getattr(h, "app_name", None), getattr(h, "deployment_name", None)
+        if app is None or name is None:
+            return []
+        routers = [r for r in debug.routers_for(app, name) if hasattr(r, "routed_to")]
+        for r in routers:
+            r.breaker = self.prefill_breaker
+        return routers
+
+    def _prefill_all_suspect(self, req_id: str) -> bool:
+        """Whether every running prefill replica is in its back-off (or being tried again by another request):
+        then `req_id` is prefilled here at once rather than sent to wait on a replica that missed its timeout.
+        False while this process's router knows no replica (the first call, or a pool still starting)."""
+        keys = sorted({k for r in self._prefill_routers() for k in r.node_of})
+        return bool(keys) and not self.prefill_breaker.claim(keys, req_id, time.monotonic())
+
+    async def _call_prefill(self, call: GenerateRequest, skip: int) -> list[PrefillResult] | None:
+        """The prefill pool's answer to `call`; None when the pool lost its last running replica while the call
+        waited. A replica that died without a clean stop (`ray.kill`, a lost node) leaves the pool once a probe
+        or a call hits its death, and Serve then holds the call until a replacement has started (a model load):
+        the call is cancelled and the request recomputed here instead. A pool that is only busy keeps its
+        replicas listed, so its calls wait, up to `prefill_timeout_s` (disaggregation.prefill_timeout_s): a
+        replica that hangs without dying, or a backlog that long, raises PrefillTimeout (the call cancelled;
+        the caller recomputes)."""
+        response = self.prefill_handle.prefill.remote(call, skip)
+
+        async def answer() -> list[PrefillResult]:
+            return await response
+
+        task = asyncio.ensure_future(answer())
+        deadline = time.monotonic() + self.prefill_timeout_s
+        outcome: str | None = None          # "answered" or "timed_out": what the call says of its replica
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(self.pool_watch_s, left)))
+                if done:
+                    results = task.result()
+                    outcome = "answered"
+                    return results
+                if self._prefill_pool_down():
+                    logger.warning("the prefill pool lost its last running replica while a call waited: "
+                                   "recomputing %s here", call.req_id)
+                    return None
+                if time.monotonic() >= deadline:
+                    self.disagg.prefill_timeouts += 1
+                    outcome = "timed_out"
+                    raise PrefillTimeout(f"no answer from the prefill pool within disaggregation.prefill_timeout_s "
+                                         f"({self.prefill_timeout_s:g}s) for {call.req_id}")
+        finally:
+            if not task.done():
+                task.cancel()
+                cancel = getattr(response, "cancel", None)
+                if cancel is not None:
+                    cancel()
+            self._settle_prefill_call(call.req_id, outcome)
+
+    def _settle_prefill_call(self, req_id: str, outcome: str | None) -> None:
+        """Tell the breaker what the call to the prefill pool said of its replica: an answer clears it, a
+        timeout starts its back-off (a call Serve never sent: of the replicas its router offered, none taking it
+        or answering Serve's queue-length probe in all that time), and any other end lets another request try."""
+        key, offered = None, []
+        for r in self._prefill_routers():
+            key = r.routed_to.pop(req_id, None) or key
+            offered = r.offered.pop(req_id, None) or offered
+        b = self.prefill_breaker
+        b.release(req_id)
+        if outcome == "answered" and key is not None:
+            b.on_answer(key)
+        elif outcome == "timed_out":
+            now = time.monotonic()
+            for k in [key] if key is not None else offered:
+                b.on_timeout(k, now)
+            logger.warning("prefill replica(s) %s did not answer %s within %gs: no prefill calls to them from this "
+                           "replica for %gs", key or ", ".join(offered) or "?", req_id, self.prefill_timeout_s,
+                           b.backoff_s)
 
     def prefill_pool_size(self) -> int | None:
         """Running prefill replicas as this process's router over the prefill pool knows them (Serve's
@@ -414,8 +534,12 @@ class DecodeReplica(_PDMetrics):
             "pd.prompt_tokens": len(req.prompt_token_ids)})
         results: list[PrefillResult] | None = None
         pool_down = self._prefill_pool_down()
+        suspect = not pool_down and self._prefill_all_suspect(req.req_id)
         try:
-            if not pool_down:
+            if suspect:
+                span.set_attribute("pd.prefill_suspect", True)
+                self.disagg.prefill_suspect += 1
+            elif not pool_down:
                 # the prefill replica's spans (prefill, copy-out) are this span's children
                 call = dataclasses.replace(req, trace_context=inject_carrier(trace.set_span_in_context(span, ctx)))
                 results = await self._call_prefill(call, skip)

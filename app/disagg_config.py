@@ -61,6 +61,11 @@ class DisaggregationSection(BaseModel):
         "seconds and prefills the request itself (a prefill replica that hangs without dying, or a pool too "
         "backlogged to answer in time); null: half of serve.first_token_timeout_s, so the recompute still has "
         "time before the ingress gives up. Must be below serve.first_token_timeout_s")
+    prefill_backoff_s: float = Field(
+        10.0, gt=0, description="a prefill replica that missed prefill_timeout_s gets no prefill call from that "
+        "decode replica for this many seconds (its calls go to the other prefill replicas; with none, the decode "
+        "replica prefills them itself at once instead of waiting the timeout again); then one request at a time "
+        "tries it again: an answer clears it, another timeout starts a new back-off")
 
     def prefill_timeout(self, first_token_timeout_s: float) -> float:
         """The decode replica's deadline on one prefill call (prefill_timeout_s, or its default)."""

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
 from affinity_serve.app.disagg_config import DisaggregationSection
 from affinity_serve.app.protocol import GenerateRequest
@@ -49,6 +50,8 @@ logger = logging.getLogger("affinity.router")
 PREFILL_DEPLOYMENT = "PrefillReplica"
 #: routing policies whose decisions carry loads but no predictions (app/routing/baselines.py)
 LOAD_ONLY_POLICIES = frozenset({"power_of_two", "round_robin"})
+#: calls a decode replica's prefill router remembers the replica of until the caller takes it (the oldest go)
+MAX_ROUTED_CALLS = 4096
 
 
 def same_node_choice(decision: Decision, node_of: dict[str, str | None], node: str | None,
@@ -92,6 +95,17 @@ def same_node_choice_by_load(decision: Decision, node_of: dict[str, str | None],
     return sc.replica_ids[best]
 
 
+def _remember(calls: dict[str, Any], req_id: str, value: Any) -> None:
+    """calls[req_id] = value, the oldest entries dropped past MAX_ROUTED_CALLS (the decode replica pops entries
+    from its own loop meanwhile: a drop that races one is given up)."""
+    while len(calls) >= MAX_ROUTED_CALLS:
+        try:
+            calls.pop(next(iter(calls)), None)
+        except (StopIteration, RuntimeError):
+            break
+    calls[req_id] = value
+
+
 def _first(ranks: list[list[RunningReplica]], key: str) -> list[list[RunningReplica]]:
     """`ranks` with the replica whose key is `key` alone in front (unchanged if it is not among them)."""
     chosen = next((r for rank in ranks for r in rank if _replica_key(r.replica_id) == key), None)
@@ -102,13 +116,65 @@ def _first(ranks: list[list[RunningReplica]], key: str) -> list[list[RunningRepl
 
 
 class PrefillPoolRouter(AffinityRequestRouter):
-    """The prefill pool's router. In a decode replica: the replica the ingress chose for the request goes first.
-    In the ingress: `pick` routes a request's prefill part for PDDecodeRouter (nothing is sent through it)."""
+    """The prefill pool's router. In a decode replica: the replica the ingress chose for the request goes first,
+    and replicas the decode replica's breaker holds back (app/disagg.py PrefillBreaker: a recent prefill timeout)
+    are left out while another replica can take the call; each call's replica is kept in `routed_to` for the
+    decode replica to take. In the ingress: `pick` routes a request's prefill part for PDDecodeRouter (nothing
+    is sent through it)."""
 
     def initialize_state(self, routing: dict[str, Any], block_size: int, warmup_timeout_s: float = 30.0) -> None:
         super().initialize_state(routing, block_size, warmup_timeout_s)
         self.node_of: dict[str, str | None] = {}
         self.num_pinned = 0
+        #: set by the decode replica whose handle this router serves (DecodeReplica._prefill_routers)
+        self.breaker: Any = None
+        #: req_id -> the replica key its call was sent to, and the replicas last offered to Serve for it (a call
+        #: Serve could not send: none took it, or none answered Serve's queue-length probe); the decode replica
+        #: takes both when the call ends (DecodeReplica._settle_prefill_call)
+        self.routed_to: dict[str, str] = {}
+        self.offered: dict[str, list[str]] = {}
+        self.num_held_back = 0          # decisions that left a replica in its back-off out
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        try:
+            candidates = self._callable(candidate_replicas, pending_request)
+        except Exception:
+            logger.exception("routing: the prefill breaker's filter failed; every replica is a candidate")
+            candidates = candidate_replicas
+        return await super().choose_replicas(candidates, pending_request)
+
+    def _callable(self, candidates: list[RunningReplica],
+                  pending_request: PendingRequest | None) -> list[RunningReplica]:
+        """`candidates` less those the breaker holds back from this request, unless that leaves none (the decode
+        replica prefills such a request itself before calling; one that raced a new timeout still goes)."""
+        req = _generate_request(pending_request)
+        if req is None:
+            return candidates
+        out = candidates
+        breaker = self.breaker
+        if breaker is not None:
+            now = time.monotonic()
+            ok = [r for r in candidates if not breaker.blocked(_replica_key(r.replica_id), req.req_id, now)]
+            if ok and len(ok) < len(candidates):
+                self.num_held_back += 1
+                out = ok
+        _remember(self.offered, req.req_id, [_replica_key(r.replica_id) for r in out])
+        return out
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        try:
+            req = _generate_request(pending_request)
+            if req is None:
+                return
+            key = _replica_key(replica_id)
+            _remember(self.routed_to, req.req_id, key)
+            if self.breaker is not None:
+                self.breaker.on_routed(key, req.req_id, time.monotonic())
+        except Exception:
+            logger.exception("routing: recording the prefill call's replica failed")
 
     def _sync_members(self, replicas: list[RunningReplica]) -> None:
         self.node_of = {_replica_key(r.replica_id): r.node_id for r in replicas}

@@ -17,6 +17,7 @@ APP = "affinity-disagg"
 BLOCK = 4
 MIN_REMOTE = 12
 PREFILL_TIMEOUT_S = 6.0
+PREFILL_BACKOFF_S = 20.0      # longer than the recompute and checks after the timeout take here
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def pd_url(ray_serve, checkpoints):
 
     cfg = app_config(checkpoints["llama"])
     cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
-                             "prefill_timeout_s": PREFILL_TIMEOUT_S,
+                             "prefill_timeout_s": PREFILL_TIMEOUT_S, "prefill_backoff_s": PREFILL_BACKOFF_S,
                              "prefill": {"num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
                              "decode": {"num_replicas": 1}}
     serve.run(build_app(cfg), name=APP, route_prefix="/disagg")
@@ -262,7 +263,9 @@ def test_prefill_pool_down_the_decode_replica_recomputes(pd_url, checkpoints, hf
 def test_a_hung_prefill_replica_costs_a_recompute_after_the_prefill_timeout(pd_url, checkpoints, hf_reference):
     """The prefill replica's process is stopped (SIGSTOP: alive, listed, never answering, as a replica whose
     host stalls): the decode replica stops waiting at disaggregation.prefill_timeout_s, cancels the call and
-    recomputes; once the process runs again the cancelled prefill frees its blocks."""
+    recomputes, and holds that replica back for prefill_backoff_s: the next request is prefilled on the decode
+    replica at once (the only prefill replica is held back) instead of waiting the timeout again; after the
+    back-off the replica, running again, is tried and answers; the cancelled prefill frees its blocks."""
     import os
     import signal
 
@@ -288,9 +291,21 @@ def test_a_hung_prefill_replica_costs_a_recompute_after_the_prefill_timeout(pd_u
         assert after["prefill_timeouts"] == before["prefill_timeouts"] + 1, (before, after)
         assert after["prefill_failed"] == before["prefill_failed"] + 1
         assert after["prefill_pool_empty"] == before["prefill_pool_empty"]     # listed all along: not "down"
-        # the same replica answers again, and nothing stays held on either side
+        assert list(_state("LLMReplica")["prefill_backoff"]) == [victim]
+        # held back: prefilled on the decode replica, the prefill replica not called (no second timeout)
+        prompt = _ids(48, 123)
+        out = _complete(c, pd_url, prompt, max_tokens=6)
+        assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
+        held = _state("LLMReplica")["disaggregation"]
+        assert held["prefill_suspect"] == after["prefill_suspect"] + 1, (after, held)
+        assert held["prefill_timeouts"] == after["prefill_timeouts"] and held["remote"] == after["remote"]
+        # after the back-off the same replica is tried again and answers (cleared), and nothing stays held
+        wait_until(lambda: all(v == 0 for v in _state("LLMReplica")["prefill_backoff"].values()),
+                   timeout_s=PREFILL_BACKOFF_S + 30, what="the prefill replica's back-off to end")
         prompt = _ids(48, 122)
         out = _complete(c, pd_url, prompt, max_tokens=6)
         assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
-        assert _state("LLMReplica")["disaggregation"]["remote"] == after["remote"] + 1
+        done = _state("LLMReplica")
+        assert done["disaggregation"]["remote"] == held["remote"] + 1 and done["prefill_backoff"] == {}
+        assert _state("PrefillReplica")["replica_id"] == victim
     wait_until(_pools_empty, timeout_s=60, what="both pools to free every block")

@@ -34,9 +34,13 @@ class Router:
 
 
 def _decode(handle, min_replicas: int = 1) -> SimpleNamespace:
+    from affinity_serve.app.disagg import PrefillBreaker
     d = SimpleNamespace(prefill_handle=handle, prefill_min_replicas=min_replicas, _pool_was_empty=False,
-                        _pool_seen_replicas=False, prefill_timeout_s=30.0, disagg=DisaggCounters())
+                        _pool_seen_replicas=False, prefill_timeout_s=30.0, disagg=DisaggCounters(),
+                        prefill_breaker=PrefillBreaker(10.0))
     d.prefill_pool_size = lambda: DecodeReplica.prefill_pool_size(d)
+    d._prefill_routers = lambda: DecodeReplica._prefill_routers(d)
+    d._settle_prefill_call = lambda req_id, outcome: DecodeReplica._settle_prefill_call(d, req_id, outcome)
     return d
 
 
