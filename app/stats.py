@@ -23,8 +23,19 @@ def routing_stats(load: EngineLoad) -> dict[str, Any]:
     Routers read it with `app.routing.ReplicaLoadView.from_stats`."""
     stats = {f: getattr(load, f) for f in ROUTING_STATS_FIELDS}
     stats["kv_cache_usage"] = round(load.kv_cache_usage, 4)
+    step = step_time_s(load)
+    if step is not None:
+        stats["step_time_s"] = step
     stats["taken_at"] = round(time.time() - max(0.0, time.monotonic() - load.timestamp), 4)
     return stats
+
+
+def step_time_s(load: EngineLoad) -> float | None:
+    """Mean duration of the engine's recent steps that decoded (0.1 ms resolution), None without one: how long
+    a running sequence waits for each of its tokens here, which the router's admission control takes as the
+    time a sequence holds its KV blocks per output token until it has seen requests finish."""
+    times = [s.step_time_s for s in load.recent_steps if s.num_decode_seqs > 0]
+    return round(sum(times) / len(times), 4) or 0.0001 if times else None
 
 
 def load_sample(load: EngineLoad) -> ReplicaLoadSample:

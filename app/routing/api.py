@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 import time
 from array import array
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,7 @@ class ReplicaLoadView:
     cache_epoch: str = ""
     num_blocks: int | None = None
     age_s: float = 0.0
+    step_time_s: float | None = None          # mean recent step that decoded (s), if the replica reports it
 
     @classmethod
     def from_stats(cls, stats: Any, now_wall: float | None = None) -> ReplicaLoadView:
@@ -73,7 +75,15 @@ class ReplicaLoadView:
                    kv_cache_usage=float(get("kv_cache_usage", 0.0) or 0.0),
                    num_queued_prefill_tokens=int(get("num_queued_prefill_tokens", 0) or 0),
                    cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None),
-                   age_s=age)
+                   age_s=age, step_time_s=_positive_or_none(get("step_time_s", None)))
+
+
+def _positive_or_none(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if v > 0 and math.isfinite(v) else None
 
 
 @dataclass(slots=True)

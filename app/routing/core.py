@@ -72,6 +72,8 @@ class PrefixAffinityRouterCore:
     def on_stats(self, replica_id: str, load: ReplicaLoadView) -> None:
         before = self.loads.get(replica_id).stats.num_blocks
         self.loads.set_stats(replica_id, load, self.clock())
+        if load.step_time_s is not None:
+            self.model.observe_step_time(load.step_time_s)
         if load.num_blocks != before:
             self._size_index()
             if self.shadow is not None:

@@ -90,6 +90,8 @@ _MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot take
 #: seconds per output token a sequence holds its KV blocks (decode time per token at load) until finished
 #: requests were observed: a typical GPU decode step of a mid-size model in a busy batch
 SEQ_TOKEN_S_PRIOR = 0.02
+#: weight of each replica stats report in the mean reported decode step (`TTFTModel.observe_step_time`)
+STEP_REPORT_WEIGHT = 0.1
 
 
 class LoadTracker:
@@ -297,6 +299,9 @@ class TTFTModel:
         #: over the tokens the router expected it to generate): the KV-wait model's pool turnover
         self.seq_token_s = SEQ_TOKEN_S_PRIOR
         self.num_lifetimes = 0
+        #: the replicas' reported mean decode step (a decayed mean over their stats), which stands in for
+        #: SEQ_TOKEN_S_PRIOR as the lifetime estimate's prior: right for the hardware from the first stats
+        self.reported_step_s: float | None = None
         self._life_w = 0.0
         self._life_sum = 0.0
         self._w = 0.0
@@ -409,9 +414,27 @@ class TTFTModel:
         self._life_w = self._life_w * d + 1.0
         self._life_sum = self._life_sum * d + seconds / out_tokens
         self.num_lifetimes += 1
+        self._update_seq_token_s()
+
+    def observe_step_time(self, step_s: float) -> None:
+        """A replica's reported mean decode step (its stats' `step_time_s`): a sequence that runs gets a token
+        per step, so until lifetimes are observed this is the seconds per token a sequence holds its blocks,
+        on this fleet's hardware (the fixed prior is a mid-size model's GPU step: 4x too long on a fast GPU,
+        too short on a CPU or a slow device, so admission mispredicted the first dozen requests' KV wait)."""
+        if not self.calibrate or not step_s > 0:
+            return
+        old = self.reported_step_s
+        self.reported_step_s = step_s if old is None else old + STEP_REPORT_WEIGHT * (step_s - old)
+        self._update_seq_token_s()
+
+    def _update_seq_token_s(self) -> None:
+        """The lifetime estimate: observed seconds per expected token (decayed mean) pulled towards the prior
+        (the reported step, else SEQ_TOKEN_S_PRIOR) by `calibration_prior_weight` samples; clamped to 1/20 of
+        the smaller and 20 x the larger of the two priors."""
+        prior = self.reported_step_s if self.reported_step_s is not None else SEQ_TOKEN_S_PRIOR
         w0 = self.prior_weight
-        est = (SEQ_TOKEN_S_PRIOR * w0 + self._life_sum) / (w0 + self._life_w)
-        self.seq_token_s = min(20.0 * SEQ_TOKEN_S_PRIOR, max(SEQ_TOKEN_S_PRIOR / 20.0, est))
+        est = (prior * w0 + self._life_sum) / (w0 + self._life_w)
+        self.seq_token_s = min(20.0 * max(prior, SEQ_TOKEN_S_PRIOR), max(min(prior, SEQ_TOKEN_S_PRIOR) / 20.0, est))
 
     def observe(self, work_tokens: int, running: int, ttft_s: float, tier_tokens: int = 0) -> None:
         """One request's TTFT with the prefill work (queued ahead + its own uncached), running load and

@@ -401,11 +401,15 @@ async def test_replica_reports_typed_small_stats_and_publishes_limits(checkpoint
     stats = rep.record_routing_stats()
     assert isinstance(stats, dict) and len(json.dumps(stats)) < 350      # EngineLoad's names: ~310
     load = rep.stats()
-    assert set(stats) == {*ROUTING_STATS_FIELDS, "taken_at"}
+    assert set(stats) == {*ROUTING_STATS_FIELDS, "taken_at", "step_time_s"}
     assert all(stats[f] == getattr(load, f) for f in ROUTING_STATS_FIELDS if f != "kv_cache_usage")
     assert stats["prefix_cache_queries_total"] == 3 and stats["num_running_reqs"] == 0
+    # the mean of the recent steps that decoded (the two after the prefill step), as the router reads it
+    decoding = [s.step_time_s for s in load.recent_steps if s.num_decode_seqs > 0]
+    assert len(decoding) == 2 and stats["step_time_s"] == pytest.approx(sum(decoding) / 2, abs=6e-5)
     view = ReplicaLoadView.from_stats(stats)
     assert (view.num_running, view.num_blocks, view.cache_epoch) == (0, 32, load.cache_epoch)
+    assert view.step_time_s == stats["step_time_s"]
     prompt = list(range(20, 30))
     for rid in ("b", "c"):
         [c async for c in rep.generate(GenerateRequest(rid, prompt, SamplingParams(max_tokens=1)))]

@@ -109,6 +109,38 @@ def test_the_wait_scales_with_the_observed_sequence_lifetime():
     assert slow > 1.8 * prior
 
 
+def test_before_any_request_finished_the_wait_uses_the_replicas_reported_decode_step():
+    """A replica's stats carry its mean recent decode step (`step_time_s`): a running sequence gets a token
+    per step, so that is the seconds per token it holds its blocks, on this hardware, from the first stats
+    on. The fixed prior (a mid-size model's GPU step) was 4x too long on a fast device: the first requests'
+    KV wait came out 4x too long (false 429s) until about a dozen had finished."""
+    fast = 0.005
+    core, clock = _core(calibrate=True)
+    core.on_stats("a", _kv_bound_backlog())
+    fixed = core.model.kv_wait_many([core.loads.get("a")], [34], OUT, BS)[0]
+    reported = ReplicaLoadView(num_running=1, num_waiting=10, kv_cache_usage=0.95,
+                               num_queued_prefill_tokens=10 * PROMPT, num_blocks=POOL, step_time_s=fast)
+    core.on_stats("a", reported)
+    assert core.model.reported_step_s == fast and core.model.seq_token_s == pytest.approx(fast)
+    now = core.model.kv_wait_many([core.loads.get("a")], [34], OUT, BS)[0]
+    assert now == pytest.approx(fixed * fast / SEQ_TOKEN_S_PRIOR)
+    for _ in range(30):                              # later reports move it as a decayed mean
+        core.on_stats("a", ReplicaLoadView(num_blocks=POOL, step_time_s=2 * fast))
+    assert core.model.seq_token_s == pytest.approx(2 * fast, rel=0.05)
+    # observed lifetimes still win: sequences that waited (preempted, queued) hold their blocks longer
+    core.on_stats("a", ReplicaLoadView(num_blocks=POOL))
+    for i in range(20):                              # 150 tokens in 6 s each: 0.04 s a token
+        core.route(_req(i), ["a"])
+        core.on_first_token(f"q{i}", 0)
+        clock.t += 6.0
+        core.on_finished(f"q{i}")
+    assert core.model.seq_token_s == pytest.approx(0.04, rel=0.1)
+    # with calibration off the fixed prior stays (the routing tests' reproducible setting)
+    off, _ = _core(calibrate=False)
+    off.on_stats("a", reported)
+    assert off.model.seq_token_s == SEQ_TOKEN_S_PRIOR
+
+
 def test_a_request_never_started_teaches_no_lifetime():
     core, clock = _core(calibrate=True)
     core.route(_req(0), ["a"])
