@@ -87,3 +87,15 @@ def test_the_cpu_kv_budget_is_the_engines():
     from affinity_serve.app.ingress import CPU_KV_BUDGET_BYTES
     from affinity_serve.engine import build
     assert CPU_KV_BUDGET_BYTES == build._DEFAULT_CPU_KV_BYTES
+
+
+async def test_models_at_zero_with_pd_report_the_decode_pools_engine(checkpoints):
+    """With P/D the ingress's replicas are the decode pool's: its engine settings over the engine section."""
+    from affinity_serve.app.ingress import Ingress
+    cfg = AppConfig.model_validate({
+        "engine": {"model": checkpoints["llama"], "device": "cpu", "cache": {"block_size": 4}},
+        "autoscaling": AT_ZERO, "serve": {"first_token_timeout_s": 0.5},
+        "disaggregation": {"enabled": True, "decode": {"engine": {"cache": {"num_blocks": 8}}}}})
+    handle = LocalHandle(CardReplica(EngineLimits(77, 10**6, 77)))
+    ing = Ingress(handle, cfg)
+    assert (await ing.models())["data"][0]["max_model_len"] == 28 and handle.calls == []   # 7 blocks x 4 tokens
