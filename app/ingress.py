@@ -334,6 +334,9 @@ class Ingress:
         if known is not None:
             return known.max_model_len
         a = self.cfg.autoscaling
+        if self.cfg.disaggregation.enabled:          # the ingress's replicas are the decode pool's
+            from affinity_serve.app.disagg_config import pool_autoscaling
+            a = pool_autoscaling(a, self.cfg.disaggregation.decode, "decode")
         if a.enabled and a.min_replicas == 0 and not self.serving.num_replicas():
             derived = self._config_max_model_len
             if derived is not None:

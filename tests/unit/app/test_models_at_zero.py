@@ -99,3 +99,10 @@ async def test_models_at_zero_with_pd_report_the_decode_pools_engine(checkpoints
     handle = LocalHandle(CardReplica(EngineLimits(77, 10**6, 77)))
     ing = Ingress(handle, cfg)
     assert (await ing.models())["data"][0]["max_model_len"] == 28 and handle.calls == []   # 7 blocks x 4 tokens
+    # the decode pool's own autoscaling decides whether it may be at zero
+    cfg = AppConfig.model_validate({
+        "engine": {"model": checkpoints["llama"], "device": "cpu", "cache": {"block_size": 4}},
+        "autoscaling": {"enabled": True, "min_replicas": 1}, "serve": {"first_token_timeout_s": 0.5},
+        "disaggregation": {"enabled": True, "decode": {"autoscaling": {"min_replicas": 0, "initial_replicas": 0}}}})
+    handle = LocalHandle(CardReplica(EngineLimits(77, 10**6, 77)))
+    assert (await Ingress(handle, cfg).models())["data"][0]["max_model_len"] == 512 and handle.calls == []
