@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,12 @@ class StructuredOutputSpec:
             if problem is not None:
                 raise InvalidRequestError(f"{self.param}: unsupported JSON schema: {problem}", param=self.param,
                                           code="invalid_grammar")
+        elif kind in ("regex", "grammar"):
+            problem = surrogate_escape(text)
+            if problem is not None:
+                what = "regex" if kind == "regex" else "grammar"
+                raise InvalidRequestError(f"{self.param}: the {what} {problem}", param=self.param,
+                                          code="invalid_grammar")
         xgr = import_xgrammar(self.param)
         try:
             if kind == "json":
@@ -81,6 +88,23 @@ class StructuredOutputSpec:
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}[kind]
             raise InvalidRequestError(f"{self.param}: unsupported or invalid {what}: {_first_line(e)}",
                                       param=self.param, code="invalid_grammar") from None
+
+
+#: an escape naming a UTF-16 surrogate code point (U+D800-U+DFFF): \uD800, \u{D800}, \x{D800}
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*"                          # not itself escaped
+                               r"(\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\\[ux]\{0*[dD][89a-fA-F][0-9a-fA-F]{2}\})")
+
+
+def surrogate_escape(pattern: str) -> str | None:
+    """A message when `pattern` (a regex, an EBNF grammar, a schema's `pattern`) names a UTF-16 surrogate
+    code point by escape: no UTF-8 output can contain one (the engine keeps every constrained output valid
+    UTF-8), so a pattern that needs it could only end in an error mid-generation. None otherwise."""
+    m = _SURROGATE_ESCAPE.search(pattern)
+    if m is None:
+        return None
+    return (f"names {m.group(1)!r}, a UTF-16 surrogate code point, which no UTF-8 output can contain (the "
+            "grammar engine does not join a surrogate pair into one character): write the character itself "
+            "or leave it out")
 
 
 def import_xgrammar(param: str = "structured_outputs"):
@@ -163,6 +187,8 @@ def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
                                                    or hi - lo > _MULTIPLE_OF_SPAN):
             return (f"{at}multipleOf with a bound is enforced only between a lower and an upper bound at most "
                     f"{_MULTIPLE_OF_SPAN:,} apart (the grammar engine drops it otherwise); give both, or neither")
+    if isinstance(schema.get("pattern"), str) and surrogate_escape(schema["pattern"]) is not None:
+        return f"{at}pattern {surrogate_escape(schema['pattern'])}"
     if isinstance(schema.get("pattern"), str) and any(t in schema["pattern"] for t in _REGEX_UNENFORCED):
         return (f"{at}pattern {schema['pattern']!r}: lookarounds and word boundaries "
                 f"({', '.join(_REGEX_UNENFORCED)}) are not enforced by the grammar engine")

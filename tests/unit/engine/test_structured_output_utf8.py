@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from affinity_serve.engine.errors import InvalidRequestError  # noqa: E402
 from affinity_serve.engine.structured_output import StructuredOutputSpec  # noqa: E402
 from affinity_serve.engine.structured_output.utf8 import REJECT, advance, token_transitions  # noqa: E402
 
@@ -236,3 +237,24 @@ def test_engine_outputs_pushed_towards_surrogates_are_valid_utf8_json_within_max
         non_ascii += any(ord(c) > 0x7F for c in value["s"])
     assert non_ascii >= 36
     eng.close()
+
+
+@pytest.mark.parametrize("spec_kwargs", [
+    {"regex": r"[a-z]+\uD800"},
+    {"regex": r"x[\uDC00-\uDFFF]y"},
+    {"regex": r"\uD83D\uDE00"},                        # a pair: xgrammar keeps two surrogates, not one emoji
+    {"grammar": 'root ::= "a" "\\uDBFF"'},
+    {"json": json.dumps({"type": "string", "pattern": "^\\ud800$"})},
+])
+def test_a_grammar_naming_a_surrogate_is_refused_before_it_runs(spec_kwargs):
+    """No UTF-8 output can hold a UTF-16 surrogate, and every constrained output is kept valid UTF-8: a pattern
+    that needs one would end in an error mid-generation, so it is a 400 (`invalid_grammar`) at the request."""
+    spec = StructuredOutputSpec(**spec_kwargs)
+    with pytest.raises(InvalidRequestError) as e:
+        spec.check()
+    assert e.value.code == "invalid_grammar" and "surrogate" in str(e.value)
+
+
+@pytest.mark.parametrize("pattern", [r"\\uD800", r"[\u0000-\uFFFF]+", r"\uD7FF\uE000", r"\u0D80"])
+def test_patterns_that_only_look_like_a_surrogate_escape_are_accepted(pattern):
+    StructuredOutputSpec(regex=pattern).check()       # an escaped backslash, a range across, neighbours
