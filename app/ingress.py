@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ from affinity_serve.app.prompts import RequestKind
 from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from affinity_serve.app.routing import debug as routing_debug
 from affinity_serve.app.serving import OpenAIRequest, OpenAIServing
-from affinity_serve.engine import EngineConfig, load_tokenizer
+from affinity_serve.engine import load_tokenizer
 from affinity_serve.observability.logs import configure_json_logging, request_id_var
 from affinity_serve.observability.metrics import ServingMetrics
 from affinity_serve.observability.requests import RequestObserver
@@ -44,9 +43,6 @@ fastapi_app = FastAPI(title="affinity-serve", description="OpenAI-compatible LLM
 
 _REQUEST_TYPES = {RequestKind.COMPLETION: CompletionRequest, RequestKind.CHAT: ChatCompletionRequest}
 _HEALTH_FIRST_WAIT_S = 2.0     # how long a probe waits for the engine's limits before answering "starting"
-#: the engine's KV budget on CPU when cache.memory_budget_bytes is unset (engine/build.py; a unit test pins it)
-CPU_KV_BUDGET_BYTES = 512 * 1024 * 1024
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -322,9 +318,9 @@ class Ingress:
 
     async def models(self) -> dict:
         """The model list. Its max_model_len is the engine's: a replica's answer (asked once, kept), or while
-        asking could start a replica (autoscaling at zero) what the config and checkpoint fix
-        (`config_max_model_len`), so listing models never scales the deployment up. Only where those leave it
-        to the replica's machine (a CUDA pool sized by free memory) is a replica asked, as for a request."""
+        asking could start a replica (autoscaling at zero) what the config and checkpoint fix (the engine's
+        `derive_max_model_len`), so listing models never scales the deployment up. Only where those leave it to
+        the replica's machine (a CUDA pool sized by free memory) is a replica asked, as for a request."""
         max_model_len = await self._max_model_len()
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started_at,
                                             "owned_by": "affinity-serve", "max_model_len": max_model_len}]}
@@ -345,13 +341,15 @@ class Ingress:
 
     @functools.cached_property
     def _config_max_model_len(self) -> int | None:
-        """`config_max_model_len` of the engine config the ingress's replicas run (with P/D, the decode pool's)."""
+        """The engine's `derive_max_model_len` of the config the ingress's replicas run (with P/D, the decode
+        pool's)."""
         engine = self.cfg.engine
         if self.cfg.disaggregation.enabled:
             from affinity_serve.app.disagg_config import pool_engine_config
             d = self.cfg.disaggregation
             engine = pool_engine_config(engine, d.decode, d)
-        return config_max_model_len(engine)
+        from affinity_serve.engine import derive_max_model_len
+        return derive_max_model_len(engine)
 
     async def model(self, model_id: str) -> dict:
         """The model card of `model_id`; APIError 404 `model_not_found` unless it is the served model."""
@@ -451,40 +449,6 @@ class Ingress:
         for r in routers:
             await r.run_on_loop(r.inject_errors, n)
         return {"ingress_replica_id": serve.get_replica_context().replica_id.unique_id, "num_routers": len(routers)}
-
-
-def config_max_model_len(engine: EngineConfig) -> int | None:
-    """The max_model_len a replica running `engine` will report, derived as the engine does (engine/build.py:
-    the checkpoint's positions or engine.max_model_len, capped at what the KV pool holds for one request), when
-    the config and a checkpoint directory on this machine fix it; None when only the replica's machine can:
-    the pool sized from a CUDA device's free memory, or from a budget whose dtype follows device auto."""
-    from affinity_serve.engine import resolve_context_length
-    from affinity_serve.engine.errors import ModelLoadError
-    from affinity_serve.engine.kv_groups import kv_cache_groups, num_kv_tensors, tokens_capacity
-    from affinity_serve.engine.models.config import ModelArgs
-    if not os.path.isfile(os.path.join(engine.model, "config.json")):
-        return None           # a hub id, or a path only on the replicas' nodes
-    try:
-        args = ModelArgs.from_dir(engine.model)
-        length = resolve_context_length(args, engine.max_model_len)
-    except (ModelLoadError, ValueError):
-        return None           # the replica refuses it, and says why
-    groups = kv_cache_groups(args.layer_windows)
-    c = engine.cache
-    num_blocks = c.num_blocks
-    if num_blocks is None:
-        dtype = engine.dtype if engine.dtype != "auto" else {"cpu": "float32", "cuda": "bfloat16"}.get(engine.device)
-        budget = c.memory_budget_bytes
-        if budget is None and engine.device == "cpu":
-            budget = CPU_KV_BUDGET_BYTES
-        if dtype is None or budget is None:
-            return None
-        per_block = 2 * num_kv_tensors(groups) * c.block_size * args.num_kv_heads * args.head_dim * _DTYPE_BYTES[dtype]
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            return None       # the replica refuses the budget
-    capacity = tokens_capacity(groups, num_blocks - 1, c.block_size, engine.scheduler.max_num_batched_tokens)
-    return min(length, capacity)
 
 
 def _request_body(name: str, request: Any) -> dict:

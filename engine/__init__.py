@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from affinity_serve.engine.gc_policy import tune_gc_for_serving
     from affinity_serve.engine.limits import EngineLimits
     from affinity_serve.engine.types import EngineRequest, RequestDelta
-    from affinity_serve.engine.models.checkpoint import (check_engine_support, resolve_context_length,
-                                                         validate_checkpoint)
+    from affinity_serve.engine.models.checkpoint import (check_engine_support, derive_max_model_len,
+                                                         resolve_context_length, validate_checkpoint)
     from affinity_serve.engine.tokenizer import apply_chat_template, load_tokenizer, token_ids_only_error
     from affinity_serve.engine.kv_connector import check_kv_connector
     from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
@@ -54,6 +54,7 @@ _LAZY = {
     "ensure_demo_model": "affinity_serve.engine.demo",
     "validate_checkpoint": "affinity_serve.engine.models.checkpoint",
     "resolve_context_length": "affinity_serve.engine.models.checkpoint",
+    "derive_max_model_len": "affinity_serve.engine.models.checkpoint",
     "check_engine_support": "affinity_serve.engine.models.checkpoint",
     "is_hub_id": "affinity_serve.engine.models.hub",
     "tune_gc_for_serving": "affinity_serve.engine.gc_policy",
@@ -78,6 +79,7 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "SamplingParams", "EngineConfig",
            "CacheConfig", "SchedulerConfig", "KVConnectorConfig", "EngineLimits", "EngineRequest", "RequestDelta",
            "load_tokenizer", "apply_chat_template", "token_ids_only_error", "write_demo_model", "ensure_demo_model",
-           "validate_checkpoint", "resolve_context_length", "check_engine_support", "is_hub_id", "tune_gc_for_serving",
+           "validate_checkpoint", "resolve_context_length", "derive_max_model_len", "check_engine_support",
+           "is_hub_id", "tune_gc_for_serving",
            "check_shared_root", "check_kv_connector", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode",
            "RemotePrefill", "KVTransferError"]

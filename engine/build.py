@@ -23,7 +23,8 @@ from affinity_serve.engine.kv_connector import (KVConnectorScheduler, build_kv_c
 from affinity_serve.engine.kv_groups import KVCacheGroupSpec, kv_cache_groups, tokens_capacity
 from affinity_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from affinity_serve.engine.models import fused as fused_ops
-from affinity_serve.engine.models.checkpoint import resolve_context_length, validate_checkpoint
+from affinity_serve.engine.models.checkpoint import (DEFAULT_CPU_KV_BYTES, resolve_context_length,
+                                                     validate_checkpoint)
 from affinity_serve.engine.models.config import ModelArgs
 from affinity_serve.engine.models.generation_config import GenerationConfig, all_eos_token_ids
 from affinity_serve.engine.models.hub import resolve_model_path
@@ -36,7 +37,6 @@ from affinity_serve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
 #: linear_backend auto keeps the plain weights beside the packed ones (hybrid) while that copy costs at most
 #: this much; larger models get onednn alone
 _HYBRID_AUTO_MAX_EXTRA_BYTES = 1 << 30
@@ -184,7 +184,7 @@ def num_kv_blocks(config: EngineConfig, model_args: ModelArgs, dtype: torch.dtyp
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * 0.8)
         else:
-            budget = _DEFAULT_CPU_KV_BYTES
+            budget = DEFAULT_CPU_KV_BYTES
     n = budget // per_block
     if n < 2:
         raise ValueError(f"KV memory budget {budget} bytes holds {n} blocks of {per_block} bytes; "

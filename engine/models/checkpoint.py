@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from affinity_serve.engine.errors import ModelLoadError
 from affinity_serve.engine.models.config import ModelArgs
@@ -109,3 +110,42 @@ def check_tokenizer_files(path: str | Path) -> None:
 
 def _listing(path: Path, limit: int = 20) -> list[str]:
     return sorted(p.name for p in path.iterdir())[:limit]
+
+
+#: the KV pool's memory on CPU when cache.memory_budget_bytes and cache.num_blocks are unset (engine/build.py)
+DEFAULT_CPU_KV_BYTES = 512 * 1024 * 1024
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def derive_max_model_len(config: Any) -> int | None:
+    """The max_model_len an engine built from `config` (an EngineConfig) will report, derived without building
+    it, as engine/build.py does: the checkpoint's positions or config.max_model_len, capped at what the KV pool
+    holds for one request. None when only the serving machine can tell: a checkpoint not on this machine (a hub
+    id), a config the engine refuses (it says why), or a pool sized from a CUDA device's free memory or from a
+    budget whose dtype follows `device: auto`. Torch-free (an ingress that never runs the model uses it)."""
+    import os
+
+    from affinity_serve.engine.kv_groups import kv_cache_groups, num_kv_tensors, tokens_capacity
+    if not os.path.isfile(os.path.join(config.model, "config.json")):
+        return None
+    try:
+        args = ModelArgs.from_dir(config.model)
+        length = resolve_context_length(args, config.max_model_len)
+    except (ModelLoadError, ValueError):
+        return None
+    groups = kv_cache_groups(args.layer_windows)
+    c = config.cache
+    num_blocks = c.num_blocks
+    if num_blocks is None:
+        dtype = config.dtype if config.dtype != "auto" else {"cpu": "float32", "cuda": "bfloat16"}.get(config.device)
+        budget = c.memory_budget_bytes
+        if budget is None and config.device == "cpu":
+            budget = DEFAULT_CPU_KV_BYTES
+        if dtype not in _DTYPE_BYTES or budget is None:
+            return None
+        per_block = 2 * num_kv_tensors(groups) * c.block_size * args.num_kv_heads * args.head_dim * _DTYPE_BYTES[dtype]
+        num_blocks = budget // per_block
+        if num_blocks < 2:
+            return None
+    capacity = tokens_capacity(groups, num_blocks - 1, c.block_size, config.scheduler.max_num_batched_tokens)
+    return min(length, capacity)

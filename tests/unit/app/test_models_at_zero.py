@@ -83,10 +83,11 @@ async def test_models_keep_a_replicas_answer_and_ask_only_what_the_config_cannot
     assert [name for name, _ in handle.calls] == ["limits"]
 
 
-def test_the_cpu_kv_budget_is_the_engines():
-    from affinity_serve.app.ingress import CPU_KV_BUDGET_BYTES
+def test_the_derivation_and_the_build_share_the_cpu_kv_budget():
+    """One constant: the derivation (engine.derive_max_model_len) and engine/build.py's pool sizing."""
     from affinity_serve.engine import build
-    assert CPU_KV_BUDGET_BYTES == build._DEFAULT_CPU_KV_BYTES
+    from affinity_serve.engine.models import checkpoint
+    assert build.DEFAULT_CPU_KV_BYTES is checkpoint.DEFAULT_CPU_KV_BYTES
 
 
 async def test_models_at_zero_with_pd_report_the_decode_pools_engine(checkpoints):
