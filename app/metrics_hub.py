@@ -41,14 +41,16 @@ class MetricsHub:
     def __init__(self, gauge_ttl_s: float = GAUGE_TTL_S, retire_after_s: float = RETIRE_AFTER_S):
         self.aggregate = MetricsAggregate(gauge_ttl_s, retire_after_s)
 
-    def push(self, process: str, snapshot: Snapshot) -> int:
-        self.aggregate.push(process, snapshot, time.monotonic())
+    def push(self, process: str, snapshot: Snapshot, interval_s: float | None = None) -> int:
+        """A process's snapshot; `interval_s`: how often it pushes (its gauges last GAUGE_TTL_PUSHES of them)."""
+        self.aggregate.push(process, snapshot, time.monotonic(), interval_s)
         return self.aggregate.num_processes
 
-    def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True) -> str:
+    def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True,
+               interval_s: float | None = None) -> str:
         """Push the caller's own snapshot, then the Prometheus text of every process's."""
         now = time.monotonic()
-        self.aggregate.push(process, snapshot, now)
+        self.aggregate.push(process, snapshot, now, interval_s)
         return render(self.aggregate.merged(now), model_name, vllm_aliases)
 
 
@@ -127,7 +129,8 @@ class MetricsExporter:
         hub = self._hub_handle()
         if hub is None:
             return
-        ray.get(hub.push.remote(self.process, self.snapshot()), timeout=max(10.0, 5 * self.interval_s))
+        ray.get(hub.push.remote(self.process, self.snapshot(), self.interval_s),
+                timeout=max(10.0, 5 * self.interval_s))
 
     async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
         """The app's merged metrics as Prometheus text; this process's alone if there is no hub to ask."""
@@ -136,7 +139,7 @@ class MetricsExporter:
             try:
                 hub = self._hub_handle()
                 if hub is not None:
-                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
+                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases, self.interval_s)
             except Exception as e:
                 self._forget_hub(e)
         return render(snap, model_name, vllm_aliases)

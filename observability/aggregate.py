@@ -95,14 +95,20 @@ class MetricsAggregate:
         self._processes: dict[str, _Pushed] = {}
         self._retired: Snapshot = {}
 
-    def push(self, process: str, snapshot: Snapshot, now: float) -> None:
+    def push(self, process: str, snapshot: Snapshot, now: float, interval_s: float | None = None) -> None:
         """The process's latest snapshot. A counter or histogram series it reported before and lacks now (an
         observable instrument's callback failed or skipped it this time) keeps its last value: its counts are
-        cumulative while the process lives, and dropping them would take them out of the sums."""
+        cumulative while the process lives, and dropping them would take them out of the sums. `interval_s`:
+        the process's own push interval, as it declares it (its gauges then last from its first push on, and
+        pushes between timed ones, such as a /metrics scrape's, do not shorten it); without it the interval is
+        estimated from the gaps between pushes."""
         prev = self._processes.get(process)
-        interval_s = 0.0
+        declared = interval_s is not None and interval_s > 0
+        if not declared:
+            interval_s = 0.0
+            if prev is not None:
+                interval_s = max(now - prev.seen, prev.interval_s / 2)
         if prev is not None:
-            interval_s = max(now - prev.seen, prev.interval_s / 2)
             kept = {k: s for k, s in prev.snapshot.items()
                     if k not in snapshot and METRICS[s.name].kind is not Kind.GAUGE}
             if kept:

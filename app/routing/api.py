@@ -229,9 +229,9 @@ class CandidateScores:
 
     def __post_init__(self) -> None:
         global _last_ids
-        ids = tuple(self.replica_ids)
-        if ids == _last_ids:
-            ids = _last_ids
+        ids, last = tuple(self.replica_ids), _last_ids     # the global read once: a race only loses the sharing
+        if ids == last:
+            ids = last
         else:
             _last_ids = ids
         self.replica_ids = ids

@@ -45,3 +45,20 @@ def test_a_one_second_pusher_keeps_the_5_s_ttl_and_a_stall_fades():
         agg.push("replica:r1", _replica_snapshot(1), now=t)
     # the estimate halves at each on-time push (20, 10, 5, 2.5, 1.25, 1): back to the 5 s TTL
     assert _running(agg, t + 5.0) == 1 and _running(agg, t + 5.1) is None
+
+
+def test_a_declared_interval_keeps_the_gauges_from_the_first_push_and_scrape_pushes_do_not_shorten_it():
+    """The exporter sends its push interval: a new process pushing every 10 s keeps its gauges from its first
+    push on (the estimate needed a second push), and pushes from /metrics scrapes between its timed ones do not
+    shrink the interval (a burst of scrapes made another ingress's gauges vanish before its next push)."""
+    agg = MetricsAggregate(gauge_ttl_s=5.0, retire_after_s=300.0)
+    agg.push("replica:r1", _replica_snapshot(1), now=0.0, interval_s=10.0)
+    assert _running(agg, 6.0) == 1 and _running(agg, 9.9) == 1
+    for t in (10.0, 10.01, 10.02, 10.03):             # its timed push, then three scrape pushes at once
+        agg.push("replica:r1", _replica_snapshot(2), now=t, interval_s=10.0)
+    assert _running(agg, 16.0) == 2 and _running(agg, 19.9) == 2
+    assert _running(agg, 10.03 + GAUGE_TTL_PUSHES * 10.0 + 0.1) is None
+    # without a declared interval, the estimate from the gaps still applies (older pushers)
+    old = MetricsAggregate(gauge_ttl_s=5.0, retire_after_s=300.0)
+    old.push("replica:r1", _replica_snapshot(1), now=0.0)
+    assert _running(old, 5.0) == 1 and _running(old, 6.0) is None
