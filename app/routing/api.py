@@ -159,7 +159,11 @@ class CandidateScore:
         return self.predicted_cached_tokens - self.predicted_tier_cached_tokens
 
 
-_last_ids: tuple[str, ...] = ()
+#: recent candidate-id tuples, each kept once and shared by the decisions over that candidate set (several
+#: routers in a process, such as P/D's decode and prefill routers, alternate sets); a race between threads only
+#: loses the sharing (dict reads and writes are atomic)
+_recent_ids: dict[tuple[str, ...], tuple[str, ...]] = {}
+_MAX_RECENT_IDS = 16
 
 
 def _column(values: Sequence[int]) -> array:
@@ -212,8 +216,8 @@ class CandidateScores:
     Columns rather than one object per candidate: a decision at 128 replicas would otherwise carry 128
     objects, and the recent-decisions ring keeping hundreds of decisions would make every full garbage
     collection walk tens of thousands of them. `Decision.candidates` builds the per-candidate view.
-    The numeric columns are stored as `array.array` and `replica_ids` as a tuple shared with the previous
-    decision's when equal: the collector walks a young list element by element, and at 128 replicas the
+    The numeric columns are stored as `array.array` and `replica_ids` as a tuple shared by the recent decisions
+    over the same candidates: the collector walks a young list element by element, and at 128 replicas the
     decisions kept since the last young collection held ~150k list slots, a 2-3 ms pause inside a decision
     (arrays hold no object references, so the collector never walks them). Columns read as sequences.
     """
@@ -228,13 +232,13 @@ class CandidateScores:
     predicted_tier_cached_tokens: Sequence[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        global _last_ids
-        ids, last = tuple(self.replica_ids), _last_ids     # the global read once: a race only loses the sharing
-        if ids == last:
-            ids = last
-        else:
-            _last_ids = ids
-        self.replica_ids = ids
+        ids = tuple(self.replica_ids)
+        shared = _recent_ids.get(ids)
+        if shared is None:
+            if len(_recent_ids) >= _MAX_RECENT_IDS:
+                _recent_ids.clear()
+            _recent_ids[ids] = shared = ids
+        self.replica_ids = shared
         self.predicted_cached_tokens = _column(self.predicted_cached_tokens)
         self.predicted_ttft_s = array("d", self.predicted_ttft_s)
         self.queued_prefill_tokens = _column(self.queued_prefill_tokens)

@@ -420,5 +420,8 @@ def test_a_kept_decision_costs_the_collector_the_same_at_128_replicas_as_at_8(re
         assert d.reason.value == reason and len(d.ranked) == n and d.ranked[0] == d.chosen
         assert sorted(d.ranked) == sorted(ids) and len(d.candidates) == n
         assert d.scores.replica_ids is first.scores.replica_ids
+        other = make(replicas=[("x", "n0"), ("y", "n0")])[0].route(req("o"), ["x", "y"])     # another router
+        assert core.route(req("q2"), ids).scores.replica_ids is first.scores.replica_ids
+        assert other.scores.replica_ids == ("x", "y")
         walked[n] = _walked_references(d, shared=[d.scores.replica_ids])
     assert walked[128] <= walked[8] + 4, walked
