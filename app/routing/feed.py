@@ -60,7 +60,7 @@ class KVEventFeed:
     """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now.
     `clock` (seconds, monotonic) times each replica's lag (`health`)."""
 
-    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient] | None],
+    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient]],
                  period_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self.replicas = replicas
@@ -72,23 +72,17 @@ class KVEventFeed:
         self._in_flight: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
-        """Tick until `replicas()` answers None (its owner is gone) or the task is cancelled; a failing tick
-        is logged and the next one runs."""
+        """Tick forever (cancel the task to stop); a failing tick is logged and the next one runs."""
         while True:
             try:
-                if self.tick() is None:
-                    self.stop()
-                    return
+                self.tick()
             except Exception:
                 logger.exception("KV event feed tick failed")
             await asyncio.sleep(self.period_s)
 
-    def tick(self) -> list[asyncio.Task] | None:
-        """Start one pull per replica that has none in flight; returns the tasks started (tests await them),
-        None when `replicas()` answers None (the owner is gone: nothing to pull for)."""
+    def tick(self) -> list[asyncio.Task]:
+        """Start one pull per replica that has none in flight; returns the tasks started (tests await them)."""
         clients = self.replicas()
-        if clients is None:
-            return None
         for rid in [r for r in self._cursors if r not in clients]:
             del self._cursors[rid]
         needing = set(self.core.replicas_needing_snapshot())

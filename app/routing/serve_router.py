@@ -16,7 +16,6 @@ import asyncio
 import logging
 import math
 import random
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -73,13 +72,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         self._rng = random.Random()
         self.num_shell_errors = 0
         self._inject_errors = 0
-        # The feed and the metrics sampling run as tasks on the router loop for the router's life: they hold
-        # it weakly, so a router whose handle is dropped is collected and they end (Serve never stops them:
-        # a strong reference kept every dropped handle's router pulling every replica's events for the
-        # process's life).
-        feed_clients = weakref.WeakMethod(self._feed_clients)
-        self.feed = (KVEventFeed(self.core, lambda: _call_if_alive(feed_clients), r.kv_events_period_s,
-                                 r.kv_events_timeout_s)
+        self.feed = (KVEventFeed(self.core, self._feed_clients, r.kv_events_period_s, r.kv_events_timeout_s)
                      if r.policy in KV_EVENT_POLICIES else None)
         self._feed_task: asyncio.Task | None = None
         #: the latest sample for /metrics, replaced on the router loop, read by the metrics thread
@@ -95,7 +88,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             if self.feed is not None and self._feed_task is None:
                 self._feed_task = self._event_loop.create_task(self.feed.run())
             if self._exports_metrics and self._metrics_task is None:
-                self._metrics_task = self._event_loop.create_task(_sample_metrics(weakref.ref(self)))
+                self._metrics_task = self._event_loop.create_task(self._sample_metrics())
         except Exception:
             logger.exception("routing: replica update failed (routing continues on the previous view)")
 
@@ -275,6 +268,18 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             return fn(*args)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._event_loop))
 
+    async def _sample_metrics(self) -> None:
+        """Leave a fresh `metrics_sample` every METRICS_SAMPLE_PERIOD_S (cancel the task to stop)."""
+        warned = False
+        while True:
+            try:
+                self.metrics_sample = self.build_metrics_sample()
+            except Exception:
+                if not warned:
+                    warned = True
+                    logger.exception("routing: sampling the router's metrics failed (retrying quietly)")
+            await asyncio.sleep(METRICS_SAMPLE_PERIOD_S)
+
     def build_metrics_sample(self) -> RouterSample:
         """This router's counters, index sizes and feed health as plain values (run on the router loop: the
         core is not thread-safe)."""
@@ -325,27 +330,3 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
 
 def vars_of(obj: Any) -> dict[str, Any]:
     return {f: getattr(obj, f) for f in obj.__slots__}
-
-
-def _call_if_alive(method: weakref.WeakMethod) -> Any:
-    """The weakly held bound method's result; None once its object is gone."""
-    m = method()
-    return m() if m is not None else None
-
-
-async def _sample_metrics(ref: weakref.ref) -> None:
-    """Leave a fresh `metrics_sample` on the router every METRICS_SAMPLE_PERIOD_S, until it is collected (or
-    the task is cancelled); holds it only while sampling."""
-    warned = False
-    while True:
-        router = ref()
-        if router is None:
-            return
-        try:
-            router.metrics_sample = router.build_metrics_sample()
-        except Exception:
-            if not warned:
-                warned = True
-                logger.exception("routing: sampling the router's metrics failed (retrying quietly)")
-        del router
-        await asyncio.sleep(METRICS_SAMPLE_PERIOD_S)
