@@ -234,6 +234,13 @@ class PrefillBreaker:
 
 
 # ---------------------------------------------------------------- the prefill pool
+def prefill_sampling_params(params: Any) -> Any:
+    """The prefill call's sampling params: the request's, for its first token only (max_tokens 1, and
+    min_tokens at most 1: a first token must not be a stop if the request asks for any; the decode side counts
+    it towards the rest)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
 @dataclass
 class PrefillResult:
     """One sequence's first token (as the chunk a replica streams) and where its KV is (None: finished)."""
@@ -251,7 +258,7 @@ class PrefillReplica(_PDMetrics):
         import ray
 
         from affinity_serve.observability.tracing import context_from_carrier
-        prefill = dataclasses.replace(req, sampling_params=dataclasses.replace(req.sampling_params, max_tokens=1),
+        prefill = dataclasses.replace(req, sampling_params=prefill_sampling_params(req.sampling_params),
                                       kv_transfer=RemoteDecode())
         out: dict[int, PrefillResult] = {}
         held: dict[int, RemotePrefill] = {}

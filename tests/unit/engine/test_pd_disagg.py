@@ -533,3 +533,29 @@ def test_a_stop_string_across_the_first_and_second_token_is_cut_as_unified(pair)
     assert tried == 3
     _settle_until_empty(p, d)
     _assert_empty(p, d)
+
+
+def test_min_tokens_is_kept_across_the_split_as_on_one_engine(pair):
+    """The prefill call asks for one token: the app's params for it (app/disagg.py prefill_sampling_params) keep
+    min_tokens at most 1 (a request's min_tokens 5 with max_tokens 1 was refused there, so every such request
+    fell back to recomputing), and the decode side counts the first token towards the rest: the stops masked
+    until the 5th token are the unified engine's."""
+    from affinity_serve.app.disagg import prefill_sampling_params
+    path, p, d = pair
+    prompt = _ids(40, 23)
+    plain = LLM(path, cache={"num_blocks": 64, "block_size": BS}).generate(
+        prompt, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    # stop on the tokens greedy decoding emits 2nd and 4th: min_tokens 5 masks them until the 5th token
+    params = SamplingParams(max_tokens=8, min_tokens=5, stop_token_ids=[plain[1], plain[3]], **GREEDY)
+    unified = LLM(path, cache={"num_blocks": 64, "block_size": BS}).generate(prompt, params, use_tqdm=False)
+    want = unified[0].outputs[0].token_ids
+    assert len(want) >= 5 and want != plain[:len(want)]          # the mask changed the output
+    one = prefill_sampling_params(params)
+    assert (one.max_tokens, one.min_tokens) == (1, 1)
+    first, finals = _run(p, "m", prompt, one, RemoteDecode())
+    remotes = [f.kv_transfer for f in finals]
+    assert remotes[0] is not None
+    rest, _ = _run(d, "m", prompt, params, remotes)
+    assert first[0] + rest[0] == want
+    _settle(p, d)
+    _assert_empty(p, d)
