@@ -166,7 +166,7 @@ class Ingress:
         if self.draining:
             return error_response(APIError("the server is shutting down", 503, "service_unavailable", None,
                                            "draining", retry))
-        a = self.cfg.autoscaling
+        a = self._model_autoscaling()
         may_be_zero = a.enabled and a.min_replicas == 0
         if (self.serving.known_limits is None and may_be_zero and self._starts_at_zero()
                 and not self.serving.replicas_seen()):
@@ -189,6 +189,15 @@ class Ingress:
                                            "no_replica_running", retry))
         return JSONResponse({"status": "ok" if num_replicas != 0 else "scaled_to_zero", "model": self.model_name,
                              "num_replicas": num_replicas})
+
+    def _model_autoscaling(self):
+        """The autoscaling of the deployment this ingress sends requests to: the autoscaling section, or with
+        P/D the decode pool's (its own over the section)."""
+        a = self.cfg.autoscaling
+        if self.cfg.disaggregation.enabled:
+            from affinity_serve.app.disagg_config import pool_autoscaling
+            a = pool_autoscaling(a, self.cfg.disaggregation.decode, "decode")
+        return a
 
     def _starts_at_zero(self) -> bool:
         """Whether the model deployment starts with no replica (autoscaling's initial replicas 0; with P/D the
@@ -329,10 +338,7 @@ class Ingress:
         known = self.serving.known_limits
         if known is not None:
             return known.max_model_len
-        a = self.cfg.autoscaling
-        if self.cfg.disaggregation.enabled:          # the ingress's replicas are the decode pool's
-            from affinity_serve.app.disagg_config import pool_autoscaling
-            a = pool_autoscaling(a, self.cfg.disaggregation.decode, "decode")
+        a = self._model_autoscaling()
         if a.enabled and a.min_replicas == 0 and not self.serving.num_replicas():
             derived = self._config_max_model_len
             if derived is not None:

@@ -107,3 +107,23 @@ async def test_models_at_zero_with_pd_report_the_decode_pools_engine(checkpoints
         "disaggregation": {"enabled": True, "decode": {"autoscaling": {"min_replicas": 0, "initial_replicas": 0}}}})
     handle = LocalHandle(CardReplica(EngineLimits(77, 10**6, 77)))
     assert (await Ingress(handle, cfg).models())["data"][0]["max_model_len"] == 512 and handle.calls == []
+
+
+async def test_health_with_pd_follows_the_decode_pools_autoscaling(checkpoints, monkeypatch):
+    """With P/D only the decode pool may be at zero (its own autoscaling over a section that may not): /health
+    said 503 `starting` and woke it, and once it was at zero again 503 `no_replica_running`, reading the
+    section's min_replicas 1 (acceptance finding)."""
+    from affinity_serve.app.ingress import Ingress
+    cfg = AppConfig.model_validate({
+        "engine": {"model": checkpoints["llama"], "device": "cpu", "cache": {"block_size": 4}},
+        "autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 1},
+        "serve": {"first_token_timeout_s": 0.5},
+        "disaggregation": {"enabled": True, "decode": {"autoscaling": {"min_replicas": 0, "initial_replicas": 0}}}})
+    handle = LocalHandle(CardReplica(EngineLimits(77, 10**6, 77)))
+    ing = Ingress(handle, cfg)
+    monkeypatch.setattr(ing.serving, "_num_replicas", lambda: 0)
+    r = await ing.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero" and handle.calls == []
+    await ing.serving.limits()                     # a replica ran once, then the pool went back to zero
+    r = await ing.http_health()
+    assert r.status_code == 200 and json.loads(r.body)["status"] == "scaled_to_zero"
