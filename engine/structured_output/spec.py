@@ -90,21 +90,41 @@ class StructuredOutputSpec:
                                       param=self.param, code="invalid_grammar") from None
 
 
-#: an escape naming a UTF-16 surrogate code point (U+D800-U+DFFF): \uD800, \u{D800}, \x{D800}
+#: an escape naming a UTF-16 surrogate code point (U+D800-U+DFFF) as the grammar engine reads it: \uD800,
+#: \u{D800}, \x{D800}, and \x or \U with a run of hex digits (xgrammar takes them all: \xD800 is U+D800)
 _SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*"                          # not itself escaped
-                               r"(\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\\[ux]\{0*[dD][89a-fA-F][0-9a-fA-F]{2}\})")
+                               r"(\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\\[ux]\{0*[dD][89a-fA-F][0-9a-fA-F]{2}\}"
+                               r"|\\[xU]0*[dD][89a-fA-F][0-9a-fA-F]{2}(?![0-9a-fA-F]))")
 
 
 def surrogate_escape(pattern: str) -> str | None:
     """A message when `pattern` (a regex, an EBNF grammar, a schema's `pattern`) names a UTF-16 surrogate
-    code point by escape: no UTF-8 output can contain one (the engine keeps every constrained output valid
-    UTF-8), so a pattern that needs it could only end in an error mid-generation. None otherwise."""
-    m = _SURROGATE_ESCAPE.search(pattern)
-    if m is None:
-        return None
-    return (f"names {m.group(1)!r}, a UTF-16 surrogate code point, which no UTF-8 output can contain (the "
-            "grammar engine does not join a surrogate pair into one character): write the character itself "
-            "or leave it out")
+    code point by escape outside a negated class: no UTF-8 output can contain one (the engine keeps every
+    constrained output valid UTF-8), so a pattern that needs it could only end in an error mid-generation.
+    None otherwise (`[^\uD800]` excludes one, which is harmless)."""
+    for m in _SURROGATE_ESCAPE.finditer(pattern):
+        if _in_negated_class(pattern, m.start(1)):
+            continue
+        return (f"names {m.group(1)}, a UTF-16 surrogate code point, which no UTF-8 output can contain (the "
+                "grammar engine does not join a surrogate pair into one character): write the character itself "
+                "or leave it out")
+    return None
+
+
+def _in_negated_class(pattern: str, pos: int) -> bool:
+    """Whether `pos` lies inside a `[^...]` class (scanning from the start, escapes skipped)."""
+    i, start = 0, None                      # start: the open class's first position after '['
+    while i < pos:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if start is None and c == "[":
+            start = i + 1
+        elif start is not None and c == "]" and i > start:
+            start = None
+        i += 1
+    return start is not None and pattern.startswith("^", start)
 
 
 def import_xgrammar(param: str = "structured_outputs"):
@@ -189,6 +209,10 @@ def unenforced_schema_keyword(schema: Any, path: str = "") -> str | None:
                     f"{_MULTIPLE_OF_SPAN:,} apart (the grammar engine drops it otherwise); give both, or neither")
     if isinstance(schema.get("pattern"), str) and surrogate_escape(schema["pattern"]) is not None:
         return f"{at}pattern {surrogate_escape(schema['pattern'])}"
+    if isinstance(schema.get("patternProperties"), dict):
+        for key in schema["patternProperties"]:
+            if isinstance(key, str) and surrogate_escape(key) is not None:
+                return f"{at}patternProperties key {surrogate_escape(key)}"
     if isinstance(schema.get("pattern"), str) and any(t in schema["pattern"] for t in _REGEX_UNENFORCED):
         return (f"{at}pattern {schema['pattern']!r}: lookarounds and word boundaries "
                 f"({', '.join(_REGEX_UNENFORCED)}) are not enforced by the grammar engine")

@@ -245,6 +245,11 @@ def test_engine_outputs_pushed_towards_surrogates_are_valid_utf8_json_within_max
     {"regex": r"\uD83D\uDE00"},                        # a pair: xgrammar keeps two surrogates, not one emoji
     {"grammar": 'root ::= "a" "\\uDBFF"'},
     {"json": json.dumps({"type": "string", "pattern": "^\\ud800$"})},
+    {"regex": r"\U0000D800"},                          # xgrammar reads \U and \x with any run of hex digits
+    {"regex": r"\xD800"},
+    {"grammar": 'root ::= "\\xDFFF"'},
+    {"json": json.dumps({"type": "object", "patternProperties": {"^\\uD800$": {"type": "integer"}},
+                         "minProperties": 1})},
 ])
 def test_a_grammar_naming_a_surrogate_is_refused_before_it_runs(spec_kwargs):
     """No UTF-8 output can hold a UTF-16 surrogate, and every constrained output is kept valid UTF-8: a pattern
@@ -253,8 +258,10 @@ def test_a_grammar_naming_a_surrogate_is_refused_before_it_runs(spec_kwargs):
     with pytest.raises(InvalidRequestError) as e:
         spec.check()
     assert e.value.code == "invalid_grammar" and "surrogate" in str(e.value)
+    assert "\\\\" not in str(e.value)                    # the escape as written, not repr-doubled
 
 
-@pytest.mark.parametrize("pattern", [r"\\uD800", r"[\u0000-\uFFFF]+", r"\uD7FF\uE000", r"\u0D80"])
+@pytest.mark.parametrize("pattern", [r"\\uD800", r"[\u0000-\uFFFF]+", r"\uD7FF\uE000", r"\u0D80", r"\xD8",
+                                     r"[^\uD800]{3}", r"\U0001F600", r"[\uD7FF-\uE000]{2}"])
 def test_patterns_that_only_look_like_a_surrogate_escape_are_accepted(pattern):
     StructuredOutputSpec(regex=pattern).check()       # an escaped backslash, a range across, neighbours
