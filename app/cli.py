@@ -476,7 +476,12 @@ def drain(cfg: "AppConfig", hurry: Callable[[], bool] = lambda: False, poll_s: f
     flight finish, for up to serve.drain_timeout_s (or until `hurry()`: a second Ctrl-C); streams still
     running then end with an in-band error event and [DONE]. Returns (finished while draining, ended)."""
     from ray import serve
-    handle = serve.get_deployment_handle("Ingress", app_name=cfg.serve.app_name)
+    try:
+        handle = serve.get_deployment_handle("Ingress", app_name=cfg.serve.app_name)
+    except Exception:               # the app was deleted meanwhile (serve.delete, `serve shutdown`): nothing to drain
+        print(f"\n[affinity-serve] app {cfg.serve.app_name!r} is no longer deployed: nothing to drain; stopping",
+              flush=True)
+        return 0, 0
 
     def broadcast(end_streams: bool) -> dict[str, int]:
         """Each ingress replica's requests in flight (a handle call reaches one replica: call until each
