@@ -144,10 +144,12 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
                               config, PDDecodeRouter, disaggregation=d.model_dump(mode="json", include={
                                   "min_remote_prefill_tokens", "same_node_slack_s", "same_node_slack_requests"})))
     prefill_scaling = pool_autoscaling(config.autoscaling, d.prefill)
+    from affinity_serve.engine import derive_max_model_len
     return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d,
                        autoscaling=pool_autoscaling(config.autoscaling, d.decode),
                        prefill_min_replicas=prefill_scaling.min_replicas if prefill_scaling.enabled
-                       else d.prefill.num_replicas)
+                       else d.prefill.num_replicas,
+                       prefill_max_model_len=derive_max_model_len(pool_engine_config(engine, d.prefill, d)))
 
 
 def engine_policy_kwargs(config: AppConfig, section: AutoscalingSection | None = None) -> dict[str, Any]:

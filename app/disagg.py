@@ -321,7 +321,7 @@ class PrefillReplica(_PDMetrics):
 class DisaggCounters:
     remote: int = 0             # requests prefilled by the prefill pool
     local_short: int = 0        # served here: the uncached part was below min_remote_prefill_tokens
-    local_ineligible: int = 0   # served here: max_tokens 1, or no prefill pool
+    local_ineligible: int = 0   # served here: max_tokens 1, no prefill pool, or a prompt past the prefill pool's length
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
     prefill_pool_empty: int = 0  # of those, the pool had no running replica (not called)
     prefill_timeouts: int = 0   # of those, no answer within disaggregation.prefill_timeout_s (the call cancelled)
@@ -352,9 +352,13 @@ class DecodeReplica(_PDMetrics):
 
     def __init__(self, engine: EngineConfig, serve: ServeSection, observability: ObservabilitySection,
                  prefill: Any, disaggregation: DisaggregationSection, *,
-                 autoscaling: AutoscalingSection | None = None, prefill_min_replicas: int = 1):
+                 autoscaling: AutoscalingSection | None = None, prefill_min_replicas: int = 1,
+                 prefill_max_model_len: int | None = None):
         super().__init__(engine, serve, observability, autoscaling=autoscaling)
         self.prefill_handle = prefill
+        #: the prefill pool's max_model_len when the builder could derive it: a longer prompt is served here
+        #: (the pools may size their KV pools apart, and a call would only be refused there)
+        self.prefill_max_model_len = prefill_max_model_len
         # a prefill pool that may scale to zero comes back only on calls queued at its handles
         self.prefill_min_replicas = prefill_min_replicas
         self._pool_was_empty = False
@@ -504,6 +508,10 @@ class DecodeReplica(_PDMetrics):
         """Blocks held here if the prefill pool should prefill `req`, else None (served here)."""
         p = req.sampling_params
         if p.max_tokens <= 1 or self.prefill_handle is None:
+            self.disagg.local_ineligible += 1
+            return None
+        limit = getattr(self, "prefill_max_model_len", None)
+        if limit is not None and len(req.prompt_token_ids) >= limit:     # prompt + its first token would not fit
             self.disagg.local_ineligible += 1
             return None
         k = self._local_hit_blocks(req)

@@ -92,6 +92,32 @@ def test_the_builder_passes_the_prefill_pools_floor():
                   "disaggregation": {"enabled": True, "prefill": {"autoscaling": {"min_replicas": 1}}}}) == 1
 
 
+def test_a_prompt_past_a_smaller_prefill_pools_length_is_served_on_the_decode_replica(checkpoints):
+    """The pools may size their KV pools apart: a prompt the prefill pool cannot hold (its max_model_len, derived
+    by the builder from its engine settings) is served here without a call, as ineligible; the call was refused
+    there (ContextLengthExceededError) and counted as a prefill failure (acceptance finding)."""
+    from affinity_serve.app.builder import disagg_deployments
+    from affinity_serve.app.protocol import GenerateRequest
+    from affinity_serve.engine import SamplingParams
+    pd = AppConfig.model_validate({"engine": {"model": checkpoints["llama"], "device": "cpu",
+                                              "cache": {"block_size": 16}},
+                                   "disaggregation": {"enabled": True,
+                                                      "prefill": {"engine": {"cache": {"num_blocks": 20}}},
+                                                      "decode": {"engine": {"cache": {"num_blocks": 30}}}}})
+    kwargs = disagg_deployments(pd, pd.engine.to_engine_config())._bound_deployment.init_kwargs
+    assert kwargs["prefill_max_model_len"] == 19 * 16             # 20 blocks less the null block
+    d = _counting_decode(lambda call, skip: None)
+    d.prefill_max_model_len = kwargs["prefill_max_model_len"]
+    d.engine.block_size = 16
+    fits = GenerateRequest("a", list(range(1, 300)), SamplingParams(max_tokens=8))
+    too_long = GenerateRequest("b", list(range(1, 305)), SamplingParams(max_tokens=8))
+    assert d._route(fits) == 0 and d.disagg.local_ineligible == 0
+    assert d._route(too_long) is None and d.disagg.local_ineligible == 1
+    # not derivable (a hub id, a CUDA pool sized by free memory): every long-enough prompt is called as before
+    d.prefill_max_model_len = None
+    assert d._route(too_long) == 0
+
+
 class _Response:
     """A Serve response that answers when told to, and records a cancel."""
 
