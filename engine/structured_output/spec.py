@@ -101,30 +101,28 @@ def surrogate_escape(pattern: str) -> str | None:
     """A message when `pattern` (a regex, an EBNF grammar, a schema's `pattern`) names a UTF-16 surrogate
     code point by escape outside a negated class: no UTF-8 output can contain one (the engine keeps every
     constrained output valid UTF-8), so a pattern that needs it could only end in an error mid-generation.
-    None otherwise (`[^\uD800]` excludes one, which is harmless)."""
+    None otherwise (`[^\uD800]` excludes one, which is harmless). One pass over the pattern, whatever the
+    number of escapes (a request body holds up to megabytes)."""
+    i, start = 0, None                      # start: the open class's first position after '['
     for m in _SURROGATE_ESCAPE.finditer(pattern):
-        if _in_negated_class(pattern, m.start(1)):
+        pos = m.start(1)
+        while i < pos:                      # the class state at the escape, carried on from the last one
+            c = pattern[i]
+            if c == "\\":
+                i += 2
+                continue
+            if start is None:
+                if c == "[":
+                    start = i + 1
+            elif c == "]" and i > start + (1 if pattern.startswith("^", start) else 0):
+                start = None                # (a ']' first in a class, after '^' or not, is a literal)
+            i += 1
+        if start is not None and pattern.startswith("^", start):
             continue
         return (f"names {m.group(1)}, a UTF-16 surrogate code point, which no UTF-8 output can contain (the "
                 "grammar engine does not join a surrogate pair into one character): write the character itself "
                 "or leave it out")
     return None
-
-
-def _in_negated_class(pattern: str, pos: int) -> bool:
-    """Whether `pos` lies inside a `[^...]` class (scanning from the start, escapes skipped)."""
-    i, start = 0, None                      # start: the open class's first position after '['
-    while i < pos:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if start is None and c == "[":
-            start = i + 1
-        elif start is not None and c == "]" and i > start:
-            start = None
-        i += 1
-    return start is not None and pattern.startswith("^", start)
 
 
 def import_xgrammar(param: str = "structured_outputs"):
