@@ -238,7 +238,7 @@ def prefill_sampling_params(params: Any) -> Any:
     """The prefill call's sampling params: the request's, for its first token only (max_tokens 1, and
     min_tokens at most 1: a first token must not be a stop if the request asks for any; the decode side counts
     it towards the rest)."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    return params.copy_with(max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
 @dataclass
@@ -599,7 +599,7 @@ class DecodeReplica(_PDMetrics):
             return
         p = req.sampling_params
         # the same seed: each sequence draws its later tokens as on one engine (RemotePrefill.seq_index)
-        params = dataclasses.replace(p, n=len(cont), prompt_logprobs=None)
+        params = p.copy_with(n=len(cont), prompt_logprobs=None)
         d_req = dataclasses.replace(req, sampling_params=params, kv_transfer=[r for _, r in cont])
         decode = self.tracer.start_span(SPAN_PD_DECODE, context=ctx, attributes={
             "replica": self.replica_id, "req_id": req.req_id, "pd.sequences": len(cont)})

@@ -5,7 +5,6 @@ engine's own function, so nothing here predicts what the engine will accept.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -108,7 +107,7 @@ def prepare_request(kind: RequestKind, req: CompletionRequest | ChatCompletionRe
             raise APIError(f"min_tokens cannot be combined with {spec.param}: a finished grammar allows only the "
                            "end of the sequence", 400, "invalid_request_error", "min_tokens", "invalid_value")
         spec.check()                   # an invalid schema is a 400 here, before any replica sees it
-        params = dataclasses.replace(params, structured_output=spec)
+        params = params.copy_with(structured_output=spec)
     if echo:
         texts = [_echo_text(ids, tokenizer) if t is None else t for ids, t in zip(prompts, texts)]
     return PreparedRequest(kind, req.request_id or request_id, model_name, prompts, texts, params, req.n, logprobs,

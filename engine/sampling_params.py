@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from affinity_serve.engine.errors import InvalidRequestError
 
@@ -110,6 +110,14 @@ class SamplingParams:
                     raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
                 if not _finite(v) or not -100 <= v <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {v!r}")
+
+    def copy_with(self, **changes: Any) -> "SamplingParams":
+        """A copy with `changes`, still knowing which fields the request left unset (those not changed here):
+        `dataclasses.replace` recomputes them from the neutral values already filled in, so a copy made that
+        way lost the model's generation_config defaults (the P/D prefill call's, a structured-output request's)."""
+        new = replace(self, **changes)
+        new.unset_fields = self.unset_fields - changes.keys()
+        return new
 
     def with_defaults(self, defaults: dict[str, float | int]) -> "SamplingParams":
         """A copy with the fields this request left unset taken from `defaults` (generation_config.json's);
