@@ -83,6 +83,12 @@ def _hub_actor_class() -> Any:
     return ray.remote(num_cpus=0, max_restarts=-1)(MetricsHub)
 
 
+def _is_signature_error(e: BaseException) -> bool:
+    """Whether a call to the hub failed on its arguments (a hub actor of an earlier version: the hub is detached
+    and outlives redeploys, so it may predate the interval argument)."""
+    return isinstance(e, TypeError) or "TypeError" in type(e).__name__ or "positional argument" in str(e)
+
+
 def serve_app_and_replica() -> tuple[str, str] | None:
     """(app name, replica id) inside a Serve replica, None elsewhere."""
     try:
@@ -112,6 +118,7 @@ class MetricsExporter:
         self.process = f"{process}:{uuid.uuid4().hex[:8]}"      # a restarted process is a new one
         self.interval_s = interval_s
         self._hub: Any = None
+        self._hub_takes_interval = True         # False for a hub of an earlier version (no interval argument)
         self._hub_lock = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
@@ -129,8 +136,16 @@ class MetricsExporter:
         hub = self._hub_handle()
         if hub is None:
             return
-        ray.get(hub.push.remote(self.process, self.snapshot(), self.interval_s),
-                timeout=max(10.0, 5 * self.interval_s))
+        timeout = max(10.0, 5 * self.interval_s)
+        if self._hub_takes_interval:
+            try:
+                ray.get(hub.push.remote(self.process, self.snapshot(), self.interval_s), timeout=timeout)
+                return
+            except Exception as e:
+                if not _is_signature_error(e):
+                    raise
+                self._hub_takes_interval = False       # a hub of an earlier version (it outlives redeploys)
+        ray.get(hub.push.remote(self.process, self.snapshot()), timeout=timeout)
 
     async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
         """The app's merged metrics as Prometheus text; this process's alone if there is no hub to ask."""
@@ -139,7 +154,15 @@ class MetricsExporter:
             try:
                 hub = self._hub_handle()
                 if hub is not None:
-                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases, self.interval_s)
+                    if self._hub_takes_interval:
+                        try:
+                            return await hub.render.remote(self.process, snap, model_name, vllm_aliases,
+                                                           self.interval_s)
+                        except Exception as e:
+                            if not _is_signature_error(e):
+                                raise
+                            self._hub_takes_interval = False
+                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
             except Exception as e:
                 self._forget_hub(e)
         return render(snap, model_name, vllm_aliases)
@@ -171,6 +194,7 @@ class MetricsExporter:
     def _forget_hub(self, e: Exception) -> None:
         with self._hub_lock:
             self._hub = None
+            self._hub_takes_interval = True
         if not self._warned:
             self._warned = True
             logger.warning("metrics hub of app %s unreachable (%s: %s); retrying every %.1fs", self.app_name,

@@ -69,8 +69,9 @@ GAUGE_TTL_PUSHES = 3
 
 @dataclass(slots=True)
 class _Pushed:
-    """A process's latest snapshot, when it came, and the process's push interval as the hub sees it: its latest
-    gap between pushes, or half its previous estimate if more (a one-off stall fades within a few pushes)."""
+    """A process's latest snapshot, when it came, and the process's push interval: as it declares it with each
+    push, else as the hub sees it (its latest gap between pushes, or half its previous estimate if more: a
+    one-off stall fades within a few pushes)."""
 
     seen: float
     snapshot: Snapshot
