@@ -478,9 +478,12 @@ def drain(cfg: "AppConfig", hurry: Callable[[], bool] = lambda: False, poll_s: f
     from ray import serve
     try:
         handle = serve.get_deployment_handle("Ingress", app_name=cfg.serve.app_name)
-    except Exception:               # the app was deleted meanwhile (serve.delete, `serve shutdown`): nothing to drain
+    except KeyError:                # the app was deleted meanwhile (serve.delete, `serve shutdown`): nothing to drain
         print(f"\n[affinity-serve] app {cfg.serve.app_name!r} is no longer deployed: nothing to drain; stopping",
               flush=True)
+        return 0, 0
+    except Exception as e:          # Serve or its controller unreachable: stop anyway
+        print(f"\n[affinity-serve] drain skipped ({type(e).__name__}); stopping", flush=True)
         return 0, 0
 
     def broadcast(end_streams: bool) -> dict[str, int]:
