@@ -71,8 +71,10 @@ def test_health_stays_fast_and_ready_during_a_burst(app_url):
 
     probes, statuses = asyncio.run(run())
     assert all(code == 200 for code, _ in probes), probes
-    # all answered from state; the bound leaves room for the burst's own intake on a loaded 2-core machine
-    assert max(s for _, s in probes) < 3.0, probes
+    # all answered from state (every probe 200: before, 503s); the bound leaves room for the burst's own intake
+    # on a loaded 2-core machine (3.8 s once in a full suite on a machine 1.7x slower than usual) and stays
+    # under the 6.9 s probe of the queued /health
+    assert max(s for _, s in probes) < 5.0, probes
     assert set(statuses) <= {200, 429}
 
 
