@@ -41,7 +41,7 @@ def _valid_prefix(data: bytes) -> bool:
             (tail + end).decode("utf-8")
             return True
         except UnicodeDecodeError:
-            pass
+            continue                 # this completion does not finish the character: try the next one
     return False
 
 
