@@ -308,16 +308,15 @@ async def test_health_answers_from_state_while_every_replica_slot_is_busy(checkp
             return LIMITS
 
     ing, handle = ingress(checkpoints, Busy())
-    loop = asyncio.get_running_loop()
-    t = loop.time()
-    r = await ing.http_health()
-    assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "starting" and loop.time() - t < 2.5
+    # wait_for only guards against a hang (debug_state never answers); what must hold is that /health asks
+    # the replicas for nothing but their limits, checked below from the calls
+    r = await asyncio.wait_for(ing.http_health(), 30)
+    assert r.status_code == 503 and json.loads(r.body)["error"]["code"] == "starting"
     release.set()                                  # the model loaded: its limits arrive (asked once)
     await asyncio.sleep(0.05)
     for _ in range(20):
-        t = loop.time()
-        r = await ing.http_health()
-        assert r.status_code == 200 and loop.time() - t < 0.1
+        r = await asyncio.wait_for(ing.http_health(), 30)
+        assert r.status_code == 200
     assert json.loads(r.body)["status"] == "ok"
     assert {name for name, _ in handle.calls} == {"limits"}       # asked until answered, then never again
 

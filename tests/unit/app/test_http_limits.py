@@ -91,7 +91,7 @@ async def test_a_stalled_body_is_a_408_and_never_reaches_the_app():
     t = time.monotonic()
     status, body, headers = await call(mw, messages=[{"type": "http.request", "body": b'{"a"', "more_body": True}])
     assert status == 408 and body["error"]["code"] == "body_read_timeout" and headers[b"connection"] == b"close"
-    assert time.monotonic() - t < 1 and not inner.scopes
+    assert time.monotonic() - t < 10 and not inner.scopes          # bounded (a stalled body is forever)
 
 
 async def test_a_body_over_the_limit_is_a_413_while_it_is_read():
@@ -144,7 +144,7 @@ def server():
         async with slots:
             await inner(scope, receive, send)
 
-    app = HTTPLimitsMiddleware(limited, body_read_timeout_s=1.0, max_connections_per_client=1000)
+    app = HTTPLimitsMiddleware(limited, body_read_timeout_s=4.0, max_connections_per_client=1000)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", lifespan="off",
                                         log_level="warning"))
@@ -174,7 +174,8 @@ def test_stalled_bodies_do_not_starve_normal_requests(server):
         time.sleep(0.2)
         t = time.monotonic()
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b'{"prompt": "hi"}', timeout=5)
-        assert r.status_code == 200 and time.monotonic() - t < 0.8
+        # starved, it would wait for the stalled bodies' 408s at the body timeout (4 s)
+        assert r.status_code == 200 and time.monotonic() - t < 3.0
         assert inner.max_active <= 1                     # no stalled client ever held a slot
         answers = []
         for s in stalled:                                # each gets its 408 after the body timeout

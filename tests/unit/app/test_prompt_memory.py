@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,7 +48,6 @@ async def test_a_megabyte_prompt_is_a_400_before_it_is_tokenized(checkpoints, pa
     ing.serving.tokenizer = spy
     text = (TEXT * 16000)[:1_000_000]
     body = {"messages": [{"role": "user", "content": text}]} if "chat" in path else {"prompt": text}
-    t = time.monotonic()
     status, out = await _post(ing, body | {"max_tokens": 4}, path)
     assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
     bound = 64 * max_token_chars(spy) * NORMALIZATION_SLACK          # the fake replica's max_model_len is 64
@@ -57,7 +55,7 @@ async def test_a_megabyte_prompt_is_a_400_before_it_is_tokenized(checkpoints, pa
         f"the prompt has 1000000 characters, more than this model's maximum context length of 64 tokens can hold "
         f"(at most {bound} characters); shorten the prompt")
     assert out["error"]["param"] == ("messages" if "chat" in path else "prompt")
-    assert spy.encoded_chars == 0 and time.monotonic() - t < 1.0
+    assert spy.encoded_chars == 0
 
 
 async def test_a_text_within_the_bound_is_tokenized_and_checked_by_tokens(checkpoints):

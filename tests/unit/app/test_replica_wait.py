@@ -38,7 +38,7 @@ async def test_no_replica_ever_is_a_503_at_the_cold_start_bound_and_the_call_is_
     with pytest.raises(APIError) as e:
         await wait.first(task, "output")
     took = time.monotonic() - t0
-    assert 0.3 <= took < 1.0
+    assert 0.3 <= took < 10     # at the bound, not the call's 60 s
     assert (e.value.status_code, e.value.type, e.value.code) == (503, "service_unavailable", "no_replica_running")
     assert e.value.retry_after_s is not None and "cold_start_timeout_s" in e.value.message
     await asyncio.sleep(0)
@@ -63,7 +63,7 @@ async def test_replicas_running_but_silent_is_a_503_at_the_first_output_bound():
     t0 = time.monotonic()
     with pytest.raises(APIError) as e:
         await wait.first(_result_after(60), "output")
-    assert 0.3 <= time.monotonic() - t0 < 1.0
+    assert 0.3 <= time.monotonic() - t0 < 10      # at the bound, not the call's 60 s
     assert (e.value.status_code, e.value.code) == (503, "replica_unavailable")
 
 
