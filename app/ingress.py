@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from affinity_serve.app.config import AppConfig, served_model_name
 from affinity_serve.app.errors import APIError, drop_serve_duplicate_logs, log_failure, pydantic_error, to_api_error
 from affinity_serve.app.http import APIKeyDigest, check_api_key, check_json_value, error_response, read_json_body, sse
-from affinity_serve.app.metrics_hub import MetricsExporter, serve_app_and_replica
+from affinity_serve.app.metrics_hub import MetricsExporter, MetricsUnavailable, serve_app_and_replica
 from affinity_serve.app.prompts import RequestKind
 from affinity_serve.app.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from affinity_serve.app.routing import debug as routing_debug
@@ -240,7 +240,13 @@ class Ingress:
     async def http_metrics(self) -> Response:
         """Prometheus text of the whole app (every ingress and model replica, merged by its metrics hub),
         with vLLM's names beside ours (docs/observability.md)."""
-        text = await self.metrics_exporter.render(self.model_name, self.cfg.observability.vllm_metric_names)
+        try:
+            text = await self.metrics_exporter.render(self.model_name, self.cfg.observability.vllm_metric_names)
+        except MetricsUnavailable as e:
+            # a failed scrape, never this process's numbers alone (they would read as counter resets)
+            return error_response(self._fail(APIError(f"{e}; the scrape fails rather than show one process's "
+                                                      "numbers as the app's; retry", 503, "service_unavailable",
+                                                      None, "metrics_unavailable"), "/metrics"))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _http(self, kind: RequestKind, request: Request) -> Response:

@@ -8,7 +8,10 @@ Ray actor named after the app. Only the app's own processes create the hub, as t
 snapshot and gets back the Prometheus text of the merge (observability/aggregate.py): counters summed over
 processes, so they only grow across scrapes however the proxy spreads them over ingress replicas.
 
-Outside Serve (unit tests, a bare `Ingress`), nothing is pushed and `/metrics` shows this process only.
+Outside Serve (unit tests, a bare `Ingress`), nothing is pushed and `/metrics` shows this process only. Inside
+an app, `/metrics` never falls back to one process's numbers: while the hub cannot be reached it is a 503 (a
+failed scrape), since one process's counters, below the app's totals, would read to Prometheus as a reset of
+every counter, twice (down, then up when the hub answers again), and `rate()` over it would spike.
 """
 from __future__ import annotations
 
@@ -89,6 +92,10 @@ def _is_signature_error(e: BaseException) -> bool:
     return isinstance(e, TypeError) or "TypeError" in type(e).__name__ or "positional argument" in str(e)
 
 
+class MetricsUnavailable(Exception):
+    """The app's merged metrics cannot be had now: its hub is unreachable (restarting, killed, Ray busy)."""
+
+
 def serve_app_and_replica() -> tuple[str, str] | None:
     """(app name, replica id) inside a Serve replica, None elsewhere."""
     try:
@@ -114,6 +121,7 @@ class MetricsExporter:
         self.reader = reader
         self.active = active
         self._may_create_hub = creates_hub
+        self._creates_hub = creates_hub
         self.app_name = app_name
         self.process = f"{process}:{uuid.uuid4().hex[:8]}"      # a restarted process is a new one
         self.interval_s = interval_s
@@ -148,24 +156,32 @@ class MetricsExporter:
         ray.get(hub.push.remote(self.process, self.snapshot()), timeout=timeout)
 
     async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
-        """The app's merged metrics as Prometheus text; this process's alone if there is no hub to ask."""
+        """The app's merged metrics as Prometheus text (this process's alone outside an app). Raises
+        MetricsUnavailable when the hub cannot be asked: never this process's numbers in place of the app's
+        (they would read as a reset of every counter). A process of the app (`creates_hub`) makes the hub again
+        if it was killed: it is answering a scrape, so the app is live (the hub's totals then start again from
+        what the processes push: one reset, where the fallback made two at every hub outage)."""
         snap = self.snapshot()
-        if self.app_name is not None:
-            try:
-                hub = self._hub_handle()
-                if hub is not None:
-                    if self._hub_takes_interval:
-                        try:
-                            return await hub.render.remote(self.process, snap, model_name, vllm_aliases,
-                                                           self.interval_s)
-                        except Exception as e:
-                            if not _is_signature_error(e):
-                                raise
-                            self._hub_takes_interval = False
-                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
-            except Exception as e:
-                self._forget_hub(e)
-        return render(snap, model_name, vllm_aliases)
+        if self.app_name is None:
+            return render(snap, model_name, vllm_aliases)
+        try:
+            hub = self._hub_handle(create=self._creates_hub)
+            if hub is None:
+                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} does not exist (yet)")
+            if self._hub_takes_interval:
+                try:
+                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases, self.interval_s)
+                except Exception as e:
+                    if not _is_signature_error(e):
+                        raise
+                    self._hub_takes_interval = False
+            return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
+        except MetricsUnavailable:
+            raise
+        except Exception as e:
+            self._forget_hub(e)
+            raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} is unreachable "
+                                     f"({type(e).__name__})") from e
 
     def close(self) -> None:
         self._stop.set()
@@ -178,13 +194,13 @@ class MetricsExporter:
             except Exception as e:         # the hub restarting, Ray shutting down: try again next tick
                 self._forget_hub(e)
 
-    def _hub_handle(self) -> Any | None:
-        """The hub, None while it does not exist; created here only at this process's first connection, if
-        it may (`creates_hub`)."""
+    def _hub_handle(self, create: bool = False) -> Any | None:
+        """The hub, None while it does not exist; created here at this process's first connection, if it may
+        (`creates_hub`), or when `create` (a scrape answered by a process of the app)."""
         with self._hub_lock:
             if self._hub is None:
                 assert self.app_name is not None
-                if self._may_create_hub:
+                if self._may_create_hub or create:
                     self._hub = get_hub(self.app_name)
                     self._may_create_hub = False
                 else:

@@ -321,6 +321,20 @@ async def test_health_answers_from_state_while_every_replica_slot_is_busy(checkp
     assert {name for name, _ in handle.calls} == {"limits"}       # asked until answered, then never again
 
 
+async def test_metrics_is_a_503_while_the_apps_hub_cannot_be_asked(checkpoints, monkeypatch):
+    from affinity_serve.app.metrics_hub import MetricsUnavailable
+
+    ing, _ = ingress(checkpoints)
+
+    async def unreachable(*a, **k):
+        raise MetricsUnavailable("the metrics hub of app 'affinity' is unreachable (RayActorError)")
+    monkeypatch.setattr(ing.metrics_exporter, "render", unreachable)
+    r = await ing.http_metrics()
+    err = json.loads(r.body)["error"]
+    assert (r.status_code, err["type"], err["code"]) == (503, "service_unavailable", "metrics_unavailable")
+    assert "unreachable" in err["message"] and r.headers["retry-after"] == "1"
+
+
 async def test_health_is_503_when_the_router_sees_no_replica_unless_scaled_to_zero(checkpoints, monkeypatch):
     ing, _ = ingress(checkpoints)
     await ing.serving.limits()

@@ -91,3 +91,63 @@ def test_a_process_of_the_app_creates_the_hub_at_its_first_connection_only(fake_
         assert len(fake_ray.created) == 2 and ex._hub_handle() is new_hub
     finally:
         _stop(ex)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+        return call()
+
+
+class _Hub:
+    """A hub actor that renders the processes' pushed counts, or fails as a dead actor does."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dead = False
+        self.render = _Remote(self._render)
+
+    def _render(self, process, snapshot, model_name, vllm_aliases=True, interval_s=None):
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        return f"hub {self.name} for {process}"
+
+
+async def test_metrics_never_fall_back_to_one_process_and_a_killed_hub_is_made_again_by_a_scrape(fake_ray,
+                                                                                                  monkeypatch):
+    """One process's counters in place of the app's read to Prometheus as a reset of every counter: while the
+    hub cannot be asked the scrape fails (MetricsUnavailable -> 503); an app process answering the next scrape
+    makes the killed hub again (the app is live: it is serving)."""
+    def actor_class():
+        def options(**opts):
+            def remote():
+                fake_ray.created.append(opts)
+                return fake_ray.actors.setdefault(opts["name"], _Hub(opts["name"]))
+            return SimpleNamespace(remote=remote)
+        return SimpleNamespace(options=options)
+    monkeypatch.setattr(metrics_hub, "_hub_actor_class", actor_class)
+    ex = MetricsExporter(InMemoryMetricReader(), "app", "ingress:x", interval_s=3600.0)
+    try:
+        assert (await ex.render("tiny")).startswith("hub metrics:app for ingress:x")
+        fake_ray.actors["metrics:app"].dead = True            # killed while the app runs
+        del fake_ray.actors["metrics:app"]
+        with pytest.raises(metrics_hub.MetricsUnavailable, match="unreachable"):
+            await ex.render("tiny")
+        assert len(fake_ray.created) == 1
+        assert (await ex.render("tiny")).startswith("hub metrics:app")       # the next scrape: made again
+        assert len(fake_ray.created) == 2
+    finally:
+        _stop(ex)
+    # a pusher from outside the app never creates it: no hub, no numbers
+    del fake_ray.actors["metrics:app"]
+    outside = MetricsExporter(InMemoryMetricReader(), "app", "controller", interval_s=3600.0, creates_hub=False)
+    try:
+        with pytest.raises(metrics_hub.MetricsUnavailable, match="does not exist"):
+            await outside.render("tiny")
+        assert len(fake_ray.created) == 2
+    finally:
+        _stop(outside)
