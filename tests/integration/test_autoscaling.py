@@ -120,11 +120,18 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
         in_flight = [o for o in outcomes if o.stream and any(o.start < t < o.end for t in drops)]
         assert in_flight, "no stream was in flight when the fleet scaled in"
         print(f"replica counts {seen}; {len(outcomes)} requests, {len(in_flight)} streams across a scale-in")
-        # the hub killed while the app runs: its processes and Serve's controller keep pushing, and none creates
-        # it again (only a process of the app starting does); nor once the app is deleted, while the controller
-        # still pushes the policy's decisions (DECISIONS_STALE_AFTER_S after its last call)
+        # the hub killed while the app runs: its processes' pushes and Serve's controller's do not create it
+        # again (only a process of the app starting does, or a scrape, which an ingress of the live app answers)
         _kill_hub(APP)
         _watch_no_hub(APP, 3.0)
+        with httpx.Client(timeout=30) as c:
+            scrapes = [c.get(f"{url}/metrics") for _ in range(2)]
+        # a scrape is a 503 while the hub cannot be asked (never one process's counts), then the app's again
+        assert all(r.status_code == 200 or r.json()["error"]["code"] == "metrics_unavailable" for r in scrapes)
+        assert scrapes[-1].status_code == 200 and _hub_exists(APP), [r.text[:200] for r in scrapes]
+        # nor once the app is deleted, while the controller still pushes the policy's decisions
+        # (DECISIONS_STALE_AFTER_S after its last call)
+        _kill_hub(APP)
     finally:
         serve.delete(APP)
     from affinity_serve.autoscale.serve_policy import DECISIONS_STALE_AFTER_S
