@@ -151,6 +151,10 @@ class RoutingSection(_Strict):
     kv_events_period_s: float = Field(0.25, gt=0, description="how often each router pulls every replica's KV "
                                       "events (about 0.5 at 128 replicas)")
     kv_events_timeout_s: float = Field(1.0, gt=0, description="a replica slower than this is skipped for a period")
+    kv_events_idle_s: float = Field(300.0, ge=0, description="a router that routed nothing for this long stops "
+                                    "pulling KV events and drops its index (one Serve keeps for a dropped "
+                                    "handle, an idle ingress); its next request routes on load while it "
+                                    "resyncs from snapshots within a pull period. 0: never")
     warmup_on_join: bool = Field(True, description="prefill a replica that joins (scale-out, replacement) with "
                                  "the router's hottest prefixes before affinity traffic finds it")
     warmup_num_prefixes: int = Field(8, ge=0, description="how many of the hottest prefix groups to prefill")

@@ -348,6 +348,9 @@ class RouterCore(Protocol):
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
         """Rebuild the replica's entries; events from `snapshot.next_seq` on apply after it."""
 
+    def forget_kv_state(self) -> None:
+        """Drop every replica's KV entries; each then needs a snapshot (the feed paused: see KVEventFeed)."""
+
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
         """Rank `candidate_ids` (non-empty) for the request. Never raises: on an internal error returns a
         load-only FALLBACK decision and logs. Records the decision (in-flight load, speculative index

@@ -46,6 +46,9 @@ class _LoadOnlyCore(ABC):
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
         """Load-only policies keep no KV index: snapshots (and events) are accepted and ignored."""
 
+    def forget_kv_state(self) -> None:
+        """No KV index to forget."""
+
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
         start = time.perf_counter()
         if not candidate_ids:
@@ -202,6 +205,9 @@ class LlmdPreciseCore(_LoadOnlyCore):
 
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
         self.index.apply_snapshot(snapshot)
+
+    def forget_kv_state(self) -> None:
+        self.index.forget_all()
 
     def _expire(self, now: float) -> None:
         self.index.expire(now)

@@ -98,6 +98,9 @@ class PrefixAffinityRouterCore:
     def on_snapshot(self, snapshot: KVSnapshot) -> None:
         self.index.apply_snapshot(snapshot)
 
+    def forget_kv_state(self) -> None:
+        self.index.forget_all()
+
     # ------------------------------------------------------------ routing
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:
         start = time.perf_counter()

@@ -54,35 +54,70 @@ class FeedCounters:
     num_snapshots: int = 0
     num_timeouts: int = 0
     num_errors: int = 0
+    num_pauses: int = 0
 
 
 class KVEventFeed:
     """Pulls KV events into `core` for the replicas `replicas()` names (replica id -> client) now.
     `clock` (seconds, monotonic) times each replica's lag (`health`)."""
 
-    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient]],
-                 period_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, core: RouterCore, replicas: Callable[[], Mapping[str, ReplicaFeedClient] | None],
+                 period_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 idle_s: float = 0.0, last_active: Callable[[], float] | None = None) -> None:
+        """`idle_s` > 0 with `last_active` (when its owner last routed, on `clock`): after `idle_s` without
+        routing the feed pauses (see `pause`) until the owner routes again."""
         self.core = core
         self.replicas = replicas
         self.period_s = period_s
         self.timeout_s = timeout_s
         self.clock = clock
+        self.idle_s = idle_s
+        self.last_active = last_active
+        self.paused = False
         self.counters = FeedCounters()
         self._cursors: dict[str, _Cursor] = {}
         self._in_flight: dict[str, asyncio.Task] = {}
 
     async def run(self) -> None:
-        """Tick forever (cancel the task to stop); a failing tick is logged and the next one runs."""
+        """Tick until `replicas()` answers None (its owner is gone) or the task is cancelled; a failing tick
+        is logged and the next one runs. Paused while its owner is idle."""
         while True:
             try:
-                self.tick()
+                if self.is_idle():
+                    self.pause()
+                else:
+                    self.paused = False
+                    if self.tick() is None:
+                        self.stop()
+                        return
             except Exception:
                 logger.exception("KV event feed tick failed")
             await asyncio.sleep(self.period_s)
 
-    def tick(self) -> list[asyncio.Task]:
-        """Start one pull per replica that has none in flight; returns the tasks started (tests await them)."""
+    def is_idle(self) -> bool:
+        return (self.idle_s > 0 and self.last_active is not None
+                and self.clock() - self.last_active() >= self.idle_s)
+
+    def pause(self) -> None:
+        """Stop pulling and drop the index: an index nobody keeps current would route on stale holdings, and
+        it is the router's memory (hundreds of MB at fleet scale). Serve keeps the router of a dropped handle
+        for the process's life, so this is what bounds one: a shell that pulls nothing. The next tick after
+        the owner routes again takes snapshots (every replica then needs one)."""
+        if self.paused:
+            return
+        self.paused = True
+        self.counters.num_pauses += 1
+        self.stop()
+        self._cursors.clear()
+        self.core.forget_kv_state()
+        logger.debug("KV event feed paused: no routing for %.0fs (routing.kv_events_idle_s)", self.idle_s)
+
+    def tick(self) -> list[asyncio.Task] | None:
+        """Start one pull per replica that has none in flight; returns the tasks started (tests await them),
+        None when `replicas()` answers None (the owner is gone: nothing to pull for)."""
         clients = self.replicas()
+        if clients is None:
+            return None
         for rid in [r for r in self._cursors if r not in clients]:
             del self._cursors[rid]
         needing = set(self.core.replicas_needing_snapshot())

@@ -225,6 +225,16 @@ class PrefixIndex:
     def replicas_needing_snapshot(self) -> list[str]:
         return [rid for rid, st in self._replicas.items() if st.needs_snapshot]
 
+    def forget_all(self) -> None:
+        """Drop every entry (pool, tiers, speculative) of every replica, which then needs a snapshot: a feed
+        that stops pulling cannot keep the index current, so it must not keep the index either."""
+        for st in self._replicas.values():
+            self._drop(st)
+            self._drop_spec(st.slot)
+            self._drop_offload(st)
+            self._drop_shared(st.node)
+            st.epoch, st.needs_snapshot = None, True
+
     def apply_snapshot(self, snapshot: KVSnapshot) -> None:
         st = self._replicas.get(snapshot.replica_id)
         if st is None:

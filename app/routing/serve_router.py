@@ -16,6 +16,8 @@ import asyncio
 import logging
 import math
 import random
+import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,7 +74,19 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         self._rng = random.Random()
         self.num_shell_errors = 0
         self._inject_errors = 0
-        self.feed = (KVEventFeed(self.core, self._feed_clients, r.kv_events_period_s, r.kv_events_timeout_s)
+        # The feed and the metrics sampling run as tasks on the router loop for the router's life: they hold
+        # it weakly, so a router whose handle is dropped is collected and they end (Serve never stops them:
+        # a strong reference kept every dropped handle's router pulling every replica's events for the
+        # process's life). A weak reference to the router, never to a bound method: Serve unpickles this
+        # class by value again at each deployment config update, and cloudpickle then sets the new function
+        # objects on the existing class, so the method's old function dies while the router lives.
+        me = weakref.ref(self)
+        #: when this router last routed or predicted (time.monotonic): after routing.kv_events_idle_s without,
+        #: the feed pauses and drops the index (Serve itself keeps a dropped handle's router alive)
+        self.last_active = time.monotonic()
+        self.feed = (KVEventFeed(self.core, lambda: _clients_if_alive(me), r.kv_events_period_s,
+                                 r.kv_events_timeout_s, idle_s=r.kv_events_idle_s,
+                                 last_active=lambda: _last_active_if_alive(me))
                      if r.policy in KV_EVENT_POLICIES else None)
         self._feed_task: asyncio.Task | None = None
         #: the latest sample for /metrics, replaced on the router loop, read by the metrics thread
@@ -88,7 +102,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             if self.feed is not None and self._feed_task is None:
                 self._feed_task = self._event_loop.create_task(self.feed.run())
             if self._exports_metrics and self._metrics_task is None:
-                self._metrics_task = self._event_loop.create_task(self._sample_metrics())
+                self._metrics_task = self._event_loop.create_task(_sample_metrics(weakref.ref(self)))
         except Exception:
             logger.exception("routing: replica update failed (routing continues on the previous view)")
 
@@ -151,16 +165,15 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         predict = getattr(self.core, "predict_wait", None)
         if predict is None:
             return None
+        self.last_active = time.monotonic()
         route = RouteRequest(req_id, list(block_hashes or []), len(prompt_token_ids), max_tokens,
                              self._self_node_id)
         return predict(route, list(self._clients))
 
-    def _feed_clients(self) -> Mapping[str, ReplicaFeedClient]:
-        return self._clients
-
     # ------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self.last_active = time.monotonic()
         try:
             return self._rank(candidate_replicas, pending_request)
         except Exception:
@@ -268,18 +281,6 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             return fn(*args)
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._event_loop))
 
-    async def _sample_metrics(self) -> None:
-        """Leave a fresh `metrics_sample` every METRICS_SAMPLE_PERIOD_S (cancel the task to stop)."""
-        warned = False
-        while True:
-            try:
-                self.metrics_sample = self.build_metrics_sample()
-            except Exception:
-                if not warned:
-                    warned = True
-                    logger.exception("routing: sampling the router's metrics failed (retrying quietly)")
-            await asyncio.sleep(METRICS_SAMPLE_PERIOD_S)
-
     def build_metrics_sample(self) -> RouterSample:
         """This router's counters, index sizes and feed health as plain values (run on the router loop: the
         core is not thread-safe)."""
@@ -330,3 +331,34 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
 
 def vars_of(obj: Any) -> dict[str, Any]:
     return {f: getattr(obj, f) for f in obj.__slots__}
+
+
+def _clients_if_alive(ref: weakref.ref) -> Mapping[str, ReplicaFeedClient] | None:
+    """The weakly held router's replica clients (the feed's replicas); None once the router is gone."""
+    router = ref()
+    return router._clients if router is not None else None
+
+
+def _last_active_if_alive(ref: weakref.ref) -> float:
+    """When the weakly held router last routed; +inf once it is gone (never idle: the feed's next tick finds
+    no owner and ends)."""
+    router = ref()
+    return router.last_active if router is not None else math.inf
+
+
+async def _sample_metrics(ref: weakref.ref) -> None:
+    """Leave a fresh `metrics_sample` on the router every METRICS_SAMPLE_PERIOD_S, until it is collected (or
+    the task is cancelled); holds it only while sampling."""
+    warned = False
+    while True:
+        router = ref()
+        if router is None:
+            return
+        try:
+            router.metrics_sample = router.build_metrics_sample()
+        except Exception:
+            if not warned:
+                warned = True
+                logger.exception("routing: sampling the router's metrics failed (retrying quietly)")
+        del router
+        await asyncio.sleep(METRICS_SAMPLE_PERIOD_S)

@@ -286,3 +286,48 @@ def test_a_killed_replica_leaves_both_indexes_and_its_replacement_is_synced(url)
     with httpx.Client(timeout=60) as c:
         for i in range(8):
             _post(c, url, _prompt(7, 32, i))
+
+
+def test_a_dropped_handles_router_stops_pulling_and_a_live_routers_feed_keeps_pulling(url):
+    """Serve builds one router per (process, handle object) and, in a driver, keeps it for the process's life
+    (its long-poll client holds it): a process that receives a handle again and again (a handle passed to
+    each task a long-lived worker runs arrives unpickled as a new object) must not pile up routers each
+    pulling every replica's KV events and holding an index. A router collected is gone; one Serve keeps pauses
+    its feed after routing.kv_events_idle_s without routing and drops its index. And the live ingress routers'
+    feeds keep pulling through Serve's config updates (which swap the router class's functions: a feed
+    holding a weak bound method stopped there)."""
+    import gc
+    import pickle
+    import weakref
+
+    from affinity_serve.app.routing import debug
+
+    def live() -> list:
+        gc.collect()
+        return debug.routers_for(ROUTING_APP, "LLMReplica")
+
+    before = [weakref.ref(r) for r in live()]      # weakly: one collected meanwhile frees its address
+    refs = []
+    for _ in range(4):
+        h = pickle.loads(pickle.dumps(_model_replicas()))     # as a task receives it: a new handle object
+        h.debug_state.remote().result(timeout_s=30)  # Serve builds its router at the first call
+        mine = [r for r in live() if all(r is not x() for x in before + refs)]
+        assert len(mine) == 1, mine
+        mine[0].feed.idle_s = 1.0                    # the app's kv_events_idle_s is 300 s
+        refs.append(weakref.ref(mine[0]))
+        del h, mine
+
+    def quiet() -> bool:
+        gc.collect()
+        return all((r := ref()) is None or r.feed.paused for ref in refs)
+    wait_until(quiet, 30, "the dropped handles' routers to be collected or their feeds paused")
+    kept = [r for ref in refs if (r := ref()) is not None]
+    pulls = [r.feed.counters.num_pulls for r in kept]
+    assert all(sorted(r.core.replicas_needing_snapshot()) == sorted(r.core._nodes) for r in kept)  # no index
+    ingress = {k: st["routers"][0]["feed"]["num_pulls"] for k, st in _states().items()}
+    time.sleep(8 * PERIOD_S)
+    assert [r.feed.counters.num_pulls for r in kept] == pulls, "a paused feed pulled"
+    again = {k: st["routers"][0]["feed"]["num_pulls"] for k, st in _states().items()}
+    assert set(again) & set(ingress) and all(again[k] > ingress[k] for k in ingress if k in again), (ingress, again)
+    print(f"{len(refs) - len(kept)} of {len(refs)} dropped handles' routers collected, {len(kept)} kept by "
+          f"Serve with their feeds paused")

@@ -202,3 +202,71 @@ async def test_a_replica_whose_pulls_keep_timing_out_is_one_warning_and_one_line
         assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
             "replica b answers KV event pulls again"]
     feed.stop()
+
+
+async def test_an_idle_routers_feed_pauses_drops_the_index_and_resyncs_when_it_routes_again():
+    """Serve keeps the router of a dropped handle for the process's life: after routing.kv_events_idle_s
+    without routing, its feed pulls nothing and its index (the router's memory) is dropped; routing again
+    resumes it, from snapshots."""
+    core, a, b = _core(), FakeReplica(), FakeReplica()
+    a.store(H[0], H[1])
+    b.store(H[2])
+    core.route(_route_request("r0", [H[0], H[1]]), ["a", "b"])        # a speculative entry too
+    now, active = [0.0], [0.0]
+    feed = KVEventFeed(core, lambda: {"a": a, "b": b}, period_s=0.01, timeout_s=1.0, clock=lambda: now[0],
+                       idle_s=300.0, last_active=lambda: active[0])
+    task = asyncio.get_running_loop().create_task(feed.run())
+    await _until(lambda: core.index.num_held("a") == 2 and core.index.num_held("b") == 1)
+    assert core.index.num_spec_entries > 0
+    now[0] = 299.0
+    await asyncio.sleep(0.05)
+    assert not feed.paused
+    now[0] = 300.0                                                   # idle for idle_s
+    await _until(lambda: feed.paused)
+    assert core.index.num_held("a") == core.index.num_held("b") == 0 and core.index.num_spec_entries == 0
+    assert sorted(core.replicas_needing_snapshot()) == ["a", "b"] and feed.cursors() == {}
+    assert feed.counters.num_pauses == 1 and feed.health() == {}      # no lag reported while paused
+    a_calls, calls = len(a.calls), len(a.calls) + len(b.calls)
+    await asyncio.sleep(0.1)
+    assert len(a.calls) + len(b.calls) == calls                       # nothing pulled while paused
+    active[0] = 300.5                                                 # it routes again
+    await _until(lambda: core.index.num_held("a") == 2 and core.replicas_needing_snapshot() == [])
+    assert a.calls[a_calls] == "snapshot"                             # resynced from a snapshot
+    assert not feed.paused and feed.counters.num_pauses == 1
+    task.cancel()
+
+
+async def test_a_feed_without_an_idle_bound_never_pauses():
+    core, a = _core(), FakeReplica()
+    now = [0.0]
+    feed = KVEventFeed(core, lambda: {"a": a}, period_s=0.01, timeout_s=1.0, clock=lambda: now[0], idle_s=0.0,
+                       last_active=lambda: 0.0)
+    now[0] = 1e9
+    assert not feed.is_idle()
+
+
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def _route_request(req_id: str, hashes: list[bytes]):
+    from affinity_serve.app.routing import RouteRequest
+    return RouteRequest(req_id, hashes, 4 * len(hashes) + 1, 4)
+
+
+async def test_the_routers_feed_reads_when_it_last_routed_or_predicted():
+    router = _router({"policy": "prefix_affinity", "kv_events_idle_s": 120})
+    a, b = _replica("a", {"num_running_reqs": 0, "cache_epoch": "e"}), _replica("b")
+    router._sync_members([a, b])
+    assert router.feed.idle_s == 120
+    router.last_active = 0.0
+    assert router.feed.last_active() == 0.0 and router.feed.is_idle()
+    await router.choose_replicas([a, b], _pending("q1", [H[0]]))
+    assert router.feed.last_active() > 0.0 and not router.feed.is_idle()
+    router.last_active = 0.0
+    router.predicted_wait_s("q2", list(range(9)), [H[0], H[1]], 4)
+    assert not router.feed.is_idle()
