@@ -168,7 +168,7 @@ class OpenAIServing:
             max_tokens = (p.params.max_tokens or 0) * max(1, p.params.n)
 
             def predict_and_hold() -> float | None:
-                wait = router.predicted_wait_s(p.request_id, p.prompts[0], hashes, max_tokens)
+                wait = router.predicted_wait_s(p.request_id, p.prompts[0], hashes, max_tokens, bound)
                 hold = getattr(getattr(router, "core", None), "hold_admitted", None)
                 if wait is not None and wait <= bound and hold is not None:
                     hold(p.request_id)

@@ -54,6 +54,9 @@ class PrefixAffinityRouterCore:
         self._holds: dict[tuple[int, BlockHash | None], deque[str]] = {}
         self._hold_expiry: deque[tuple[float, str, tuple[int, BlockHash | None]]] = deque()
         self._num_holds = 0
+        #: admission predictions answered without the prefix match (predict_wait with a bound)
+        self.num_admissions_unmatched = 0
+        self._admission_rng = random.Random(1)     # its own: admission must not shift the routing's draws
 
     # ------------------------------------------------------------ membership, stats, events
     def set_replicas(self, replicas: list[ReplicaInfo]) -> None:
@@ -146,10 +149,17 @@ class PrefixAffinityRouterCore:
         return Decision(request.req_id, result.ranked, chosen, result.reason, result.scores,
                         time.perf_counter() - start, result.affinity_replica_id, result.num_hot_replicas)
 
-    def predict_wait(self, request: RouteRequest, candidate_ids: list[str]) -> float | None:
+    def predict_wait(self, request: RouteRequest, candidate_ids: list[str],
+                     bound: float | None = None) -> float | None:
         """The lowest TTFT the model predicts for `request` over the candidates, recording no load (the
         ingress's admission control: a request no replica can start within its bound is turned away before
         it queues; `hold_admitted` then counts one it lets in). None without candidates.
+
+        With `bound` (admission's `serve.max_queue_wait_s`), first a look at two random candidates without
+        the prefix match: if one would start the whole prompt uncached within the bound, that wait is returned
+        (an upper bound of the lowest: admission only asks whether it is within the bound) and the hold counts
+        the request there, uncached. O(1) instead of O(replicas) plus the match, which the routing does again;
+        the full pass runs only near the bound, where the answer depends on what is cached and where.
 
         Beyond the routing TTFT (queued prefill, running load, KV pressure), each candidate's wait for KV
         room (TTFTModel.kv_wait_many): a backlog bound by the pool (long outputs: requests wait for running
@@ -160,11 +170,22 @@ class PrefixAffinityRouterCore:
         ids = [rid for rid in candidate_ids if rid in self._nodes]
         if not ids:
             return None
-        matched = self.index.match(request.block_hashes, ids)
-        tier = self.index.match_tiers(request.block_hashes, ids, matched)
         bs, prompt = self.block_size, request.num_prompt_tokens
         out_tokens = int(self.policy.groups.expected_output(self.policy.group_key(request), request.max_tokens))
+        # uncached is the slowest start only where a tier loads faster than a prefill computes
+        model = self.model
+        if bound is not None and model.tier_load_tokens_per_s >= model.prefill_tokens_per_s:
+            look = ids if len(ids) <= 2 else self._admission_rng.sample(ids, 2)
+            waits = model.admission_waits([self.loads.get(rid) for rid in look], [0] * len(look), None, prompt,
+                                          out_tokens, bs)
+            i = min(range(len(waits)), key=waits.__getitem__)
+            if waits[i] <= bound:
+                self.num_admissions_unmatched += 1
+                self._last_wait = (request, look[i], prompt, 0, 0, -(-(prompt + out_tokens) // bs), out_tokens)
+                return waits[i]
         cands = [self.loads.get(rid) for rid in ids]
+        matched = self.index.match(request.block_hashes, ids)
+        tier = self.index.match_tiers(request.block_hashes, ids, matched)
         waits = self.model.admission_waits(cands, [matched.get(rid, 0) for rid in ids],
                                            [tier.get(rid, 0) for rid in ids] if tier else None,
                                            prompt, out_tokens, bs)

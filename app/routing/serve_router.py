@@ -159,16 +159,17 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         return len(self._replicas)
 
     def predicted_wait_s(self, req_id: str, prompt_token_ids: list[int], block_hashes: list | None,
-                         max_tokens: int) -> float | None:
+                         max_tokens: int, bound: float | None = None) -> float | None:
         """The best predicted TTFT over this router's replicas for such a request, recording nothing (run it
-        on the router loop: `run_on_loop`); None when the policy predicts none (load-only policies)."""
+        on the router loop: `run_on_loop`); None when the policy predicts none (load-only policies). With
+        `bound`, a wait within it may be an upper bound of the best (core.predict_wait)."""
         predict = getattr(self.core, "predict_wait", None)
         if predict is None:
             return None
         self.last_active = time.monotonic()
         route = RouteRequest(req_id, list(block_hashes or []), len(prompt_token_ids), max_tokens,
                              self._self_node_id)
-        return predict(route, list(self._clients))
+        return predict(route, list(self._clients), bound)
 
     # ------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -44,7 +44,7 @@ class FakeRouter:
         self.wait = wait
         self.asked = []
 
-    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens):
+    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens, bound=None):
         self.asked.append((request_id, len(prompt_token_ids), max_tokens))
         return self.wait
 

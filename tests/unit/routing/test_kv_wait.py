@@ -215,9 +215,9 @@ class _CoreRouter:
     def __init__(self, core):
         self.core = core
 
-    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens):
+    def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens, bound=None):
         return self.core.predict_wait(RouteRequest(request_id, list(block_hashes or []), len(prompt_token_ids),
-                                                   max_tokens), ["a"])
+                                                   max_tokens), ["a"], bound)
 
     async def run_on_loop(self, fn, *args):
         return fn(*args)
@@ -320,5 +320,43 @@ def test_the_one_pass_admission_wait_equals_the_routing_models_three_passes(seed
         for rid, want in zip(ids, ref):
             assert core.predict_wait(req, [rid]) == pytest.approx(want, rel=1e-12, abs=1e-12)
         assert core.predict_wait(req, ids) == pytest.approx(min(ref), rel=1e-12, abs=1e-12)
+        # with admission's bound: the same verdict on every bound, the exact wait wherever it is over it
+        for bound in sorted(ref)[::3] + [max(ref) + 1.0, min(ref) * 0.5]:
+            got = core.predict_wait(req, ids, bound)
+            assert (got <= bound) == (min(ref) <= bound), (bound, got, min(ref))
+            assert got >= min(ref) - 1e-12
+            if got > bound:
+                assert got == pytest.approx(min(ref), rel=1e-12, abs=1e-12)
         if rng.random() < 0.5:
             assert core.hold_admitted(req.req_id)
+    if core.model.tier_load_tokens_per_s >= core.model.prefill_tokens_per_s:     # (the fit may make a tier slow)
+        assert core.num_admissions_unmatched > 0                # the pass without the match was taken
+
+
+def test_far_from_the_bound_admission_skips_the_prefix_match_and_holds_the_prompt_uncached(monkeypatch):
+    """Admission asks only whether some replica starts the request within serve.max_queue_wait_s: where one
+    would start the whole prompt uncached within it, the prefix match (the larger part of the cost on long
+    prompts; the routing does it again) is skipped, and the hold counts the prompt uncached there."""
+    from affinity_serve.app.routing import KVEventBatch
+    from affinity_serve.engine.types import BlockStored
+    from tests.unit.routing.helpers import chain
+
+    core, clock = _core()
+    core.set_replicas([ReplicaInfo("a"), ReplicaInfo("b")])
+    prefix = chain("p", 14)
+    core.on_kv_events(KVEventBatch("a", "e", 0, [BlockStored(prefix, None, [], BS)]))
+    core.on_stats("a", ReplicaLoadView(num_blocks=5000, num_queued_prefill_tokens=100))
+    core.on_stats("b", ReplicaLoadView(num_blocks=5000, num_queued_prefill_tokens=150))
+    req = RouteRequest("q", prefix + chain("u", 1), 15 * BS, 10)
+    exact = core.predict_wait(req, ["a", "b"])
+    matches = []
+    real_match = core.index.match
+    monkeypatch.setattr(core.index, "match", lambda *a: matches.append(1) or real_match(*a))
+    far = core.predict_wait(req, ["a", "b"], bound=exact + 100.0)
+    assert matches == [] and exact < far <= exact + 100.0            # within the bound, unmatched: a uncached
+    near = core.predict_wait(req, ["a", "b"], bound=far - 1e-9)        # the uncached start is over it
+    assert matches == [1] and near == pytest.approx(exact)
+    core.predict_wait(req, ["a", "b"], bound=exact + 100.0)
+    assert core.hold_admitted("q")
+    hold = [f for k, f in core.loads._in_flight.items() if k.startswith("admission-hold")]
+    assert [(h.replica_id, h.uncached_tokens) for h in hold] == [("a", 15 * BS)]
