@@ -15,6 +15,7 @@ every counter, twice (down, then up when the hub answers again), and `rate()` ov
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
@@ -36,6 +37,8 @@ PUSH_INTERVAL_S = 1.0
 GAUGE_TTL_S = 5.0
 #: after this long without a push a process's counters join the retired totals (observability/aggregate.py)
 RETIRE_AFTER_S = 300.0
+#: a scrape waits this long for the hub's merge, then fails (503) rather than hang past Prometheus's timeout
+RENDER_TIMEOUT_S = 8.0
 
 
 class MetricsHub:
@@ -170,12 +173,14 @@ class MetricsExporter:
                 raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} does not exist (yet)")
             if self._hub_takes_interval:
                 try:
-                    return await hub.render.remote(self.process, snap, model_name, vllm_aliases, self.interval_s)
+                    return await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases,
+                                                                    self.interval_s), RENDER_TIMEOUT_S)
                 except Exception as e:
                     if not _is_signature_error(e):
                         raise
                     self._hub_takes_interval = False
-            return await hub.render.remote(self.process, snap, model_name, vllm_aliases)
+            return await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases),
+                                          RENDER_TIMEOUT_S)
         except MetricsUnavailable:
             raise
         except Exception as e:

@@ -3,6 +3,7 @@ never Serve's controller, whose autoscaling-decision pushes go on for a few seco
 must not bring back a hub killed since. Ray's actor lookup and creation are stood in for: no Ray started."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import SimpleNamespace
 
@@ -151,3 +152,22 @@ async def test_metrics_never_fall_back_to_one_process_and_a_killed_hub_is_made_a
         assert len(fake_ray.created) == 2
     finally:
         _stop(outside)
+
+
+async def test_a_hub_that_does_not_answer_fails_the_scrape_instead_of_hanging_it(fake_ray, monkeypatch):
+    class Stuck(_Hub):
+        def __init__(self, name):
+            super().__init__(name)
+
+            class Never:
+                def remote(self, *args):
+                    return asyncio.get_running_loop().create_future()       # never resolved
+            self.render = Never()
+    fake_ray.actors["metrics:app"] = Stuck("metrics:app")
+    monkeypatch.setattr(metrics_hub, "RENDER_TIMEOUT_S", 0.05)
+    ex = MetricsExporter(InMemoryMetricReader(), "app", "ingress:x", interval_s=3600.0, creates_hub=False)
+    try:
+        with pytest.raises(metrics_hub.MetricsUnavailable, match="unreachable"):
+            await asyncio.wait_for(ex.render("tiny"), 10)
+    finally:
+        _stop(ex)
