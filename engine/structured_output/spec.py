@@ -71,7 +71,7 @@ class StructuredOutputSpec:
                 raise InvalidRequestError(f"{self.param}: unsupported JSON schema: {problem}", param=self.param,
                                           code="invalid_grammar")
         elif kind in ("regex", "grammar"):
-            problem = surrogate_escape(text)
+            problem = surrogate_escape(text, ebnf=kind == "grammar")
             if problem is not None:
                 what = "regex" if kind == "regex" else "grammar"
                 raise InvalidRequestError(f"{self.param}: the {what} {problem}", param=self.param,
@@ -97,13 +97,15 @@ _SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*"                          # no
                                r"|\\[xU]0*[dD][89a-fA-F][0-9a-fA-F]{2}(?![0-9a-fA-F]))")
 
 
-def surrogate_escape(pattern: str) -> str | None:
-    """A message when `pattern` (a regex, an EBNF grammar, a schema's `pattern`) names a UTF-16 surrogate
-    code point by escape outside a negated class: no UTF-8 output can contain one (the engine keeps every
-    constrained output valid UTF-8), so a pattern that needs it could only end in an error mid-generation.
-    None otherwise (`[^\uD800]` excludes one, which is harmless). One pass over the pattern, whatever the
-    number of escapes (a request body holds up to megabytes)."""
+def surrogate_escape(pattern: str, ebnf: bool = False) -> str | None:
+    """A message when `pattern` (a regex, an EBNF grammar with `ebnf`, a schema's `pattern`) names a UTF-16
+    surrogate code point by escape outside a negated class: no UTF-8 output can contain one (the engine keeps
+    every constrained output valid UTF-8), so a pattern that needs it could only end in an error mid-generation.
+    None otherwise (`[^\uD800]` excludes one, which is harmless). In a grammar a '[' inside a string literal
+    ("[") opens no class. One pass over the pattern, whatever the number of escapes (a request body holds up
+    to megabytes)."""
     i, start = 0, None                      # start: the open class's first position after '['
+    in_string = False                       # inside an EBNF string literal (then no class opens)
     for m in _SURROGATE_ESCAPE.finditer(pattern):
         pos = m.start(1)
         while i < pos:                      # the class state at the escape, carried on from the last one
@@ -112,7 +114,9 @@ def surrogate_escape(pattern: str) -> str | None:
                 i += 2
                 continue
             if start is None:
-                if c == "[":
+                if ebnf and c == '"':
+                    in_string = not in_string
+                elif c == "[" and not in_string:
                     start = i + 1
             elif c == "]" and i > start + (1 if pattern.startswith("^", start) else 0):
                 start = None                # (a ']' first in a class, after '^' or not, is a literal)

@@ -267,6 +267,15 @@ def test_patterns_that_only_look_like_a_surrogate_escape_are_accepted(pattern):
     StructuredOutputSpec(regex=pattern).check()       # an escaped backslash, a range across, neighbours
 
 
+def test_in_a_grammar_a_bracket_in_a_string_literal_opens_no_class():
+    from affinity_serve.engine.structured_output.spec import surrogate_escape
+    StructuredOutputSpec(grammar='root ::= "[" [^\\uD800] "]"').check()      # a literal '[', then a negated class
+    assert surrogate_escape('root ::= "[" [^\\uD800] "]"', ebnf=True) is None
+    assert surrogate_escape('root ::= "[" "\\uD800"', ebnf=True) is not None     # in a literal: refused
+    assert surrogate_escape('root ::= "\\"[" "\\uD800"', ebnf=True) is not None  # an escaped quote stays inside
+    assert surrogate_escape('root ::= [^"] "\\uD800"', ebnf=True) is not None      # a quote inside a class
+
+
 def test_the_surrogate_check_is_one_pass_however_many_escapes_a_pattern_holds():
     """Each escape rescanned the pattern from its start for the class it sits in: 2,000 escapes in a negated
     class took ~10 s of one request's CPU (a body may hold ~600k). The check carries the class state on: 50,000
