@@ -34,7 +34,7 @@ def test_a_hub_of_an_earlier_version_gets_pushes_and_renders_without_the_interva
     hub = _OldHub()
     exp = metrics_hub.MetricsExporter(InMemoryMetricReader(), "app", "ingress:1", interval_s=3600.0)
     try:
-        monkeypatch.setattr(exp, "_hub_handle", lambda: hub)
+        monkeypatch.setattr(exp, "_hub_handle", lambda create=False: hub)
         exp.push_once()
         exp.push_once()
         assert len(hub.calls) == 2 and all(len(c) == 2 for c in hub.calls) and not exp._hub_takes_interval
