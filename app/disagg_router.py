@@ -195,6 +195,7 @@ class PrefillPoolRouter(AffinityRequestRouter):
     def pick(self, req: GenerateRequest) -> tuple[str, str | None] | None:
         """The prefill replica for `req` and its node (None: no replica known), recorded in this router's core
         as in flight (`release` ends it). Run on the router loop."""
+        self.last_active = time.monotonic()        # routing through the core directly: the feed must not idle
         ids = [k for k in self._clients if k in self.node_of]
         if not ids:
             return None

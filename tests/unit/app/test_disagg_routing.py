@@ -264,3 +264,13 @@ def test_same_node_choice_by_load_rules():
     assert same_node_choice_by_load(d, {"a": "A"}, "B", 5) is None    # no candidate known on the node
     assert same_node_choice_by_load(Decision("r", ["a"], "a", Reason.FALLBACK, CandidateScores.empty(), 0.0),
                                     nodes, "B", 5) is None
+
+
+async def test_the_prefill_routers_feed_counts_a_pick_as_routing():
+    """The decode router picks the prefill replica through the prefill router's core (no Serve call when the
+    request then prefills locally): the pick keeps the prefill router's feed from pausing as idle."""
+    dec, pre, decs, _ = _routers({"dA": "A"}, {"pA": "A"})
+    pre.last_active = 0.0
+    assert pre.feed is None or pre.feed.last_active() == 0.0
+    await dec.choose_replicas(decs, _pending("q1", _hashes(93, 6)))
+    assert pre.last_active > 0.0
