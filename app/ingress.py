@@ -303,10 +303,12 @@ class Ingress:
 
     def _fail(self, exc: BaseException, where: str, count: bool = True) -> APIError:
         """The one exit for failures: classify, log once (traceback only if unexpected), count. A 429 or 503
-        tells the client to retry after `serve.retry_after_s` (the Retry-After header over HTTP)."""
+        tells the client to retry after `serve.retry_after_s` (the Retry-After header over HTTP), or after the
+        predicted excess wait of an admission refusal (`queue_full`) where that is longer."""
         api = to_api_error(exc)
         if api.status_code in (429, 503):
-            api.retry_after_s = self.cfg.serve.retry_after_s
+            predicted = api.retry_after_s if api.code == "queue_full" else None
+            api.retry_after_s = max(self.cfg.serve.retry_after_s, predicted or 0)
         log_failure(logger, exc, api, route=where)
         if count:
             self.metrics.record_http(where, api.status_code)

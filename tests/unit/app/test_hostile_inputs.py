@@ -476,3 +476,23 @@ async def test_health_at_zero_before_any_replica_answered_starts_none(checkpoint
     r = await ing.http_health()
     assert r.status_code == 200 and json.loads(r.body)["status"] == "ok"
     assert {name for name, _ in handle.calls} == {"limits"}
+
+
+@pytest.mark.parametrize("retry_after_s, header", [(1, "4"), (7, "7")])
+async def test_an_admission_refusal_over_http_says_to_retry_after_the_predicted_excess(checkpoints, retry_after_s,
+                                                                                      header):
+    """429 queue_full: Retry-After is the predicted wait's excess over serve.max_queue_wait_s (13.2 - 10 s: 4),
+    or serve.retry_after_s where that is longer (the ingress's failure exit set it for every 429 before)."""
+    from affinity_serve.app.ingress import Ingress
+    from affinity_serve.app.routing import debug
+    from tests.unit.app.test_admission import FakeRouter, NamedHandle
+
+    cfg = AppConfig.model_validate({"engine": {"model": checkpoints["llama"]},
+                                    "serve": {"max_queue_wait_s": 10.0, "retry_after_s": retry_after_s}})
+    handle = NamedHandle(FakeReplica(), f"retry-after-{retry_after_s}")
+    ing = Ingress(handle, cfg)
+    router = FakeRouter(wait=13.2)
+    debug.register(handle.app_name, handle.deployment_name, router)
+    r = await ing._http(RequestKind.COMPLETION, http_request(b'{"prompt": [1, 2, 3], "max_tokens": 2}'))
+    assert r.status_code == 429 and json.loads(r.body)["error"]["code"] == "queue_full"
+    assert r.headers["retry-after"] == header
