@@ -39,13 +39,19 @@ GAUGE_TTL_S = 5.0
 RETIRE_AFTER_S = 300.0
 #: a scrape waits this long for the hub's merge, then fails (503) rather than hang past Prometheus's timeout
 RENDER_TIMEOUT_S = 8.0
+#: a hub (new, re-created, restarted) renders nothing this long after it starts: until every process has
+#: pushed, its merge would be one process's counts read as the app's (a scrape then fails instead)
+HUB_WARMUP_S = 3 * PUSH_INTERVAL_S
 
 
 class MetricsHub:
     """The Ray actor's body: the latest snapshot of every process of one app (see MetricsAggregate)."""
 
-    def __init__(self, gauge_ttl_s: float = GAUGE_TTL_S, retire_after_s: float = RETIRE_AFTER_S):
+    def __init__(self, gauge_ttl_s: float = GAUGE_TTL_S, retire_after_s: float = RETIRE_AFTER_S,
+                 warmup_s: float = HUB_WARMUP_S):
         self.aggregate = MetricsAggregate(gauge_ttl_s, retire_after_s)
+        self.started_at = time.monotonic()
+        self.warmup_s = warmup_s
 
     def push(self, process: str, snapshot: Snapshot, interval_s: float | None = None) -> int:
         """A process's snapshot; `interval_s`: how often it pushes (its gauges last GAUGE_TTL_PUSHES of them)."""
@@ -53,10 +59,13 @@ class MetricsHub:
         return self.aggregate.num_processes
 
     def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True,
-               interval_s: float | None = None) -> str:
-        """Push the caller's own snapshot, then the Prometheus text of every process's."""
+               interval_s: float | None = None) -> str | None:
+        """Push the caller's own snapshot, then the Prometheus text of every process's; None in the hub's first
+        `warmup_s` (not every process has pushed yet)."""
         now = time.monotonic()
         self.aggregate.push(process, snapshot, now, interval_s)
+        if now - self.started_at < self.warmup_s:
+            return None
         return render(self.aggregate.merged(now), model_name, vllm_aliases)
 
 
@@ -151,12 +160,14 @@ class MetricsExporter:
         if self._hub_takes_interval:
             try:
                 ray.get(hub.push.remote(self.process, self.snapshot(), self.interval_s), timeout=timeout)
+                self._answered()
                 return
             except Exception as e:
                 if not _is_signature_error(e):
                     raise
                 self._hub_takes_interval = False       # a hub of an earlier version (it outlives redeploys)
         ray.get(hub.push.remote(self.process, self.snapshot()), timeout=timeout)
+        self._answered()
 
     async def render(self, model_name: str | None, vllm_aliases: bool = True) -> str:
         """The app's merged metrics as Prometheus text (this process's alone outside an app). Raises
@@ -171,16 +182,23 @@ class MetricsExporter:
             hub = self._hub_handle(create=self._creates_hub)
             if hub is None:
                 raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} does not exist (yet)")
+            text = None
             if self._hub_takes_interval:
                 try:
-                    return await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases,
+                    text = await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases,
                                                                     self.interval_s), RENDER_TIMEOUT_S)
                 except Exception as e:
                     if not _is_signature_error(e):
                         raise
                     self._hub_takes_interval = False
-            return await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases),
-                                          RENDER_TIMEOUT_S)
+            if not self._hub_takes_interval:
+                text = await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases),
+                                              RENDER_TIMEOUT_S)
+            if text is None:
+                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} started less than "
+                                         f"{HUB_WARMUP_S:g}s ago; not every process has pushed to it yet")
+            self._answered()
+            return text
         except MetricsUnavailable:
             raise
         except Exception as e:
@@ -216,7 +234,13 @@ class MetricsExporter:
         with self._hub_lock:
             self._hub = None
             self._hub_takes_interval = True
-        if not self._warned:
+        if not self._warned:                   # once per outage
             self._warned = True
             logger.warning("metrics hub of app %s unreachable (%s: %s); retrying every %.1fs", self.app_name,
                            type(e).__name__, e, self.interval_s)
+
+    def _answered(self) -> None:
+        """The hub took a push or answered a scrape: an outage warned about is over (said once)."""
+        if self._warned:
+            self._warned = False
+            logger.info("metrics hub of app %s answers again", self.app_name)

@@ -124,11 +124,14 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
         # again (only a process of the app starting does, or a scrape, which an ingress of the live app answers)
         _kill_hub(APP)
         _watch_no_hub(APP, 3.0)
+        scrapes: list[httpx.Response] = []
         with httpx.Client(timeout=30) as c:
-            scrapes = [c.get(f"{url}/metrics") for _ in range(2)]
-        # a scrape is a 503 while the hub cannot be asked (never one process's counts), then the app's again
-        assert all(r.status_code == 200 or r.json()["error"]["code"] == "metrics_unavailable" for r in scrapes)
-        assert scrapes[-1].status_code == 200 and _hub_exists(APP), [r.text[:200] for r in scrapes]
+            wait_until(lambda: scrapes.append(c.get(f"{url}/metrics")) or scrapes[-1].status_code == 200, 60,
+                       "a scrape to make the hub again and answer")
+        # a scrape is a 503 while the hub cannot be asked or is new (never one process's counts), then the app's
+        assert scrapes[0].status_code == 503 and _hub_exists(APP), scrapes[0].text[:300]
+        assert all(r.json()["error"]["code"] == "metrics_unavailable" for r in scrapes[:-1])
+        assert "affinity_http_requests_total" in scrapes[-1].text
         # nor once the app is deleted, while the controller still pushes the policy's decisions
         # (DECISIONS_STALE_AFTER_S after its last call)
         _kill_hub(APP)

@@ -171,3 +171,29 @@ async def test_a_hub_that_does_not_answer_fails_the_scrape_instead_of_hanging_it
             await asyncio.wait_for(ex.render("tiny"), 10)
     finally:
         _stop(ex)
+
+
+async def test_a_warming_hub_fails_the_scrape_and_an_outage_is_warned_once_and_its_end_said(fake_ray, caplog):
+    class Warming(_Hub):
+        def _render(self, *args):
+            return None if self.warming else super()._render(*args)
+    hub = fake_ray.actors["metrics:app"] = Warming("metrics:app")
+    hub.warming = True
+    ex = MetricsExporter(InMemoryMetricReader(), "app", "ingress:x", interval_s=3600.0, creates_hub=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="affinity.metrics"):
+            with pytest.raises(metrics_hub.MetricsUnavailable, match="not every process has pushed"):
+                await ex.render("tiny")
+            hub.warming = False
+            for _ in range(2):                                  # an outage, then the hub back: twice
+                hub.dead = True
+                for _ in range(3):
+                    with pytest.raises(metrics_hub.MetricsUnavailable):
+                        await ex.render("tiny")
+                hub.dead = False
+                assert (await ex.render("tiny")).startswith("hub metrics:app")
+        said = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records if r.name == "affinity.metrics"]
+        assert said == [("WARNING", "metrics hub of app app unreachable"),
+                        ("INFO", "metrics hub of app app answers again")] * 2, said
+    finally:
+        _stop(ex)

@@ -44,7 +44,7 @@ def test_counters_are_monotonic_whichever_ingress_a_scrape_reaches():
     """Two ingress replicas, 7 and 3 requests: each scrape (alternating between them, as Serve's proxy
     spreads them) reads 10, then more; never 7, 3, 7, 3."""
     (r1, m1), (r2, m2) = _ingress(), _ingress()
-    hub = MetricsHub()
+    hub = MetricsHub(warmup_s=0.0)
     for _ in range(7):
         m1.record_http("/v1/completions", 200)
     for _ in range(3):
@@ -149,3 +149,23 @@ async def test_outside_serve_the_exporter_renders_this_process_only():
     assert exporter._thread is None                     # nothing to push to
     text = await exporter.render("tiny")
     assert _value(text, "affinity_http_requests_total", model="tiny") == 1
+
+
+def test_a_new_hub_renders_nothing_until_every_process_had_time_to_push(monkeypatch):
+    """A hub just made (the first, or one re-created after it was killed) holds only the pushes of its first
+    moments: its merge then would be one process's counts read as the app's (a counter reset to Prometheus),
+    so it renders nothing (the scrape fails) for its warm-up, while still taking the caller's snapshot."""
+    import time as time_mod
+
+    (r1, m1), (r2, m2) = _ingress(), _ingress()
+    m1.record_http("/v1/completions", 200)
+    m2.record_http("/v1/completions", 200)
+    now = [1000.0]
+    monkeypatch.setattr(time_mod, "monotonic", lambda: now[0])
+    hub = MetricsHub(warmup_s=3.0)
+    assert hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny") is None
+    now[0] += 1.0
+    hub.push("ingress-b", snapshot_of(r2.get_metrics_data()))
+    now[0] += 2.0
+    text = hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny")
+    assert _value(text, "affinity_http_requests_total", status="200") == 2
