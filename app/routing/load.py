@@ -92,6 +92,10 @@ _MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot take
 SEQ_TOKEN_S_PRIOR = 0.02
 #: weight of each replica stats report in the mean reported decode step (`TTFTModel.observe_step_time`)
 STEP_REPORT_WEIGHT = 0.1
+#: an idle replica's TTFT for less prefill work than this is mostly fixed per-request overhead (scheduling,
+#: calls): read as a per-token rate it made the prefill rate 20x too slow after a few short prompts, and
+#: admission then refused long prompts on an idle server, for good (a refused request teaches nothing)
+MIN_CALIBRATION_WORK_TOKENS = 512
 
 
 class LoadTracker:
@@ -441,6 +445,8 @@ class TTFTModel:
         the tokens it loaded from a tier."""
         if not self.calibrate or ttft_s <= 0:
             return
+        if running == 0 and tier_tokens == 0 and work_tokens < MIN_CALIBRATION_WORK_TOKENS:
+            return                       # overhead, not rate (MIN_CALIBRATION_WORK_TOKENS)
         z = (work_tokens / self.rate0, running * self.step0, tier_tokens / self.load_rate0)
         if sum(z) <= 1e-6:
             return                       # nothing to learn from a free request (fully cached, idle)
