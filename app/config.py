@@ -138,6 +138,10 @@ class ServeSection(_Strict):
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
+#: routing.kv_events_idle_s below this (and above 0) is refused: it would pause within ordinary request gaps
+MIN_KV_EVENTS_IDLE_S = 30.0
+
+
 class RoutingSection(_Strict):
     """Which replica serves a request (app/routing; docs/routing.md)."""
 
@@ -154,11 +158,21 @@ class RoutingSection(_Strict):
     kv_events_idle_s: float = Field(300.0, ge=0, description="a router that routed nothing for this long stops "
                                     "pulling KV events and drops its index (one Serve keeps for a dropped "
                                     "handle, an idle ingress); its next request routes on load while it "
-                                    "resyncs from snapshots within a pull period. 0: never")
+                                    "resyncs from snapshots within a pull period. 0: never, else at least "
+                                    f"{MIN_KV_EVENTS_IDLE_S:g}")
     warmup_on_join: bool = Field(True, description="prefill a replica that joins (scale-out, replacement) with "
                                  "the router's hottest prefixes before affinity traffic finds it")
     warmup_num_prefixes: int = Field(8, ge=0, description="how many of the hottest prefix groups to prefill")
     affinity: AffinityConfig = AffinityConfig()
+
+    @field_validator("kv_events_idle_s")
+    @classmethod
+    def _idle_not_between_requests(cls, v: float) -> float:
+        if 0 < v < MIN_KV_EVENTS_IDLE_S:
+            raise ValueError(f"must be 0 (never pause) or at least {MIN_KV_EVENTS_IDLE_S:g} s: a router pausing "
+                             "within the gaps between requests drops its index each time and loses its prefix "
+                             f"hits; got {v:g}")
+        return v
 
 
 class _ServeAutoscaling(_Strict):

@@ -1,6 +1,7 @@
 """One config schema. The YAML blocks of the README and docs/ load as written, and the generated
 configuration reference documents every key with its default: tests/unit/test_docs.py."""
 import pytest
+from pydantic import ValidationError
 
 from affinity_serve.app.config import AppConfig, AppEngineConfig, ConfigError
 from affinity_serve.engine.config import EngineConfig
@@ -62,3 +63,13 @@ def test_max_queue_wait_s_says_admission_predicts_the_wait_for_kv_room():
     from affinity_serve.app.config import ServeSection
     text = ServeSection.model_fields["max_queue_wait_s"].description
     assert "wait for KV room" in text and "docs/limits.md" in text
+
+
+@pytest.mark.parametrize("idle_s, ok", [(0, True), (30, True), (300, True), (5, False), (29.9, False), (-1, False)])
+def test_the_routers_idle_pause_is_off_or_longer_than_request_gaps(idle_s, ok):
+    cfg = {"routing": {"kv_events_idle_s": idle_s}}
+    if ok:
+        assert AppConfig.model_validate(cfg).routing.kv_events_idle_s == idle_s
+    else:
+        with pytest.raises(ValidationError, match="kv_events_idle_s"):
+            AppConfig.model_validate(cfg)
