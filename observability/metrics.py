@@ -260,6 +260,7 @@ class RouterSample:
     num_rerouted: int = 0
     index: Mapping[str, IndexSample] = field(default_factory=dict)
     feed: Mapping[str, FeedReplicaSample] = field(default_factory=dict)
+    feed_paused: bool | None = None         # None: no KV event feed
 
 
 # router counters: (metric name, [(RouterSample field, extra attributes)]), summed over a process's routers
@@ -315,7 +316,8 @@ class RouterMetrics:
         gauges = [(names.M_ROUTING_INDEX_ENTRIES, self._index_callback("num_entries")),
                   (names.M_ROUTING_INDEX_CAPACITY, self._index_callback("capacity")),
                   (names.M_ROUTING_FEED_TIMEOUT_STREAK, self._feed_callback("consecutive_timeouts")),
-                  (names.M_ROUTING_FEED_LAG, self._feed_callback("lag_s"))]
+                  (names.M_ROUTING_FEED_LAG, self._feed_callback("lag_s")),
+                  (names.M_ROUTING_FEED_PAUSED, self._paused_callback)]
         for name, callback in gauges:
             spec = METRICS[name]
             meter.create_observable_gauge(name, callbacks=[callback], unit=spec.unit, description=spec.description)
@@ -356,6 +358,11 @@ class RouterMetrics:
                     yield Observation(getattr(ix, field_name),
                                       {"router": router, "deployment": s.deployment, "index": name})
         return observe
+
+    def _paused_callback(self, options: CallbackOptions) -> Iterable[Observation]:
+        for router, s in self._samples():
+            if s.feed_paused is not None:
+                yield Observation(int(s.feed_paused), {"router": router, "deployment": s.deployment})
 
     def _feed_callback(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(options: CallbackOptions) -> Iterable[Observation]:

@@ -37,6 +37,7 @@ M_ROUTING_FEED_EVENTS = "affinity_routing_kv_feed_events"
 M_ROUTING_FEED_SNAPSHOTS = "affinity_routing_kv_feed_snapshots"
 M_ROUTING_FEED_TIMEOUT_STREAK = "affinity_routing_kv_feed_consecutive_timeouts"
 M_ROUTING_FEED_LAG = "affinity_routing_kv_feed_lag"
+M_ROUTING_FEED_PAUSED = "affinity_routing_kv_feed_paused"
 M_ROUTING_INDEX_ENTRIES = "affinity_routing_index_entries"
 M_ROUTING_INDEX_CAPACITY = "affinity_routing_index_capacity"
 M_ROUTING_INDEX_EVICTIONS = "affinity_routing_index_evictions"
@@ -170,6 +171,8 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
        "answers)"),
     MetricSpec(M_ROUTING_FEED_LAG, Kind.GAUGE, "seconds since a replica last answered a router's KV event pull "
                "(since the feed first asked, if never): the router's index can miss what it cached since", "s"),
+    _g(M_ROUTING_FEED_PAUSED, "1 while a router's KV event feed is paused (it routed nothing for "
+       "routing.kv_events_idle_s: it pulls nothing and its index is empty until it routes again), else 0"),
     _g(M_ROUTING_INDEX_ENTRIES, "block hashes a router's prefix index holds now, by index (pool: replicas' KV "
        "pools; tier: offload tiers and node-shared stores)"),
     _g(M_ROUTING_INDEX_CAPACITY, "the bound on a router's index entries now, by index (pool: the replicas' "

@@ -298,7 +298,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
             num_pulls_timed_out=f.num_timeouts, num_pulls_error=f.num_errors, num_events=f.num_events,
             num_snapshots=f.num_snapshots, num_resyncs=c.num_resyncs, num_core_errors=c.num_errors,
             num_shell_errors=self.num_shell_errors, num_rerouted=c.num_rerouted, index=indexes,
-            feed={rid: FeedReplicaSample(n, lag) for rid, (n, lag) in health.items()})
+            feed={rid: FeedReplicaSample(n, lag) for rid, (n, lag) in health.items()},
+            feed_paused=self.feed.paused if self.feed is not None else None)
 
     def inject_errors(self, n: int) -> None:
         """Test hook: the next `n` choose_replicas calls fail inside the shell (and must fall back)."""

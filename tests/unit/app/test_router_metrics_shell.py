@@ -73,6 +73,14 @@ async def test_router_counters_reach_the_process_metrics_with_their_values():
     lag_a = series[("affinity_routing_kv_feed_lag_seconds", d + (("replica", "a"),) + me)]
     lag_b = series[("affinity_routing_kv_feed_lag_seconds", d + (("replica", "b"),) + me)]
     assert 0 <= lag_a < lag_b                      # b has not answered since the feed first asked it
+    assert series[("affinity_routing_kv_feed_paused", d + me)] == 0
+    # idle past routing.kv_events_idle_s: paused, said apart from a broken feed (whose lag would grow)
+    feed.pause()
+    router.metrics_sample = router.build_metrics_sample()
+    series = _series(render(snapshot_of(telemetry.snapshot_reader.get_metrics_data()), "tiny"))
+    assert series[("affinity_routing_kv_feed_paused", d + me)] == 1
+    assert series[("affinity_routing_index_entries", d + (("index", "pool"),) + me)] == 0
+    assert not [k for k in series if k[0] == "affinity_routing_kv_feed_lag_seconds"]
 
 
 async def test_feed_lag_is_the_time_since_a_replica_last_answered():
