@@ -3,14 +3,18 @@
 Logging rule: each failure is logged once, with its request id. A traceback is logged only for an
 unexpected exception, by the code that caught it first (`log_failure`); an APIError or an EngineError was
 raised on purpose (and the engine logs its own step failures with their traceback), so later layers log
-one line. Expected client errors (4xx) are INFO, overload and unavailability (429/503) WARNING. A
-traceback never reaches a response body. Serve would log every APIError a deployment method raises a
-second time, with its traceback; `drop_serve_duplicate_logs` filters those records out.
+one line. Expected client errors (4xx) are INFO, overload and unavailability (429/503) WARNING, at most one
+per (status, code) every WARN_EVERY_S (the rest at DEBUG; the next WARNING counts them): under sustained
+overload a WARNING per refused request would flood the log. A traceback never reaches a response body.
+Serve would log every APIError a deployment method raises a second time, with its traceback;
+`drop_serve_duplicate_logs` filters those records out.
 """
 from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from typing import Any
 
 from affinity_serve.engine.errors import (ContextLengthExceededError, EngineDeadError, EngineError, InvalidRequestError,
@@ -82,13 +86,36 @@ def log_failure(log: logging.Logger, exc: BaseException, api: APIError, message:
     if api.status_code < 500 and api.status_code != 429:
         log.info(message, extra=extra)
     elif api.status_code != 500:
-        log.warning(message, extra=extra)
+        similar = _similar_since_warning((api.status_code, api.code))
+        if similar is None:
+            log.debug(message, extra=extra)
+        else:
+            log.warning(message, extra={**extra, "similar_since_last_warning": similar} if similar else extra)
     elif isinstance(exc, APIError):      # str() of one that crossed a handle is the remote traceback
         log.error(message, extra=extra)
     elif isinstance(exc, EngineError):
         log.error(message, extra={**extra, "cause": f"{type(exc).__name__}: {exc}"})
     else:
         log.error(message, extra=extra, exc_info=exc)
+
+
+#: overload/unavailable failures of one (status, code) get one WARNING this often; the rest are DEBUG
+WARN_EVERY_S = 10.0
+_last_warning: dict[tuple[int, str | None], tuple[float, int]] = {}    # key -> (when warned, quiet since)
+_warn_lock = threading.Lock()
+
+
+def _similar_since_warning(key: tuple[int, str | None]) -> int | None:
+    """None: log this one quietly (one of its kind was warned less than WARN_EVERY_S ago); else warn, saying how
+    many were logged quietly since the last warning of its kind."""
+    now = time.monotonic()
+    with _warn_lock:
+        last = _last_warning.get(key)
+        if last is not None and now - last[0] < WARN_EVERY_S:
+            _last_warning[key] = (last[0], last[1] + 1)
+            return None
+        _last_warning[key] = (now, 0)
+        return last[1] if last is not None else 0
 
 
 class _AlreadyLogged(logging.Filter):

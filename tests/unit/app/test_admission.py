@@ -145,3 +145,26 @@ async def test_cancelled_futures_nobody_awaits_are_not_logged_as_errors(caplog):
         await asyncio.sleep(0)
     text = caplog.text
     assert "a real bug" in text and "TaskCancelledError" not in text
+
+
+def test_sustained_overload_is_one_warning_per_kind_every_10_s_not_one_per_refused_request(monkeypatch, caplog):
+    import logging
+
+    from affinity_serve.app import errors
+    now = [0.0]
+    monkeypatch.setattr(errors, "_last_warning", {})
+    monkeypatch.setattr(errors.time, "monotonic", lambda: now[0])
+    log = logging.getLogger("affinity.test-overload")
+    full = APIError("overloaded", 429, "rate_limit_error", None, "queue_full", retry_after_s=1)
+    down = APIError("no replica", 503, "service_unavailable", None, "replica_unavailable")
+    with caplog.at_level(logging.DEBUG, logger="affinity.test-overload"):
+        for i in range(50):
+            now[0] = i * 0.1                               # 50 refusals in 5 s
+            errors.log_failure(log, full, full)
+        errors.log_failure(log, down, down)               # another kind: its own warning
+        now[0] = 10.5
+        errors.log_failure(log, full, full)
+    warnings = [(r.getMessage(), r.status, getattr(r, "similar_since_last_warning", 0))
+                for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [("request failed", 429, 0), ("request failed", 503, 0), ("request failed", 429, 49)]
+    assert sum(r.levelname == "DEBUG" for r in caplog.records) == 49
