@@ -102,7 +102,9 @@ class PrefixAffinityRouterCore:
         self.index.apply_snapshot(snapshot)
 
     def forget_kv_state(self) -> None:
+        """The index and the hot prefixes (a paused router warms no joining replica with stale ones)."""
         self.index.forget_all()
+        self.hot = HotPrefixes(self.block_size, self.config.group_blocks, self.config.hot_window_s)
 
     # ------------------------------------------------------------ routing
     def route(self, request: RouteRequest, candidate_ids: list[str]) -> Decision:

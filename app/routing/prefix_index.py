@@ -227,12 +227,17 @@ class PrefixIndex:
 
     def forget_all(self) -> None:
         """Drop every entry (pool, tiers, speculative) of every replica, which then needs a snapshot: a feed
-        that stops pulling cannot keep the index current, so it must not keep the index either."""
+        that stops pulling cannot keep the index current, so it must not keep the index either. The tables
+        are replaced, not emptied (a dict never shrinks as keys are deleted: emptied, a 300k-entry index kept
+        its 10 MB); membership, slots and counters stay."""
+        self._held, self._spec, self._offload, self._shared = {}, {}, {}, {}
+        self._spec_expiry = [{} for _ in self._spec_expiry]
+        self._spec_records = deque()
+        self._num_spec_entries = 0
+        for node in self._nodes.values():
+            node.held = {}
         for st in self._replicas.values():
-            self._drop(st)
-            self._drop_spec(st.slot)
-            self._drop_offload(st)
-            self._drop_shared(st.node)
+            st.held, st.offload = {}, {}
             st.epoch, st.needs_snapshot = None, True
 
     def apply_snapshot(self, snapshot: KVSnapshot) -> None:

@@ -128,8 +128,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         """Prefill the joining replica with the hottest prefixes this router knows (their BlockStored
         events then show it holding them, so affinity and hot-group spreading can use it)."""
         hot_prefixes = getattr(self.core, "hot_prefixes", None)
-        if not self.warmup_num_prefixes or hot_prefixes is None:
-            return
+        if not self.warmup_num_prefixes or hot_prefixes is None or (self.feed is not None and self.feed.paused):
+            return                                   # paused: idle, its hot prefixes are gone (forget_kv_state)
         prompts = hot_prefixes(self.warmup_num_prefixes)
         if not prompts:
             return

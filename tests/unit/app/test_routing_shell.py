@@ -270,3 +270,28 @@ async def test_the_routers_feed_reads_when_it_last_routed_or_predicted():
     router.last_active = 0.0
     router.predicted_wait_s("q2", list(range(9)), [H[0], H[1]], 4)
     assert not router.feed.is_idle()
+
+
+def test_forgetting_the_index_releases_its_tables_and_keeps_membership_and_counters():
+    """A dict keeps its table as keys are deleted: a paused router must not keep its peak index's memory."""
+    import sys
+
+    from affinity_serve.app.routing import KVEventBatch
+    from affinity_serve.engine.types import MEDIUM_OFFLOAD, BlockStored
+    core = _core()
+    many = [i.to_bytes(8, "big") for i in range(20_000)]
+    core.on_kv_events(KVEventBatch("a", "e", 0, [BlockStored(many, None, [], 4),
+                                                 BlockStored(many[:50], None, [], 4, medium=MEDIUM_OFFLOAD)]))
+    core.route(_route_request("r0", many[:64] + [b"fresh-%d" % i for i in range(64)]), ["a", "b"])
+    index = core.index
+    evictions, big = index.num_evictions, sys.getsizeof(index._held)
+    assert core.hot.num_groups > 0
+    assert index.num_entries == 20_000 and index.num_spec_entries > 0 and index.num_tier_entries > 0
+    core.forget_kv_state()
+    assert index.num_entries == 0 and index.num_spec_entries == 0 and index.num_tier_entries == 0
+    assert sys.getsizeof(index._held) < big / 100 and not index._spec_records
+    assert core.hot.num_groups == 0                          # nothing stale to warm a joining replica with
+    assert sorted(core.replicas_needing_snapshot()) == ["a", "b"] and index.num_evictions == evictions
+    core.on_kv_events(KVEventBatch("a", "f", 0, [BlockStored(many[:8], None, [], 4)]))   # a fresh stream
+    assert index.num_held("a") == 8
+    assert core.route(_route_request("r1", many[:8]), ["a", "b"]).chosen == "a"
