@@ -39,8 +39,9 @@ GAUGE_TTL_S = 5.0
 RETIRE_AFTER_S = 300.0
 #: a scrape waits this long for the hub's merge, then fails (503) rather than hang past Prometheus's timeout
 RENDER_TIMEOUT_S = 8.0
-#: a hub (new, re-created, restarted) renders nothing this long after it starts: until every process has
-#: pushed, its merge would be one process's counts read as the app's (a scrape then fails instead)
+#: a hub (new, re-created, restarted) renders nothing this long after it starts, or for 3 of the longest push
+#: interval it has been told of: until every process has pushed, its merge would be one process's counts read
+#: as the app's (a scrape then fails instead)
 HUB_WARMUP_S = 3 * PUSH_INTERVAL_S
 
 
@@ -52,10 +53,12 @@ class MetricsHub:
         self.aggregate = MetricsAggregate(gauge_ttl_s, retire_after_s)
         self.started_at = time.monotonic()
         self.warmup_s = warmup_s
+        self.longest_interval_s = 0.0           # the longest push interval a process declared
 
     def push(self, process: str, snapshot: Snapshot, interval_s: float | None = None) -> int:
         """A process's snapshot; `interval_s`: how often it pushes (its gauges last GAUGE_TTL_PUSHES of them)."""
         self.aggregate.push(process, snapshot, time.monotonic(), interval_s)
+        self.longest_interval_s = max(self.longest_interval_s, interval_s or 0.0)
         return self.aggregate.num_processes
 
     def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True,
@@ -64,7 +67,8 @@ class MetricsHub:
         `warmup_s` (not every process has pushed yet)."""
         now = time.monotonic()
         self.aggregate.push(process, snapshot, now, interval_s)
-        if now - self.started_at < self.warmup_s:
+        self.longest_interval_s = max(self.longest_interval_s, interval_s or 0.0)
+        if self.warmup_s > 0 and now - self.started_at < max(self.warmup_s, 3 * self.longest_interval_s):
             return None
         return render(self.aggregate.merged(now), model_name, vllm_aliases)
 
@@ -179,7 +183,8 @@ class MetricsExporter:
         if self.app_name is None:
             return render(snap, model_name, vllm_aliases)
         try:
-            hub = self._hub_handle(create=self._creates_hub)
+            # the lookup (or creation) is a blocking call to Ray: off the ingress's loop, within the bound
+            hub = await asyncio.wait_for(asyncio.to_thread(self._hub_handle, self._creates_hub), RENDER_TIMEOUT_S)
             if hub is None:
                 raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} does not exist (yet)")
             text = None

@@ -169,3 +169,19 @@ def test_a_new_hub_renders_nothing_until_every_process_had_time_to_push(monkeypa
     now[0] += 2.0
     text = hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny")
     assert _value(text, "affinity_http_requests_total", status="200") == 2
+
+
+def test_a_new_hub_waits_three_of_the_longest_push_intervals_it_was_told_of(monkeypatch):
+    """observability.metrics_push_interval_s may be 10 s: 3 s would let a scrape through before the other
+    processes' first pushes."""
+    import time as time_mod
+
+    (r1, _), (r2, _) = _ingress(), _ingress()
+    now = [1000.0]
+    monkeypatch.setattr(time_mod, "monotonic", lambda: now[0])
+    hub = MetricsHub(warmup_s=3.0)
+    hub.push("replica-1", snapshot_of(r2.get_metrics_data()), 10.0)
+    now[0] += 29.0
+    assert hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny", True, 10.0) is None
+    now[0] += 1.0
+    assert hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny", True, 10.0) is not None
