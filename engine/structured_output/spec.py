@@ -106,6 +106,7 @@ def surrogate_escape(pattern: str, ebnf: bool = False) -> str | None:
     to megabytes)."""
     i, start = 0, None                      # start: the open class's first position after '['
     in_string = False                       # inside an EBNF string literal (then no class opens)
+    comment_end = -1                        # an EBNF '#' comment runs to the end of its line
     for m in _SURROGATE_ESCAPE.finditer(pattern):
         pos = m.start(1)
         while i < pos:                      # the class state at the escape, carried on from the last one
@@ -116,12 +117,16 @@ def surrogate_escape(pattern: str, ebnf: bool = False) -> str | None:
             if start is None:
                 if ebnf and c == '"':
                     in_string = not in_string
+                elif ebnf and c == "#" and not in_string:
+                    end = pattern.find("\n", i)
+                    i = comment_end = len(pattern) if end < 0 else end
+                    continue
                 elif c == "[" and not in_string:
                     start = i + 1
             elif c == "]" and i > start + (1 if pattern.startswith("^", start) else 0):
                 start = None                # (a ']' first in a class, after '^' or not, is a literal)
             i += 1
-        if start is not None and pattern.startswith("^", start):
+        if pos < comment_end or (start is not None and pattern.startswith("^", start)):
             continue
         return (f"names {m.group(1)}, a UTF-16 surrogate code point, which no UTF-8 output can contain (the "
                 "grammar engine does not join a surrogate pair into one character): write the character itself "

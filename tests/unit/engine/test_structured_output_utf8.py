@@ -274,6 +274,11 @@ def test_in_a_grammar_a_bracket_in_a_string_literal_opens_no_class():
     assert surrogate_escape('root ::= "[" "\\uD800"', ebnf=True) is not None     # in a literal: refused
     assert surrogate_escape('root ::= "\\"[" "\\uD800"', ebnf=True) is not None  # an escaped quote stays inside
     assert surrogate_escape('root ::= [^"] "\\uD800"', ebnf=True) is not None      # a quote inside a class
+    # a comment runs to its line's end: its quotes open no string, its escapes name nothing
+    assert surrogate_escape('# a 12" screen\nroot ::= "a" [^\\uD800-\\uDFFF]', ebnf=True) is None
+    assert surrogate_escape('root ::= "a" # not \\uD800 here\n', ebnf=True) is None
+    assert surrogate_escape('# "\nroot ::= "\\uD800"', ebnf=True) is not None
+    assert surrogate_escape('root ::= "#" "\\uD800"', ebnf=True) is not None          # '#' in a literal
 
 
 def test_the_surrogate_check_is_one_pass_however_many_escapes_a_pattern_holds():
