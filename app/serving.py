@@ -163,7 +163,9 @@ class OpenAIServing:
             routers = routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name)
             if not routers:
                 return
-            router = routers[0]
+            # the router that routed last: with several handles in a process, not a shell Serve kept for a
+            # dropped one (whose feed admission's asking would keep from pausing)
+            router = max(routers, key=lambda r: getattr(r, "last_routed", 0.0))
             hashes = p.block_hashes[0] if p.block_hashes else None
             max_tokens = (p.params.max_tokens or 0) * max(1, p.params.n)
 

@@ -84,6 +84,8 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         #: when this router last routed or predicted (time.monotonic): after routing.kv_events_idle_s without,
         #: the feed pauses and drops the index (Serve itself keeps a dropped handle's router alive)
         self.last_active = time.monotonic()
+        #: when it last routed (choose_replicas), for the ingress's admission to ask the router in use
+        self.last_routed = 0.0
         self.feed = (KVEventFeed(self.core, lambda: _clients_if_alive(me), r.kv_events_period_s,
                                  r.kv_events_timeout_s, idle_s=r.kv_events_idle_s,
                                  last_active=lambda: _last_active_if_alive(me))
@@ -174,7 +176,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
     # ------------------------------------------------------------ routing
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        self.last_active = time.monotonic()
+        self.last_active = self.last_routed = time.monotonic()
         try:
             return self._rank(candidate_replicas, pending_request)
         except Exception:

@@ -168,3 +168,17 @@ def test_sustained_overload_is_one_warning_per_kind_every_10_s_not_one_per_refus
                 for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [("request failed", 429, 0), ("request failed", 503, 0), ("request failed", 429, 49)]
     assert sum(r.levelname == "DEBUG" for r in caplog.records) == 49
+
+
+async def test_admission_asks_the_router_that_routed_last_not_the_oldest():
+    """A process with several handles has several routers (Serve keeps a dropped handle's): admission asks the
+    one in use, and so never keeps a kept shell's feed from pausing."""
+    replica = Replica()
+    serving, handle = _serving(replica, bound=10.0, app_name="admission-newest")
+    shell, used = FakeRouter(wait=13.2), FakeRouter(wait=2.0)
+    shell.last_routed, used.last_routed = 5.0, 9.0
+    debug.register(handle.app_name, handle.deployment_name, shell)              # the oldest
+    debug.register(handle.app_name, handle.deployment_name, used)
+    out = await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=list(range(20)), max_tokens=3),
+                                 "cmpl-n", {})
+    assert out["choices"] and used.asked and not shell.asked
