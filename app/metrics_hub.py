@@ -177,8 +177,9 @@ class MetricsExporter:
         """The app's merged metrics as Prometheus text (this process's alone outside an app). Raises
         MetricsUnavailable when the hub cannot be asked: never this process's numbers in place of the app's
         (they would read as a reset of every counter). A process of the app (`creates_hub`) makes the hub again
-        if it was killed: it is answering a scrape, so the app is live (the hub's totals then start again from
-        what the processes push: one reset, where the fallback made two at every hub outage)."""
+        if it was killed: it is answering a scrape, so the app is live (each process pushes its cumulative
+        counts, so the totals come back, less those of processes that stopped before; the new hub renders
+        nothing until every process has had time to push)."""
         snap = self.snapshot()
         if self.app_name is None:
             return render(snap, model_name, vllm_aliases)
@@ -200,8 +201,8 @@ class MetricsExporter:
                 text = await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases),
                                               RENDER_TIMEOUT_S)
             if text is None:
-                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} started less than "
-                                         f"{HUB_WARMUP_S:g}s ago; not every process has pushed to it yet")
+                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} has just started; not every "
+                                         "process has pushed to it yet (3 push intervals)")
             self._answered()
             return text
         except MetricsUnavailable:
