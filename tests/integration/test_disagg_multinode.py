@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# the first test's setup waits for the background scenario (conftest.py's `multinode_results`: up to 600 s)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 POLICIES = ("prefix_affinity", "power_of_two")
 
 

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# the first test's setup waits for the background scenario (conftest.py's `multinode_results`: up to 600 s)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 
 
 @pytest.fixture(scope="module")
