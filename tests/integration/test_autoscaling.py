@@ -21,7 +21,9 @@ from tests.integration.conftest import app_config, wait_running
 from tests.integration.outcomes import Outcome, send
 from tests.integration.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+# scaling out and back in takes 30-100 s here; 600 s leaves room for a CI machine 2.5x slower than usual (the
+# default 300 s was hit once at load 12)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 APP = "affinity-autoscale"
 ZERO_APP = "affinity-autoscale-zero"

@@ -252,10 +252,15 @@ def test_prefill_pool_down_the_decode_replica_recomputes(pd_url, checkpoints, hf
             out = _complete(c, pd_url, prompt, max_tokens=6)
             after = _state("LLMReplica")["disaggregation"]
             assert out["choices"][0]["token_ids"] == hf_reference(path, prompt, 6)
-            if size == 0 and after["prefill_pool_empty"] == before["prefill_pool_empty"] + 2:
+            if after["prefill_failed"] == before["prefill_failed"] + 2:
                 break
-    assert after["prefill_pool_empty"] == before["prefill_pool_empty"] + 2, (before, after)
-    assert after["prefill_failed"] == before["prefill_failed"] + 2
+    # both requests recomputed here; each for one cause: usually the pool found empty (the call cancelled, then
+    # not called), but on a slow machine the dead replica's call may time out first and hold it back (CI)
+    assert after["prefill_failed"] == before["prefill_failed"] + 2, (before, after)
+    causes = ("prefill_pool_empty", "prefill_timeouts", "prefill_suspect")
+    assert sum(after[k] - before[k] for k in causes) == 2, (before, after)
+    if size == 0:           # the second request found no running prefill replica: not called
+        assert after["prefill_pool_empty"] > before["prefill_pool_empty"], (before, after)
     wait_running(APP, "PrefillReplica", 1, timeout_s=90)
     wait_until(_pools_empty, timeout_s=60, what="both pools to free every block")
 

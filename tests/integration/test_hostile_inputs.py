@@ -57,6 +57,7 @@ def test_health_stays_fast_and_ready_during_a_burst(app_url):
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
             assert (await c.get(f"{app_url}/health")).status_code in (200, 503)     # starts the state
+            t0 = time.monotonic()
             burst = [asyncio.create_task(c.post(f"{app_url}/v1/completions", json={
                 "model": MODEL, "prompt": f"burst {i}", "max_tokens": 24, "user": None})) for i in range(120)]
             await asyncio.sleep(0.5)
@@ -67,14 +68,15 @@ def test_health_stays_fast_and_ready_during_a_burst(app_url):
                 probes.append((r.status_code, time.monotonic() - t))
                 await asyncio.sleep(0.2)
             statuses = [r.status_code for r in await asyncio.gather(*burst)]
-            return probes, statuses
+            return probes, statuses, time.monotonic() - t0
 
-    probes, statuses = asyncio.run(run())
+    probes, statuses, burst_s = asyncio.run(run())
     assert all(code == 200 for code, _ in probes), probes
-    # all answered from state (every probe 200: before, 503s); the bound leaves room for the burst's own intake
-    # on a loaded 2-core machine (3.8 s once in a full suite on a machine 1.7x slower than usual) and stays
-    # under the 6.9 s probe of the queued /health
-    assert max(s for _, s in probes) < 5.0, probes
+    # all answered from state (every probe 200: before, 503s). A probe still waits for the burst's own intake
+    # in the proxy and the ingress (3.8 s once in a full suite; 6.5 s on a machine at load 12), but not for the
+    # burst to be served, as the queued /health did (6.9 s on a quiet machine, most of the burst): the bound
+    # scales with how long the burst took on this machine
+    assert max(s for _, s in probes) < max(5.0, 0.5 * burst_s), (probes, burst_s)
     assert set(statuses) <= {200, 429}
 
 
