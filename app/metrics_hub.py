@@ -146,6 +146,7 @@ class MetricsExporter:
         self._hub_lock = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
+        self._warn_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if app_name is not None:
             self._thread = threading.Thread(target=self._loop, name="metrics-push", daemon=True)
@@ -208,7 +209,8 @@ class MetricsExporter:
         except MetricsUnavailable:
             raise
         except Exception as e:
-            self._forget_hub(e)
+            # off the loop: _hub_lock may be held by the push thread's blocking hub lookup
+            await asyncio.to_thread(self._forget_hub, e)
             raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} is unreachable "
                                      f"({type(e).__name__})") from e
 
@@ -240,13 +242,15 @@ class MetricsExporter:
         with self._hub_lock:
             self._hub = None
             self._hub_takes_interval = True
-        if not self._warned:                   # once per outage
-            self._warned = True
+        with self._warn_lock:                   # once per outage, whichever thread is first
+            first, self._warned = not self._warned, True
+        if first:
             logger.warning("metrics hub of app %s unreachable (%s: %s); retrying every %.1fs", self.app_name,
                            type(e).__name__, e, self.interval_s)
 
     def _answered(self) -> None:
         """The hub took a push or answered a scrape: an outage warned about is over (said once)."""
-        if self._warned:
-            self._warned = False
+        with self._warn_lock:       # not _hub_lock: held across a blocking hub lookup, and this runs on a loop
+            back, self._warned = self._warned, False
+        if back:
             logger.info("metrics hub of app %s answers again", self.app_name)
