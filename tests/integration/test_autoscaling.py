@@ -57,7 +57,9 @@ def test_load_scales_out_to_three_and_back_to_one_with_streams_in_flight_and_no_
 
     from affinity_serve.app.builder import build_app
 
-    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8,
+                     # a replica scaled in finishes its streams (5 s each on a loaded machine: past 3 s, one was cut)
+                     graceful_shutdown_timeout_s=30.0)
     # Paced steps (30 ms, engine.pace): the replicas hold the same requests in flight but leave the CPU to the
     # replicas starting (on 2 cores, an unpaced replica serving 8 clients slowed each start-up to 11-15 s)
     cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}

@@ -25,7 +25,9 @@ def test_the_decode_pool_scales_out_and_in_on_its_own_load_and_the_prefill_pool_
 
     from affinity_serve.app.builder import build_app
 
-    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8,
+                     # a replica scaled in finishes its streams (5 s each on a loaded machine: past 3 s, one was cut)
+                     graceful_shutdown_timeout_s=30.0)
     # SLOs out of reach, configured capacity: one decode replica "decodes" 3 sequences; 6 streaming clients
     # need 2 (the pool's max); one light client fits in 1. Short windows and delays (look-back 1 s, the
     # replicas' signal window 3 s: the request rate it reports falls that soon after the load stops).

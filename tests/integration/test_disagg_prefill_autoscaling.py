@@ -52,7 +52,9 @@ def test_the_prefill_pool_scales_out_and_in_on_its_backlog_and_the_decode_pool_s
 
     from affinity_serve.app.builder import build_app
 
-    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8)
+    cfg = app_config(checkpoints["llama"], num_replicas=1, max_ongoing_requests=8,
+                     # a replica scaled in finishes its streams (5 s each on a loaded machine: past 3 s, one was cut)
+                     graceful_shutdown_timeout_s=30.0)
     cfg["engine"]["cache"]["num_blocks"] = 512
     # Paced steps (30 ms, engine.pace): the same prompts queued, the CPU left to the replica starting
     cfg["engine"]["pace"] = {"enabled": True, "step_base_s": 0.03}
