@@ -111,6 +111,7 @@ class Ingress:
 
     @fastapi_app.get("/v1/models")
     async def http_models(self, request: Request) -> Response:
+        _set_request_id(request)
         try:
             check_api_key(request, self.api_key)
             out = JSONResponse(await self.models())
@@ -122,6 +123,7 @@ class Ingress:
     @fastapi_app.get("/v1/models/{model_id:path}")
     async def http_model(self, model_id: str, request: Request) -> Response:
         """One model's card, as OpenAI's retrieve-model route (404 `model_not_found` for any other id)."""
+        _set_request_id(request)
         try:
             check_api_key(request, self.api_key)
             out = JSONResponse(await self.model(model_id))
@@ -142,6 +144,7 @@ class Ingress:
 
     async def _http_tokens(self, request: Request, model: type, work: Any) -> Response:
         route = request.url.path
+        _set_request_id(request)
         try:
             check_api_key(request, self.api_key)
             body = await read_json_body(request, self.cfg.serve.max_request_body_bytes, self.cfg.serve.max_json_depth)
@@ -237,16 +240,18 @@ class Ingress:
             raise StarletteHTTPException(404, "Not Found")
 
     @fastapi_app.get("/metrics")
-    async def http_metrics(self) -> Response:
+    async def http_metrics(self, request: Request) -> Response:
         """Prometheus text of the whole app (every ingress and model replica, merged by its metrics hub),
-        with vLLM's names beside ours (docs/observability.md)."""
+        with vLLM's names beside ours (docs/observability.md). Not counted in affinity_http_requests_total,
+        answered or not (a scraper's polls are not the API's traffic)."""
+        _set_request_id(request)
         try:
             text = await self.metrics_exporter.render(self.model_name, self.cfg.observability.vllm_metric_names)
         except MetricsUnavailable as e:
             # a failed scrape, never this process's numbers alone (they would read as counter resets)
             return error_response(self._fail(APIError(f"{e}; the scrape fails rather than show one process's "
                                                       "numbers as the app's; retry", 503, "service_unavailable",
-                                                      None, "metrics_unavailable"), "/metrics"))
+                                                      None, "metrics_unavailable"), "/metrics", count=False))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _http(self, kind: RequestKind, request: Request) -> Response:
@@ -475,6 +480,14 @@ def _request_body(name: str, request: Any) -> dict:
         return request.model_dump(by_alias=True, exclude_unset=True)
     raise APIError(f"the request must be a {name} or a dict of its fields, got {type(request).__name__}", 400,
                    "invalid_request_error", None, "invalid_value")
+
+
+def _set_request_id(request: Request) -> None:
+    """The request id this request's log lines carry: the client's `x-request-id` (Serve's proxy sets one when
+    the client did not); none without the header."""
+    rid = request.headers.get("x-request-id")
+    if rid:
+        request_id_var.set(rid)
 
 
 def _new_request_id(kind: RequestKind) -> str:

@@ -321,18 +321,49 @@ async def test_health_answers_from_state_while_every_replica_slot_is_busy(checkp
     assert {name for name, _ in handle.calls} == {"limits"}       # asked until answered, then never again
 
 
-async def test_metrics_is_a_503_while_the_apps_hub_cannot_be_asked(checkpoints, monkeypatch):
+async def test_metrics_is_a_503_while_the_apps_hub_cannot_be_asked(checkpoints, monkeypatch, app_logs):
+    """...logged with the scrape's request id, and not counted as an API response (a 200 scrape is not either:
+    docs/observability.md, /metrics is not counted)."""
     from affinity_serve.app.metrics_hub import MetricsUnavailable
 
     ing, _ = ingress(checkpoints)
+    counted = []
+    ing.metrics.record_http = lambda route, status: counted.append((route, status))
 
     async def unreachable(*a, **k):
         raise MetricsUnavailable("the metrics hub of app 'affinity' is unreachable (RayActorError)")
     monkeypatch.setattr(ing.metrics_exporter, "render", unreachable)
-    r = await ing.http_metrics()
+    r = await ing.http_metrics(http_request(b"", path="/metrics", method="GET", headers={"x-request-id": "scrape-7"}))
     err = json.loads(r.body)["error"]
     assert (r.status_code, err["type"], err["code"]) == (503, "service_unavailable", "metrics_unavailable")
     assert "unreachable" in err["message"] and r.headers["retry-after"] == "1"
+    assert counted == []
+    [line] = [rec for rec in app_logs.records if getattr(rec, "code", None) == "metrics_unavailable"]
+    assert _request_id_of(line) == "scrape-7"
+
+
+def _request_id_of(record) -> str | None:
+    from affinity_serve.observability.logs import JsonFormatter
+    return json.loads(JsonFormatter().format(record)).get("request_id")
+
+
+@pytest.mark.parametrize("route,body", [("http_tokenize", {"prompt": 5}), ("http_detokenize", {"tokens": [10**6]})])
+async def test_a_failed_token_route_logs_the_clients_request_id(checkpoints, app_logs, route, body):
+    ing, _ = ingress(checkpoints)
+    r = await getattr(ing, route)(http_request(json.dumps(body).encode(), path="/" + route[5:],
+                                               headers={"x-request-id": f"tok-{route}"}))
+    assert r.status_code == 400
+    [line] = [rec for rec in app_logs.records if getattr(rec, "status", None) == 400]
+    assert _request_id_of(line) == f"tok-{route}"
+
+
+async def test_a_failed_model_lookup_logs_the_clients_request_id(checkpoints, app_logs):
+    ing, _ = ingress(checkpoints)
+    r = await ing.http_model("nope", http_request(b"", path="/v1/models/nope", method="GET",
+                                                  headers={"x-request-id": "card-1"}))
+    assert r.status_code == 404
+    [line] = [rec for rec in app_logs.records if getattr(rec, "status", None) == 404]
+    assert _request_id_of(line) == "card-1"
 
 
 async def test_health_is_503_when_the_router_sees_no_replica_unless_scaled_to_zero(checkpoints, monkeypatch):
