@@ -6,8 +6,9 @@ raised on purpose (and the engine logs its own step failures with their tracebac
 one line. Expected client errors (4xx) are INFO, overload and unavailability (429/503) WARNING, at most one
 per (status, code) every WARN_EVERY_S (the rest at DEBUG; the next WARNING counts them): under sustained
 overload a WARNING per refused request would flood the log. A traceback never reaches a response body.
-Serve would log every APIError a deployment method raises a second time, with its traceback;
-`drop_serve_duplicate_logs` filters those records out.
+Serve would log every APIError a deployment method raises a second time, with its traceback, and its router
+logs a WARNING for every request it refuses at `max_queued_requests` (which the ingress answers and logs as a
+429 `overloaded` by the rule above); `drop_serve_duplicate_logs` filters those records out.
 """
 from __future__ import annotations
 
@@ -118,16 +119,24 @@ def _similar_since_warning(key: tuple[int, str | None]) -> int | None:
         return last[1] if last is not None else 0
 
 
+#: how Serve's router words its refusal at max_queued_requests (ray.serve.exceptions.BackPressureError)
+_SERVE_BACKPRESSURE = "Request dropped due to backpressure"
+
+
 class _AlreadyLogged(logging.Filter):
-    """Drops a log record about an APIError: whoever raised it logged the failure already."""
+    """Drops a log record about an APIError (whoever raised it logged the failure already) and Serve's router's
+    WARNING per request refused at max_queued_requests (one per 429: the ingress logs those, rate-limited)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], APIError))
+        if record.exc_info and isinstance(record.exc_info[1], APIError):
+            return False
+        return not (isinstance(record.msg, str) and record.msg.startswith(_SERVE_BACKPRESSURE))
 
 
 def drop_serve_duplicate_logs() -> None:
     """Serve's replica wrapper logs "Request failed." with a traceback for any exception a deployment
-    method raises (a 400 from the handle API included); ours are logged by the rule above. Idempotent."""
+    method raises (a 400 from the handle API included), and its router a WARNING per request refused at
+    max_queued_requests; ours are logged by the rule above. Idempotent."""
     serve_logger = logging.getLogger("ray.serve")
     if not any(isinstance(f, _AlreadyLogged) for f in serve_logger.filters):
         serve_logger.addFilter(_AlreadyLogged())

@@ -458,6 +458,8 @@ async def test_replica_detects_a_wedged_step(checkpoints, monkeypatch):
 
 
 def test_serve_does_not_log_our_api_errors_a_second_time(app_logs):
+    from ray.serve.exceptions import BackPressureError
+
     from affinity_serve.app.errors import _AlreadyLogged, drop_serve_duplicate_logs
     drop_serve_duplicate_logs()
     drop_serve_duplicate_logs()
@@ -469,8 +471,13 @@ def test_serve_does_not_log_our_api_errors_a_second_time(app_logs):
                 raise exc
             except Exception:
                 serve_logger.exception("Request failed.")
+        # Serve's router, once per request refused at max_queued_requests (the ingress logs its 429s)
+        for _ in range(3):
+            serve_logger.warning(BackPressureError(num_queued_requests=1, max_queued_requests=1).message)
+        serve_logger.warning("Replica %s is slow", "r1")         # anything else of Serve's is kept
     finally:
         serve_logger.removeHandler(app_logs.handler)
-    failed = [r for r in app_logs.records if r.name == "ray.serve"]
-    assert len(failed) == 1 and isinstance(failed[0].exc_info[1], RuntimeError)
+    kept = [r for r in app_logs.records if r.name == "ray.serve"]
+    assert len(kept) == 2 and isinstance(kept[0].exc_info[1], RuntimeError), [r.getMessage() for r in kept]
+    assert kept[1].getMessage() == "Replica r1 is slow"
     assert sum(isinstance(f, _AlreadyLogged) for f in serve_logger.filters) == 1      # idempotent
