@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -14,7 +15,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from affinity_serve.app.errors import APIError
+from affinity_serve.app.errors import APIError, log_failure
+
+#: the proxy's refusals (HTTPLimitsMiddleware) go to Serve's proxy log: a child of Serve's logger, whose handlers
+#: the proxy process has (our JSON logging is set up in the app's replicas, not in Serve's proxy)
+proxy_logger = logging.getLogger("ray.serve.affinity_http_limits")
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -346,8 +351,8 @@ class HTTPLimitsMiddleware:
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in CLIENT_HINT_HEADERS]
         scope = {**scope, "headers": headers}
         if sum(len(k) + len(v) for k, v in headers) > self.max_header_bytes:
-            await _send_error(send, APIError(f"request headers are larger than {self.max_header_bytes} bytes", 431,
-                                             "invalid_request_error", None, "headers_too_large"))
+            await _refuse(send, scope, APIError(f"request headers are larger than {self.max_header_bytes} bytes",
+                                                431, "invalid_request_error", None, "headers_too_large"))
             return
         path = scope.get("path", "")
         if any(path == p or path.endswith(p) or (p.endswith("/") and path.startswith(p)) for p in self.exempt_paths):
@@ -356,7 +361,7 @@ class HTTPLimitsMiddleware:
         client = str((scope.get("client") or ("unknown",))[0])
         refusal = self._admit(client)
         if refusal is not None:
-            await _send_error(send, refusal)
+            await _refuse(send, scope, refusal)
             return
         try:
             await self._with_body(scope, receive, send)
@@ -395,15 +400,15 @@ class HTTPLimitsMiddleware:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > self.max_body_bytes:
-                        await _send_error(send, _too_large(self.max_body_bytes))
+                        await _refuse(send, scope, _too_large(self.max_body_bytes))
                         return
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            await _send_error(send, APIError(f"the request body was not received within {self.body_read_timeout_s:g}s "
-                                             "(serve.body_read_timeout_s)", 408, "invalid_request_error", None,
-                                             "body_read_timeout"))
+            await _refuse(send, scope, APIError(f"the request body was not received within "
+                                                f"{self.body_read_timeout_s:g}s (serve.body_read_timeout_s)", 408,
+                                                "invalid_request_error", None, "body_read_timeout"))
             return
         body: list[bytes] | None = [b"".join(chunks)]
         del chunks
@@ -417,6 +422,17 @@ class HTTPLimitsMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+async def _refuse(send: Callable, scope: dict, err: APIError) -> None:
+    """Answer `err` and log it by the app's rule (4xx at INFO; 429/503 WARNING at most one per code every
+    10 s), in Serve's proxy log with the request's path and id: these never reach the ingress, so neither its
+    log nor affinity_http_requests_total sees them."""
+    rid = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None)
+    log_failure(proxy_logger, err, err, f"refused by the HTTP limits: {err.status_code} {err.code} on "
+                f"{scope.get('path', '')}" + (f" (request id {rid})" if rid else "") + f": {err.message}",
+                route=scope.get("path", ""), request_id=rid)
+    await _send_error(send, err)
 
 
 async def _send_error(send: Callable, err: APIError) -> None:

@@ -103,6 +103,37 @@ async def test_a_body_over_the_limit_is_a_413_while_it_is_read():
     assert status == 413 and body["error"]["code"] == "request_too_large" and not inner.scopes
 
 
+async def test_each_refusal_is_logged_in_the_proxys_log_with_its_path_and_request_id():
+    """The ingress never sees these: without this line they were in no log and no counter (acceptance)."""
+    import logging
+
+    from affinity_serve.app import errors
+    from affinity_serve.app.http import proxy_logger
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    proxy_logger.addHandler(handler)
+    level, proxy_logger.level = proxy_logger.level, logging.DEBUG
+    errors._last_warning.clear()
+    try:
+        mw = HTTPLimitsMiddleware(Inner(), max_body_bytes=10)
+        status, _, _ = await call(mw, headers=[(b"x-request-id", b"big-1")],
+                                  messages=[{"type": "http.request", "body": b"x" * 11, "more_body": False}])
+        assert status == 413
+        mw = HTTPLimitsMiddleware(Inner(), max_connections=0)
+        for _ in range(3):
+            assert (await call(mw))[0] == 503
+    finally:
+        proxy_logger.removeHandler(handler)
+        proxy_logger.level = level
+    big = records[0]
+    assert big.levelname == "INFO" and big.request_id == "big-1" and big.route == "/v1/completions"
+    assert "413 request_too_large" in big.getMessage() and "big-1" in big.getMessage()
+    # 503s: one WARNING, the others at DEBUG (counted by the next WARNING), as the ingress logs its own
+    assert [r.levelname for r in records[1:]] == ["WARNING", "DEBUG", "DEBUG"]
+    assert "503 too_many_connections" in records[1].getMessage()
+
+
 async def test_a_body_in_chunks_is_replayed_whole():
     inner = Inner()
     mw = HTTPLimitsMiddleware(inner)
