@@ -64,13 +64,15 @@ class MetricsHub:
     def render(self, process: str, snapshot: Snapshot, model_name: str | None, vllm_aliases: bool = True,
                interval_s: float | None = None) -> str | None:
         """Push the caller's own snapshot, then the Prometheus text of every process's; None in the hub's first
-        `warmup_s` (not every process has pushed yet)."""
+        `warmup_s` (not every process has pushed yet) and while there is nothing to show (an app starting: its
+        model replicas still loading, nothing pushed a sample yet; an empty 200 would read as no series)."""
         now = time.monotonic()
         self.aggregate.push(process, snapshot, now, interval_s)
         self.longest_interval_s = max(self.longest_interval_s, interval_s or 0.0)
         if self.warmup_s > 0 and now - self.started_at < max(self.warmup_s, 3 * self.longest_interval_s):
             return None
-        return render(self.aggregate.merged(now), model_name, vllm_aliases)
+        text = render(self.aggregate.merged(now), model_name, vllm_aliases)
+        return text if text.strip() else None
 
 
 def hub_name(app_name: str) -> str:
@@ -202,8 +204,9 @@ class MetricsExporter:
                 text = await asyncio.wait_for(hub.render.remote(self.process, snap, model_name, vllm_aliases),
                                               RENDER_TIMEOUT_S)
             if text is None:
-                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} has just started; not every "
-                                         "process has pushed to it yet (3 push intervals)")
+                raise MetricsUnavailable(f"the metrics hub of app {self.app_name!r} has just started or has nothing "
+                                         "to show yet: not every process has pushed to it (3 push intervals, and "
+                                         "until one has pushed a sample)")
             self._answered()
             return text
         except MetricsUnavailable:

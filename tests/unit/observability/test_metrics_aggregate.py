@@ -176,7 +176,9 @@ def test_a_new_hub_waits_three_of_the_longest_push_intervals_it_was_told_of(monk
     processes' first pushes."""
     import time as time_mod
 
-    (r1, _), (r2, _) = _ingress(), _ingress()
+    (r1, m1), (r2, m2) = _ingress(), _ingress()
+    m1.record_http("/v1/completions", 200)
+    m2.record_http("/v1/completions", 200)
     now = [1000.0]
     monkeypatch.setattr(time_mod, "monotonic", lambda: now[0])
     hub = MetricsHub(warmup_s=3.0)
@@ -185,3 +187,19 @@ def test_a_new_hub_waits_three_of_the_longest_push_intervals_it_was_told_of(monk
     assert hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny", True, 10.0) is None
     now[0] += 1.0
     assert hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny", True, 10.0) is not None
+
+
+def test_a_hub_past_its_warm_up_with_nothing_pushed_is_not_an_empty_scrape():
+    """An app whose model replicas are still loading: the warm-up had passed and the scrape was a 200 with an
+    empty body (acceptance: 8 s of them), which reads as "no series"; None (the exporter's 503) until a process
+    has pushed a sample."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    reader = InMemoryMetricReader()
+    MeterProvider(metric_readers=[reader])         # no instrument: what a process that recorded nothing sends
+    hub = MetricsHub(warmup_s=0.0)
+    assert hub.render("ingress-a", snapshot_of(reader.get_metrics_data()), "tiny") is None
+    (r1, m1) = _ingress()
+    m1.record_http("/v1/completions", 200)
+    text = hub.render("ingress-a", snapshot_of(r1.get_metrics_data()), "tiny")
+    assert _value(text, "affinity_http_requests_total", status="200") == 1
