@@ -191,8 +191,12 @@ class OpenAIServing:
         p = await self.prepare(kind, req, request_id)
         run = RequestRun(p)
         with self.observer.span(carrier, _span_attributes(p)) as rs:
-            async for idx, chunk in self._chunks(p, rs.carrier, run):
-                run.add(idx, chunk)
+            try:
+                async for idx, chunk in self._chunks(p, rs.carrier, run):
+                    run.add(idx, chunk)
+            except BaseException:
+                self._ended_early(rs, run)
+                raise
             self._finish(rs, run)
         meta = fmt.ResponseMeta(p.request_id, p.created, p.model)
         usage = fmt.usage(p.num_prompt_tokens, run.num_output_tokens, run.num_cached_tokens)
@@ -258,6 +262,9 @@ class OpenAIServing:
                                                            run.num_cached_tokens)
                             yield chunk
                     first = await anext(chunks, None)
+            except BaseException:
+                self._ended_early(rs, run)
+                raise
             finally:
                 await chunks.aclose()
             gate.check_drained()
@@ -338,6 +345,12 @@ class OpenAIServing:
         decision, req.routing.value = req.routing.value, None
         if decision is not None:
             run.routing.append(routing_debug.routing_record(decision, c.replica_id, c.num_cached_tokens))
+
+    def _ended_early(self, rs: RequestSpan, run: RequestRun) -> None:
+        """A request that ends without its last output (the client gone, a failure) after some replica output:
+        its span and the routing metrics still get what is known (RequestObserver.ended_early)."""
+        if run.replica_ids:
+            self.observer.ended_early(rs, run.record())
 
     def _finish(self, rs: RequestSpan, run: RequestRun) -> None:
         # the replicas export their own gauges and KV tier counters, on a timer (app/metrics_hub.py)

@@ -2,6 +2,7 @@
 "request finished" log line, and its metrics, all from one `RequestRecord`."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -96,6 +97,10 @@ class RequestSpan:
         return inject_carrier(trace.set_span_in_context(self.span))
 
 
+#: what ended a request whose exception says nothing itself
+_ENDED = {GeneratorExit: "the client went away mid-stream", asyncio.CancelledError: "cancelled (the client went away)"}
+
+
 class RequestObserver:
     def __init__(self, tracer: trace.Tracer, metrics: ServingMetrics):
         self.tracer = tracer
@@ -111,7 +116,8 @@ class RequestObserver:
             yield RequestSpan(span, start)
         except BaseException as e:
             span.set_attribute("error", type(e).__name__)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)[:200]))
+            # a client gone mid-stream ends it with GeneratorExit (or CancelledError), whose str() is empty
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(e)[:200] or _ENDED.get(type(e), type(e).__name__)))
             raise
         finally:
             span.end()
@@ -137,6 +143,26 @@ class RequestObserver:
         self.metrics.record_request(model=r.model, prompt_tokens=r.num_prompt_tokens,
                                     output_tokens=r.num_output_tokens, cached_tokens=r.num_cached_tokens,
                                     ttft_s=ttft, e2e_s=e2e, tpot_s=r.tpot_s)
+        for d in r.routing:
+            self.metrics.record_routing(reason=d.reason, decision_time_s=d.decision_time_s,
+                                        predicted_cached_tokens=d.predicted_cached_tokens,
+                                        actual_cached_tokens=d.actual_cached_tokens)
+
+    def ended_early(self, rs: RequestSpan, r: RequestRecord) -> None:
+        """A request that ended before its last output (its client went away, a failure mid-stream), once some
+        replica output had arrived: what is known of it on its span (replica, tokens so far, an `llm.routing`
+        child with its decision) and its routing decisions in the routing metrics, which count every routed
+        request. The request metrics (TTFT, end-to-end, tokens) count finished requests only."""
+        replica = ",".join(sorted(set(r.replica_ids)))
+        span = rs.span
+        span.set_attribute("output_tokens", r.num_output_tokens)
+        span.set_attribute("cached_tokens", r.num_cached_tokens)
+        span.set_attribute("replica", replica)
+        if r.routing:
+            attrs = {"replica": replica} | r.routing[0].span_attributes() | {"routing.num_decisions": len(r.routing)}
+            child = self.tracer.start_span(names.SPAN_ROUTING, context=trace.set_span_in_context(rs.span),
+                                           start_time=rs.start_ns, attributes=attrs)
+            child.end(end_time=max(rs.start_ns, r.first_token_ns or time.time_ns()))
         for d in r.routing:
             self.metrics.record_routing(reason=d.reason, decision_time_s=d.decision_time_s,
                                         predicted_cached_tokens=d.predicted_cached_tokens,

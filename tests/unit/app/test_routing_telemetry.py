@@ -139,3 +139,37 @@ def test_the_decision_stays_in_the_ingress_process():
     sent = pickle.loads(pickle.dumps(req))
     assert sent.routing.value is None and sent.cached_on == [("r2", 16)] and req.routing.value is not None
     assert len(pickle.dumps(req)) < len(pickle.dumps(_decision("r1"))) + 400
+
+
+async def test_a_stream_its_client_left_still_counts_its_routing_and_says_where_it_ran():
+    """Acceptance: a client that disconnected mid-stream left a request span with no replica, no `llm.routing`
+    child and an empty error description, and its decision out of affinity_routing_decisions."""
+    class Long(RoutedReplica):
+        async def generate(self, req):
+            req.routing.value = _decision(req.req_id)
+            for t in range(100):
+                yield ReplicaChunk("", 0, "a", [10 + t], None, num_prompt_tokens=len(req.prompt_token_ids),
+                                   num_cached_tokens=12, replica_id="r2")
+
+    serving, spans, reader = _serving(Long())
+    gen = serving.stream(RequestKind.COMPLETION, CompletionRequest(prompt=list(range(40)), max_tokens=100), "s", {})
+    assert await anext(gen)
+    await gen.aclose()                          # what the HTTP layer does when the client goes away
+    attrs = _routing_span(spans)
+    assert attrs["routing.reason"] == "affinity" and attrs["routing.replica"] == "r2"
+    [request] = [s for s in spans.get_finished_spans() if s.name == "llm.request"]
+    assert request.attributes["replica"] == "r2" and request.attributes["error"] == "GeneratorExit"
+    assert request.status.description == "the client went away mid-stream"
+    [decisions] = _points(reader)["affinity_routing_decisions"]
+    assert decisions.value == 1
+    assert "affinity_request_ttft" not in {k for k, v in _points(reader).items() if v}     # finished ones only
+
+
+async def test_a_request_refused_before_any_output_records_no_routing():
+    serving, spans, reader = _serving(RoutedReplica(fail=True))
+    with pytest.raises(Exception):
+        await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3, 4], max_tokens=1), "c", {})
+    data = reader.get_metrics_data()
+    assert data is None or "affinity_routing_decisions" not in _points(reader)
+    [request] = [s for s in spans.get_finished_spans() if s.name == "llm.request"]
+    assert "replica" not in request.attributes
