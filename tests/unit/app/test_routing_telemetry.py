@@ -167,7 +167,7 @@ async def test_a_stream_its_client_left_still_counts_its_routing_and_says_where_
 
 async def test_a_request_refused_before_any_output_records_no_routing():
     serving, spans, reader = _serving(RoutedReplica(fail=True))
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="replica died"):
         await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3, 4], max_tokens=1), "c", {})
     data = reader.get_metrics_data()
     assert data is None or "affinity_routing_decisions" not in _points(reader)
