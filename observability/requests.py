@@ -125,11 +125,8 @@ class RequestObserver:
     def finish(self, rs: RequestSpan, r: RequestRecord) -> None:
         """Attributes and phase children on the span, one log line, the request metrics."""
         end = time.time_ns()
-        replica = ",".join(sorted(set(r.replica_ids)))
+        replica = self._known(rs, r)
         span = rs.span
-        span.set_attribute("output_tokens", r.num_output_tokens)
-        span.set_attribute("cached_tokens", r.num_cached_tokens)
-        span.set_attribute("replica", replica)
         span.set_attribute("trace_id", trace_id_hex(span))
         if r.replica_trace_ids:
             span.set_attribute("replica_trace_id", ",".join(sorted(set(r.replica_trace_ids))))
@@ -143,26 +140,30 @@ class RequestObserver:
         self.metrics.record_request(model=r.model, prompt_tokens=r.num_prompt_tokens,
                                     output_tokens=r.num_output_tokens, cached_tokens=r.num_cached_tokens,
                                     ttft_s=ttft, e2e_s=e2e, tpot_s=r.tpot_s)
-        for d in r.routing:
-            self.metrics.record_routing(reason=d.reason, decision_time_s=d.decision_time_s,
-                                        predicted_cached_tokens=d.predicted_cached_tokens,
-                                        actual_cached_tokens=d.actual_cached_tokens)
+        self._count_routing(r)
 
     def ended_early(self, rs: RequestSpan, r: RequestRecord) -> None:
         """A request that ended before its last output (its client went away, a failure mid-stream), once some
         replica output had arrived: what is known of it on its span (replica, tokens so far, an `llm.routing`
         child with its decision) and its routing decisions in the routing metrics, which count every routed
         request. The request metrics (TTFT, end-to-end, tokens) count finished requests only."""
-        replica = ",".join(sorted(set(r.replica_ids)))
-        span = rs.span
-        span.set_attribute("output_tokens", r.num_output_tokens)
-        span.set_attribute("cached_tokens", r.num_cached_tokens)
-        span.set_attribute("replica", replica)
+        replica = self._known(rs, r)
         if r.routing:
-            attrs = {"replica": replica} | r.routing[0].span_attributes() | {"routing.num_decisions": len(r.routing)}
             child = self.tracer.start_span(names.SPAN_ROUTING, context=trace.set_span_in_context(rs.span),
-                                           start_time=rs.start_ns, attributes=attrs)
+                                           start_time=rs.start_ns, attributes=_routing_attributes(r, replica))
             child.end(end_time=max(rs.start_ns, r.first_token_ns or time.time_ns()))
+        self._count_routing(r)
+
+    @staticmethod
+    def _known(rs: RequestSpan, r: RequestRecord) -> str:
+        """The request span's tokens and replica(s), finished or not; the replica attribute's value."""
+        replica = ",".join(sorted(set(r.replica_ids)))
+        rs.span.set_attribute("output_tokens", r.num_output_tokens)
+        rs.span.set_attribute("cached_tokens", r.num_cached_tokens)
+        rs.span.set_attribute("replica", replica)
+        return replica
+
+    def _count_routing(self, r: RequestRecord) -> None:
         for d in r.routing:
             self.metrics.record_routing(reason=d.reason, decision_time_s=d.decision_time_s,
                                         predicted_cached_tokens=d.predicted_cached_tokens,
@@ -183,6 +184,11 @@ class RequestObserver:
         for name, a, b in phases:
             attrs: dict[str, Any] = {"replica": replica}
             if name == names.SPAN_ROUTING and r.routing:
-                attrs |= r.routing[0].span_attributes() | {"routing.num_decisions": len(r.routing)}
+                attrs = _routing_attributes(r, replica)
             child = self.tracer.start_span(name, context=ctx, start_time=a, attributes=attrs)
             child.end(end_time=max(a, b))
+
+
+def _routing_attributes(r: RequestRecord, replica: str) -> dict[str, Any]:
+    """The `llm.routing` span's attributes: the first prompt's decision and how many prompts were routed."""
+    return {"replica": replica} | r.routing[0].span_attributes() | {"routing.num_decisions": len(r.routing)}

@@ -106,8 +106,10 @@ def renice_tree(root: int, niceness: int) -> int:
         try:
             os.setpriority(os.PRIO_PROCESS, pid, niceness)
             done += 1
-        except (PermissionError, ProcessLookupError):
-            pass
+        except ProcessLookupError:      # ended since it was listed
+            continue
+        except PermissionError:         # lowering without privilege: this one keeps its niceness
+            continue
     return done
 
 
