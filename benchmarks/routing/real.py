@@ -294,6 +294,14 @@ def replica_counters(num_replicas: int, max_calls: int = 100) -> dict[str, tuple
     raise RuntimeError(f"only {len(seen)} of {num_replicas} replicas answered debug_state in {max_calls} calls")
 
 
+def router_line(c: dict[str, Any]) -> str:
+    """The router counters' line: decisions by reason, index accuracy (n/a for a load-only policy, whose
+    state reports it as null) and the calibrated prefill rate."""
+    acc = c.get("index_accuracy")
+    return (f"{c.get('by_reason')}, index accuracy {'n/a' if acc is None else f'{acc:.2f}'}, prefill "
+            f"{c.get('prefill_tokens_per_s', 0.0):.0f} tok/s (calibrated)")
+
+
 def router_counters() -> dict[str, Any]:
     """The (one) ingress replica's router counters: decisions by reason, index accuracy, feed counters."""
     from ray import serve
@@ -424,9 +432,7 @@ def run_policy(spec: BenchSpec, policy: str, model: str, url: str, trace: list[T
           f"{out.token_hit_rate:.3f}, TTFT p50 {out.ttft_p50_ms:.0f} ms p99 {out.ttft_p99_ms:.0f} ms",
           file=sys.stderr, flush=True)
     if out.router.get("counters"):
-        c = out.router["counters"]
-        print(f"[{policy}] router: {c['by_reason']}, index accuracy {c['index_accuracy']:.2f}, prefill "
-              f"{c['prefill_tokens_per_s']:.0f} tok/s (calibrated)", file=sys.stderr, flush=True)
+        print(f"[{policy}] router: {router_line(out.router['counters'])}", file=sys.stderr, flush=True)
     for e in out.errors:
         print(f"[{policy}] failure: {e}", file=sys.stderr, flush=True)
     return out

@@ -135,3 +135,13 @@ def test_the_offered_load_is_the_rate_over_the_emulated_fleets_prefill_rate_and_
     assert real.offered_load(spec, trace) == pytest.approx(4.0 * mean_prompt * 1e-3 / 2)
     assert np.isnan(real.offered_load(BenchSpec(requests=200, rate=4.0), trace))       # not emulated
     assert np.isnan(real.offered_load(BenchSpec(requests=200, emulate=True), trace))   # closed loop
+
+
+def test_the_router_line_reads_a_load_only_policy():
+    """A load-only policy's state reports its index accuracy as null: the run printed a TypeError after the
+    trace instead of its results (power_of_two)."""
+    from benchmarks.routing.real import router_line
+    line = router_line({"by_reason": {"load": 3}, "index_accuracy": None, "prefill_tokens_per_s": 2000.0})
+    assert "index accuracy n/a" in line and "2000 tok/s" in line
+    line = router_line({"by_reason": {}, "index_accuracy": 0.98, "prefill_tokens_per_s": 8000.0})
+    assert "index accuracy 0.98" in line and "8000 tok/s" in line
