@@ -315,7 +315,6 @@ class RouterCounters:
     decode_step_s: float = 0.0               # the calibrated per-running-request cost now
     tier_load_tokens_per_s: float = 0.0      # the calibrated KV-tier load rate now
     num_tier_entries: int = 0                # tier block hashes indexed now (<= max_tier_index_entries)
-    overhead_s: float = 0.0                  # the calibrated fixed time per request now (TTFTModel)
 
     @property
     def index_accuracy(self) -> float:

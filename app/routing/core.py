@@ -374,7 +374,7 @@ class PrefixAffinityRouterCore:
             c.num_decisions, dict(c.num_by_reason), c.num_errors, c.num_rerouted, c.predicted_cached_tokens,
             c.actual_cached_tokens, c.num_accuracy_samples, self.index.num_resyncs, self.index.num_entries,
             self.index.num_evictions, self.model.prefill_tokens_per_s, self.model.decode_step_s,
-            self.model.tier_load_tokens_per_s, self.index.num_tier_entries, self.model.overhead_s)
+            self.model.tier_load_tokens_per_s, self.index.num_tier_entries)
 
 
 def _hold_key(request: RouteRequest) -> tuple[int, BlockHash | None]:

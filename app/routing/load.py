@@ -92,8 +92,10 @@ _MAX_FINISHED = 4096      # per replica: finishes remembered for a snapshot take
 SEQ_TOKEN_S_PRIOR = 0.02
 #: weight of each replica stats report in the mean reported decode step (`TTFTModel.observe_step_time`)
 STEP_REPORT_WEIGHT = 0.1
-#: the fitted per-request overhead's upper bound (s): a TTFT model whose constant is seconds is misfitted
-MAX_OVERHEAD_S = 5.0
+#: an idle replica's TTFT for less prefill work than this is mostly fixed per-request overhead (scheduling,
+#: calls): read as a per-token rate it made the prefill rate 20x too slow after a few short prompts, and
+#: admission then refused long prompts on an idle server, for good (a refused request teaches nothing)
+MIN_CALIBRATION_WORK_TOKENS = 512
 
 
 class LoadTracker:
@@ -278,19 +280,10 @@ class TTFTModel:
     `work`: uncached prefill tokens (queued ahead + the request's own); `load`: the request's tokens loaded
     from a KV tier (offload or node-shared store: a copy, not a recompute). The fit is in prior-normalised
     units: z1 = work/rate0, z2 = running*step0, z3 = load/load_rate0 (all seconds), y = observed TTFT ~
-    a*z1 + b*z2 + c*z3 + o, ridge towards a = b = c = 1 with the prior worth `prior_weight` average samples,
+    a*z1 + b*z2 + c*z3, ridge towards a = b = c = 1 with the prior worth `prior_weight` average samples,
     old samples halving in weight every `half_life` samples. rate = rate0/a, step = step0*b,
     load_rate = load_rate0/c, each clamped to [1/20, 20] x its prior so one odd sample cannot zero or
     explode it. Until a sample with tier tokens arrives, the load rate stays at its prior.
-
-    `o` (`overhead_s`) is the fixed time every request pays whatever its work (the calls to and from the
-    replica, a step's own cost): without it a workload of short uncached prompts (chat turns whose history
-    is cached) reads that overhead as a per-token cost, and the rate falls several-fold below the device's
-    (then admission refuses long prompts on an idle fleet). It is fitted with no pull towards a prior, so
-    where the data cannot tell the two apart (every prompt about as long) it takes the constant and the
-    rates keep their priors; at least 0 (a negative fit is solved again without it). The predictions add
-    it (the same on every replica, so it ranks none above another; it makes an absolute TTFT, which
-    admission compares with its bound, what is observed).
     """
 
     def __init__(self, config: AffinityConfig) -> None:
@@ -315,11 +308,9 @@ class TTFTModel:
         self.reported_step_s: float | None = None
         self._life_w = 0.0
         self._life_sum = 0.0
-        #: fixed seconds every request's TTFT pays beside its work (fitted; see the class docstring)
-        self.overhead_s = 0.0
         self._w = 0.0
-        self._s = [[0.0] * 4 for _ in range(4)]     # decayed sums of z_i * z_j (z_3 = 1: the overhead)
-        self._sy = [0.0] * 4                          # decayed sums of z_i * y
+        self._s = [[0.0] * 3 for _ in range(3)]     # decayed sums of z_i * z_j
+        self._sy = [0.0] * 3                          # decayed sums of z_i * y
 
     def predict_many(self, loads: list[ReplicaLoad], own_tokens: list[int],
                      tier_tokens: list[int] | None = None, own_blocks: list[int] | None = None,
@@ -335,7 +326,6 @@ class TTFTModel:
         overage: a full small pool must not shed the requests of the prefixes it caches. `kv_penalty` False:
         no penalty (admission control, which predicts the wait for KV room itself: kv_wait_many)."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
-        o = self.overhead_s
         if not kv_penalty:
             pen = 0.0
         span = 1.0 - thr if thr < 1.0 else 1.0
@@ -344,7 +334,7 @@ class TTFTModel:
         else:
             usage = [c.kv_usage + b / c.stats.num_blocks if c.stats.num_blocks else c.kv_usage
                      for c, b in zip(loads, own_blocks)]
-        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step + o
+        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
                + (pen * min(2.0, (k - thr) / span) if k > thr else 0.0)
                for c, u, k in zip(loads, own_tokens, usage)]
         if tier_tokens:
@@ -390,7 +380,7 @@ class TTFTModel:
         routing (at 128 replicas it took more CPU than the decision itself as three passes)."""
         rate, step, thr, pen = self.prefill_tokens_per_s, self.decode_step_s, self.kv_threshold, self.kv_penalty_s
         span = 1.0 - thr if thr < 1.0 else 1.0
-        load_rate, seq_rate, o = self.tier_load_tokens_per_s, self.seq_token_s, self.overhead_s
+        load_rate, seq_rate = self.tier_load_tokens_per_s, self.seq_token_s
         cap = max(0, prompt - 1) // block_size
         out: list[float] = []
         for i, c in enumerate(loads):
@@ -398,7 +388,7 @@ class TTFTModel:
             n_tier = tier[i] if tier is not None else 0
             cached = min(m + n_tier, cap) * block_size
             own = prompt - cached
-            t = (c.queued_prefill_tokens + own) / rate + c.decode_load * step + o
+            t = (c.queued_prefill_tokens + own) / rate + c.decode_load * step
             if tier is not None:
                 t += (cached - min(m, cap) * block_size) / load_rate
             s = c.stats
@@ -455,13 +445,16 @@ class TTFTModel:
         the tokens it loaded from a tier."""
         if not self.calibrate or ttft_s <= 0:
             return
-        # a free request (fully cached, idle) is a sample too: its TTFT is the overhead alone
-        z = (work_tokens / self.rate0, running * self.step0, tier_tokens / self.load_rate0, 1.0)
+        if running == 0 and tier_tokens == 0 and work_tokens < MIN_CALIBRATION_WORK_TOKENS:
+            return                       # overhead, not rate (MIN_CALIBRATION_WORK_TOKENS)
+        z = (work_tokens / self.rate0, running * self.step0, tier_tokens / self.load_rate0)
+        if sum(z) <= 1e-6:
+            return                       # nothing to learn from a free request (fully cached, idle)
         d = self.decay
         self._w = self._w * d + 1.0
-        for i in range(4):
+        for i in range(3):
             row = self._s[i]
-            for j in range(4):
+            for j in range(3):
                 row[j] = row[j] * d + z[i] * z[j]
             self._sy[i] = self._sy[i] * d + z[i] * ttft_s
         self.num_samples += 1
@@ -469,45 +462,22 @@ class TTFTModel:
 
     def _solve(self) -> None:
         # Unknowns whose regressor never varied (no tier loads yet) stay at their prior (coefficient 1).
-        rates = [i for i in range(3) if self._s[i][i] > 0.0]
-        coef = self._fit(rates + [3])
-        if coef is not None and coef[-1] < 0.0:      # the overhead cannot be negative: fit without it
-            coef = self._fit(rates)
-            if coef is not None:
-                coef.append(0.0)
+        active = [i for i in range(3) if self._s[i][i] > 0.0]
+        a = [[self._s[i][j] for j in active] for i in active]
+        b = [self._sy[i] for i in active]
+        for k, i in enumerate(active):
+            lam = self.prior_weight * self._s[i][i] / self._w + 1e-12
+            a[k][k] += lam
+            b[k] += lam
+        coef = _solve_spd(a, b)
         if coef is None:
             return
         out = [1.0, 1.0, 1.0]
-        for k, i in enumerate(rates):
+        for k, i in enumerate(active):
             out[i] = min(20.0, max(0.05, coef[k]))
         self.prefill_tokens_per_s = self.rate0 / out[0]
         self.decode_step_s = self.step0 * out[1]
         self.tier_load_tokens_per_s = self.load_rate0 / out[2]
-        self.overhead_s = min(MAX_OVERHEAD_S, coef[-1])
-
-    def _fit(self, active: list[int]) -> list[float] | None:
-        """The ridge solution over the regressors `active` (rates pulled towards 1, the overhead free).
-
-        A rate's pull is `prior_weight` samples' worth of its regressor's *variance* (what tells a per-token
-        cost from a constant), not of its mean square: a workload of two prompt lengths would otherwise let
-        the pull tilt the rate and the constant make up the difference. Where a regressor never varies its
-        pull is a tiny one that still wins over the constant's, so the rate keeps its prior."""
-        if not active:
-            return []
-        w = self._w
-        a = [[self._s[i][j] for j in active] for i in active]
-        b = [self._sy[i] for i in active]
-        with_overhead = 3 in active
-        for k, i in enumerate(active):
-            if i == 3:
-                a[k][k] += 1e-12 * w
-                continue
-            meansq = self._s[i][i] / w
-            var = meansq - (self._s[i][3] / w) ** 2 if with_overhead else meansq
-            lam = self.prior_weight * max(var, 1e-6 * meansq) + 1e-12
-            a[k][k] += lam
-            b[k] += lam
-        return _solve_spd(a, b)
 
 
 def _solve_spd(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -324,8 +324,7 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
                          "index_accuracy": (c.index_accuracy if index is not None
                                             and math.isfinite(c.index_accuracy) else None),
                          "num_accuracy_samples": c.num_accuracy_samples,
-                         "prefill_tokens_per_s": c.prefill_tokens_per_s, "decode_step_s": c.decode_step_s,
-                         "overhead_s": c.overhead_s,
+                         "prefill_tokens_per_s": c.prefill_tokens_per_s,
                          "by_reason": {r.value: n for r, n in c.num_by_reason.items()}},
             "feed": None if self.feed is None else vars_of(self.feed.counters),
             "replicas": {k: {"num_held_blocks": index.num_held(k) if index is not None else None,

@@ -71,4 +71,4 @@ class OursRouter(_Base):
         return {"decisions_by_reason": {r.value: n for r, n in c.num_by_reason.items()},
                 "errors": c.num_errors, "index_accuracy": c.index_accuracy, "resyncs": c.num_resyncs,
                 "index_entries": c.num_index_entries, "prefill_tokens_per_s": c.prefill_tokens_per_s,
-                "decode_step_s": c.decode_step_s, "overhead_s": c.overhead_s}
+                "decode_step_s": c.decode_step_s}

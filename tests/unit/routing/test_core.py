@@ -430,7 +430,7 @@ def test_a_kept_decision_costs_the_collector_the_same_at_128_replicas_as_at_8(re
 def test_short_prompts_on_an_idle_replica_do_not_teach_a_slow_prefill_rate():
     """An idle replica answers a 4-token prompt in ~10 ms of fixed overhead: read as a per-token rate that is
     400 tokens/s, and admission then refused long prompts on an idle server, for good (acceptance finding).
-    Such samples teach the overhead, not the rate; longer prompts then calibrate the rate."""
+    Such samples are skipped; a prompt long enough for its prefill to dominate still calibrates."""
     core, clock = make(calibrate=True)
     for i in range(5):
         r = RouteRequest(f"tiny{i}", [], 4, 8)
@@ -438,8 +438,7 @@ def test_short_prompts_on_an_idle_replica_do_not_teach_a_slow_prefill_rate():
         clock.t += 0.010
         core.on_first_token(r.req_id, num_cached_tokens=0)
         core.on_finished(r.req_id)
-    assert core.counters().prefill_tokens_per_s == pytest.approx(core.model.rate0, rel=0.01)
-    assert core.counters().overhead_s == pytest.approx(0.010, rel=0.05)
+    assert core.counters().prefill_tokens_per_s == pytest.approx(core.model.rate0)
     for i in range(40):                                      # 2k-token prompts at 4000 tokens/s
         r = req(f"long{i}", prefix=chain(f"l{i}", 4), extra_blocks=120)
         core.route(r, ["a"])

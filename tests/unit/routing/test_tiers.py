@@ -269,12 +269,9 @@ def test_the_core_feeds_the_calibration_the_tokens_that_came_from_the_tier():
         clock.t += 1024 / 20_000.0 + 4 / RATE                 # loads run at 20k tokens/s, not the 100k prior
         core.on_first_token(f"r{i}", 1024)
         core.on_finished(f"r{i}")
-        # a recompute, of a length that varies (two request shapes alone cannot tell the rates from the
-        # fixed per-request overhead the model also fits)
-        recompute = req(f"f{i}", prefix=chain(f"f{i}", 16 + 4 * (i % 12)), extra_blocks=0)
-        fresh = core.route(recompute, ["a"])
+        fresh = core.route(req(f"f{i}", prefix=chain(f"f{i}", 64), extra_blocks=0), ["a"])   # a recompute
         assert fresh.score_of("a").predicted_cached_tokens == 0
-        clock.t += recompute.num_prompt_tokens / RATE
+        clock.t += 1028 / RATE
         core.on_first_token(f"f{i}", 0)
         core.on_finished(f"f{i}")
         clock.t += 11.0              # past speculative_ttl_s: no pool event confirmed it, so a tier hit again
