@@ -401,19 +401,28 @@ class Ingress:
     async def _complete(self, kind: RequestKind, request: Any, request_id: str | None) -> dict:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
+        method = "completions" if kind is RequestKind.COMPLETION else "chat"
         try:
-            return await self.serving.complete(kind, self._coerce(kind, request, stream=False), request_id, {})
+            out = await self.serving.complete(kind, self._coerce(kind, request, stream=False), request_id, {})
         except Exception as e:
-            raise self._fail(e, f"handle:{kind.value}", count=False) from e
+            api = self._fail(e, f"handle:{kind.value}", count=False)
+            self.metrics.record_handle(method, api.status_code)
+            raise api from e
+        self.metrics.record_handle(method, 200)
+        return out
 
     async def _stream(self, kind: RequestKind, request: Any, request_id: str | None) -> AsyncIterator[dict]:
         request_id = request_id or _new_request_id(kind)
         request_id_var.set(request_id)
+        method = "completions_stream" if kind is RequestKind.COMPLETION else "chat_stream"
         try:
             async for chunk in self.serving.stream(kind, self._coerce(kind, request, stream=True), request_id, {}):
                 yield chunk
         except Exception as e:
-            raise self._fail(e, f"handle:{kind.value}_stream", count=False) from e
+            api = self._fail(e, f"handle:{kind.value}_stream", count=False)
+            self.metrics.record_handle(method, api.status_code)
+            raise api from e
+        self.metrics.record_handle(method, 200)
 
     def _coerce(self, kind: RequestKind, request: Any, stream: bool) -> OpenAIRequest:
         """A handle caller's request (a dict or a model) checked as an HTTP body is (depth, Unicode). The

@@ -76,6 +76,7 @@ class ServingMetrics:
         self.generation_tokens = _counter(meter, names.M_GEN_TOKENS)
         self.cached_tokens = _counter(meter, names.M_CACHED_TOKENS)
         self.http_requests = _counter(meter, names.M_HTTP)
+        self.handle_requests = _counter(meter, names.M_HANDLE)
         self.routing_decisions = _counter(meter, names.M_ROUTING_DECISIONS)
         self.routing_decision_time = _histogram(meter, names.M_ROUTING_DECISION_TIME, _DECISION_BUCKETS)
         self.routing_predicted_cached = _counter(meter, names.M_ROUTING_PREDICTED_CACHED)
@@ -108,6 +109,11 @@ class ServingMetrics:
 
     def record_http(self, route: str, status: int) -> None:
         self.http_requests.add(1, {"route": route, "status": str(status)})
+
+    def record_handle(self, method: str, status: int) -> None:
+        """One DeploymentHandle call of an inference method ended: 200, or its APIError's status. A stream
+        counts when it ends (a failure after its first chunk counts as that failure)."""
+        self.handle_requests.add(1, {"method": method, "status": str(status)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ M_CACHED_TOKENS = "affinity_cached_prompt_tokens"
 M_REQUEST_PROMPT_TOKENS = "affinity_request_prompt_tokens"
 M_REQUEST_GEN_TOKENS = "affinity_request_generation_tokens"
 M_HTTP = "affinity_http_requests"
+M_HANDLE = "affinity_handle_requests"
 M_ROUTING_DECISIONS = "affinity_routing_decisions"
 M_ROUTING_DECISION_TIME = "affinity_routing_decision_time"
 M_ROUTING_PREDICTED_CACHED = "affinity_routing_predicted_cached_tokens"
@@ -156,6 +157,7 @@ METRICS: dict[str, MetricSpec] = {m.name: m for m in [
     _h(M_REQUEST_PROMPT_TOKENS, "prompt tokens per request", "", "vllm:request_prompt_tokens"),
     _h(M_REQUEST_GEN_TOKENS, "generated tokens per request", "", "vllm:request_generation_tokens"),
     _c(M_HTTP, "HTTP responses by route and status"),
+    _c(M_HANDLE, "Python DeploymentHandle calls of the inference methods by method and status"),
     _c(M_ROUTING_DECISIONS, "routing decisions by reason (affinity, released, ...)"),
     _h(M_ROUTING_DECISION_TIME, "router decision time (wall)", "s"),
     _c(M_ROUTING_PREDICTED_CACHED, "cached prompt tokens the router predicted, on the replica the request ran "

@@ -481,3 +481,32 @@ def test_serve_does_not_log_our_api_errors_a_second_time(app_logs):
     assert len(kept) == 2 and isinstance(kept[0].exc_info[1], RuntimeError), [r.getMessage() for r in kept]
     assert kept[1].getMessage() == "Replica r1 is slow"
     assert sum(isinstance(f, _AlreadyLogged) for f in serve_logger.filters) == 1      # idempotent
+
+
+async def test_handle_calls_are_counted_by_method_and_status(checkpoints):
+    """DeploymentHandle callers' requests were in no metric (affinity_http_requests counts HTTP only): each
+    inference method's calls count by status, a stream when it ends, a failure after its first chunk as that
+    failure; HTTP's counter is left alone."""
+    async def dies_after_one(req):
+        yield ReplicaChunk("", 0, "Hel", [5], replica_id="r1")
+        raise APIError("generation failed inside the engine", 500, "server_error", None, "engine_error")
+
+    ing, handle = _ingress(checkpoints, lambda req: _tokens(req))
+    seen, http = [], []
+    ing.metrics.record_handle = lambda method, status: seen.append((method, status))
+    ing.metrics.record_http = lambda route, status: http.append((route, status))
+    await ing.completions({"prompt": "hi", "max_tokens": 2})
+    await ing.chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert [c async for c in ing.completions_stream({"prompt": "hi", "max_tokens": 2})]
+    with pytest.raises(APIError):
+        await ing.completions({"prompt": "hi", "max_tokens": -1})
+    with pytest.raises(APIError):
+        async for _ in ing.chat_stream({"messages": "not a list"}):
+            pass
+    handle._target.behaviour = dies_after_one
+    with pytest.raises(APIError):
+        async for _ in ing.completions_stream({"prompt": "hi", "max_tokens": 5}):
+            pass
+    assert seen == [("completions", 200), ("chat", 200), ("completions_stream", 200), ("completions", 400),
+                    ("chat_stream", 400), ("completions_stream", 500)]
+    assert http == []
