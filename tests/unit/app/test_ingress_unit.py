@@ -501,12 +501,10 @@ async def test_handle_calls_are_counted_by_method_and_status(checkpoints):
     with pytest.raises(APIError):
         await ing.completions({"prompt": "hi", "max_tokens": -1})
     with pytest.raises(APIError):
-        async for _ in ing.chat_stream({"messages": "not a list"}):
-            pass
+        [c async for c in ing.chat_stream({"messages": "not a list"})]
     handle._target.behaviour = dies_after_one
     with pytest.raises(APIError):
-        async for _ in ing.completions_stream({"prompt": "hi", "max_tokens": 5}):
-            pass
+        [c async for c in ing.completions_stream({"prompt": "hi", "max_tokens": 5})]
     assert seen == [("completions", 200), ("chat", 200), ("completions_stream", 200), ("completions", 400),
                     ("chat_stream", 400), ("completions_stream", 500)]
     assert http == []
