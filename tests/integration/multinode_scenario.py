@@ -44,6 +44,26 @@ def _replica_states() -> dict[str, int]:
     return dict(dep.replica_states) if dep else {}
 
 
+def _replica_actor_states() -> list[tuple[str, str, str]]:
+    """(name, GCS state, node id) of every replica actor the GCS knows, for a timeout's message."""
+    from ray._private import state
+    try:
+        return [(a.get("Name", ""), a["State"], a["Address"]["NodeID"][:8]) for a in state.actors().values()
+                if "LLMReplica" in (a.get("Name") or "")]
+    except Exception as e:      # diagnostics only: never hide the timeout behind them
+        return [("?", repr(e), "")]
+
+
+def _node_summary() -> list[dict]:
+    """Each node's id, liveness and the resources it declares, for a timeout's message."""
+    import ray
+    try:
+        return [{"id": n["NodeID"][:8], "alive": n["Alive"], "resources": n.get("Resources", {})}
+                for n in ray.nodes()]
+    except Exception as e:      # diagnostics only
+        return [{"error": repr(e)}]
+
+
 def _actor_nodes() -> dict[str, str]:
     """Live actor name -> node id, from the GCS actor table (no dashboard needed)."""
     from ray._private import state
@@ -228,15 +248,20 @@ def run(cluster, workers: list, model: Path, port: int) -> dict:
     out["placement_with_two_nodes"] = _placement()["replicas"]
     added_at = time.monotonic()
     new_node = cluster.add_node(**NODE_ARGS, resources=WORKER_RESOURCES)
-    # RUNNING 3, whatever else Serve still lists (the dead node's replica can linger as STOPPING)
-    deadline, states = time.monotonic() + 120, {}
+    # RUNNING 3, whatever else Serve still lists (the dead node's replica can linger as STOPPING). The bound
+    # scales with how long this machine took to deploy all three (quiet: 12 s deploy, 8 s replacement; a CI
+    # run deployed in 73 s and its replacement, a new node's first worker, passed a fixed 120 s)
+    limit_s = max(150.0, 3.0 * out["timings_s"]["deployed"])
+    deadline, states = time.monotonic() + limit_s, {}
     while (states := _replica_states()).get("RUNNING", 0) != 3:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after 120s waiting for the replacement replica (states {states})")
+            raise TimeoutError(f"timed out after {limit_s:.0f}s waiting for the replacement replica (states "
+                               f"{states}; replica actors {_replica_actor_states()}; nodes {_node_summary()})")
         time.sleep(0.2)
     out["timings_s"]["replacement_running_after_add"] = time.monotonic() - added_at
     final = _placement()["replicas"]
-    out["recovered"] = {"new_node": new_node.node_id, "placement": final}
+    out["recovered"] = {"new_node": new_node.node_id, "placement": final,
+                        "replica_actors": _replica_actor_states(), "nodes": _node_summary()}
     wait_until(lambda: set(_router_state().get("replicas", {})) == set(final), 30,
                "the router to see the replacement")
     out["recovered"]["router_replicas"] = sorted(_router_state()["replicas"])
