@@ -247,14 +247,14 @@ def main() -> None:
                 if (any(t in c[0] for t in args.case) if args.case else args.all or family(c[0]) == "llama")]
     dt = getattr(torch, args.dtype)
     say = lambda msg: print(f"[engine_throughput_gpu] {msg}", flush=True)  # noqa: E731
-    tmp = tempfile.mkdtemp(prefix="affinity-gpu-bench-")
     bw = copy_bandwidth(device, 64 * 2 ** 20 if args.tiny else 2 * 2 ** 30)
     say(f"device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     rows, info = [], {}
-    for fam in ("llama", "moe", "sliding"):
-        fam_cases = [c for c in selected if family(c[0]) == fam]
-        if fam_cases:
-            rows += run_family(fam, fam_cases, args, tmp, device, dt, bw, say, info)
+    with tempfile.TemporaryDirectory(prefix="affinity-gpu-bench-") as tmp:     # the generated models
+        for fam in ("llama", "moe", "sliding"):
+            fam_cases = [c for c in selected if family(c[0]) == fam]
+            if fam_cases:
+                rows += run_family(fam, fam_cases, args, tmp, device, dt, bw, say, info)
     hdr = (f"{'case':<44} {'transformers tok/s':>19} {'ours tok/s':>11} {'ratio':>6} {'step ms':>8} "
            f"{'floor ms':>9} {'step/floor':>10}")
     print(hdr)
