@@ -55,10 +55,12 @@ class StoreSpec:
 
 class NodeStore:
     """One node's shared store: block hashes with the real store's capacity and LRU policy (the
-    `SharedKVStore` surface the connector's scheduler side reads: contains, block_hashes, close)."""
+    `SharedKVStore` surface the connector's scheduler side reads: contains, block_hashes, generation, check_dir,
+    close)."""
 
     def __init__(self, capacity_blocks: int):
         self.capacity_blocks = capacity_blocks
+        self.generation = 0         # the real store's count of reopened directories: this one never reopens
         self.low_water = max(0, capacity_blocks - max(1, capacity_blocks // 10))
         self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
 
@@ -83,6 +85,9 @@ class NodeStore:
 
     def block_hashes(self) -> list[BlockHash]:
         return list(self._blocks)
+
+    def check_dir(self) -> None:
+        """No directory to lose: nothing to reopen."""
 
     def close(self) -> None:
         """Nothing outside this process."""
