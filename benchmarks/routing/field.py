@@ -79,14 +79,20 @@ class LlmdPrecise(_EventFed):
         super().setup(cluster, seed)
         self.in_flight_uncached = [0] * self.n
 
+    def credit(self, req: SimRequest, matched: list[int]) -> tuple[list[float], list[int]]:
+        """Per replica: the blocks its affinity score counts and the blocks it would not prefill (here both
+        its pool match)."""
+        return [float(m) for m in matched], matched
+
     def route(self, req: SimRequest, now: float) -> int:
         matched = self.match(req, now)
+        scored, cached = self.credit(req, matched)
         total = max(1, len(req.block_hashes))
         prompt = len(req.prompt_token_ids)
-        uncached = [prompt - m * self.block_size for m in matched]
+        uncached = [prompt - c * self.block_size for c in cached]
         load = [self.in_flight_uncached[i] + uncached[i] for i in range(self.n)]
         everyone = list(range(self.n))
-        warm = [i for i in everyone if matched[i] / total >= self.affinity_threshold]
+        warm = [i for i in everyone if scored[i] / total >= self.affinity_threshold]
         pool = everyone
         if warm:
             cold = [i for i in everyone if i not in set(warm)]
@@ -103,6 +109,34 @@ class LlmdPrecise(_EventFed):
     def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
         k, _, uncached = self.prompt_blocks.pop(req_id, (replica, 0, 0))
         self.in_flight_uncached[k] -= uncached
+
+
+class LlmdTiered(LlmdPrecise):
+    """`LlmdPrecise` that also scores its index's tier entries, as llm-d's index keeps a device tier per entry:
+    the blocks a replica's node-shared store holds right after its pool match count at `tier_weight` (Dynamo's
+    host-tier overlap credit, 0.75) in the affinity score, and as cached in the token load (they are loaded,
+    not prefilled). Replicas are placed `replicas_per_node` to a node, so a shared-medium event counts for
+    every replica of its node, as the store serves them all."""
+
+    def __init__(self, replica: ReplicaSpec, peak_prefill_tokens_per_s: float, replicas_per_node: int,
+                 max_ttft_penalty_s: float = 18.0, tier_weight: float = 0.75, name: str | None = None):
+        super().__init__(replica, peak_prefill_tokens_per_s, max_ttft_penalty_s,
+                         name=name or f"llm-d precise, tier-aware (store weight {tier_weight:g})")
+        self.replicas_per_node = replicas_per_node
+        self.tier_weight = tier_weight
+
+    def setup(self, cluster: ClusterView, seed: int) -> None:
+        super().setup(cluster, seed)
+        for i, rid in enumerate(self.ids):
+            self.index.remove_replica(rid)
+            self.index.add_replica(rid, f"node-{i // self.replicas_per_node}")
+
+    def credit(self, req: SimRequest, matched: list[int]) -> tuple[list[float], list[int]]:
+        cap = (len(req.prompt_token_ids) - 1) // self.block_size
+        loadable = self.index.match_tiers(req.block_hashes, self.ids, dict(zip(self.ids, matched)))
+        tier = [min(loadable.get(rid, 0), max(0, cap - matched[i])) for i, rid in enumerate(self.ids)]
+        return ([m + self.tier_weight * t for m, t in zip(matched, tier)],
+                [m + t for m, t in zip(matched, tier)])
 
 
 class SglangCacheAware(_Base):

@@ -25,7 +25,7 @@ from benchmarks.routing import report
 REFERENCE = "llm-d precise"
 
 
-def _seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
@@ -106,7 +106,7 @@ def main() -> None:
         if any(r.startswith("ours") for r in a.routers.split(",")):
             import benchmarks.routing.ours  # noqa: F401  (load the core now: every run uses this version)
         say(f"source: {report.source_version()}")
-        run([int(k) for k in a.only.split(",")], _seeds(a.seeds), a.routers, out, say)
+        run([int(k) for k in a.only.split(",")], parse_seeds(a.seeds), a.routers, out, say)
     docs = [json.loads(f.read_text()) for f in sorted(out.glob("fleet_*_s*.json"))]
     table = summarize(docs)
     sources = sorted({json.dumps(d["source"], sort_keys=True) for d in docs})

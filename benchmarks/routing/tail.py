@@ -239,8 +239,8 @@ def main() -> None:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    from benchmarks.routing.seeds import _seeds
-    doc = run([int(k) for k in a.only.split(",")], _seeds(a.seeds), a.routers.split(","), say)
+    from benchmarks.routing.seeds import parse_seeds
+    doc = run([int(k) for k in a.only.split(",")], parse_seeds(a.seeds), a.routers.split(","), say)
     print(table(doc))
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1))

@@ -17,11 +17,16 @@ effective 25 GB/s host link: 0.1 x the timing model's 50 us per prefilled token.
 
     python -m benchmarks.routing.tiers --quick                      # 8 replicas, load 1.0 and 1.5, fewer requests
     python -m benchmarks.routing.tiers --json tiers.json --png tiers.png        # the full run (~10 min here)
+
+`--fleet 5,6 --seeds 0-2` instead runs cells of the fleet suite (benchmarks.routing.simulator's FLEET: long
+prompts, 8,192 blocks per replica) with llm-d's precise scorer beside ours, each without and with the store
+(llm-d also tier-aware: `LlmdTiered`), and reports ours' TTFT p99 over llm-d's in both (about 50 s a trace).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -32,8 +37,9 @@ from affinity_serve.app.routing import KVSnapshot, ReplicaInfo
 from benchmarks.routing.ours import OursRouter
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel
 from benchmarks.routing.routers import ClusterView, PowerOfTwo, SharedCacheOracle
-from benchmarks.routing.simulator import PreparedTrace, RunResult, Simulation, prepare
-from benchmarks.routing.workload import WorkloadSpec, describe, generate
+from benchmarks.routing.simulator import (FLEET, FLEET_KV_BLOCKS, FeedPeriods, PreparedTrace, RunResult, Simulation,
+                                         prepare)
+from benchmarks.routing.workload import WorkloadSpec, describe, generate, replica_from_args
 from affinity_serve.engine.config import SchedulerConfig
 from affinity_serve.engine.hashing import BlockHash
 from affinity_serve.engine.kv_connector import (KVConnectorMetadata, KVConnectorOutput, KVLayout,
@@ -223,6 +229,89 @@ class OursWithNodes(OursRouter):
 
 
 # ---------------------------------------------------------------- runs
+def _run_row(label: str, sim_cls, router, prepared: PreparedTrace, store: StoreSpec, seed: int,
+             periods: FeedPeriods | None, say) -> dict:
+    """One router on the trace, in `sim_cls` (with the node stores for StoreSimulation): its table row."""
+    kwargs = {"store": store} if sim_cls is StoreSimulation else {}
+    sim = sim_cls(prepared, router, seed=seed, progress=say, periods=periods, **kwargs)
+    res: RunResult = sim.run()
+    row = {"router": label, "hit_rate": res.hit_rate, "ttft_p50_s": res.ttft_p50_s, "ttft_p99_s": res.ttft_p99_s,
+           "e2e_mean_s": res.e2e_mean_s, "max_over_mean_load": res.max_over_mean_load,
+           "decision_p99_ms": res.decision_p99_ms, "num_measured": res.num_measured,
+           "router_summary": res.router_summary, "ttft_s": res.ttft_s}
+    if sim_cls is StoreSimulation:
+        w = [r.worker for r in sim.replicas]
+        prompt = sum(len(r.prompt_token_ids) for r in prepared.trace.requests)
+        row["loaded_tokens_share"] = sum(x.num_loaded_tokens for x in w) / prompt
+        row["failed_loads"] = sum(x.num_failed_loads for x in w)
+        row["store_evictions"] = sum(c.connector.stats.evicted_blocks for c in sim.replicas)
+    say(f"  {label}: hit {res.hit_rate:.3f}, TTFT p50 {res.ttft_p50_s:.3f} s p99 {res.ttft_p99_s:.3f} s "
+        f"({res.sim_wall_s:.0f} s wall)")
+    return row
+
+
+#: the fleet mode's runs: (label, with the store?, router kind)
+FLEET_RUNS = (("llm-d precise", False, "llmd"), ("ours", False, "ours"),
+              ("llm-d precise + node store", True, "llmd"),
+              ("llm-d precise, tier-aware + node store", True, "llmd-tiered"),
+              ("ours + node store", True, "ours"))
+
+
+def run_fleet_cell(cell: int, seed: int, store: StoreSpec, say, requests_per_replica: int | None = None) -> dict:
+    """Cell `cell` (1-based) of the fleet suite on `seed`: llm-d's precise scorer and ours, each without and
+    with one node store per `store.replicas_per_node` replicas, on the same trace and the suite's feed period."""
+    from benchmarks.routing.field import LlmdPrecise, LlmdTiered
+    n, rho, load, hot, rpr, period = FLEET[cell - 1]
+    a = argparse.Namespace(kv_blocks=FLEET_KV_BLOCKS, long_tail=True)
+    spec = WorkloadSpec(num_replicas=n, pressure=rho, load=load, hot=hot, seed=seed, long_tail=True,
+                        requests_per_replica=requests_per_replica or rpr)
+    trace = generate(spec, replica_from_args(a), progress=say)
+    prepared = prepare(trace)
+    say(f"[{cell}, seed {seed}] {describe(trace.meta)}; separate-caches bound {prepared.pinned_bound:.3f}")
+    rs = trace.meta.replica
+    peak = 1.0 / TimingModel().prefill_per_token_s
+    periods = FeedPeriods(period, FeedPeriods.default(n).stats_s)
+
+    def router(kind: str, label: str):
+        if kind == "llmd":
+            return LlmdPrecise(rs, peak, 18.0, name=label)
+        if kind == "llmd-tiered":
+            return LlmdTiered(rs, peak, store.replicas_per_node, name=label)
+        return OursWithNodes(rs, store.replicas_per_node, label)
+
+    rows = [_run_row(label, StoreSimulation if with_store else Simulation, router(kind, label), prepared, store,
+                     seed, periods, say) for label, with_store, kind in FLEET_RUNS]
+    return {"cell": cell, "seed": seed, "replicas": n, "pressure": rho, "load": load, "hot": hot,
+            "events_period_s": period, "requests": len(trace.requests), "separate_bound": prepared.pinned_bound,
+            "store": asdict(store), "rows": rows}
+
+
+def fleet_table(docs: list[dict]) -> str:
+    """Per trace: each run's hit rate and TTFT p99, ours' p99 over llm-d's without the store and over the
+    better llm-d with it; their geometric means over the traces last."""
+    labels = [label for label, _, _ in FLEET_RUNS]
+    out = ["| cell | seed | " + " | ".join(f"{x}: hit / p99 s" for x in labels)
+           + " | ours ÷ llm-d, no store | ours ÷ best llm-d, store |", "|---" * (len(labels) + 4) + "|"]
+    plain, stored = [], []
+    for d in docs:
+        by = {r["router"]: r for r in d["rows"]}
+        p99 = {k: by[k]["ttft_p99_s"] for k in labels}
+        a = p99["ours"] / p99["llm-d precise"]
+        b = p99["ours + node store"] / min(p99["llm-d precise + node store"],
+                                           p99["llm-d precise, tier-aware + node store"])
+        plain.append(a)
+        stored.append(b)
+        shape = "hot prefix" if d["hot"] else f"ρ {d['pressure']}"
+        out.append(f"| {d['replicas']} × {shape}, load {d['load']} | {d['seed']} | "
+                   + " | ".join(f"{by[k]['hit_rate']:.3f} / {p99[k]:.3f}" for k in labels)
+                   + f" | {a:.2f} | {b:.2f} |")
+    if docs:
+        gm = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
+        out.append(f"| geometric mean | {len(docs)} traces |" + " |" * len(labels)
+                   + f" {gm(plain):.2f} | {gm(stored):.2f} |")
+    return "\n".join(out)
+
+
 def run_config(spec: WorkloadSpec, store: StoreSpec, say) -> dict:
     t0 = time.perf_counter()
     trace = generate(spec, progress=say)
@@ -234,24 +323,7 @@ def run_config(spec: WorkloadSpec, store: StoreSpec, say) -> dict:
             ("ours + node store", StoreSimulation, OursWithNodes(rs, store.replicas_per_node, "ours + node store")),
             ("power-of-two + node store", StoreSimulation, PowerOfTwo()),
             ("shared infinite cache (oracle)", Simulation, SharedCacheOracle())]
-    rows = []
-    for label, sim_cls, router in runs:
-        kwargs = {"store": store} if sim_cls is StoreSimulation else {}
-        sim = sim_cls(prepared, router, seed=spec.seed, progress=say, **kwargs)
-        res: RunResult = sim.run()
-        row = {"router": label, "hit_rate": res.hit_rate, "ttft_p50_s": res.ttft_p50_s, "ttft_p99_s": res.ttft_p99_s,
-               "e2e_mean_s": res.e2e_mean_s, "max_over_mean_load": res.max_over_mean_load,
-               "decision_p99_ms": res.decision_p99_ms, "num_measured": res.num_measured,
-               "router_summary": res.router_summary, "ttft_s": res.ttft_s}
-        if sim_cls is StoreSimulation:
-            w = [r.worker for r in sim.replicas]
-            prompt = sum(len(r.prompt_token_ids) for r in trace.requests)
-            row["loaded_tokens_share"] = sum(x.num_loaded_tokens for x in w) / prompt
-            row["failed_loads"] = sum(x.num_failed_loads for x in w)
-            row["store_evictions"] = sum(c.connector.stats.evicted_blocks for c in sim.replicas)
-        say(f"  {label}: hit {res.hit_rate:.3f}, TTFT p50 {res.ttft_p50_s:.3f} s p99 {res.ttft_p99_s:.3f} s "
-            f"({res.sim_wall_s:.0f} s wall)")
-        rows.append(row)
+    rows = [_run_row(label, sim_cls, router, prepared, store, spec.seed, None, say) for label, sim_cls, router in runs]
     return {"replicas": spec.num_replicas, "pressure": spec.pressure, "load": spec.load,
             "requests": len(trace.requests), "separate_bound": prepared.pinned_bound,
             "shared_bound": prepared.shared_bound, "store": asdict(store), "rows": rows}
@@ -322,6 +394,9 @@ def main() -> None:
     p.add_argument("--store-x", type=float, default=StoreSpec().capacity_x,
                    help="store capacity in multiples of the node's KV pools together")
     p.add_argument("--load-per-token-s", type=float, default=DEFAULT_LOAD_PER_TOKEN_S)
+    p.add_argument("--fleet", default="", help="fleet-suite cells (1-based, e.g. 5,6): llm-d beside ours, each "
+                   "without and with the store, instead of the default runs")
+    p.add_argument("--seeds", default="0", help="with --fleet: seeds, e.g. 0-2")
     p.add_argument("--json")
     p.add_argument("--png")
     a = p.parse_args()
@@ -329,8 +404,17 @@ def main() -> None:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    rpr = 100 if a.quick else a.requests_per_replica
     store = StoreSpec(a.replicas_per_node, a.store_x, a.load_per_token_s)
+    if a.fleet:
+        from benchmarks.routing.seeds import parse_seeds
+        docs = [run_fleet_cell(int(c), seed, store, say, 100 if a.quick else None)
+                for c in a.fleet.split(",") for seed in parse_seeds(a.seeds)]
+        print(fleet_table(docs), flush=True)
+        if a.json:
+            slim = [{**d, "rows": [{k: v for k, v in r.items() if k != "ttft_s"} for r in d["rows"]]} for d in docs]
+            Path(a.json).write_text(json.dumps({"args": vars(a), "fleet": slim}, indent=1))
+        return
+    rpr = 100 if a.quick else a.requests_per_replica
     docs = [run_config(WorkloadSpec(num_replicas=a.replicas, pressure=a.pressure, load=float(load), seed=a.seed,
                                     requests_per_replica=rpr), store, say) for load in a.loads.split(",")]
     print(table(docs), flush=True)

@@ -41,3 +41,52 @@ def test_the_node_store_keeps_the_most_recent_blocks_down_to_its_low_water_mark(
     assert store.contains(bytes([0])) and not store.contains(bytes([1]))
     assert store.generation == 0
     store.check_dir()                                      # nothing to reopen: a no-op the connector calls
+
+
+def _request(n_blocks: int, block_size: int = 16):
+    from affinity_serve.engine.hashing import hash_block_chain
+    from benchmarks.routing.routers import SimRequest
+    ids = list(range(1, n_blocks * block_size + 2))            # one token past the last full block
+    return SimRequest("r1", ids, hash_block_chain(ids, block_size)[:n_blocks], 16, "g")
+
+
+def _store_event(rid: str, hashes, block_size: int = 16):
+    from affinity_serve.app.routing.api import KVEventBatch
+    from affinity_serve.engine.types import MEDIUM_SHARED, BlockStored
+    return KVEventBatch(rid, "e", 0, [BlockStored(list(hashes), None, [], block_size, MEDIUM_SHARED)])
+
+
+def test_tier_aware_llmd_sends_a_prompt_to_the_node_whose_store_holds_it_and_counts_it_as_loaded():
+    from benchmarks.routing.field import LlmdPrecise, LlmdTiered
+    from benchmarks.routing.replica import ReplicaSpec
+    from benchmarks.routing.routers import ClusterView
+    spec = ReplicaSpec(num_kv_tokens=4096)
+    req = _request(10)
+    # 4 replicas, 2 per node; the store of node 1 (replicas 2 and 3) holds the whole prompt, no pool does
+    tiered = LlmdTiered(spec, 20_000.0, replicas_per_node=2)
+    plain = LlmdPrecise(spec, 20_000.0)
+    for r in (tiered, plain):
+        r.setup(ClusterView(4), seed=0)
+        # replica 0 has the least token load, replica 2 the least of node 1
+        r.in_flight_uncached = [40, 60, 50, 900]
+        r.index.apply_events(_store_event(r.ids[2], req.block_hashes))
+    k = tiered.route(req, 0.0)
+    assert k == 2                                               # warm through its node's store (10 x 0.75 >= 0.8 x 10)
+    # what it will prefill: the token past the last full block; the stored blocks are loaded, not prefilled
+    assert tiered.prompt_blocks["r1"] == (2, 0, 1)
+    # the plain scorer reads only pools: every replica is cold, the least token load wins, the whole prompt counted
+    k = plain.route(req, 0.0)
+    assert k == 0 and plain.prompt_blocks["r1"] == (0, 0, len(req.prompt_token_ids))
+
+
+def test_the_fleet_mode_runs_llmd_and_ours_with_and_without_the_store_on_one_trace():
+    from benchmarks.routing.tiers import FLEET_RUNS, fleet_table, run_fleet_cell
+    doc = run_fleet_cell(5, 0, StoreSpec(), lambda msg: None, requests_per_replica=40)
+    rows = {r["router"]: r for r in doc["rows"]}
+    assert list(rows) == [label for label, _, _ in FLEET_RUNS]
+    assert len({r["num_measured"] for r in rows.values()}) == 1      # one trace under every run
+    for label, with_store, _ in FLEET_RUNS:
+        assert ("loaded_tokens_share" in rows[label]) == with_store, label
+    assert rows["ours + node store"]["hit_rate"] >= rows["ours"]["hit_rate"]
+    text = fleet_table([doc])
+    assert "8 × ρ 0.75, load 1.0 | 0 |" in text and "geometric mean | 1 traces" in text
