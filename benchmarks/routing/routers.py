@@ -261,8 +261,8 @@ def pull_kv_events(replica: int, feed: SimReplica, ids: list[str], next_seq: lis
     rid = ids[replica]
 
     def resync() -> None:
-        snap = feed.kv_snapshot()
-        apply_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, snap.block_hashes))
+        snap = feed.kv_snapshot()      # a replica with a KV connector also reports its tier's hashes
+        apply_snapshot(KVSnapshot(rid, snap.epoch, snap.next_seq, snap.block_hashes, dict(snap.tier_block_hashes)))
         next_seq[replica], epoch[replica] = snap.next_seq, snap.epoch
 
     if next_seq[replica] is None or rid in needs_snapshot():

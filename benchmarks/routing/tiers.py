@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from affinity_serve.app.routing import KVSnapshot, ReplicaInfo
+from affinity_serve.app.routing import ReplicaInfo
 from benchmarks.routing.ours import OursRouter
 from benchmarks.routing.replica import ReplicaSpec, SimReplica, TimingModel
 from benchmarks.routing.routers import ClusterView, PowerOfTwo, SharedCacheOracle
@@ -209,8 +209,8 @@ class StoreSimulation(Simulation):
 
 
 class OursWithNodes(OursRouter):
-    """Our router told each replica's node (so shared-medium events count for the whole node) and fed
-    the tier hashes in snapshots, as the Serve shell and feed do."""
+    """Our router told each replica's node (so shared-medium events count for the whole node), as the Serve
+    shell does; snapshots carry the tier hashes for every router (`pull_kv_events`)."""
 
     def __init__(self, replica: ReplicaSpec, replicas_per_node: int, name: str):
         super().__init__(replica, name=name)
@@ -220,12 +220,6 @@ class OursWithNodes(OursRouter):
         super().setup(cluster, seed)
         self.core.set_replicas([ReplicaInfo(rid, f"node-{i // self.replicas_per_node}")
                                 for i, rid in enumerate(self.ids)])
-
-    def _resync(self, replica: int, feed: SimReplica) -> None:
-        snap = feed.kv_snapshot()
-        self.core.on_snapshot(KVSnapshot(self.ids[replica], snap.epoch, snap.next_seq, snap.block_hashes,
-                                         dict(snap.tier_block_hashes)))
-        self.next_seq[replica], self.epoch[replica] = snap.next_seq, snap.epoch
 
 
 # ---------------------------------------------------------------- runs
@@ -238,7 +232,8 @@ def _run_row(label: str, sim_cls, router, prepared: PreparedTrace, store: StoreS
     row = {"router": label, "hit_rate": res.hit_rate, "ttft_p50_s": res.ttft_p50_s, "ttft_p99_s": res.ttft_p99_s,
            "e2e_mean_s": res.e2e_mean_s, "max_over_mean_load": res.max_over_mean_load,
            "decision_p99_ms": res.decision_p99_ms, "num_measured": res.num_measured,
-           "router_summary": res.router_summary, "ttft_s": res.ttft_s}
+           "router_summary": res.router_summary, "ttft_s": res.ttft_s,
+           "router_class": type(router).__name__, "events_period_s": sim.periods.events_s}
     if sim_cls is StoreSimulation:
         w = [r.worker for r in sim.replicas]
         prompt = sum(len(r.prompt_token_ids) for r in prepared.trace.requests)

@@ -48,8 +48,9 @@ def _replica_actor_states() -> list[tuple[str, str, str]]:
     """(name, GCS state, node id) of every replica actor the GCS knows, for a timeout's message."""
     from ray._private import state
     try:
-        return [(a.get("Name", ""), a["State"], a["Address"]["NodeID"][:8]) for a in state.actors().values()
-                if "LLMReplica" in (a.get("Name") or "")]
+        # a replica still pending has no address yet: that one matters most here
+        return [(a.get("Name", ""), a.get("State", "?"), ((a.get("Address") or {}).get("NodeID") or "")[:8])
+                for a in state.actors().values() if "LLMReplica" in (a.get("Name") or "")]
     except Exception as e:      # diagnostics only: never hide the timeout behind them
         return [("?", repr(e), "")]
 

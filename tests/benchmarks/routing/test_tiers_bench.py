@@ -43,40 +43,42 @@ def test_the_node_store_keeps_the_most_recent_blocks_down_to_its_low_water_mark(
     store.check_dir()                                      # nothing to reopen: a no-op the connector calls
 
 
-def _request(n_blocks: int, block_size: int = 16):
+def _request(n_tokens: int, block_size: int = 16):
     from affinity_serve.engine.hashing import hash_block_chain
     from benchmarks.routing.routers import SimRequest
-    ids = list(range(1, n_blocks * block_size + 2))            # one token past the last full block
-    return SimRequest("r1", ids, hash_block_chain(ids, block_size)[:n_blocks], 16, "g")
+    ids = list(range(1, n_tokens + 1))
+    return SimRequest("r1", ids, hash_block_chain(ids, block_size), 16, "g")
 
 
-def _store_event(rid: str, hashes, block_size: int = 16):
+def _stored(rid: str, hashes, medium: str, block_size: int = 16):
     from affinity_serve.app.routing.api import KVEventBatch
-    from affinity_serve.engine.types import MEDIUM_SHARED, BlockStored
-    return KVEventBatch(rid, "e", 0, [BlockStored(list(hashes), None, [], block_size, MEDIUM_SHARED)])
+    from affinity_serve.engine.types import BlockStored
+    return KVEventBatch(rid, "e", 0, [BlockStored(list(hashes), None, [], block_size, medium)])
 
 
-def test_tier_aware_llmd_sends_a_prompt_to_the_node_whose_store_holds_it_and_counts_it_as_loaded():
+def test_tier_aware_llmd_credits_its_nodes_store_in_the_affinity_score_and_the_token_load():
+    from affinity_serve.engine.types import MEDIUM_POOL, MEDIUM_SHARED
     from benchmarks.routing.field import LlmdPrecise, LlmdTiered
     from benchmarks.routing.replica import ReplicaSpec
     from benchmarks.routing.routers import ClusterView
     spec = ReplicaSpec(num_kv_tokens=4096)
-    req = _request(10)
-    # 4 replicas, 2 per node; the store of node 1 (replicas 2 and 3) holds the whole prompt, no pool does
-    tiered = LlmdTiered(spec, 20_000.0, replicas_per_node=2)
+    req = _request(160)                     # 10 full blocks; the engine never serves the last token from cache: 9
+    assert len(req.block_hashes) == 10
+    tiered = LlmdTiered(spec, 20_000.0, replicas_per_node=2)      # replicas 0-1 on node 0, 2-3 on node 1
     plain = LlmdPrecise(spec, 20_000.0)
     for r in (tiered, plain):
         r.setup(ClusterView(4), seed=0)
-        # replica 0 has the least token load, replica 2 the least of node 1
-        r.in_flight_uncached = [40, 60, 50, 900]
-        r.index.apply_events(_store_event(r.ids[2], req.block_hashes))
-    k = tiered.route(req, 0.0)
-    assert k == 2                                               # warm through its node's store (10 x 0.75 >= 0.8 x 10)
-    # what it will prefill: the token past the last full block; the stored blocks are loaded, not prefilled
-    assert tiered.prompt_blocks["r1"] == (2, 0, 1)
-    # the plain scorer reads only pools: every replica is cold, the least token load wins, the whole prompt counted
-    k = plain.route(req, 0.0)
-    assert k == 0 and plain.prompt_blocks["r1"] == (0, 0, len(req.prompt_token_ids))
+        r.in_flight_uncached = [0, 100, 500, 50]
+        r.index.apply_events(_stored(r.ids[2], req.block_hashes[:5], MEDIUM_POOL))     # half in replica 2's pool
+        # node 1's store holds the whole prompt: stored by replica 3, loadable by both replicas of the node
+        r.index.apply_events(_stored(r.ids[3], req.block_hashes, MEDIUM_SHARED))
+    # replica 2: 5 pool blocks + 0.75 x 4 store blocks (capped at 9) = 8 >= 0.8 x 10: warm, the only one
+    # (replica 3: 0.75 x 9 < 8), so it wins though replicas 0 and 3 carry less token load
+    assert tiered.route(req, 0.0) == 2
+    # what it will prefill: the last block only (9 blocks pool + store); the 4 from the store are loaded
+    assert tiered.prompt_blocks["r1"] == (2, 0, 16)
+    # the plain scorer reads pools only: 5 / 10 is not warm, so the least token load with the whole prompt wins
+    assert plain.route(req, 0.0) == 0 and plain.prompt_blocks["r1"] == (0, 0, 160)
 
 
 def test_the_fleet_mode_runs_llmd_and_ours_with_and_without_the_store_on_one_trace():
@@ -84,9 +86,12 @@ def test_the_fleet_mode_runs_llmd_and_ours_with_and_without_the_store_on_one_tra
     doc = run_fleet_cell(5, 0, StoreSpec(), lambda msg: None, requests_per_replica=40)
     rows = {r["router"]: r for r in doc["rows"]}
     assert list(rows) == [label for label, _, _ in FLEET_RUNS]
-    assert len({r["num_measured"] for r in rows.values()}) == 1      # one trace under every run
-    for label, with_store, _ in FLEET_RUNS:
+    kinds = {"llmd": "LlmdPrecise", "llmd-tiered": "LlmdTiered", "ours": "OursWithNodes"}
+    for label, with_store, kind in FLEET_RUNS:
+        assert rows[label]["router_class"] == kinds[kind], label
+        assert rows[label]["events_period_s"] == 0.5, label                # the cell's feed period, not 0.25
         assert ("loaded_tokens_share" in rows[label]) == with_store, label
+        assert rows[label]["num_measured"] > 0
     assert rows["ours + node store"]["hit_rate"] >= rows["ours"]["hit_rate"]
     text = fleet_table([doc])
     assert "8 × ρ 0.75, load 1.0 | 0 |" in text and "geometric mean | 1 traces" in text
