@@ -256,6 +256,9 @@ def run_fleet_cell(cell: int, seed: int, store: StoreSpec, say, requests_per_rep
     """Cell `cell` (1-based) of the fleet suite on `seed`: llm-d's precise scorer and ours, each without and
     with one node store per `store.replicas_per_node` replicas, on the same trace and the suite's feed period."""
     from benchmarks.routing.field import LlmdPrecise, LlmdTiered
+    if not 1 <= cell <= len(FLEET):
+        raise ValueError(f"fleet cell {cell}: the fleet suite's cells are 1-{len(FLEET)} "
+                         "(benchmarks.routing.simulator's FLEET)")
     n, rho, load, hot, rpr, period = FLEET[cell - 1]
     a = argparse.Namespace(kv_blocks=FLEET_KV_BLOCKS, long_tail=True)
     spec = WorkloadSpec(num_replicas=n, pressure=rho, load=load, hot=hot, seed=seed, long_tail=True,
@@ -400,22 +403,32 @@ def main() -> None:
         print(msg, file=sys.stderr, flush=True)
 
     store = StoreSpec(a.replicas_per_node, a.store_x, a.load_per_token_s)
+
+    def slim(docs: list[dict]) -> list[dict]:            # the JSON leaves out the per-request TTFTs
+        return [{**d, "rows": [{k: v for k, v in r.items() if k != "ttft_s"} for r in d["rows"]]} for d in docs]
+
     if a.fleet:
         from benchmarks.routing.seeds import parse_seeds
-        docs = [run_fleet_cell(int(c), seed, store, say, 100 if a.quick else None)
-                for c in a.fleet.split(",") for seed in parse_seeds(a.seeds)]
+        try:
+            cells, seeds = [int(c) for c in a.fleet.split(",")], parse_seeds(a.seeds)
+        except ValueError:
+            p.error(f"--fleet takes cell numbers (e.g. 5,6) and --seeds seeds (e.g. 0-2); got {a.fleet!r} / "
+                    f"{a.seeds!r}")
+        if bad := [c for c in cells if not 1 <= c <= len(FLEET)]:
+            p.error(f"--fleet {bad}: the fleet suite's cells are 1-{len(FLEET)}")
+        if a.png:
+            p.error("--png draws the default runs only; with --fleet write --json")
+        docs = [run_fleet_cell(c, seed, store, say, 100 if a.quick else None) for c in cells for seed in seeds]
         print(fleet_table(docs), flush=True)
         if a.json:
-            slim = [{**d, "rows": [{k: v for k, v in r.items() if k != "ttft_s"} for r in d["rows"]]} for d in docs]
-            Path(a.json).write_text(json.dumps({"args": vars(a), "fleet": slim}, indent=1))
+            Path(a.json).write_text(json.dumps({"args": vars(a), "fleet": slim(docs)}, indent=1))
         return
     rpr = 100 if a.quick else a.requests_per_replica
     docs = [run_config(WorkloadSpec(num_replicas=a.replicas, pressure=a.pressure, load=float(load), seed=a.seed,
                                     requests_per_replica=rpr), store, say) for load in a.loads.split(",")]
     print(table(docs), flush=True)
     if a.json:
-        slim = [{**d, "rows": [{k: v for k, v in r.items() if k != "ttft_s"} for r in d["rows"]]} for d in docs]
-        Path(a.json).write_text(json.dumps({"args": vars(a), "configs": slim}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "configs": slim(docs)}, indent=1))
     if a.png:
         plot(docs, Path(a.png))
 

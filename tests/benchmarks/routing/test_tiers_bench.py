@@ -4,6 +4,8 @@ breaks it: it crashed on `store.generation` and `store.check_dir` until its Node
 end to end, with what the store must do there."""
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.routing.tiers import NodeStore, StoreSpec, run_config, table
 from benchmarks.routing.workload import WorkloadSpec
 
@@ -95,3 +97,25 @@ def test_the_fleet_mode_runs_llmd_and_ours_with_and_without_the_store_on_one_tra
     assert rows["ours + node store"]["hit_rate"] >= rows["ours"]["hit_rate"]
     text = fleet_table([doc])
     assert "8 × ρ 0.75, load 1.0 | 0 |" in text and "geometric mean | 1 traces" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--fleet", "0"], "the fleet suite's cells are 1-"),       # FLEET[-1] would have run the last cell
+    (["--fleet", "99"], "the fleet suite's cells are 1-"),
+    (["--fleet", "5", "--seeds", "x"], "--fleet takes cell numbers"),
+    (["--fleet", "5", "--png", "out.png"], "--png draws the default runs only"),
+])
+def test_bad_fleet_flags_are_one_line_naming_the_flag(argv, says, monkeypatch, capsys):
+    from benchmarks.routing import tiers
+    monkeypatch.setattr("sys.argv", ["tiers.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        tiers.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_a_fleet_cell_out_of_range_is_a_value_error_naming_the_range():
+    from benchmarks.routing.tiers import run_fleet_cell
+    with pytest.raises(ValueError, match="cells are 1-"):
+        run_fleet_cell(0, 0, StoreSpec(), lambda msg: None)
