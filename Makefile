@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 PROPERTY_TESTS := tests/unit/engine/test_scheduler_properties.py
 
-.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-site test-gpu bench-gpu profile-gpu gpu-report clean docs docs-serve
+.PHONY: venv serve test test-fast test-explore bench gpu-wheels gpu-nixl gpu-site test-gpu bench-gpu profile-gpu gpu-report clean docs docs-serve
 
 venv: $(VENV)/.installed
 
@@ -67,6 +67,18 @@ gpu-wheels: venv
 		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) $(GPU_DEPS)
 	$(PIP) download -q --only-binary=:all: --no-deps --python-version $(GPU_PYVER) --platform manylinux2014_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_WHEELS) $(GPU_NODEPS)
+
+# NIXL for that Python (P/D's NIXL transport, tests/gpu/test_pd_nixl_cuda.py, benchmarks/kv_transfer.py): its
+# CUDA 13 wheel without the expert-parallel kernels it bundles (nixl_ep_cu13, unused here), packed to ~28 MiB so
+# that it fits the working tree a lent machine receives; tools/gpu_session.sh unpacks it there.
+GPU_NIXL := .nixl/nixl-cp$(subst .,,$(GPU_PYVER)).tgz
+gpu-nixl: venv
+	rm -rf .nixl/tmp && mkdir -p .nixl/tmp/wheel .nixl/tmp/site
+	$(PIP) download -q --only-binary=:all: --no-deps --python-version $(GPU_PYVER) --platform manylinux_2_28_x86_64 \
+		-d .nixl/tmp/wheel nixl-cu13==1.5.1
+	cd .nixl/tmp/site && unzip -q ../wheel/nixl_cu13-*.whl -x 'nixl_ep_cu13/*' '*.data/*' '*.scripts/*' && \
+		tar czf ../../$(notdir $(GPU_NIXL)) .
+	rm -rf .nixl/tmp; ls -l $(GPU_NIXL)
 
 # The checkout is not pip-installed there: $(GPU_SITE)/affinity_serve/ holds links to its folders (the
 # namespace the wheel installs them under). Only what that Python cannot import, one wheel each (the newest there) without dependency resolution: its own

@@ -138,7 +138,7 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     prefill = base.options(func_or_class=PrefillReplica, name=PREFILL_DEPLOYMENT, **pool_options("prefill", d.prefill),
                            request_router_config=request_router_config(config, PrefillPoolRouter))
     prefill_app = prefill.bind(pool_engine_config(engine, d.prefill, d), config.serve, obs,
-                               autoscaling=pool_autoscaling(config.autoscaling, d.prefill))
+                               autoscaling=pool_autoscaling(config.autoscaling, d.prefill), disaggregation=d)
     decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode),
                           request_router_config=request_router_config(
                               config, PDDecodeRouter, disaggregation=d.model_dump(mode="json", include={

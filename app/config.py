@@ -12,7 +12,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, ValidationError, field_validator,
                       model_validator)
 
-from affinity_serve.app.disagg_config import DisaggregationSection
+from affinity_serve.app.disagg_config import DisaggregationSection, nixl_installed
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
 from affinity_serve.autoscale.policy import PolicyConfig
 from affinity_serve.engine.config import EngineConfig, KVConnectorConfig
@@ -273,6 +273,9 @@ class AppConfig(_Strict):
                              f"serve.first_token_timeout_s ({self.serve.first_token_timeout_s:g}s): the ingress "
                              "would give up on the request before its decode replica stops waiting for the "
                              "prefill pool and recomputes it")
+        if d.transport == "nixl" and not nixl_installed():
+            raise ValueError("disaggregation.transport nixl needs NIXL's Python package, which is not installed: "
+                             "pip install 'affinity-serve[nixl]' (or transport ray)")
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")

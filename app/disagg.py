@@ -11,6 +11,10 @@ manager across nodes) and returns the first token with an ObjectRef; the decode 
 once and continues the request in its engine, which loads the blocks from the ref while the request waits
 outside the token budget. If the prefill call or the read fails, the decode replica recomputes (counted).
 
+With `disaggregation.transport: nixl` nothing is copied out: the prefill replica's answer carries the held
+blocks' NIXL address (engine/kv_connector/nixl.py) and the decode replica's engine reads them straight out of the
+prefill replica's KV cache; the reader's notification frees them there.
+
 Both replicas are LLMReplicas with a P/D engine; only the decode one holds a handle to the other pool.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from affinity_serve.app.routing import debug
 from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
 from affinity_serve.autoscale.pools import NUM_WAITING_ON_PREFILL
 from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
+from affinity_serve.engine.kv_connector.pd import ReadRecord
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
 logger = logging.getLogger("affinity.disagg")
@@ -53,25 +58,6 @@ SPAN_PD_DECODE = "llm.pd.decode"
 
 
 # ---------------------------------------------------------------- transport: Ray's object store
-@dataclass(slots=True)
-class ReadRecord:
-    """One transfer as the decode side's transport saw it, for its span: `outcome` "reading" until it ends, then
-    "read", "missing" (the object is gone or was never copied out), "cancelled" (the engine gave up: timeout,
-    abort), "local" (released unread: the decode replica held every block) or "incompatible" (released unread:
-    another model or KV layout, recomputed)."""
-
-    num_blocks: int
-    start_ns: int                 # wall clock (a span's time base)
-    started: float                # monotonic
-    end_ns: int | None = None
-    seconds: float | None = None
-    outcome: str = "reading"
-
-    def end(self, outcome: str) -> None:
-        if self.end_ns is None:
-            self.end_ns, self.seconds, self.outcome = time.time_ns(), time.monotonic() - self.started, outcome
-
-
 class _ObjectRead:
     def __init__(self, ref: Any, offset: int, num_blocks: int, record: ReadRecord | None = None):
         self._ref, self._offset, self._n = ref, offset, num_blocks
@@ -159,6 +145,20 @@ class _PDMetrics(LLMReplica):
 
     def _prefill_failed(self) -> int:
         return 0
+
+    async def debug_state(self) -> dict[str, Any]:
+        """LLMReplica's, with the P/D counters (holds and how they ended; the decode side's remote requests) and
+        the transport's ("nixl": reads posted, notifications taken)."""
+        state = await super().debug_state()
+        pd = getattr(self.engine.engine, "pd", None)
+        if pd is not None:
+            state["pd"] = dataclasses.asdict(pd.pd_stats)
+        t = getattr(self, "nixl", None) or getattr(self, "transport", None)
+        state["pd_transport"] = "nixl" if hasattr(t, "hold_address") else "ray"
+        if state["pd_transport"] == "nixl":
+            state["nixl"] = {"agent": t.name, "reads_posted": t.reads_posted, "notifications": t.notifications,
+                             "staging_bytes_free": t.staging_bytes_free()}
+        return state
 
 
 # ---------------------------------------------------------------- a decode replica's view of hung prefill replicas
@@ -249,8 +249,28 @@ class PrefillResult:
     remote: RemotePrefill | None
 
 
+def make_transport(disaggregation: DisaggregationSection | None, engine: Any) -> Any:
+    """This replica's KV transport for `disaggregation.transport`: NIXL (one agent per replica; a read's
+    notification wakes the engine so that it frees the hold at once), else None (the Ray object store's: the
+    decode side's RayObjectTransport, and nothing on the prefill side)."""
+    if disaggregation is None or disaggregation.transport != "nixl":
+        return None
+    from affinity_serve.engine.kv_connector.nixl import NixlTransport
+    return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake)
+
+
 class PrefillReplica(_PDMetrics):
     """A replica of the prefill pool: `prefill` runs a prompt and its first token for a decode replica."""
+
+    def __init__(self, engine: EngineConfig, serve: ServeSection | None = None,
+                 observability: ObservabilitySection | None = None, *,
+                 autoscaling: AutoscalingSection | None = None, disaggregation: DisaggregationSection | None = None):
+        super().__init__(engine, serve, observability, autoscaling=autoscaling)
+        #: NIXL: the held blocks' address travels in each RemotePrefill and the decode replica reads them where
+        #: they are (no copy-out here); None: the Ray object store (`_publish` copies them out)
+        self.nixl = make_transport(disaggregation, self.engine)
+        if self.nixl is not None:
+            self.engine.set_kv_transport(self.nixl)
 
     async def prefill(self, req: GenerateRequest, skip_blocks: int = 0) -> list[PrefillResult]:
         """Each sequence's first token; where the request goes on, its KV beyond the first `skip_blocks` blocks
@@ -304,7 +324,9 @@ class PrefillReplica(_PDMetrics):
         first = min(skip_blocks, remote.num_blocks)
         if first >= remote.num_blocks:
             self.engine.release_held_kv(remote.transfer_id)
-            return dataclasses.replace(remote, address=(None, first))
+            return dataclasses.replace(remote, address=None if self.nixl is not None else (None, first))
+        if self.nixl is not None:       # the address of the blocks where they lie: the decode replica reads them
+            return remote
         n = remote.num_blocks - first
         span = self.tracer.start_span(SPAN_PD_COPY_OUT, context=ctx, attributes={
             "replica": self.replica_id, "pd.transfer_id": remote.transfer_id, "pd.blocks": n,
@@ -366,7 +388,7 @@ class DecodeReplica(_PDMetrics):
         self.pool_watch_s = POOL_WATCH_S
         self.prefill_timeout_s = disaggregation.prefill_timeout((serve or ServeSection()).first_token_timeout_s)
         self.min_remote_prefill_tokens = disaggregation.min_remote_prefill_tokens
-        self.transport = RayObjectTransport()
+        self.transport = make_transport(disaggregation, self.engine) or RayObjectTransport()
         self.engine.set_kv_transport(self.transport)
         self.disagg = DisaggCounters()
         self.prefill_breaker = PrefillBreaker(disaggregation.prefill_backoff_s)

@@ -1,7 +1,7 @@
 """The `disaggregation` section of AppConfig: a prefill pool and a decode pool (app/disagg.py)."""
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
@@ -53,9 +53,19 @@ class DisaggregationSection(BaseModel):
         "round_robin), which predict no TTFT: the decode replica on the prefill replica's node with the fewest "
         "ongoing requests (running at its last stats plus this ingress's sends since) goes first when, with the "
         "request counted there, it has at most this many more than the policy's own choice has with it")
+    transport: Literal["ray", "nixl"] = Field(
+        "ray", description="how KV moves from a prefill replica to a decode replica: `ray` copies the held blocks "
+        "into Ray's object store (zero-copy on one node, Ray's object manager across nodes); `nixl` lets the "
+        "decode replica read them straight out of the prefill replica's KV cache with NIXL's one-sided reads "
+        "(GPU memory on CUDA: RDMA, NVLink or CUDA IPC through UCX; needs NIXL's Python package: pip install "
+        "'affinity-serve[nixl]')")
+    nixl_staging_mib: int = Field(
+        256, ge=1, description="transport nixl: each decode replica's staging area for reads in flight, MiB on its "
+        "device (outside the KV cache's memory budget); a read that does not fit waits for room, one larger than "
+        "the whole area gets a buffer of its own")
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="a prefill replica frees a request's held KV blocks if they were not copied out "
-        "by then (the caller left)")
+        "(transport ray) or read (transport nixl) by then (the caller left)")
     prefill_timeout_s: float | None = Field(
         None, gt=0, description="a decode replica stops waiting for the prefill pool's answer after this many "
         "seconds and prefills the request itself (a prefill replica that hangs without dying, or a pool too "
@@ -70,6 +80,13 @@ class DisaggregationSection(BaseModel):
     def prefill_timeout(self, first_token_timeout_s: float) -> float:
         """The decode replica's deadline on one prefill call (prefill_timeout_s, or its default)."""
         return self.prefill_timeout_s if self.prefill_timeout_s is not None else first_token_timeout_s / 2
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL's Python package is importable here (engine/kv_connector/nixl.py tries the same modules),
+    without importing it."""
+    import importlib.util
+    return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu13", "nixl_cu12"))
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -222,5 +222,8 @@ def _build_pd(config: "KVConnectorConfig", layout: KVLayout, identity: str, devi
 def set_pd_transport(sched: PDConnectorScheduler, worker: Any, transport: KVTransport) -> None:
     """Move a P/D engine's reads to `transport` (the app's Ray transport); it leaves the LocalTransport."""
     default_local_transport().unregister(sched.engine_id)
+    bind = getattr(transport, "bind", None)
+    if bind is not None:          # a transport that needs its engine's KV tensors and holds (NIXL)
+        bind(sched, worker)
     sched.transport = transport
     worker.transport = transport

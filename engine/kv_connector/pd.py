@@ -66,7 +66,10 @@ class KVReadHandle(Protocol):
 class KVTransport(Protocol):
     """How a decode engine reads a prefill engine's held blocks. The default (`LocalTransport`) reaches
     engines in this process; the app's Ray transport calls the prefill replica (its object store carries the
-    bytes); a NIXL transport would read the prefill GPU's memory directly (docs/disaggregation.md)."""
+    bytes); the NIXL transport (kv_connector/nixl.py) reads the prefill engine's KV cache where it lies.
+    A transport may also define `bind(sched, worker)` (called by set_kv_transport) and
+    `hold_address(transfer_id, block_ids, timeout_s)` (the prefill side: the `RemotePrefill.address` of held
+    blocks)."""
 
     def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int) -> KVReadHandle:
         """Begin reading blocks [start_block, start_block + num_blocks) of `remote`; never blocks on the read.
@@ -85,6 +88,26 @@ class KVSource(Protocol):
 
     def release_held(self, transfer_id: str) -> None:
         """Free a held transfer without reading it."""
+
+
+@dataclass(slots=True)
+class ReadRecord:
+    """One transfer as a decode side's transport saw it, for its span: `outcome` "reading" until it ends, then
+    "read", "missing" (the blocks are gone or were never copied out), "cancelled" (the engine gave up: timeout,
+    abort), "expired" (the hold expired before or during the read: discarded), "local" (released unread: the
+    decode replica held every block) or "incompatible" (released unread: another model, KV layout or transport,
+    recomputed)."""
+
+    num_blocks: int
+    start_ns: int                 # wall clock (a span's time base)
+    started: float                # monotonic
+    end_ns: int | None = None
+    seconds: float | None = None
+    outcome: str = "reading"
+
+    def end(self, outcome: str) -> None:
+        if self.end_ns is None:
+            self.end_ns, self.seconds, self.outcome = time.time_ns(), time.monotonic() - self.started, outcome
 
 
 # ---------------------------------------------------------------- the prefill side's holds
@@ -139,6 +162,14 @@ class HeldTransfers:
             h = self._holds.get(transfer_id)
             if h is not None:
                 h.done = True
+
+    def mark_read(self, transfer_id: str) -> None:
+        """A reader that read the blocks without pinning them (a one-sided read, e.g. NIXL's) is done: free them.
+        Unknown or already freed ids are ignored."""
+        with self._lock:
+            h = self._holds.get(transfer_id)
+            if h is not None and not h.done:
+                h.done = h.was_read = True
 
     def take_finished(self) -> tuple[dict[str, tuple[float, bool]], dict[str, tuple[float, bool]]]:
         """Holds to free now, by id with (seconds held, was read): (read or released, expired unread)."""
@@ -309,14 +340,23 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED or request.num_output_tokens != 1:
             return False
         n = min(len(block_ids), request.num_prompt_tokens // self.block_size)
+        address = None
+        if n:
+            self.held.hold(request.req_id, block_ids[:n])
+            self.pd_stats.holds += 1
+            # a transport whose reader reads the blocks where they are (NIXL) says where
+            hold_address = getattr(self.transport, "hold_address", None)
+            if hold_address is not None:
+                try:
+                    address = hold_address(request.req_id, block_ids[:n], self.held.timeout_s)
+                except Exception:      # the reader cannot reach them: free them now, it recomputes
+                    logger.exception("no transport address for the blocks of %s: freed", request.req_id)
+                    self.held.release(request.req_id)
         self._finished_params[request.req_id] = RemotePrefill(
             self.engine_id, request.req_id, self.layout_key, request.num_prompt_tokens, n,
-            request.all_token_ids[request.num_prompt_tokens], num_cached_tokens=request.num_cached_tokens or 0)
-        if n == 0:
-            return False
-        self.held.hold(request.req_id, block_ids[:n])
-        self.pd_stats.holds += 1
-        return True
+            request.all_token_ids[request.num_prompt_tokens], address=address,
+            num_cached_tokens=request.num_cached_tokens or 0)
+        return n > 0
 
     def take_transfer_params(self, req_id: str) -> RemotePrefill | None:
         """The RemotePrefill of a prefill request that just finished (once)."""

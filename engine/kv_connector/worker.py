@@ -60,6 +60,12 @@ class BlockCopier:
         for layer, kv in enumerate(self.kv_caches):
             kv.index_copy_(self.block_dim, ids, src[:, layer].permute(self.inverse))
 
+    def scatter_layers(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
+        """The pool blocks `block_ids` <- one [n, 2, H, bs, D] tensor (any strides) per KV tensor."""
+        ids = self._ids(block_ids)
+        for kv, src in zip(self.kv_caches, layers, strict=True):
+            kv.index_copy_(self.block_dim, ids, src.to(kv.device).permute(self.inverse))
+
 
 def _block_shape(layout: KVLayout) -> tuple[int, ...]:
     return (layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim)

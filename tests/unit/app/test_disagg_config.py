@@ -252,3 +252,45 @@ def test_one_engine_id_for_every_replica_is_refused():
         AppConfig.from_dict({"engine": {"model": "/m", "kv_connector": {"engine_id": "e1"}},
                              "disaggregation": {"enabled": True}})
     assert "engine.kv_connector.engine_id: 'e1' would name every replica of both pools alike" in str(e.value)
+
+
+def test_transport_nixl_is_checked_and_reaches_both_pools(monkeypatch, tmp_path):
+    """disaggregation.transport: a typo is refused with the choices; nixl without NIXL's package is one line saying
+    what to install; with it, both pools' replicas are built with the section (their transport)."""
+    import pytest as _pytest
+    from pydantic import ValidationError
+
+    from affinity_serve.app import config as app_config_mod
+    from affinity_serve.app.config import AppConfig
+    base = {"engine": {"model": str(tmp_path)}, "disaggregation": {"enabled": True}}
+    with _pytest.raises(ValidationError, match="'ray' or 'nixl'"):
+        AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "transport": "rdma"}})
+    monkeypatch.setattr(app_config_mod, "nixl_installed", lambda: False)
+    with _pytest.raises(ValidationError, match=r"pip install 'affinity-serve\[nixl\]'"):
+        AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "transport": "nixl"}})
+    monkeypatch.setattr(app_config_mod, "nixl_installed", lambda: True)
+    cfg = AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "transport": "nixl",
+                                                               "nixl_staging_mib": 8}})
+    assert cfg.disaggregation.transport == "nixl" and cfg.disaggregation.nixl_staging_mib == 8
+    with _pytest.raises(ValidationError, match="nixl_staging_mib"):
+        AppConfig.model_validate({**base, "disaggregation": {"enabled": True, "nixl_staging_mib": 0}})
+
+
+def test_make_transport_follows_the_section():
+    from affinity_serve.app.disagg import make_transport
+    from affinity_serve.app.disagg_config import DisaggregationSection, nixl_installed
+    assert make_transport(None, object()) is None
+    assert make_transport(DisaggregationSection(), object()) is None        # ray: the object store's
+    if nixl_installed():
+        class _E:
+            woke = 0
+
+            def wake(self):
+                _E.woke += 1
+        t = make_transport(DisaggregationSection(transport="nixl", nixl_staging_mib=2), _E())
+        try:
+            assert t.staging_bytes == 2 << 20
+            t.on_hold_freed()
+            assert _E.woke == 1
+        finally:
+            t.close()
