@@ -256,7 +256,7 @@ def make_transport(disaggregation: DisaggregationSection | None, engine: Any) ->
     if disaggregation is None or disaggregation.transport != "nixl":
         return None
     from affinity_serve.engine.kv_connector.nixl import NixlTransport
-    return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake)
+    return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake_threadsafe)
 
 
 class PrefillReplica(_PDMetrics):

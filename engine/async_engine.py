@@ -197,6 +197,16 @@ class AsyncLLMEngine:
         self.engine.kv_source.release_held(transfer_id)
         self._kick()
 
+    def wake_threadsafe(self) -> None:
+        """`wake` from any thread (a KV transport's notification thread): scheduled on the engine's event loop.
+        A no-op before the engine's loop started or after it closed."""
+        loop = getattr(self, "_event_loop", None)
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._kick)
+            except RuntimeError:          # closed between the check and the call
+                return
+
     def wake(self) -> None:
         """Run a step now if there is anything to do (P/D: free held KV whose timeout has passed)."""
         self._kick()
@@ -260,7 +270,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine is shutting down")
         if self._loop_task is None:
             self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(), name="engine-step-loop")
+            self._event_loop = asyncio.get_running_loop()
+            self._loop_task = self._event_loop.create_task(self._run_loop(), name="engine-step-loop")
 
     def _kick(self) -> None:
         if self._wakeup is not None:
@@ -296,7 +307,14 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 if self._pending_adds or self._pending_aborts:
                     continue
-                await self._wakeup.wait()
+                wait_s = self.engine.next_wakeup_s()
+                if wait_s is None:
+                    await self._wakeup.wait()
+                else:           # e.g. a P/D hold times out then: step to free it
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), timeout=wait_s + 0.001)
+                    except TimeoutError:
+                        pass
                 # Idle is not stuck: the wedge clock restarts with the work that woke us, or a health check
                 # during a long first step after an idle spell would call the engine wedged.
                 self.last_progress_time = time.monotonic()

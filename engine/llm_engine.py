@@ -419,8 +419,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ state, read between steps
     def has_work(self) -> bool:
-        """Requests to run, or outputs the next step reports (aborts, finished ids): step() has work."""
-        return self.has_unfinished_requests() or self.scheduler.has_pending_output()
+        """Requests to run, transfers a step advances, or outputs the next step reports (aborts, finished ids):
+        step() has work. Blocks held for a P/D reader are not work (`next_wakeup_s` says when they time out)."""
+        sched = self.scheduler
+        return (bool(self._parents) or bool(sched.requests) or sched.has_pending_kv_transfers(for_steps=True)
+                or sched.has_pending_output())
+
+    def next_wakeup_s(self) -> float | None:
+        """Seconds until an idle engine must step anyway (a P/D hold's timeout), None: not until woken."""
+        conn = self.scheduler.connector
+        return conn.next_wakeup_s() if conn is not None else None
 
     @property
     def cache_epoch(self) -> str:

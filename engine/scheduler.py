@@ -503,10 +503,13 @@ class Scheduler:
         """Blocks held for transfers on behalf of requests that are gone (for accounting checks)."""
         return list(self._orphans.values()) + list(self._saving.values())
 
-    def has_pending_kv_transfers(self) -> bool:
+    def has_pending_kv_transfers(self, for_steps: bool = False) -> bool:
+        """Transfers still to plan or to hear back from. `for_steps`: only those a step would advance (P/D's
+        holds for a reader are not: the engine may idle while it holds them)."""
         if self.connector is None:
             return False
-        return bool(self._loading or self._orphans or self._saving or self.kv.pool.has_changes()
+        saving = bool(self._saving) and (not for_steps or self.connector.held_blocks_need_steps)
+        return bool(self._loading or self._orphans or saving or self.kv.pool.has_changes()
                     or self.connector.has_pending_work())
 
     # ================================================================== update

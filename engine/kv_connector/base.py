@@ -290,6 +290,15 @@ class KVConnectorScheduler(ABC):
         """Copies planned or in flight: the engine keeps stepping until there are none."""
         return False
 
+    #: whether blocks held after `request_finished` need steps until they are freed (a save in flight does: the
+    #: runner reports its end); False: nothing to do until `has_pending_work` says one is done (P/D's holds for a
+    #: reader), so an engine with only such holds is idle, woken by the reader or by `next_wakeup_s`
+    held_blocks_need_steps: bool = True
+
+    def next_wakeup_s(self) -> float | None:
+        """Seconds until an idle engine must step for this connector's sake (a hold's timeout), None: never."""
+        return None
+
     def take_events(self) -> list[KVEvent]:
         return []
 

@@ -189,6 +189,13 @@ class HeldTransfers:
                 del self._holds[tid]
         return done, expired
 
+    def seconds_to_next_expiry(self) -> float | None:
+        """Seconds until the earliest live hold's timeout (0 when one has passed), None without one."""
+        now = self._clock()
+        with self._lock:
+            live = [h.deadline for h in self._holds.values() if not h.done]
+        return max(0.0, min(live) - now) if live else None
+
     def has_finished(self) -> bool:
         now = self._clock()
         with self._lock:
@@ -399,9 +406,15 @@ class PDConnectorScheduler(KVConnectorScheduler):
         return PDTransferStats(dataclasses.replace(self.pd_stats), self.held.num_blocks(), _drain(self._read_times),
                                _drain(self._hold_times))
 
+    held_blocks_need_steps = False
+
     def has_pending_work(self) -> bool:
         # held blocks waiting for a reader need no steps; finished holds do (to free them)
         return bool(self._pending_loads or self._reading or self.held.has_finished())
+
+    def next_wakeup_s(self) -> float | None:
+        # an idle prefill engine steps when its earliest hold times out (a read or release wakes it before)
+        return self.held.seconds_to_next_expiry()
 
 
 def _drain(q: deque) -> list:

@@ -285,7 +285,7 @@ def test_make_transport_follows_the_section():
         class _E:
             woke = 0
 
-            def wake(self):
+            def wake_threadsafe(self):
                 _E.woke += 1
         t = make_transport(DisaggregationSection(transport="nixl", nixl_staging_mib=2), _E())
         try:

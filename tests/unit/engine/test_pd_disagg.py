@@ -559,3 +559,33 @@ def test_min_tokens_is_kept_across_the_split_as_on_one_engine(pair):
     assert first[0] + rest[0] == want
     _settle(p, d)
     _assert_empty(p, d)
+
+
+async def test_an_idle_prefill_engine_does_not_spin_while_it_holds_kv_and_frees_it_at_the_timeout(checkpoints):
+    """A hold for a reader needs no steps: the async engine's loop sleeps (it used to step thousands of times a
+    second for as long as a hold lasted) and wakes at the hold's timeout to free the blocks."""
+    import asyncio
+
+    from affinity_serve.engine.async_engine import AsyncLLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    p = AsyncLLMEngine.from_config(EngineConfig(
+        model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": BS},
+        kv_connector={"type": "pd", "transfer_timeout_s": 0.6}))
+    try:
+        async for _ in p.generate(p.make_request(_ids(40, 3), SamplingParams(max_tokens=1, **GREEDY),
+                                                 kv_transfer=RemoteDecode(), req_id="h")):
+            pass
+        assert len(p.engine.pd.held) == 1
+        steps = p.engine.num_steps
+        await asyncio.sleep(0.3)
+        assert p.engine.num_steps - steps <= 1 and len(p.engine.pd.held) == 1       # idle, still held
+        pool = p.engine.kv_cache_manager.pool
+        for _ in range(100):
+            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
+                break
+            await asyncio.sleep(0.02)
+        assert not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1
+        assert p.engine.pd.pd_stats.holds_expired == 1
+        assert p.engine.num_steps - steps <= 3
+    finally:
+        await p.shutdown()

@@ -376,3 +376,44 @@ def test_read_descriptors_cover_each_block_for_any_backend_layout(layout):
     want_ids = torch.tensor(ids[start:start + n])
     for t, g in zip(tensors, got):
         assert torch.equal(g, t.index_select(perm[0], want_ids).permute(perm))
+
+
+async def test_an_idle_prefill_engine_frees_a_read_hold_at_once(checkpoints, hf_reference):
+    """The notification thread wakes an idle AsyncLLMEngine (wake_threadsafe), whose next step frees the blocks:
+    not at the next request, nor at transfer_timeout_s."""
+    import asyncio
+
+    from affinity_serve.engine.async_engine import AsyncLLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    from affinity_serve.engine.kv_connector import RemoteDecode
+    from affinity_serve.engine.kv_connector.nixl import NixlTransport
+    path = checkpoints["llama"]
+    p = AsyncLLMEngine.from_config(EngineConfig(
+        model=path, cache={"num_blocks": 64, "block_size": BS},
+        kv_connector={"type": "pd", "transfer_timeout_s": 60.0}))
+    tp = NixlTransport(on_hold_freed=p.wake_threadsafe)
+    p.set_kv_transport(tp)
+    d, td = _engine(path)
+    try:
+        prompt = _ids(48, 41)
+        final = None
+        async for delta in p.generate(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY),
+                                                     kv_transfer=RemoteDecode(), req_id="w")):
+            final = delta
+        pool = p.engine.kv_cache_manager.pool
+        await asyncio.sleep(0.1)
+        assert len(p.engine.pd.held) == 1 and pool.num_free_blocks < p.engine.num_blocks - 1   # held, idle
+        rest, _ = await asyncio.to_thread(_run, d, "w", prompt, SamplingParams(max_tokens=4, **GREEDY),
+                                          [final.kv_transfer])
+        assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
+        for _ in range(200):
+            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
+                break
+            await asyncio.sleep(0.01)
+        assert len(p.engine.pd.held) == 0 and pool.num_free_blocks == p.engine.num_blocks - 1
+        assert p.engine.pd.pd_stats.holds_read == 1
+    finally:
+        tp.close()
+        td.close()
+        d.close()
+        await p.shutdown()
