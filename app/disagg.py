@@ -35,8 +35,8 @@ from affinity_serve.app.replica import LLMReplica
 from affinity_serve.app.routing import debug
 from affinity_serve.app.routing.serve_compat import handle_has_known_replicas
 from affinity_serve.autoscale.pools import NUM_WAITING_ON_PREFILL
-from affinity_serve.engine import EngineConfig, KVTransferError, RemoteDecode, RemotePrefill
-from affinity_serve.engine.kv_connector.pd import ReadRecord
+from affinity_serve.engine import (EngineConfig, KVTransferError, ReadRecord, RemoteDecode, RemotePrefill,
+                                   TransferRecords)
 from affinity_serve.observability.metrics import PD_FALLBACK_CAUSES, PDSample
 
 logger = logging.getLogger("affinity.disagg")
@@ -80,30 +80,9 @@ class _ObjectRead:
         self._record.end("cancelled")  # the object is freed with its last reference
 
 
-class RayObjectTransport:
-    """Decode side: a RemotePrefill's `address` is (ObjectRef of blocks [first, num_blocks), first).
-
-    It keeps a record of each transfer (by the prefill side's transfer id; the engine's thread writes it, the
-    replica takes it for the transfer's span), the most recent `max_records`."""
-
-    def __init__(self, max_records: int = 4096):
-        import threading
-        from collections import OrderedDict
-        self._records: OrderedDict[str, ReadRecord] = OrderedDict()
-        self._lock = threading.Lock()
-        self.max_records = max_records
-
-    def _keep(self, transfer_id: str, record: ReadRecord) -> ReadRecord:
-        with self._lock:
-            self._records[transfer_id] = record
-            while len(self._records) > self.max_records:
-                self._records.popitem(last=False)
-        return record
-
-    def take_record(self, transfer_id: str) -> ReadRecord | None:
-        """The transfer's record (once), None if no read or release of it was seen (the engine fell back first)."""
-        with self._lock:
-            return self._records.pop(transfer_id, None)
+class RayObjectTransport(TransferRecords):
+    """Decode side: a RemotePrefill's `address` is (ObjectRef of blocks [first, num_blocks), first). It keeps a
+    record of each transfer for its span (TransferRecords)."""
 
     def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int):
         record = self._keep(remote.transfer_id, ReadRecord(num_blocks, time.time_ns(), time.monotonic()))
@@ -150,9 +129,9 @@ class _PDMetrics(LLMReplica):
         """LLMReplica's, with the P/D counters (holds and how they ended; the decode side's remote requests) and
         the transport's ("nixl": reads posted, notifications taken)."""
         state = await super().debug_state()
-        pd = getattr(self.engine.engine, "pd", None)
+        pd = self.engine.pd_counters()
         if pd is not None:
-            state["pd"] = dataclasses.asdict(pd.pd_stats)
+            state["pd"] = pd
         t = getattr(self, "nixl", None) or getattr(self, "transport", None)
         state["pd_transport"] = "nixl" if hasattr(t, "hold_address") else "ray"
         if state["pd_transport"] == "nixl":
@@ -255,7 +234,7 @@ def make_transport(disaggregation: DisaggregationSection | None, engine: Any) ->
     decode side's RayObjectTransport, and nothing on the prefill side)."""
     if disaggregation is None or disaggregation.transport != "nixl":
         return None
-    from affinity_serve.engine.kv_connector.nixl import NixlTransport
+    from affinity_serve.engine import NixlTransport
     return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake_threadsafe)
 
 

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from affinity_serve.engine.kv_connector import check_kv_connector
     from affinity_serve.engine.kv_connector.shared_store import (UnsafeSharedStoreError, check_shared_root,
                                                                  default_shared_root)
-    from affinity_serve.engine.kv_connector.pd import KVTransferError, RemoteDecode, RemotePrefill
+    from affinity_serve.engine.kv_connector.pd import (KVTransferError, ReadRecord, RemoteDecode, RemotePrefill,
+                                                       TransferRecords)
+    from affinity_serve.engine.kv_connector.nixl import NixlAddress, NixlTransport
 
 PUBLIC_MODULES = tuple(f"affinity_serve.engine.{m}" for m in ("config", "errors", "hashing", "limits",
                                                                  "sampling_params", "types", "structured_output"))
@@ -65,6 +67,10 @@ _LAZY = {
     "RemoteDecode": "affinity_serve.engine.kv_connector.pd",
     "RemotePrefill": "affinity_serve.engine.kv_connector.pd",
     "KVTransferError": "affinity_serve.engine.kv_connector.pd",
+    "ReadRecord": "affinity_serve.engine.kv_connector.pd",
+    "TransferRecords": "affinity_serve.engine.kv_connector.pd",
+    "NixlTransport": "affinity_serve.engine.kv_connector.nixl",
+    "NixlAddress": "affinity_serve.engine.kv_connector.nixl",
 }
 
 
@@ -82,4 +88,4 @@ __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineLoad", "EngineHealth", "
            "validate_checkpoint", "resolve_context_length", "derive_max_model_len", "check_engine_support",
            "is_hub_id", "tune_gc_for_serving",
            "check_shared_root", "check_kv_connector", "default_shared_root", "UnsafeSharedStoreError", "RemoteDecode",
-           "RemotePrefill", "KVTransferError"]
+           "RemotePrefill", "KVTransferError", "ReadRecord", "TransferRecords", "NixlTransport", "NixlAddress"]

@@ -128,6 +128,15 @@ class AsyncLLMEngine:
         """`LLMEngine.set_kv_transport`: how the `pd` connector moves KV between engines; call before serving."""
         self.engine.set_kv_transport(transport)
 
+    def pd_counters(self) -> dict | None:
+        """P/D (kv_connector.type pd): the connector's cumulative counters (holds and how they ended, the decode
+        side's remote requests) as a dict copy; None without it. Unlike `take_pd_transfer_stats`, takes nothing."""
+        pd = self.engine.pd
+        if pd is None:
+            return None
+        import dataclasses
+        return dataclasses.asdict(pd.pd_stats)
+
     def take_pd_transfer_stats(self):
         """`LLMEngine.take_pd_transfer_stats`; safe from any thread (the times are taken, the counters copied)."""
         return self.engine.take_pd_transfer_stats()

@@ -31,7 +31,6 @@ import math
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from affinity_serve.engine.kv_connector.pd import KVTransferError, ReadRecord, RemotePrefill
+from affinity_serve.engine.kv_connector.pd import KVTransferError, ReadRecord, RemotePrefill, TransferRecords
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +299,7 @@ class _NixlRead:
 
 
 # ---------------------------------------------------------------- the transport
-class NixlTransport:
+class NixlTransport(TransferRecords):
     """KVTransport (decode side) and address publisher (prefill side) over one NIXL agent per engine.
 
     `set_kv_transport` binds it to its engine (`bind`): give each engine its own. `on_hold_freed` is called (on the
@@ -311,6 +310,7 @@ class NixlTransport:
                  notify_poll_s: float = 0.002, backends: tuple[str, ...] = ("UCX",),
                  on_hold_freed: Callable[[], None] | None = None, max_records: int = 4096):
         api = load_nixl()
+        super().__init__(max_records)
         if staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         self.name = name or f"affinity-{uuid.uuid4().hex[:12]}"
@@ -318,7 +318,6 @@ class NixlTransport:
         self.expiry_margin_s = expiry_margin_s
         self.notify_poll_s = notify_poll_s
         self.on_hold_freed = on_hold_freed
-        self.max_records = max_records
         self._api = api
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=list(backends)))
         self._lock = threading.RLock()              # every call into the agent, and the staging area
@@ -334,7 +333,6 @@ class NixlTransport:
         self._arena: _Arena | None = None
         self._local_dev = 0
         self._draining: list[tuple[Any, _Room | None]] = []
-        self._records: OrderedDict[str, ReadRecord] = OrderedDict()
         self._registered: list[Any] = []
         self.reads_posted = 0
         self.notifications = 0
@@ -445,18 +443,6 @@ class NixlTransport:
                 self._agent.send_notif(agent, b"release:" + remote.transfer_id.encode())
         except Exception as e:         # best effort: the hold expires at its timeout
             logger.debug("releasing %s at %s: %s", remote.transfer_id, addr.agent, e)
-
-    def take_record(self, transfer_id: str) -> ReadRecord | None:
-        """The transfer's record for its span (once), as RayObjectTransport's."""
-        with self._lock:
-            return self._records.pop(transfer_id, None)
-
-    def _keep(self, transfer_id: str, record: ReadRecord) -> ReadRecord:
-        with self._lock:
-            self._records[transfer_id] = record
-            while len(self._records) > self.max_records:
-                self._records.popitem(last=False)
-        return record
 
     def _remote_agent(self, addr: NixlAddress) -> str:
         with self._lock:

@@ -110,6 +110,29 @@ class ReadRecord:
             self.end_ns, self.seconds, self.outcome = time.time_ns(), time.monotonic() - self.started, outcome
 
 
+class TransferRecords:
+    """A decode-side transport's record of each transfer, by the prefill side's transfer id, for its span: the
+    engine's thread writes them, the replica takes each once; the most recent `max_records` are kept."""
+
+    def __init__(self, max_records: int = 4096):
+        from collections import OrderedDict
+        self._records: OrderedDict[str, ReadRecord] = OrderedDict()
+        self._records_lock = threading.Lock()
+        self.max_records = max_records
+
+    def _keep(self, transfer_id: str, record: ReadRecord) -> ReadRecord:
+        with self._records_lock:
+            self._records[transfer_id] = record
+            while len(self._records) > self.max_records:
+                self._records.popitem(last=False)
+        return record
+
+    def take_record(self, transfer_id: str) -> ReadRecord | None:
+        """The transfer's record (once), None if no read or release of it was seen (the engine fell back first)."""
+        with self._records_lock:
+            return self._records.pop(transfer_id, None)
+
+
 # ---------------------------------------------------------------- the prefill side's holds
 @dataclass(slots=True)
 class _Hold:

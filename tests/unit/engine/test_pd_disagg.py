@@ -30,8 +30,9 @@ def _engine(path, num_blocks=64, transfer_timeout_s=30.0, load_timeout_s=30.0, *
     return llm.engine
 
 
-def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0):
-    """Add one request and step until it finishes: (token ids per sequence, finishing deltas by index)."""
+def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0, others=()):
+    """Add one request and step until it finishes: (token ids per sequence, finishing deltas by index).
+    `others` (engines) step beside it (a prefill engine freeing its holds as they are read)."""
     engine.add_request(engine.make_request(prompt, params, kv_transfer=kv_transfer, req_id=rid))
     toks: dict[int, list[int]] = {}
     final = {}
@@ -43,6 +44,8 @@ def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0):
             toks.setdefault(d.index, []).extend(d.token_ids)
             if d.finished:
                 final[d.index] = d
+        for o in others:
+            o.step()
         if len(final) == params.n:
             return [toks.get(i, []) for i in range(params.n)], [final[i] for i in range(params.n)]
     raise AssertionError(f"{rid} did not finish")

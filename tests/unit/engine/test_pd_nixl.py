@@ -13,17 +13,13 @@ import pytest
 
 from affinity_serve.engine import LLM, SamplingParams
 from affinity_serve.engine.kv_connector.nixl import nixl_available
+from tests.unit.engine.test_pd_disagg import _assert_empty, _ids, _run, _settle_until_empty
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL's Python package is not installed "
                                 "(pip install 'affinity-serve[nixl]')")
 
 BS = 8
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-def _ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(10, 700) for _ in range(n)]
 
 
 def _engine(path, transport_kw=None, num_blocks=64, transfer_timeout_s=30.0, load_timeout_s=30.0, **kw):
@@ -36,52 +32,12 @@ def _engine(path, transport_kw=None, num_blocks=64, transfer_timeout_s=30.0, loa
     return llm.engine, t
 
 
-def _run(engine, rid, prompt, params, kv_transfer=None, timeout_s=60.0, others=()):
-    engine.add_request(engine.make_request(prompt, params, kv_transfer=kv_transfer, req_id=rid))
-    toks: dict[int, list[int]] = {}
-    final = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for d in engine.step().deltas:
-            if d.req_id != rid:
-                continue
-            toks.setdefault(d.index, []).extend(d.token_ids)
-            if d.finished:
-                final[d.index] = d
-        for o in others:
-            o.step()
-        if len(final) == params.n:
-            return [toks.get(i, []) for i in range(params.n)], [final[i] for i in range(params.n)]
-    raise AssertionError(f"{rid} did not finish")
-
-
 def _prefill(p, rid, prompt, params):
     one = SamplingParams(**{**{k: getattr(params, k) for k in ("n", "temperature", "ignore_eos", "seed")},
                             "max_tokens": 1})
     from affinity_serve.engine.kv_connector import RemoteDecode
     toks, finals = _run(p, rid, prompt, one, RemoteDecode())
     return toks, [f.kv_transfer for f in finals]
-
-
-def _settle_until_empty(*engines, timeout_s=15.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for e in engines:
-            e.step()
-        if all(_empty(e) for e in engines):
-            return
-        time.sleep(0.01)
-
-
-def _empty(e):
-    return (e.kv_cache_manager.pool.num_free_blocks == e.num_blocks - 1 and not e.scheduler.held_blocks()
-            and not len(e.pd.held) and not e.scheduler.requests)
-
-
-def _assert_empty(*engines):
-    for e in engines:
-        assert e.kv_cache_manager.pool.num_free_blocks == e.num_blocks - 1, "KV blocks leaked"
-        assert not e.scheduler.held_blocks() and len(e.pd.held) == 0 and not e.scheduler.requests
 
 
 @pytest.fixture
