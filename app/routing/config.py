@@ -39,6 +39,10 @@ class AffinityConfig(BaseModel):
     kv_pressure_penalty_s: float = Field(1.0, ge=0, description="TTFT penalty per pool's worth of projected "
                                          "usage above the threshold (over 1 - threshold below 1), at most "
                                          "twice this")
+    kv_wait_weight: float = Field(
+        0.0, ge=0, description="0: routing prices KV pressure with kv_pressure_threshold and kv_pressure_penalty_s; "
+        "above 0: with this times the predicted wait for KV room (the pool's excess demand over its turnover, as "
+        "admission control predicts it) instead. 0.25 cut the tail on small pools (docs: Routing benchmark)")
     # -- affinity release
     release_slack: float = Field(0.6, ge=0, description="stay while TTFT(affinity) <= best*(1+slack)+abs")
     release_slack_abs_s: float = Field(0.3, ge=0, description="the absolute part of that bound, seconds")

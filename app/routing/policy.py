@@ -198,7 +198,12 @@ class AffinityPolicy:
         key = self.group_key(request)
         out_tokens = int(self.groups.expected_output(key, request.max_tokens))
         own_blocks = [-(-(prompt - k + out_tokens) // bs) for k in cached]
-        ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
+        if cfg.kv_wait_weight > 0:     # KV pressure as a predicted wait for room, not the threshold penalty
+            ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks, kv_penalty=False)
+            waits = self.model.kv_wait_many(cands, own_blocks, out_tokens, bs)
+            ttft = [t + cfg.kv_wait_weight * w for t, w in zip(ttft, waits)]
+        else:
+            ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
         if evict_cost is not None and cfg.evict_cost_weight > 0:
             w = cfg.evict_cost_weight
             place = [t + w * evict_cost(c, b) for t, c, b in zip(ttft, cands, own_blocks)]

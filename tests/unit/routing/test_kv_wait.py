@@ -360,3 +360,24 @@ def test_far_from_the_bound_admission_skips_the_prefix_match_and_holds_the_promp
     assert core.hold_admitted("q")
     hold = [f for k, f in core.loads._in_flight.items() if k.startswith("admission-hold")]
     assert [(h.replica_id, h.uncached_tokens) for h in hold] == [("a", 15 * BS)]
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
+def test_kv_wait_weight_prices_kv_pressure_in_the_routing_ttft(weight):
+    """routing.kv_wait_weight > 0: the routing TTFT of a replica whose pool cannot take the request adds that
+    weight times the predicted wait for KV room (what admission control predicts) in place of the threshold
+    penalty; 0 (the default): the penalty (1 s per pool's worth of overage, at most 2 s)."""
+    core, _ = _core(kv_wait_weight=weight)
+    core.on_stats("a", _kv_bound_backlog())
+    ttft = core.route(_req(0), ["a"]).scores.predicted_ttft_s[0]
+    prefill = (10 * PROMPT + PROMPT) / 10_000 + 1 * 0.002
+    kv_wait = (0.95 * POOL + 10 * (PROMPT + OUT) / BS + 34 - POOL) / POOL * OUT * SEQ_TOKEN_S_PRIOR
+    if weight:
+        assert ttft == pytest.approx(prefill + weight * kv_wait, rel=0.005)
+    else:            # usage with its own 34 blocks: 0.95 + 34/40 = 1.8, so 0.8 pools over: 0.8 s
+        assert ttft == pytest.approx(prefill + 0.8, rel=0.005)
+    # the same queue in a pool it fits: no KV term at any weight
+    core, _ = _core(kv_wait_weight=weight)
+    core.on_stats("a", ReplicaLoadView(num_running=1, num_waiting=10, kv_cache_usage=0.1,
+                                       num_queued_prefill_tokens=10 * PROMPT, num_blocks=10_000))
+    assert core.route(_req(1), ["a"]).scores.predicted_ttft_s[0] == pytest.approx(prefill, rel=0.005)
