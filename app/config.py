@@ -12,7 +12,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, SecretStr, ValidationError, field_validator,
                       model_validator)
 
-from affinity_serve.app.disagg_config import DisaggregationSection, nixl_installed
+from affinity_serve.app.disagg_config import NIXL_EXPIRY_MARGIN_S, DisaggregationSection, nixl_installed
 from affinity_serve.app.routing.config import AffinityConfig, RoutingPolicyName
 from affinity_serve.autoscale.policy import PolicyConfig
 from affinity_serve.engine.config import EngineConfig, KVConnectorConfig
@@ -276,6 +276,10 @@ class AppConfig(_Strict):
         if d.transport == "nixl" and not nixl_installed():
             raise ValueError("disaggregation.transport nixl needs NIXL's Python package, which is not installed: "
                              "pip install 'affinity-serve[nixl]' (or transport ray)")
+        if d.transport == "nixl" and d.transfer_timeout_s <= NIXL_EXPIRY_MARGIN_S:
+            raise ValueError(f"disaggregation.transfer_timeout_s ({d.transfer_timeout_s:g}s) must be above "
+                             f"{NIXL_EXPIRY_MARGIN_S:g}s with transport nixl: a decode replica starts no read that "
+                             "close to a hold's expiry, so every request would be recomputed")
         if self.engine.kv_connector.type != "none":
             raise ValueError(f"disaggregation uses the pd KV connector; engine.kv_connector.type "
                              f"{self.engine.kv_connector.type!r} cannot be combined with it yet")

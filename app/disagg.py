@@ -86,6 +86,10 @@ class RayObjectTransport(TransferRecords):
 
     def start_read(self, remote: RemotePrefill, start_block: int, num_blocks: int):
         record = self._keep(remote.transfer_id, ReadRecord(num_blocks, time.time_ns(), time.monotonic()))
+        if remote.address is not None and not isinstance(remote.address, tuple):
+            record.end("incompatible")          # e.g. a NixlAddress: the prefill pool runs another transport
+            raise KVTransferError(f"the prefill side published a {type(remote.address).__name__}, not an object "
+                                  "store reference (the pools run different disaggregation.transport)", "error")
         ref, first = remote.address if remote.address is not None else (None, 0)
         if ref is None or start_block < first:
             # the prefill copied out only what this replica held then; some of it has been evicted since
@@ -228,14 +232,16 @@ class PrefillResult:
     remote: RemotePrefill | None
 
 
-def make_transport(disaggregation: DisaggregationSection | None, engine: Any) -> Any:
+def make_transport(disaggregation: DisaggregationSection | None, engine: Any, prefill: bool = False) -> Any:
     """This replica's KV transport for `disaggregation.transport`: NIXL (one agent per replica; a read's
     notification wakes the engine so that it frees the hold at once), else None (the Ray object store's: the
     decode side's RayObjectTransport, and nothing on the prefill side)."""
     if disaggregation is None or disaggregation.transport != "nixl":
         return None
     from affinity_serve.engine import NixlTransport
-    return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake_threadsafe)
+    from affinity_serve.app.disagg_config import NIXL_EXPIRY_MARGIN_S
+    return NixlTransport(staging_bytes=disaggregation.nixl_staging_mib << 20, on_hold_freed=engine.wake_threadsafe,
+                         expiry_margin_s=NIXL_EXPIRY_MARGIN_S, register_at_bind=prefill)
 
 
 class PrefillReplica(_PDMetrics):
@@ -247,7 +253,7 @@ class PrefillReplica(_PDMetrics):
         super().__init__(engine, serve, observability, autoscaling=autoscaling)
         #: NIXL: the held blocks' address travels in each RemotePrefill and the decode replica reads them where
         #: they are (no copy-out here); None: the Ray object store (`_publish` copies them out)
-        self.nixl = make_transport(disaggregation, self.engine)
+        self.nixl = make_transport(disaggregation, self.engine, prefill=True)
         if self.nixl is not None:
             self.engine.set_kv_transport(self.nixl)
 

@@ -60,9 +60,9 @@ class DisaggregationSection(BaseModel):
         "(GPU memory on CUDA: RDMA, NVLink or CUDA IPC through UCX; needs NIXL's Python package: pip install "
         "'affinity-serve[nixl]')")
     nixl_staging_mib: int = Field(
-        256, ge=1, description="transport nixl: each decode replica's staging area for reads in flight, MiB on its "
-        "device (outside the KV cache's memory budget); a read that does not fit waits for room, one larger than "
-        "the whole area gets a buffer of its own")
+        256, ge=1, le=1 << 20, description="transport nixl: each decode replica's staging area for reads in "
+        "flight, MiB on its device (outside the KV cache's memory budget); a read that does not fit waits for room, "
+        "one larger than the whole area gets a buffer of its own (one such read at a time)")
     transfer_timeout_s: float = Field(
         30.0, gt=0, description="a prefill replica frees a request's held KV blocks if they were not copied out "
         "(transport ray) or read (transport nixl) by then (the caller left)")
@@ -80,6 +80,11 @@ class DisaggregationSection(BaseModel):
     def prefill_timeout(self, first_token_timeout_s: float) -> float:
         """The decode replica's deadline on one prefill call (prefill_timeout_s, or its default)."""
         return self.prefill_timeout_s if self.prefill_timeout_s is not None else first_token_timeout_s / 2
+
+
+#: transport nixl: a decode replica starts no read within this many seconds of the hold's expiry
+#: (NixlTransport.expiry_margin_s)
+NIXL_EXPIRY_MARGIN_S = 1.0
 
 
 def nixl_installed() -> bool:

@@ -134,13 +134,23 @@ def main(argv=None) -> int:
         ap.error(f"--blocks: a comma list of positive integers, not {args.blocks!r}")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device: cpu or cuda (or cuda:N), not {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device: cpu or cuda (or cuda:N), not {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     from affinity_serve.engine.kv_connector.nixl import nixl_available
     if not nixl_available():
         ap.error("NIXL's Python package is not installed (pip install 'affinity-serve[nixl]')")
     layout = args.layout or ("llama3-8b" if device.type == "cuda" else "demo")
+    if args.json:
+        try:
+            open(args.json, "a").close()         # fail now, not after the run
+        except OSError as e:
+            ap.error(f"--json: cannot write {args.json!r}: {e}")
     rows = run(layout, device, blocks, args.reps)
     print(f"\n{'path':<12} {'layout':<10} {'blocks':>6} {'block B':>9} {'request ms':>10} {'us/block':>9} "
           f"{'GB/s':>7} {'vs host':>8}")

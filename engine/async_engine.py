@@ -59,6 +59,8 @@ class AsyncLLMEngine:
         self._pending_adds: list[tuple[EngineRequest, SamplingParams]] = []   # checked, for the next step
         self._pending_aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
+        if getattr(engine, "pd", None) is not None:     # a P/D hold read or released: step to free it
+            engine.pd.held.on_done = self.wake_threadsafe
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._stopping = False

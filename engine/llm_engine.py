@@ -511,4 +511,7 @@ class LLMEngine:
             self.kv_connector.close()
         if self.pd is not None:
             default_local_transport().unregister(self.pd.engine_id)
+            close = getattr(self.pd.transport, "close", None)
+            if close is not None:          # a transport of this engine's own (NIXL: its agent and thread)
+                close()
         self.structured_output.close()

@@ -151,6 +151,9 @@ class HeldTransfers:
 
     def __init__(self, timeout_s: float, clock=time.monotonic):
         self.timeout_s = timeout_s
+        #: called (from any thread) when a hold is done (read or released), so that an idle engine steps to free
+        #: it (AsyncLLMEngine sets its thread-safe wake)
+        self.on_done: Any = None
         self._clock = clock
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
@@ -179,20 +182,25 @@ class HeldTransfers:
             h.num_readers -= 1
             if ok:
                 h.done = h.was_read = True
+        self._changed()
 
     def release(self, transfer_id: str) -> None:
         with self._lock:
             h = self._holds.get(transfer_id)
-            if h is not None:
-                h.done = True
+            if h is None:
+                return
+            h.done = True
+        self._changed()
 
     def mark_read(self, transfer_id: str) -> None:
         """A reader that read the blocks without pinning them (a one-sided read, e.g. NIXL's) is done: free them.
         Unknown or already freed ids are ignored."""
         with self._lock:
             h = self._holds.get(transfer_id)
-            if h is not None and not h.done:
-                h.done = h.was_read = True
+            if h is None or h.done:
+                return
+            h.done = h.was_read = True
+        self._changed()
 
     def take_finished(self) -> tuple[dict[str, tuple[float, bool]], dict[str, tuple[float, bool]]]:
         """Holds to free now, by id with (seconds held, was read): (read or released, expired unread)."""
@@ -213,11 +221,26 @@ class HeldTransfers:
         return done, expired
 
     def seconds_to_next_expiry(self) -> float | None:
-        """Seconds until the earliest live hold's timeout (0 when one has passed), None without one."""
+        """Seconds until the earliest live hold's timeout (0 when one has passed), None without one. A hold being
+        read is left out (it cannot expire mid-read; its reader's end wakes the engine)."""
         now = self._clock()
         with self._lock:
-            live = [h.deadline for h in self._holds.values() if not h.done]
+            live = [h.deadline for h in self._holds.values() if not h.done and not h.num_readers]
         return max(0.0, min(live) - now) if live else None
+
+    def seconds_left(self, transfer_id: str) -> float | None:
+        """Seconds until `transfer_id`'s hold expires unread; None if it is not held."""
+        with self._lock:
+            h = self._holds.get(transfer_id)
+            return None if h is None else h.deadline - self._clock()
+
+    def _changed(self) -> None:
+        cb = self.on_done
+        if cb is not None:
+            try:
+                cb()
+            except Exception:
+                logger.exception("HeldTransfers.on_done")
 
     def has_finished(self) -> bool:
         now = self._clock()

@@ -118,8 +118,9 @@ class PDWorker:
         assert self.copier is not None
         if hasattr(data, "scatter_into"):     # blocks in a transport's own staging (NIXL), in its axis order
             if data.n != len(t.block_ids):
+                data.discard()
                 raise ValueError(f"read {data.n} blocks, expected {len(t.block_ids)}")
-            data.scatter_into(self.copier, t.block_ids)
+            data.scatter_into(self.copier, t.block_ids)     # gives the staging back, landed or not
             return
         arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
         with warnings.catch_warnings():       # read-only (Ray's zero-copy objects): only read here

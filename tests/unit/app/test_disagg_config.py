@@ -294,3 +294,33 @@ def test_make_transport_follows_the_section():
             assert _E.woke == 1
         finally:
             t.close()
+
+
+def test_transport_nixl_needs_a_transfer_timeout_above_the_read_margin(monkeypatch, tmp_path):
+    import pytest as _pytest
+    from pydantic import ValidationError
+
+    from affinity_serve.app import config as app_config_mod
+    from affinity_serve.app.config import AppConfig
+    monkeypatch.setattr(app_config_mod, "nixl_installed", lambda: True)
+    with _pytest.raises(ValidationError, match="transfer_timeout_s .* must be above 1s with transport nixl"):
+        AppConfig.model_validate({"engine": {"model": str(tmp_path)}, "disaggregation": {
+            "enabled": True, "transport": "nixl", "transfer_timeout_s": 0.5}})
+
+
+def test_the_ray_transport_refuses_another_transports_address_as_incompatible():
+    """A decode replica on the object store given a prefill from a NIXL pool (mixed transports): a clean
+    KVTransferError (it recomputes) and the span says incompatible, not a TypeError unpacking the address."""
+    import pytest as _pytest
+
+    from affinity_serve.app.disagg import RayObjectTransport
+    from affinity_serve.engine import KVTransferError, RemotePrefill
+
+    class NotARef:
+        pass
+    t = RayObjectTransport()
+    remote = RemotePrefill("p", "tid", "key", 32, 4, 7, address=NotARef())
+    with _pytest.raises(KVTransferError) as e:
+        t.start_read(remote, 0, 4)
+    assert e.value.cause == "error" and "transport" in str(e.value)
+    assert t.take_record("tid").outcome == "incompatible"

@@ -592,3 +592,37 @@ async def test_an_idle_prefill_engine_does_not_spin_while_it_holds_kv_and_frees_
         assert p.engine.num_steps - steps <= 3
     finally:
         await p.shutdown()
+
+
+async def test_an_idle_prefill_engine_frees_a_hold_as_soon_as_it_is_read(checkpoints, hf_reference):
+    """Over the in-process transport: the read's end wakes the idle async prefill engine (HeldTransfers.on_done),
+    which frees the blocks at once, not at the hold's timeout."""
+    import asyncio
+
+    from affinity_serve.engine.async_engine import AsyncLLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    path = checkpoints["llama"]
+    p = AsyncLLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": BS},
+                                                kv_connector={"type": "pd", "transfer_timeout_s": 60.0}))
+    d = _engine(path)
+    try:
+        prompt = _ids(40, 9)
+        final = None
+        async for delta in p.generate(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY),
+                                                     kv_transfer=RemoteDecode(), req_id="z")):
+            final = delta
+        await asyncio.sleep(0.1)
+        assert len(p.engine.pd.held) == 1
+        rest, _ = await asyncio.to_thread(_run, d, "z", prompt, SamplingParams(max_tokens=4, **GREEDY),
+                                          [final.kv_transfer])
+        assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
+        pool = p.engine.kv_cache_manager.pool
+        for _ in range(100):
+            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
+                break
+            await asyncio.sleep(0.01)
+        assert not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1
+        assert p.engine.pd.pd_stats.holds_read == 1
+    finally:
+        d.close()
+        await p.shutdown()

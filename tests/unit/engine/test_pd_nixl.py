@@ -222,7 +222,7 @@ def test_abort_storm_over_nixl_leaks_nothing(checkpoints):
                     d.abort_request(rng.choice(live))
         _settle_until_empty(p, d, timeout_s=20)
         _assert_empty(p, d)
-        assert td.num_draining() == 0
+        assert td.num_draining() == 0 and td.staging_bytes_free() == td.staging_bytes and not td._in_flight
     finally:
         for e, t in ((p, tp), (d, td)):
             t.close()
@@ -373,3 +373,56 @@ async def test_an_idle_prefill_engine_frees_a_read_hold_at_once(checkpoints, hf_
         td.close()
         d.close()
         await p.shutdown()
+
+
+def test_a_read_that_fails_in_flight_gives_everything_back(nixl_pair, hf_reference):
+    """NIXL raises from check_xfer_state when a transfer fails (a peer gone mid-read): the read is a 'missing'
+    failure, the request recomputes, and its staging room, handle and in-flight count all come back."""
+    path, p, d, tp, td = nixl_pair
+    prompt = _ids(48, 61)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    first, remotes = _prefill(p, "f", prompt, params)
+
+    def broken(handle):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+    td._agent.check_xfer_state = broken
+    rest, _ = _run(d, "f", prompt, params, remotes)
+    assert first[0] + rest[0] == hf_reference(path, prompt, 4)
+    assert d.pd.stats.loads_failed == 1 and d.pd.stats.load_failures_missing == 1
+    assert td.take_record("f").outcome == "missing"
+    assert td.staging_bytes_free() == td.staging_bytes and not td._in_flight
+
+
+def test_reads_larger_than_the_area_take_their_own_buffer_one_at_a_time(checkpoints, hf_reference):
+    path = checkpoints["llama"]
+    (p, tp), (d, td) = _engine(path), _engine(path, transport_kw={"staging_bytes": 4096})
+    try:
+        params = SamplingParams(max_tokens=4, **GREEDY)
+        prompts = {"u": _ids(72, 71), "v": _ids(80, 72)}
+        prefilled = {rid: _prefill(p, rid, pr, params) for rid, pr in prompts.items()}
+        for rid, pr in prompts.items():
+            d.add_request(d.make_request(pr, params, kv_transfer=prefilled[rid][1], req_id=rid))
+        toks = {rid: [] for rid in prompts}
+        deadline = time.monotonic() + 30
+        while d.has_unfinished_requests() and time.monotonic() < deadline:
+            for delta in d.step().deltas:
+                toks[delta.req_id].extend(delta.token_ids)
+            assert not (td._own_buffer_busy and td.num_draining())
+            p.step()
+        for rid, pr in prompts.items():
+            assert prefilled[rid][0][0] + toks[rid] == hf_reference(path, pr, 4)
+        assert d.pd.stats.loads_ok == 2 and not td._own_buffer_busy
+        _settle_until_empty(p, d)
+        _assert_empty(p, d)
+    finally:
+        for e, t in ((p, tp), (d, td)):
+            t.close()
+            e.close()
+
+
+def test_the_transport_checks_its_arguments():
+    from affinity_serve.engine.kv_connector.nixl import NixlTransport
+    for kw, what in (({"staging_bytes": 0}, "staging_bytes"), ({"notify_poll_s": 0}, "notify_poll_s"),
+                     ({"expiry_margin_s": -1}, "expiry_margin_s"), ({"max_records": 0}, "max_records")):
+        with pytest.raises(ValueError, match=what):
+            NixlTransport(**kw)

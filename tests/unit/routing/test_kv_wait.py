@@ -381,3 +381,13 @@ def test_kv_wait_weight_prices_kv_pressure_in_the_routing_ttft(weight):
     core.on_stats("a", ReplicaLoadView(num_running=1, num_waiting=10, kv_cache_usage=0.1,
                                        num_queued_prefill_tokens=10 * PROMPT, num_blocks=10_000))
     assert core.route(_req(1), ["a"]).scores.predicted_ttft_s[0] == pytest.approx(prefill, rel=0.005)
+
+
+def test_kv_wait_weight_keeps_the_penalty_where_no_pool_size_is_reported():
+    """Without a reported pool size there is no wait to predict: such a replica keeps the threshold penalty."""
+    core, _ = _core(kv_wait_weight=1.0, kv_pressure_threshold=0.5)
+    core.on_stats("a", ReplicaLoadView(num_running=1, num_waiting=0, kv_cache_usage=0.95,
+                                       num_queued_prefill_tokens=0, num_blocks=0))
+    ttft = core.route(_req(0), ["a"]).scores.predicted_ttft_s[0]
+    # usage 0.95 over threshold 0.5, ramped over 0.5: 0.9 of the 1 s penalty
+    assert ttft == pytest.approx(PROMPT / 10_000 + 0.002 + 0.9, rel=0.01)
