@@ -67,8 +67,11 @@ async def test_engine_load_carries_each_steps_work_and_time(checkpoints):
     await eng.shutdown()
 
 
-#: a modelled device slow enough that the tiny model's own compute is a small part of each step
-PACE = {"enabled": True, "step_base_s": 0.04, "prefill_per_token_s": 0.001, "decode_per_context_token_s": 0.0004}
+#: a modelled device slow enough that the tiny model's own compute is a small part of each step, also on a
+#: loaded 2-core machine (at half these costs one full `make test` fitted a prefill cost of 0; not reproduced
+#: alone or beside two CPU burners, so the cause is a guess: steps whose compute outran the model)
+PACE = {"enabled": True, "step_base_s": 0.08, "prefill_per_token_s": 0.002, "decode_per_context_token_s": 0.0008}
+TPOT_SLO_S = 0.4
 
 
 async def test_replica_steps_reach_the_recorder_and_learned_capacity_converges(checkpoints):
@@ -96,9 +99,9 @@ async def test_replica_steps_reach_the_recorder_and_learned_capacity_converges(c
     assert s.step_base_s == pytest.approx(PACE["step_base_s"], rel=0.15)
     assert s.prefill_s_per_token == pytest.approx(PACE["prefill_per_token_s"], rel=0.15)
     assert s.decode_s_per_context_token == pytest.approx(PACE["decode_per_context_token_s"], rel=0.15)
-    cfg = PolicyConfig(tpot_slo_s=0.2)
+    cfg = PolicyConfig(tpot_slo_s=TPOT_SLO_S)
     cap = replica_capacity(s, cfg)
     assert cap.prefill_tokens_per_s == pytest.approx(1 / PACE["prefill_per_token_s"], rel=0.15)
-    want_c = (0.2 - PACE["step_base_s"]) / (PACE["decode_per_context_token_s"] * s.mean_context_tokens)
+    want_c = (TPOT_SLO_S - PACE["step_base_s"]) / (PACE["decode_per_context_token_s"] * s.mean_context_tokens)
     assert cap.tpot_seqs == pytest.approx(min(want_c, s.max_num_seqs or want_c), rel=0.2)
     await rep.engine.shutdown()
