@@ -77,7 +77,7 @@ def run(layout: str, device: torch.device, blocks: list[int], reps: int) -> list
                 t0 = time.perf_counter()
                 h = td.start_read(remote, 0, n)
                 while (data := h.poll()) is None:
-                    pass
+                    time.sleep(0)              # yield: the agents' progress may need another thread
                 data.scatter_into(dw.copier, dst)
                 _sync(device)
                 t_nixl = time.perf_counter() - t0

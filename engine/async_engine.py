@@ -9,6 +9,7 @@ step thread mutates them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -322,10 +323,8 @@ class AsyncLLMEngine:
                 if wait_s is None:
                     await self._wakeup.wait()
                 else:           # e.g. a P/D hold times out then: step to free it
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), timeout=wait_s + 0.001)
-                    except TimeoutError:
-                        pass
                 # Idle is not stuck: the wedge clock restarts with the work that woke us, or a health check
                 # during a long first step after an idle spell would call the engine wedged.
                 self.last_progress_time = time.monotonic()

@@ -26,7 +26,8 @@ def _engine(path, device, backend="torch"):
                cache={"num_blocks": 64, "block_size": BS}, kv_connector={"type": "pd"}).engine
 
 
-def _run(engine, rid, prompt, params, kv):
+def _run(engine, rid, prompt, params, kv, other=None):
+    """Step `engine` (and `other` beside it: a prefill engine freeing holds) until `rid` finishes."""
     engine.add_request(engine.make_request(prompt, params, kv_transfer=kv, req_id=rid))
     toks, final = [], None
     deadline = time.monotonic() + 60
@@ -35,6 +36,8 @@ def _run(engine, rid, prompt, params, kv):
             toks += d.token_ids
             if d.finished:
                 final = d
+        if other is not None:
+            other.step()
     assert final is not None
     return toks, final
 

@@ -3,17 +3,15 @@ held blocks out of its GPU KV cache (VRAM registered with UCX) into a staging ar
 them into its own pool. Greedy output token-exact against transformers in float32 (a CUDA decode engine on the
 torch and triton backends, and a CPU decode engine reading VRAM); both pools empty afterwards, the holds freed by
 the readers' notifications. Skipped without CUDA or without NIXL's Python package."""
-import random
 import time
 
 import pytest
 
+from tests.gpu.test_pd_disagg_cuda import BS, GREEDY, _ids, _run
+
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-BS = 8
 
 
 @pytest.fixture(autouse=True)
@@ -21,11 +19,6 @@ def _needs_nixl():
     from affinity_serve.engine.kv_connector.nixl import nixl_available
     if not nixl_available():
         pytest.skip("NIXL's Python package is not installed (pip install 'affinity-serve[nixl]')")
-
-
-def _ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(10, 700) for _ in range(n)]
 
 
 def _engine(path, device, backend="torch"):
@@ -36,21 +29,6 @@ def _engine(path, device, backend="torch"):
     t = NixlTransport()
     e.set_kv_transport(t)
     return e, t
-
-
-def _run(engine, rid, prompt, params, kv, other=None):
-    engine.add_request(engine.make_request(prompt, params, kv_transfer=kv, req_id=rid))
-    toks, final = [], None
-    deadline = time.monotonic() + 60
-    while final is None and time.monotonic() < deadline:
-        for d in engine.step().deltas:
-            toks += d.token_ids
-            if d.finished:
-                final = d
-        if other is not None:
-            other.step()
-    assert final is not None
-    return toks, final
 
 
 @pytest.mark.parametrize("decode", [("cuda", "torch"), ("cuda", "triton"), ("cpu", "torch")],

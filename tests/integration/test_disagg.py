@@ -4,6 +4,7 @@ strings; short prompts served by the decode replica itself; a prefill pool that 
 recompute; both pools end with every KV block free."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import httpx
@@ -20,29 +21,50 @@ PREFILL_TIMEOUT_S = 6.0
 PREFILL_BACKOFF_S = 20.0      # longer than the recompute and checks after the timeout take here
 
 
-@pytest.fixture(scope="module")
-def pd_url(ray_serve, checkpoints):
+@contextlib.contextmanager
+def deployed_pd(base_url: str, model: str, app: str, prefix: str, disaggregation: dict):
+    """A 1 prefill + 1 decode app of `model` on the running Serve, deployed and running until the block ends."""
     from ray import serve
 
     from affinity_serve.app.builder import build_app
 
-    cfg = app_config(checkpoints["llama"])
-    cfg["disaggregation"] = {"enabled": True, "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
-                             "prefill_timeout_s": PREFILL_TIMEOUT_S, "prefill_backoff_s": PREFILL_BACKOFF_S,
-                             "prefill": {"num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
-                             "decode": {"num_replicas": 1}}
-    serve.run(build_app(cfg), name=APP, route_prefix="/disagg")
+    cfg = app_config(model)
+    cfg["disaggregation"] = {"enabled": True, "prefill": {
+        "num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
+        "decode": {"num_replicas": 1}, **disaggregation}
+    serve.run(build_app(cfg), name=app, route_prefix=prefix)
     try:
-        wait_running(APP, "LLMReplica", 1)
-        wait_running(APP, "PrefillReplica", 1)
-        yield ray_serve + "/disagg"
+        wait_running(app, "LLMReplica", 1)
+        wait_running(app, "PrefillReplica", 1)
+        yield base_url + prefix
     finally:
-        serve.delete(APP)
+        serve.delete(app)
+
+
+def pd_state(app: str, deployment: str) -> dict:
+    from ray import serve
+    return serve.get_deployment_handle(deployment, app_name=app).debug_state.remote().result(timeout_s=30)
+
+
+def pd_pools_empty(app: str) -> bool:
+    """Both pools hold no request and every KV block is free."""
+    for dep in ("LLMReplica", "PrefillReplica"):
+        st = pd_state(app, dep)
+        if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def pd_url(ray_serve, checkpoints):
+    with deployed_pd(ray_serve, checkpoints["llama"], APP, "/disagg", {
+            "min_remote_prefill_tokens": MIN_REMOTE, "transfer_timeout_s": 5.0,
+            "prefill_timeout_s": PREFILL_TIMEOUT_S, "prefill_backoff_s": PREFILL_BACKOFF_S}) as url:
+        yield url
 
 
 def _state(deployment: str) -> dict:
-    from ray import serve
-    return serve.get_deployment_handle(deployment, app_name=APP).debug_state.remote().result(timeout_s=30)
+    return pd_state(APP, deployment)
 
 
 def _ids(n, seed):
@@ -58,11 +80,7 @@ def _complete(c, url, prompt, **kw):
 
 
 def _pools_empty():
-    for dep in ("LLMReplica", "PrefillReplica"):
-        st = _state(dep)
-        if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
-            return False
-    return True
+    return pd_pools_empty(APP)
 
 
 def test_pd_greedy_equals_transformers_whole_and_streamed(pd_url, checkpoints, hf_reference):

@@ -6,13 +6,12 @@ timeout); both pools end with every KV block free."""
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import pytest
 
 from affinity_serve.app.disagg_config import nixl_installed
-from tests.integration.conftest import app_config, wait_running
+from tests.integration.test_disagg import _ids, deployed_pd, pd_pools_empty, pd_state
 from tests.integration.waiting import wait_until
 
 pytestmark = [pytest.mark.slow,        # deploys its own 1P+1D app
@@ -22,41 +21,21 @@ APP = "affinity-disagg-nixl"
 
 @pytest.fixture(scope="module")
 def nixl_url(ray_serve, checkpoints):
-    from ray import serve
-
-    from affinity_serve.app.builder import build_app
-
-    cfg = app_config(checkpoints["llama"])
-    cfg["disaggregation"] = {"enabled": True, "transport": "nixl", "nixl_staging_mib": 4,
-                             "min_remote_prefill_tokens": 12, "transfer_timeout_s": 20.0,
-                             "prefill": {"num_replicas": 1, "engine": {"scheduler": {"max_num_batched_tokens": 64}}},
-                             "decode": {"num_replicas": 1}}
-    serve.run(build_app(cfg), name=APP, route_prefix="/disagg-nixl")
-    try:
-        wait_running(APP, "LLMReplica", 1)
-        wait_running(APP, "PrefillReplica", 1)
-        yield ray_serve + "/disagg-nixl"
-    finally:
-        serve.delete(APP)
+    with deployed_pd(ray_serve, checkpoints["llama"], APP, "/disagg-nixl", {
+            "transport": "nixl", "nixl_staging_mib": 4, "min_remote_prefill_tokens": 12,
+            "transfer_timeout_s": 20.0}) as url:
+        yield url
 
 
 def _state(deployment: str) -> dict:
-    from ray import serve
-    return serve.get_deployment_handle(deployment, app_name=APP).debug_state.remote().result(timeout_s=30)
-
-
-def _ids(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(10, 700) for _ in range(n)]
+    return pd_state(APP, deployment)
 
 
 def _pools_empty():
-    for dep in ("LLMReplica", "PrefillReplica"):
-        st = _state(dep)
-        if st["num_free_blocks"] != st["num_blocks"] - 1 or st["num_requests"]:
-            return False
-    return not _state("PrefillReplica")["pd"]["holds"] - sum(
-        _state("PrefillReplica")["pd"][k] for k in ("holds_read", "holds_released", "holds_expired"))
+    if not pd_pools_empty(APP):
+        return False
+    pd = _state("PrefillReplica")["pd"]
+    return pd["holds"] == pd["holds_read"] + pd["holds_released"] + pd["holds_expired"]
 
 
 def test_pd_over_nixl_is_token_exact_whole_streamed_and_n2(nixl_url, checkpoints, hf_reference):

@@ -317,7 +317,7 @@ def test_the_ray_transport_refuses_another_transports_address_as_incompatible():
     from affinity_serve.engine import KVTransferError, RemotePrefill
 
     class NotARef:
-        pass
+        """An address of another transport's kind (a NixlAddress stands here)."""
     t = RayObjectTransport()
     remote = RemotePrefill("p", "tid", "key", 32, 4, 7, address=NotARef())
     with _pytest.raises(KVTransferError) as e:

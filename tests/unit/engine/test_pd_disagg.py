@@ -87,6 +87,19 @@ def _settle_until_empty(*engines, timeout_s=30.0):
         time.sleep(0.01)
 
 
+async def await_holds_freed(p, timeout_s: float) -> None:
+    """Wait (without stepping: the async engine's own loop must) until async engine `p` holds no P/D transfer and
+    every KV block is free; assert it did within `timeout_s`."""
+    import asyncio
+    pool = p.engine.kv_cache_manager.pool
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
+            return
+        await asyncio.sleep(0.01)
+    assert not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1, "holds not freed"
+
+
 def _assert_empty(*engines):
     for e in engines:
         pool = e.kv_cache_manager.pool
@@ -575,19 +588,14 @@ async def test_an_idle_prefill_engine_does_not_spin_while_it_holds_kv_and_frees_
         model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": BS},
         kv_connector={"type": "pd", "transfer_timeout_s": 0.6}))
     try:
-        async for _ in p.generate(p.make_request(_ids(40, 3), SamplingParams(max_tokens=1, **GREEDY),
-                                                 kv_transfer=RemoteDecode(), req_id="h")):
-            pass
+        deltas = [x async for x in p.generate(p.make_request(_ids(40, 3), SamplingParams(max_tokens=1, **GREEDY),
+                                                             kv_transfer=RemoteDecode(), req_id="h"))]
+        assert deltas[-1].finished and deltas[-1].kv_transfer is not None
         assert len(p.engine.pd.held) == 1
         steps = p.engine.num_steps
         await asyncio.sleep(0.3)
         assert p.engine.num_steps - steps <= 1 and len(p.engine.pd.held) == 1       # idle, still held
-        pool = p.engine.kv_cache_manager.pool
-        for _ in range(100):
-            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
-                break
-            await asyncio.sleep(0.02)
-        assert not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1
+        await await_holds_freed(p, 2.0)
         assert p.engine.pd.pd_stats.holds_expired == 1
         assert p.engine.num_steps - steps <= 3
     finally:
@@ -616,12 +624,7 @@ async def test_an_idle_prefill_engine_frees_a_hold_as_soon_as_it_is_read(checkpo
         rest, _ = await asyncio.to_thread(_run, d, "z", prompt, SamplingParams(max_tokens=4, **GREEDY),
                                           [final.kv_transfer])
         assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
-        pool = p.engine.kv_cache_manager.pool
-        for _ in range(100):
-            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
-                break
-            await asyncio.sleep(0.01)
-        assert not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1
+        await await_holds_freed(p, 1.0)          # the hold's timeout is 60 s
         assert p.engine.pd.pd_stats.holds_read == 1
     finally:
         d.close()

@@ -13,7 +13,7 @@ import pytest
 
 from affinity_serve.engine import LLM, SamplingParams
 from affinity_serve.engine.kv_connector.nixl import nixl_available
-from tests.unit.engine.test_pd_disagg import _assert_empty, _ids, _run, _settle_until_empty
+from tests.unit.engine.test_pd_disagg import _assert_empty, _ids, _run, _settle_until_empty, await_holds_freed
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL's Python package is not installed "
                                 "(pip install 'affinity-serve[nixl]')")
@@ -32,6 +32,13 @@ def _engine(path, transport_kw=None, num_blocks=64, transfer_timeout_s=30.0, loa
     return llm.engine, t
 
 
+def _close(*engines):
+    """Close each engine (and with it its NIXL transport: its agent and notification thread)."""
+    for e in engines:
+        if e is not None:
+            e.close()
+
+
 def _prefill(p, rid, prompt, params):
     one = SamplingParams(**{**{k: getattr(params, k) for k in ("n", "temperature", "ignore_eos", "seed")},
                             "max_tokens": 1})
@@ -45,9 +52,7 @@ def nixl_pair(checkpoints):
     path = checkpoints["llama"]
     (p, tp), (d, td) = _engine(path), _engine(path)
     yield path, p, d, tp, td
-    for e, t in ((p, tp), (d, td)):
-        t.close()
-        e.close()
+    _close(p, d)
 
 
 @pytest.mark.parametrize("n_prompt", [9, 17, 40, 65, 130])
@@ -108,13 +113,13 @@ def test_n_greater_than_one_reads_each_sequence(nixl_pair, hf_reference):
 
 def test_prefill_engine_gone_before_the_read_recomputes(checkpoints, hf_reference):
     path = checkpoints["llama"]
-    (p, tp), (d, td) = _engine(path), _engine(path, load_timeout_s=3.0)
+    (p, tp), (d, _) = _engine(path), _engine(path, load_timeout_s=3.0)
     try:
         prompt = _ids(48, 7)
         params = SamplingParams(max_tokens=6, **GREEDY)
         first, remotes = _prefill(p, "g", prompt, params)
-        tp.close()
-        p.close()
+        p.close()                       # closes its transport too: its agent is gone
+        assert tp.closed
         # its agent is gone: the metadata names an agent nobody answers for (a dead process)
         rest, _ = _run(d, "g", prompt, params, remotes)
         assert first[0] + rest[0] == hf_reference(path, prompt, 6)
@@ -122,13 +127,12 @@ def test_prefill_engine_gone_before_the_read_recomputes(checkpoints, hf_referenc
         _settle_until_empty(d)
         _assert_empty(d)
     finally:
-        td.close()
-        d.close()
+        _close(d)
 
 
 def test_an_expired_hold_is_not_read(checkpoints, hf_reference):
     path = checkpoints["llama"]
-    (p, tp), (d, td) = _engine(path, transfer_timeout_s=0.5), _engine(path, transport_kw={"expiry_margin_s": 0.2})
+    (p, _), (d, td) = _engine(path, transfer_timeout_s=0.5), _engine(path, transport_kw={"expiry_margin_s": 0.2})
     try:
         prompt = _ids(48, 8)
         params = SamplingParams(max_tokens=6, **GREEDY)
@@ -143,9 +147,7 @@ def test_an_expired_hold_is_not_read(checkpoints, hf_reference):
         _settle_until_empty(p, d)
         _assert_empty(p, d)
     finally:
-        for e, t in ((p, tp), (d, td)):
-            t.close()
-            e.close()
+        _close(p, d)
 
 
 def test_a_full_staging_area_makes_reads_wait_not_fail(checkpoints, hf_reference):
@@ -176,16 +178,12 @@ def test_a_full_staging_area_makes_reads_wait_not_fail(checkpoints, hf_reference
         _assert_empty(p, d)
         assert td.staging_bytes_free() == td.staging_bytes      # every region back
     finally:
-        tp.close()
-        p.close()
-        if d is not None:
-            td.close()
-            d.close()
+        _close(p, d)
 
 
 def test_a_read_larger_than_the_staging_area_gets_its_own_buffer(checkpoints, hf_reference):
     path = checkpoints["llama"]
-    (p, tp), (d, td) = _engine(path), _engine(path, transport_kw={"staging_bytes": 4096})
+    (p, _), (d, _) = _engine(path), _engine(path, transport_kw={"staging_bytes": 4096})
     try:
         prompt = _ids(72, 13)
         params = SamplingParams(max_tokens=4, **GREEDY)
@@ -196,14 +194,12 @@ def test_a_read_larger_than_the_staging_area_gets_its_own_buffer(checkpoints, hf
         _settle_until_empty(p, d)
         _assert_empty(p, d)
     finally:
-        for e, t in ((p, tp), (d, td)):
-            t.close()
-            e.close()
+        _close(p, d)
 
 
 def test_abort_storm_over_nixl_leaks_nothing(checkpoints):
     path = checkpoints["llama"]
-    (p, tp), (d, td) = _engine(path, num_blocks=128), _engine(path, num_blocks=128)
+    (p, _), (d, td) = _engine(path, num_blocks=128), _engine(path, num_blocks=128)
     try:
         rng = random.Random(0)
         params = SamplingParams(max_tokens=12, **GREEDY)
@@ -224,9 +220,7 @@ def test_abort_storm_over_nixl_leaks_nothing(checkpoints):
         _assert_empty(p, d)
         assert td.num_draining() == 0 and td.staging_bytes_free() == td.staging_bytes and not td._in_flight
     finally:
-        for e, t in ((p, tp), (d, td)):
-            t.close()
-            e.close()
+        _close(p, d)
 
 
 def test_a_transfer_from_another_transport_recomputes(nixl_pair, hf_reference):
@@ -255,8 +249,7 @@ def _prefill_in_process(path, prompt, out, cmd):
             time.sleep(0.01)
         p.step()
         out.put(dataclasses.asdict(p.pd.pd_stats))
-    tp.close()
-    p.close()
+    _close(p)
 
 
 @pytest.mark.parametrize("prefill_dies", [False, True], ids=["alive", "killed"])
@@ -297,8 +290,7 @@ def test_a_prefill_engine_in_another_process(checkpoints, hf_reference, prefill_
             proc.join(timeout=20)
             if proc.is_alive():
                 proc.kill()
-        td.close()
-        d.close()
+        _close(d)
 
 
 @pytest.mark.parametrize("layout", ["torch", "flash", "block-first"])
@@ -362,17 +354,12 @@ async def test_an_idle_prefill_engine_frees_a_read_hold_at_once(checkpoints, hf_
         rest, _ = await asyncio.to_thread(_run, d, "w", prompt, SamplingParams(max_tokens=4, **GREEDY),
                                           [final.kv_transfer])
         assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
-        for _ in range(200):
-            if not len(p.engine.pd.held) and pool.num_free_blocks == p.engine.num_blocks - 1:
-                break
-            await asyncio.sleep(0.01)
-        assert len(p.engine.pd.held) == 0 and pool.num_free_blocks == p.engine.num_blocks - 1
+        await await_holds_freed(p, 2.0)          # the hold's timeout is 60 s
         assert p.engine.pd.pd_stats.holds_read == 1
     finally:
-        tp.close()
-        td.close()
-        d.close()
-        await p.shutdown()
+        _close(d)
+        await p.shutdown()              # closes its engine and with it tp
+        assert tp.closed
 
 
 def test_a_read_that_fails_in_flight_gives_everything_back(nixl_pair, hf_reference):
@@ -395,7 +382,7 @@ def test_a_read_that_fails_in_flight_gives_everything_back(nixl_pair, hf_referen
 
 def test_reads_larger_than_the_area_take_their_own_buffer_one_at_a_time(checkpoints, hf_reference):
     path = checkpoints["llama"]
-    (p, tp), (d, td) = _engine(path), _engine(path, transport_kw={"staging_bytes": 4096})
+    (p, _), (d, td) = _engine(path), _engine(path, transport_kw={"staging_bytes": 4096})
     try:
         params = SamplingParams(max_tokens=4, **GREEDY)
         prompts = {"u": _ids(72, 71), "v": _ids(80, 72)}
@@ -415,9 +402,7 @@ def test_reads_larger_than_the_area_take_their_own_buffer_one_at_a_time(checkpoi
         _settle_until_empty(p, d)
         _assert_empty(p, d)
     finally:
-        for e, t in ((p, tp), (d, td)):
-            t.close()
-            e.close()
+        _close(p, d)
 
 
 def test_the_transport_checks_its_arguments():
