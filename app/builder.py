@@ -142,7 +142,8 @@ def disagg_deployments(config: AppConfig, engine: EngineConfig):
     decode = base.options(func_or_class=DecodeReplica, name="LLMReplica", **pool_options("decode", d.decode),
                           request_router_config=request_router_config(
                               config, PDDecodeRouter, disaggregation=d.model_dump(mode="json", include={
-                                  "min_remote_prefill_tokens", "same_node_slack_s", "same_node_slack_requests"})))
+                                  "min_remote_prefill_tokens", "local_prefill_slack_s", "same_node_slack_s",
+                                  "same_node_slack_requests"})))
     prefill_scaling = pool_autoscaling(config.autoscaling, d.prefill)
     from affinity_serve.engine import derive_max_model_len
     return decode.bind(pool_engine_config(engine, d.decode, d), config.serve, obs, prefill_app, d,

@@ -329,6 +329,8 @@ class DisaggCounters:
     remote: int = 0             # requests prefilled by the prefill pool
     local_short: int = 0        # served here: the uncached part was below min_remote_prefill_tokens
     local_ineligible: int = 0   # served here: max_tokens 1, no prefill pool, or a prompt past the prefill pool's length
+    local_backlog: int = 0      # served here: the ingress predicted the prefill pool too slow for it
+                                # (disaggregation.local_prefill_slack_s)
     prefill_failed: int = 0     # the prefill pool failed: recomputed here
     prefill_pool_empty: int = 0  # of those, the pool had no running replica (not called)
     prefill_timeouts: int = 0   # of those, no answer within disaggregation.prefill_timeout_s (the call cancelled)
@@ -520,6 +522,9 @@ class DecodeReplica(_PDMetrics):
         limit = getattr(self, "prefill_max_model_len", None)
         if limit is not None and len(req.prompt_token_ids) >= limit:     # prompt + its first token would not fit
             self.disagg.local_ineligible += 1
+            return None
+        if req.local_prefill:
+            self.disagg.local_backlog += 1
             return None
         k = self._local_hit_blocks(req)
         if len(req.prompt_token_ids) - k * self.engine.block_size < self.min_remote_prefill_tokens:

@@ -42,6 +42,12 @@ class DisaggregationSection(BaseModel):
     min_remote_prefill_tokens: int = Field(
         256, ge=0, description="a decode replica prefills a request itself when fewer prompt tokens than this are "
         "missing from its own prefix cache (a short prompt, or a later turn of a conversation it holds)")
+    local_prefill_slack_s: float | None = Field(
+        None, ge=0, description="conditional disaggregation: the ingress has the decode replica it chose prefill "
+        "a request itself when the prefill pool's best replica is predicted to give its first token more than "
+        "this many seconds later than that decode replica would (a prefill pool backlogged or scaling out: TTFT "
+        "bought with the decode replica's TPOT, whose running streams share those prefill steps); with "
+        "routing.policy prefix_affinity or llm_d_precise (the policies that predict TTFT); null: never")
     same_node_slack_s: float = Field(
         0.05, ge=0, description="the ingress chooses a request's prefill replica first (prefix affinity on the "
         "prefill pool), then prefers a decode replica on that replica's node (the KV copy stays in the node's "

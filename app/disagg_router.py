@@ -10,6 +10,10 @@ The decode pool's router in the ingress process (`PDDecodeRouter`) decides in th
    process (`PrefillPoolRouter`, on a handle the ingress opens; it follows the prefill replicas' KV events and
    stats like any router) routes the prefill part (one token per sequence) and records it as in flight until
    the request's first token;
+   Conditional disaggregation (`local_prefill_slack_s`, off by default): when that prefill replica is predicted
+   to give the first token more than the slack later than step 1's decode replica would prefilling the request
+   itself, the pick is dropped and that decode replica prefills it (`GenerateRequest.local_prefill`). A request
+   the prefill pool does prefill counts on its decode replica as decode load only (`prefill_elsewhere`);
 3. the decode replica again: the best candidate on the prefill replica's node goes first when it is predicted
    to hold at least as much of the prompt as step 1's choice (so a replica holding earlier turns keeps its
    request) and to be at most `same_node_slack_s` slower (its decode load and KV room are in that prediction);
@@ -192,9 +196,10 @@ class PrefillPoolRouter(AffinityRequestRouter):
             self.num_pinned += 1
         return out
 
-    def pick(self, req: GenerateRequest) -> tuple[str, str | None] | None:
-        """The prefill replica for `req` and its node (None: no replica known), recorded in this router's core
-        as in flight (`release` ends it). Run on the router loop."""
+    def pick(self, req: GenerateRequest) -> tuple[str, str | None, float | None] | None:
+        """The prefill replica for `req`, its node and its predicted TTFT (None where the policy predicts none),
+        or None (no replica known); recorded in this router's core as in flight (`release` ends it). Run on the
+        router loop."""
         self.last_active = time.monotonic()        # routing through the core directly: the feed must not idle
         ids = [k for k in self._clients if k in self.node_of]
         if not ids:
@@ -205,7 +210,8 @@ class PrefillPoolRouter(AffinityRequestRouter):
         decision = self.core.route(route, ids)
         if not decision.chosen:
             return None
-        return decision.chosen, self.node_of.get(decision.chosen)
+        chosen = decision.chosen
+        return chosen, self.node_of.get(chosen), _predicted_ttft(self.policy, decision, chosen)
 
     def release(self, req_id: str, first_token: bool) -> None:
         """The prefill part of `req_id` is over (its first token came: the TTFT model learns from it)."""
@@ -224,12 +230,13 @@ class PDDecodeRouter(AffinityRequestRouter):
         super().initialize_state(routing, block_size, warmup_timeout_s)
         d = DisaggregationSection.model_validate(disaggregation or {})
         self.min_remote_prefill_tokens = d.min_remote_prefill_tokens
+        self.local_prefill_slack_s = d.local_prefill_slack_s
         self.same_node_slack_s = d.same_node_slack_s
         self.same_node_slack_requests = d.same_node_slack_requests
         self.node_of: dict[str, str | None] = {}
         self._picks: dict[str, PrefillPoolRouter] = {}
         self.pd_counters = {"prefill_picked": 0, "local": 0, "same_node": 0, "moved_to_prefill_node": 0,
-                            "other_node": 0, "no_prefill_view": 0}
+                            "other_node": 0, "no_prefill_view": 0, "local_backlog": 0}
 
     def _sync_members(self, replicas: list[RunningReplica]) -> None:
         self.node_of = {_replica_key(r.replica_id): r.node_id for r in replicas}
@@ -274,9 +281,15 @@ class PDDecodeRouter(AffinityRequestRouter):
         if picked is None:
             self.pd_counters["no_prefill_view"] += 1
             return ranks
-        key, node = picked
+        key, node, remote_ttft = picked
+        if self._prefill_here(decision, remote_ttft):
+            prefill.release(req.req_id, first_token=False)
+            req.local_prefill = True
+            self.pd_counters["local_backlog"] += 1
+            return ranks
         req.prefill_replica = key
         self._picks[req.req_id] = prefill
+        self.core.loads.prefill_elsewhere(req.req_id)      # its prefill is the prefill pool's load, not ours
         self.pd_counters["prefill_picked"] += 1
         move = self._same_node(decision, node) if decision is not None else None
         if move is not None:
@@ -288,6 +301,14 @@ class PDDecodeRouter(AffinityRequestRouter):
         if first is not None and node is not None:
             self.pd_counters["same_node" if first.node_id == node else "other_node"] += 1
         return ranks
+
+    def _prefill_here(self, decision: Decision | None, remote_ttft: float | None) -> bool:
+        """Conditional disaggregation (`local_prefill_slack_s`): whether the decode replica of `decision` is
+        predicted to give the first token more than the slack sooner than the prefill pool's best replica."""
+        if self.local_prefill_slack_s is None or remote_ttft is None or decision is None:
+            return False
+        local = _predicted_ttft(self.policy, decision, decision.chosen)
+        return local is not None and remote_ttft > local + self.local_prefill_slack_s
 
     def _same_node(self, decision: Decision, node: str | None) -> str | None:
         """Step 3: the decode replica to put first so that the request decodes on `node` (None: keep)."""
@@ -316,6 +337,15 @@ class PDDecodeRouter(AffinityRequestRouter):
 
     def state(self, num_decisions: int) -> dict[str, Any]:
         return {**super().state(num_decisions), "disaggregation": dict(self.pd_counters)}
+
+
+def _predicted_ttft(policy: str, decision: Decision, replica_id: str) -> float | None:
+    """The policy's predicted TTFT of `replica_id` in `decision`; None under the load-only policies (which
+    predict none) or for a replica not scored."""
+    if policy in LOAD_ONLY_POLICIES:
+        return None
+    score = decision.score_of(replica_id)
+    return score.predicted_ttft_s if score is not None else None
 
 
 def open_prefill_view(app_name: str) -> Any:

@@ -419,6 +419,9 @@ class GenerateRequest(EngineRequest):
     #: on the prefill pool), which the decode replica's call to the prefill pool goes to first; the decode
     #: replica was then chosen near it (same node). None: the decode replica's own prefill router decides.
     prefill_replica: str | None = None
+    #: P/D: the ingress's router found the prefill pool predicted too slow for this request
+    #: (disaggregation.local_prefill_slack_s): the decode replica prefills it itself, without calling the pool
+    local_prefill: bool = False
 
 
 @dataclass(slots=True)

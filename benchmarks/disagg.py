@@ -235,7 +235,8 @@ def _trace(args, seed):
     return out
 
 
-def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: int | None = None):
+def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: int | None = None,
+        spill_tokens: int = 0):
     """num_prefill None: unified. `late_reads`: the decode engines start a request's KV read only when they
     admit it (the connector before early reads), not when it arrives. `budget`: the unified (or decode)
     engines' token budget, default --budget. Returns (requests, engines' stats, start time)."""
@@ -252,10 +253,22 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: 
     def pick(pool):
         return min(pool, key=lambda w: w.in_flight)
 
+    queued: dict[str, int] = {}          # worker name -> prompt tokens sent to it whose first token has not come
+    spilled: dict[str, Worker] = {}      # request id -> the decode worker that prefills it itself
+    num_spilled = 0
+
+    def first_token(w, rid):
+        if rid in spilled or not w.name.startswith("D"):
+            spilled.pop(rid, None)
+            queued[w.name] -= len(reqs[rid].prompt)
+
     def on_unified(w, d):
         r = reqs[d.req_id]
         now = time.monotonic()
         if d.token_ids:
+            if not r.token_times:
+                with lock:
+                    first_token(w, d.req_id)
             r.token_times.extend([now] * len(d.token_ids))
         if d.finished:
             r.failed = d.finish_reason not in ("length", "stop")
@@ -270,6 +283,7 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: 
         if d.finished:
             with lock:
                 w.in_flight -= 1
+                queued[w.name] -= len(r.prompt)
                 target = pick(decodes)
                 target.in_flight += 1
             if d.kv_transfer is None:
@@ -291,6 +305,7 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: 
         entry = decodes
     workers = prefills + decodes
     for w in workers:
+        queued[w.name] = 0
         w.start()
     t0 = time.monotonic()
     for i, (at, prompt) in enumerate(_trace(args, args.seed)):
@@ -298,11 +313,19 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: 
         if wait > 0:
             time.sleep(wait)
         r = reqs[f"r{i}"] = Req(f"r{i}", prompt, time.monotonic(), args.max_tokens)
+        remote = bool(num_prefill)
         with lock:
             w = pick(entry)
+            if remote and spill_tokens and min(queued[x.name] for x in entry) >= spill_tokens:
+                # conditional disaggregation: the prefill pool is backed up, prefill on a decode device
+                w = min(decodes, key=lambda x: (queued[x.name], x.in_flight))
+                spilled[r.rid] = w
+                num_spilled += 1
+                remote = False
             w.in_flight += 1
-        params = _params(1) if num_prefill else _params(r.max_tokens)
-        w.inbox.put((r.rid, prompt, params, RemoteDecode() if num_prefill else None))
+            queued[w.name] += len(prompt)
+        params = _params(1) if remote else _params(r.max_tokens)
+        w.inbox.put((r.rid, prompt, params, RemoteDecode() if remote else None))
     deadline = time.monotonic() + args.drain_s
     while time.monotonic() < deadline and any(r.done is None for r in reqs.values()):
         time.sleep(0.05)
@@ -311,7 +334,7 @@ def run(model, args, num_prefill: int | None, late_reads: bool = False, budget: 
     for w in workers:
         w.join(timeout=5)
     stats = {"loads_failed": 0, "loads_ok": 0, "hits": 0, "queries": 0, "held_s": 0.0, "holds": 0,
-             "read_s": 0.0, "steps": 0, "overruns": 0, "overrun_s": 0.0}
+             "read_s": 0.0, "steps": 0, "overruns": 0, "overrun_s": 0.0, "spilled": num_spilled}
     for w in workers:
         e = w.engine
         stats["steps"] += e.runner.steps
@@ -351,7 +374,8 @@ def summarize(name, reqs, stats, t0):
             "kv_reads": stats["loads_ok"], "fallbacks": stats["loads_failed"],
             "mean_hold_s": stats["held_s"] / max(1, stats["holds"]),
             "mean_read_s": stats["read_s"] / max(1, stats["loads_ok"]),
-            "steps": stats["steps"], "overrun_steps": stats["overruns"], "overrun_s": stats["overrun_s"],
+            "spilled": stats.get("spilled", 0), "steps": stats["steps"], "overrun_steps": stats["overruns"],
+            "overrun_s": stats["overrun_s"],
             "_tpot_series": [(r.token_times[0] - t0, (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1))
                              for r in ok]}
 
@@ -444,6 +468,10 @@ def parse_args(argv=None):
                     help="comma list: run unified once per token budget (chunked prefill), e.g. 512,1024,2048; "
                          "a budget listed twice runs twice (row '#2': how far unified repeats); default: --budget only")
     ap.add_argument("--prefill-budget", type=int, default=4096)
+    ap.add_argument("--spill-tokens", default="",
+                    help="comma list: run each split once per value; a request whose least-loaded prefill "
+                         "engine has this many prompt tokens queued is prefilled on a decode engine instead "
+                         "(conditional disaggregation); 0: never")
     ap.add_argument("--device-profile", choices=sorted(PROFILES),
                     help="derive the pace costs and the KV link's time from a GPU and model (DeviceProfile)")
     ap.add_argument("--time-dilation", type=float, default=None,
@@ -521,7 +549,9 @@ def main():
     for i, b in enumerate(budgets):
         results.append(summarize(unified_name(args.num_engines, budgets, i), *run(model, args, None, budget=b)))
     for p in (int(x) for x in args.splits.split(",")):
-        results.append(summarize(f"P/D {p}:{args.num_engines - p}", *run(model, args, p)))
+        for t in [int(x) for x in args.spill_tokens.split(",") if x] or [0]:
+            name = f"P/D {p}:{args.num_engines - p}" + (f" spill {t}" if t else "")
+            results.append(summarize(name, *run(model, args, p, spill_tokens=t)))
     for p in (int(x) for x in args.late_read_splits.split(",") if x):
         results.append(summarize(f"P/D {p}:{args.num_engines - p} late", *run(model, args, p, late_reads=True)))
     base = min((r for r in results if r["config"].startswith("unified")), key=lambda r: r["tpot_p99_s"])
@@ -547,6 +577,9 @@ def main():
               f"{r['mean_hold_s'] / k:7.4f} {r['mean_read_s'] * 1e3 / k:7.1f} "
               f"{r['overrun_steps'] / max(1, r['steps']):8.1%}  "
               f"{r['tpot_p99_s'] / base['tpot_p99_s']:.2f}x / {r['ttft_p99_s'] / base['ttft_p99_s']:.2f}x")
+    for r in results:
+        if r.get("spilled"):
+            print(f"{r['config']}: {r['spilled']} requests prefilled on a decode engine")
     checks = verdicts(results)
     for v in checks:
         print(f"target vs {v['unified']:<19}: {v['pd']:<12} TPOT p99 {v['tpot_p99_ratio']:.2f}x, TTFT p99 "

@@ -329,7 +329,7 @@ class PrefixAffinityRouterCore:
             self.on_actual_cached(req_id, num_cached_tokens)
         now = self.clock()
         f = self.loads.start(req_id, now)
-        if f is None:
+        if f is None or f.remote:
             return
         ttft = now - f.routed_at
         if num_cached_tokens is None:

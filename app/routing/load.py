@@ -42,6 +42,7 @@ class InFlight:
     kv_blocks: int = 0         # KV blocks it will hold there (prompt + expected output)
     out_tokens: int = 0        # output tokens it is expected to generate (for the KV-wait model)
     held: bool = False         # an admission hold: never reaches the replica, so no snapshot includes it
+    remote: bool = False       # P/D: prefilled by another pool (prefill_elsewhere): no queued prefill here
 
     def pending_at(self, taken: float) -> bool:
         """Whether a snapshot taken at `taken` leaves this request out (it is added on top)."""
@@ -199,6 +200,8 @@ class LoadTracker:
         self.add(req_id, replica_id, uncached_tokens=uncached_tokens, predicted_cached_tokens=predicted_cached_tokens,
                  num_prompt_tokens=f.num_prompt_tokens, block_hashes=f.block_hashes, now=now,
                  tier_tokens=tier_tokens, kv_blocks=f.kv_blocks, out_tokens=f.out_tokens)
+        if f.remote:
+            self.prefill_elsewhere(req_id)
         return self._in_flight.get(req_id)
 
     def start(self, req_id: str, now: float) -> InFlight | None:
@@ -215,6 +218,20 @@ class LoadTracker:
                 load.retired_tokens += f.uncached_tokens
             load.refresh()
         return f
+
+    def prefill_elsewhere(self, req_id: str) -> None:
+        """P/D: the request's prompt is prefilled by another pool and its replica here only reads the KV: its
+        uncached part stops counting as prefill queued there (and its TTFT, the other pool's, is not this
+        replica's to learn from: `remote`)."""
+        f = self._in_flight.get(req_id)
+        if f is None or f.started or f.remote:
+            return
+        load = self._loads.get(f.replica_id)
+        if load is not None and f.pending_at(load.taken_at):
+            load.pending_tokens -= f.uncached_tokens
+            load.refresh()
+        f.uncached_tokens = f.tier_tokens = 0
+        f.remote = True
 
     def cancel(self, req_id: str) -> None:
         """Forget a request that never reached a replica (an admission hold that was routed or expired)."""

@@ -100,3 +100,23 @@ def test_a_unified_budget_listed_twice_runs_twice_under_distinct_names():
     assert names == ["unified x8 b512", "unified x8 b2048", "unified x8 b2048 #2", "unified x8 b512 #2"]
     assert unified_name(4, [2048], 0) == "unified x4"
     assert parse_args(["--unified-budgets", "2048,2048"]).unified_budgets == "2048,2048"
+
+
+def test_a_backed_up_prefill_pool_spills_prefills_onto_the_decode_engines(tmp_path):
+    """--spill-tokens (conditional disaggregation): with one prefill engine paced slow and every request
+    arriving at once, requests past the threshold's queue are prefilled on a decode engine, and every
+    request still finishes with all its tokens; without a threshold none is."""
+    from affinity_serve.engine.demo import write_demo_model
+    from benchmarks.disagg import run
+
+    model = str(tmp_path / "m")
+    write_demo_model(model, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                     max_position_embeddings=1024, seed=1)
+    args = parse_args(["--num-engines", "3", "--num-requests", "6", "--rate", "1000", "--min-prompt", "200",
+                       "--max-prompt", "300", "--max-tokens", "3", "--num-blocks", "400", "--drain-s", "60",
+                       "--step-base-s", "0.002", "--prefill-per-token-s", "0.0005"])
+    for spill, spilled in ((250, True), (0, False)):
+        reqs, stats, _ = run(model, args, 1, spill_tokens=spill)
+        assert all(r.done is not None and not r.failed and len(r.token_times) == 3 for r in reqs)
+        assert (stats["spilled"] > 0) is spilled and stats["spilled"] < 6
+        assert stats["loads_ok"] == 6 - stats["spilled"]

@@ -324,3 +324,14 @@ def test_the_ray_transport_refuses_another_transports_address_as_incompatible():
         t.start_read(remote, 0, 4)
     assert e.value.cause == "error" and "transport" in str(e.value)
     assert t.take_record("tid").outcome == "incompatible"
+
+
+def test_the_decode_pools_router_gets_every_routing_setting_of_the_section():
+    """The ingress's PDDecodeRouter is built from its request_router_kwargs (Serve passes JSON only): a setting
+    left out of them silently took its default there (local_prefill_slack_s did)."""
+    cfg = _cfg(min_remote_prefill_tokens=64, local_prefill_slack_s=0.25, same_node_slack_s=0.5,
+               same_node_slack_requests=3)
+    decode = disagg_deployments(cfg, cfg.engine.to_engine_config())._bound_deployment
+    kwargs = decode._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs["disaggregation"] == {"min_remote_prefill_tokens": 64, "local_prefill_slack_s": 0.25,
+                                        "same_node_slack_s": 0.5, "same_node_slack_requests": 3}

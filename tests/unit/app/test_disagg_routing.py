@@ -37,7 +37,8 @@ def _replica(app: str, dep: str, key: str, node: str, stats: dict | None = None)
 
 
 def _routers(decode_nodes: dict[str, str], prefill_nodes: dict[str, str], decode_stats: dict | None = None,
-             slack_s: float = 0.05, policy: str = "prefix_affinity", slack_requests: int = 2):
+             slack_s: float = 0.05, policy: str = "prefix_affinity", slack_requests: int = 2,
+             prefill_stats: dict | None = None, local_prefill_slack_s: float | None = None):
     """The ingress's two routers (decode pool, prefill pool) over stand-ins; caller node 'head'."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
     app = f"pd{next(_apps)}"
@@ -45,12 +46,13 @@ def _routers(decode_nodes: dict[str, str], prefill_nodes: dict[str, str], decode
                          handle_source=DeploymentHandleSource.REPLICA, self_node_id="head")
     dec.initialize_state(**_kwargs(policy), disaggregation={"min_remote_prefill_tokens": MIN_REMOTE,
                                                             "same_node_slack_s": slack_s,
-                                                            "same_node_slack_requests": slack_requests})
+                                                            "same_node_slack_requests": slack_requests,
+                                                            "local_prefill_slack_s": local_prefill_slack_s})
     pre = PrefillPoolRouter(deployment_id=DeploymentID(name="PrefillReplica", app_name=app),
                             handle_source=DeploymentHandleSource.REPLICA, self_node_id="head")
     pre.initialize_state(**_kwargs(policy))
     decs = [_replica(app, "LLMReplica", k, n, (decode_stats or {}).get(k)) for k, n in decode_nodes.items()]
-    pres = [_replica(app, "PrefillReplica", k, n) for k, n in prefill_nodes.items()]
+    pres = [_replica(app, "PrefillReplica", k, n, (prefill_stats or {}).get(k)) for k, n in prefill_nodes.items()]
     dec._sync_members(decs)
     pre._sync_members(pres)
     return dec, pre, decs, pres
@@ -147,6 +149,60 @@ async def test_the_prefill_pick_is_in_flight_until_the_first_token_or_the_end_of
     await dec.choose_replicas(decs, p3)
     dec.on_first_token("q3", 0)
     assert pre.core.loads.in_flight("q3") is None
+
+
+async def test_a_backlogged_prefill_pool_has_the_decode_replica_prefill_itself_past_the_slack():
+    """Conditional disaggregation: the only prefill replica has 50,000 prompt tokens queued (about 5 s at
+    the 10k tokens/s prior), the decode replicas none. With local_prefill_slack_s 1 s the chosen decode
+    replica prefills the request itself: no prefill replica is pinned, the pick is not left in flight in the
+    prefill pool's load, and the decode replica is told (`local_prefill`). With a slack above the gap, with
+    none set (the default), or with an idle prefill pool, the prefill pool prefills it."""
+    backlog = {"pA": {"num_queued_prefill_tokens": 50_000}}
+    cases = [(backlog, 1.0, True), (backlog, 30.0, False), (backlog, None, False), (None, 1.0, False)]
+    for i, (stats, slack, local) in enumerate(cases):
+        dec, pre, decs, _ = _routers({"dA": "A", "dB": "B"}, {"pA": "A"}, prefill_stats=stats,
+                                     local_prefill_slack_s=slack)
+        pending = _pending(f"c{i}", _hashes(100 + i, 8))
+        ranks = await dec.choose_replicas(decs, pending)
+        req = pending.args[0]
+        assert ranks and req.local_prefill is local, (stats, slack)
+        assert (req.prefill_replica is None) is local
+        c = dec.state(0)["disaggregation"]
+        assert (c["local_backlog"], c["prefill_picked"]) == ((1, 0) if local else (0, 1))
+        assert (pre.core.loads.in_flight(req.req_id) is None) is local
+        assert pre.core.counters().num_decisions == 1             # the prefill pool was asked either way
+
+
+async def test_a_remote_prefill_is_not_counted_as_prefill_queued_on_its_decode_replica():
+    """The decode replica of a request the prefill pool prefills only reads its KV: the decode pool's router
+    counts none of its prompt as queued prefill there (it did: a phantom queue as long as the prefill pool's
+    wait), nor learns its prefill rate from that request's TTFT (the prefill pool's time); the prefill pool's
+    router does. So with one decode replica and slack 0, the second request of a burst sees the prefill
+    replica one prompt behind and the decode replica idle, and is prefilled on the decode replica."""
+    dec, pre, decs, _ = _routers({"dA": "A"}, {"pA": "A"}, local_prefill_slack_s=0.0)
+    first, second = _pending("b1", _hashes(120, 8), extra_tokens=600), _pending("b2", _hashes(121, 8))
+    await dec.choose_replicas(decs, first)
+    dec.on_request_routed(first, decs[0].replica_id, None)
+    assert first.args[0].prefill_replica == "pA"
+    assert dec.core.loads.get("dA").queued_prefill_tokens == 0
+    assert pre.core.loads.get("pA").queued_prefill_tokens == len(first.args[0].prompt_token_ids)
+    await dec.choose_replicas(decs, second)
+    assert second.args[0].local_prefill and second.args[0].prefill_replica is None
+    dec_rate, pre_rate = dec.core.model.prefill_tokens_per_s, pre.core.model.prefill_tokens_per_s
+    dec.core.clock = pre.core.clock = lambda: 1e9        # a first token very late: a sample that would move a rate
+    dec.on_first_token("b1", 0)
+    assert dec.core.model.prefill_tokens_per_s == dec_rate
+    assert pre.core.model.prefill_tokens_per_s != pre_rate
+
+
+async def test_load_only_policies_never_prefill_on_the_decode_replica_for_a_backlog():
+    """power_of_two predicts no TTFT: local_prefill_slack_s cannot apply, the prefill pool prefills."""
+    dec, pre, decs, _ = _routers({"dA": "A"}, {"pA": "A"}, policy="power_of_two",
+                                 prefill_stats={"pA": {"num_queued_prefill_tokens": 500_000}},
+                                 local_prefill_slack_s=0.0)
+    pending = _pending("p2", _hashes(110, 8))
+    await dec.choose_replicas(decs, pending)
+    assert not pending.args[0].local_prefill and pending.args[0].prefill_replica == "pA"
 
 
 async def test_without_a_prefill_view_the_decode_pool_routes_as_usual():

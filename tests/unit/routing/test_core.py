@@ -301,6 +301,26 @@ def test_on_routed_moves_the_load_and_the_speculative_blocks():
     assert core.counters().num_rerouted == 1
 
 
+def test_a_request_prefilled_elsewhere_counts_no_queued_prefill_here_and_keeps_that_when_moved():
+    """P/D (LoadTracker.prefill_elsewhere): the prefill pool prefills it, so neither the replica it was routed
+    to nor the one it moves to counts its prompt as queued prefill; it still counts as decode load there, and
+    a snapshot taken before it and its first token retire nothing (no negative queue)."""
+    core, clock = make()
+    core.route(req("r1", suffix="x"), ["a"])
+    core.loads.prefill_elsewhere("r1")
+    d = core.route(req("r2", suffix="y"), ["a", "b"])
+    assert score(d, "a").queued_prefill_tokens == 0 and score(d, "a").decode_load == 1
+    core.on_routed("r1", "b")
+    d = core.route(req("r3", suffix="z"), ["a", "b"])
+    assert score(d, "b").decode_load == 1
+    assert score(d, "b").queued_prefill_tokens == 0 and core.loads.in_flight("r1").remote
+    clock.t += 0.1
+    stats(core, "b", num_queued_prefill_tokens=0, num_running=0)
+    core.on_first_token("r1")
+    d = core.route(req("r4", suffix="w"), ["b"])
+    assert score(d, "b").queued_prefill_tokens == 0
+
+
 def test_the_prefill_rate_and_step_cost_are_calibrated_from_observed_ttfts():
     core, clock = make(calibrate=True, decode_step_s=0.002)
     rng = random.Random(3)
