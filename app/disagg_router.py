@@ -282,7 +282,7 @@ class PDDecodeRouter(AffinityRequestRouter):
             self.pd_counters["no_prefill_view"] += 1
             return ranks
         key, node, remote_ttft = picked
-        if self._prefill_here(decision, remote_ttft):
+        if self._prefill_here(req, decision, remote_ttft, prefill.core):
             prefill.release(req.req_id, first_token=False)
             req.local_prefill = True
             self.pd_counters["local_backlog"] += 1
@@ -302,13 +302,29 @@ class PDDecodeRouter(AffinityRequestRouter):
             self.pd_counters["same_node" if first.node_id == node else "other_node"] += 1
         return ranks
 
-    def _prefill_here(self, decision: Decision | None, remote_ttft: float | None) -> bool:
+    def _prefill_here(self, req: GenerateRequest, decision: Decision | None, remote_ttft: float | None,
+                      prefill_core: Any) -> bool:
         """Conditional disaggregation (`local_prefill_slack_s`): whether the decode replica of `decision` is
         predicted to give the first token more than the slack sooner than the prefill pool's best replica."""
         if self.local_prefill_slack_s is None or remote_ttft is None or decision is None:
             return False
-        local = _predicted_ttft(self.policy, decision, decision.chosen)
+        local = self._local_ttft(req, decision, prefill_core)
         return local is not None and remote_ttft > local + self.local_prefill_slack_s
+
+    def _local_ttft(self, req: GenerateRequest, decision: Decision, prefill_core: Any) -> float | None:
+        """The first token's predicted time if the decode replica of `decision` prefilled `req` itself: its
+        queued prefill and the prompt's uncached part at the prefill rate the prefill pool's router measured
+        (this router's own rate learns only from the few requests decode replicas prefill, so it stays near
+        its prior), plus its running requests' steps. The policy's own prediction where no rate is measured."""
+        if _predicted_ttft(self.policy, decision, decision.chosen) is None:
+            return None
+        score = decision.score_of(decision.chosen)
+        rate = getattr(getattr(prefill_core, "model", None), "prefill_tokens_per_s", None)
+        step = getattr(getattr(self.core, "model", None), "decode_step_s", None)
+        if score is None or not rate or step is None:
+            return score.predicted_ttft_s if score is not None else None
+        uncached = max(0, len(req.prompt_token_ids) - score.predicted_cached_tokens)
+        return (score.queued_prefill_tokens + uncached) / rate + score.decode_load * step
 
     def _same_node(self, decision: Decision, node: str | None) -> str | None:
         """Step 3: the decode replica to put first so that the request decodes on `node` (None: keep)."""

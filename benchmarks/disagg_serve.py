@@ -57,9 +57,11 @@ class Result:
 
 
 # ---------------------------------------------------------------- the apps
-def app_config(args: argparse.Namespace, model: str, num_prefill: int | None) -> dict[str, Any]:
+def app_config(args: argparse.Namespace, model: str, num_prefill: int | None,
+               local_prefill_slack_s: float | None = None) -> dict[str, Any]:
     """The app's config: N unified replicas (num_prefill None) or num_prefill prefill + N - num_prefill decode
-    replicas, every engine paced to the device; the prefill pool with a larger token budget."""
+    replicas, every engine paced to the device; the prefill pool with a larger token budget.
+    `local_prefill_slack_s`: P/D's conditional disaggregation (wall seconds), None: off."""
     pace = {"enabled": True, "step_base_s": args.step_base_s, "prefill_per_token_s": args.prefill_per_token_s,
             "decode_per_context_token_s": args.decode_per_context_token_s}
     engine = {"model": model, "num_threads": 1, "cache": {"num_blocks": args.num_blocks, "block_size": BLOCK_SIZE},
@@ -76,6 +78,7 @@ def app_config(args: argparse.Namespace, model: str, num_prefill: int | None) ->
             raise ValueError(f"a P/D split needs 1..{args.num_replicas - 1} prefill replicas, got {num_prefill}")
         cfg["disaggregation"] = {
             "enabled": True, "min_remote_prefill_tokens": 256, "transfer_timeout_s": wall_timeout_s,
+            "local_prefill_slack_s": local_prefill_slack_s,
             "prefill": {"num_replicas": num_prefill,
                         "engine": {"scheduler": {"max_num_batched_tokens": args.prefill_budget}}},
             "decode": {"num_replicas": args.num_replicas - num_prefill}}
@@ -210,7 +213,7 @@ def unloaded_row(results: list[Result]) -> dict[str, Any]:
                                   for r in ok], 50), "completed": len(ok), "failed": len(results) - len(ok)}
 
 
-COUNTERS = ("kv_reads", "kv_read_failures", "kv_read_bytes", "remote_prefills", "prefill_failed")
+COUNTERS = ("kv_reads", "kv_read_failures", "kv_read_bytes", "remote_prefills", "prefill_failed", "local_backlog")
 
 
 def pool_counters(num_prefill: int | None, num_replicas: int) -> dict[str, Any]:
@@ -225,7 +228,8 @@ def pool_counters(num_prefill: int | None, num_replicas: int) -> dict[str, Any]:
                 "kv_read_failures": sum(c.get("loads_failed", 0) for c in kv),
                 "kv_read_bytes": sum(c.get("loaded_bytes", 0) for c in kv),
                 "remote_prefills": sum(s["disaggregation"]["remote"] for s in decode),
-                "prefill_failed": sum(s["disaggregation"]["prefill_failed"] for s in decode)}
+                "prefill_failed": sum(s["disaggregation"]["prefill_failed"] for s in decode),
+                "local_backlog": sum(s["disaggregation"].get("local_backlog", 0) for s in decode)}
     return out
 
 
@@ -252,10 +256,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-dilation", type=float, default=10.0)
     ap.add_argument("--num-blocks", type=int, default=4200)
     ap.add_argument("--unloaded", type=int, default=2, help="requests sent one at a time before each trace")
+    ap.add_argument("--local-prefill-slacks", default="",
+                    help="comma list of disaggregation.local_prefill_slack_s values (wall seconds): each split runs "
+                         "again once per value (conditional disaggregation); default: off only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
+    try:
+        slacks = [float(x) for x in args.local_prefill_slacks.split(",") if x]
+    except ValueError:
+        ap.error(f"--local-prefill-slacks takes seconds separated by commas, got {args.local_prefill_slacks!r}")
+    if any(x < 0 for x in slacks):
+        ap.error(f"--local-prefill-slacks must be >= 0, got {args.local_prefill_slacks!r}")
     if args.time_dilation < 1:
         ap.error(f"--time-dilation must be >= 1 (a slower copy of the device), got {args.time_dilation}")
     c = paced_costs(PROFILES[args.device_profile], (args.min_prompt + args.max_prompt) / 2, args.time_dilation)
@@ -265,14 +278,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_config(args: argparse.Namespace, model: str, url: str, num_prefill: int | None) -> dict[str, Any]:
+def run_config(args: argparse.Namespace, model: str, url: str, num_prefill: int | None,
+               local_prefill_slack_s: float | None = None) -> dict[str, Any]:
     """Deploy one configuration, send the unloaded requests and the trace, summarize, delete the app."""
     from ray import serve
     k = args.time_dilation
     n = args.num_replicas
     name = f"unified x{n}" if num_prefill is None else f"P/D {num_prefill}:{n - num_prefill}"
+    if local_prefill_slack_s is not None:
+        name += f" slack {local_prefill_slack_s:g}"
     t = time.monotonic()
-    deploy(app_config(args, model, num_prefill))
+    deploy(app_config(args, model, num_prefill, local_prefill_slack_s))
     print(f"[{name}] deployed in {time.monotonic() - t:.0f} s", flush=True)
     try:
         rng = random.Random(10_000 + args.seed)
@@ -341,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for num_prefill in [None, *(int(x) for x in args.splits.split(",") if x)]:
             results.append(run_config(args, model, url, num_prefill))
+            for slack in (float(x) for x in args.local_prefill_slacks.split(",") if x and num_prefill):
+                results.append(run_config(args, model, url, num_prefill, slack))
     finally:
         stop_cluster()
     base = results[0]
@@ -349,6 +367,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{k:g}x (bare step {args.step_base_s / k * 1e3:.2f} device ms); prefill load per unified replica "
           f"{load:.2f}. Device time (wall / {k:g}) except the unloaded ('idle') columns: wall time.")
     print(table(results, base))
+    for r in results:
+        if r.get("local_backlog"):
+            print(f"{r['config']}: {r['local_backlog']} requests prefilled on a decode replica "
+                  f"(conditional disaggregation)")
     checks = verdicts(results)
     for v in checks:
         print(f"target vs {v['unified']}: {v['pd']} TPOT p99 {v['tpot_p99_ratio']:.2f}x, TTFT p99 "

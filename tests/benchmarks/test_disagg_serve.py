@@ -26,6 +26,16 @@ def test_unified_and_pd_apps_have_the_same_paced_replicas():
         assert cfg.engine.scheduler.max_num_batched_tokens == 2048
     with pytest.raises(ValueError, match="1..3 prefill replicas"):
         app_config(args, "/m", 4)
+    assert pd.disaggregation.local_prefill_slack_s is None
+    slack = AppConfig.model_validate(app_config(args, "/m", 2, local_prefill_slack_s=0.5))
+    assert slack.disaggregation.local_prefill_slack_s == 0.5
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "0.5,-2"])
+def test_local_prefill_slacks_that_are_not_seconds_are_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--local-prefill-slacks", value])
+    assert "--local-prefill-slacks" in capsys.readouterr().err
 
 
 def test_the_trace_is_the_engine_level_benchmarks():

@@ -173,6 +173,23 @@ async def test_a_backlogged_prefill_pool_has_the_decode_replica_prefill_itself_p
         assert pre.core.counters().num_decisions == 1             # the prefill pool was asked either way
 
 
+async def test_the_decode_replicas_prefill_is_priced_at_the_prefill_pools_measured_rate():
+    """The prefill pool's router has measured 1,000 tokens/s; the decode pool's router, which learns only
+    from the few requests decode replicas prefill, still holds its 10,000 prior. The decode replica has
+    5,000 prompt tokens queued, the prefill replica 5,500: at the measured rate prefilling here saves 0.5 s,
+    under the 1 s slack, so the prefill pool keeps the request (at the prior the decode replica would have
+    looked 4.5 s sooner and taken it)."""
+    for queued, local in ((5500, False), (7000, True)):          # 7,000: 2 s behind, past the slack
+        dec, pre, decs, _ = _routers({"dA": "A"}, {"pA": "A"}, local_prefill_slack_s=1.0,
+                                     decode_stats={"dA": {"num_queued_prefill_tokens": 5000}},
+                                     prefill_stats={"pA": {"num_queued_prefill_tokens": queued}})
+        pre.core.model.prefill_tokens_per_s = 1000.0
+        pending = _pending(f"rate{queued}", _hashes(130, 8))
+        await dec.choose_replicas(decs, pending)
+        assert pending.args[0].local_prefill is local, queued
+        assert (pending.args[0].prefill_replica == "pA") is not local
+
+
 async def test_a_remote_prefill_is_not_counted_as_prefill_queued_on_its_decode_replica():
     """The decode replica of a request the prefill pool prefills only reads its KV: the decode pool's router
     counts none of its prompt as queued prefill there (it did: a phantom queue as long as the prefill pool's
