@@ -213,6 +213,11 @@ class PrefillPoolRouter(AffinityRequestRouter):
         chosen = decision.chosen
         return chosen, self.node_of.get(chosen), _predicted_ttft(self.policy, decision, chosen)
 
+    def unpick(self, req_id: str) -> None:
+        """The pick of `req_id` was dropped before any call (conditional disaggregation): forget it as load, as
+        if it had never been routed here."""
+        self.core.loads.cancel(req_id)
+
     def release(self, req_id: str, first_token: bool) -> None:
         """The prefill part of `req_id` is over (its first token came: the TTFT model learns from it)."""
         if first_token:
@@ -271,7 +276,7 @@ class PDDecodeRouter(AffinityRequestRouter):
         if req is None:
             return ranks
         self._release(req.req_id, first_token=False)          # a re-route decides again
-        req.prefill_replica = None
+        req.prefill_replica, req.local_prefill = None, False
         decision = req.routing.value
         if not self._remote_prefill(req, decision):
             self.pd_counters["local"] += 1
@@ -283,7 +288,7 @@ class PDDecodeRouter(AffinityRequestRouter):
             return ranks
         key, node, remote_ttft = picked
         if self._prefill_here(req, decision, remote_ttft, prefill.core):
-            prefill.release(req.req_id, first_token=False)
+            prefill.unpick(req.req_id)
             req.local_prefill = True
             self.pd_counters["local_backlog"] += 1
             return ranks

@@ -7,6 +7,8 @@ of long prompts and long outputs runs on N unified engines (least-loaded dispatc
 the same N (prefill on the least-loaded P engine, its KV read by the least-loaded D engine through the
 LocalTransport). Reported: TTFT p50/p99, TPOT p50/p99 (per request), the p99 gap between two tokens of a
 stream, throughput, prefix hit rate, failures and fallbacks; a PNG of per-request TPOT over time.
+`--spill-tokens` runs each split again with conditional disaggregation: a request whose least-loaded prefill
+engine has that many prompt tokens waiting is prefilled (and decoded) on a decode engine instead.
 
 Part 2 (transfer cost): gather + scatter of n blocks between two engines' pools through the LocalTransport,
 and `ray.put` in one process + `ray.get` in another on the same node (Ray's object store), per block and per

@@ -171,6 +171,11 @@ async def test_a_backlogged_prefill_pool_has_the_decode_replica_prefill_itself_p
         assert (c["local_backlog"], c["prefill_picked"]) == ((1, 0) if local else (0, 1))
         assert (pre.core.loads.in_flight(req.req_id) is None) is local
         assert pre.core.counters().num_decisions == 1             # the prefill pool was asked either way
+        if local:
+            assert pre.core.loads.get("pA").queued_prefill_tokens == 50_000  # the dropped pick added nothing
+            dec.local_prefill_slack_s = None                      # a re-route decides again, from scratch
+            await dec.choose_replicas(decs, pending)              # (the first route's speculative blocks now
+            assert not req.local_prefill                          # make it short: served there, not flagged)
 
 
 async def test_the_decode_replicas_prefill_is_priced_at_the_prefill_pools_measured_rate():
