@@ -23,7 +23,8 @@ from ray import serve
 ray.init(logging_level="WARNING")
 h = serve.get_app_handle("affinity")
 models = h.models.remote().result(timeout_s=60)
-out = h.completions.remote({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3}).result(timeout_s=60)
+out = h.completions.remote({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3,
+                           "ignore_eos": True}).result(timeout_s=60)
 print("RESULT", json.dumps({"models": models, "usage": out["usage"]}))
 """
 
