@@ -321,13 +321,13 @@ class PDDecodeRouter(AffinityRequestRouter):
         queued prefill and the prompt's uncached part at the prefill rate the prefill pool's router measured
         (this router's own rate learns only from the few requests decode replicas prefill, so it stays near
         its prior), plus its running requests' steps. The policy's own prediction where no rate is measured."""
-        if _predicted_ttft(self.policy, decision, decision.chosen) is None:
+        score = decision.score_of(decision.chosen) if self.policy not in LOAD_ONLY_POLICIES else None
+        if score is None:
             return None
-        score = decision.score_of(decision.chosen)
         rate = getattr(getattr(prefill_core, "model", None), "prefill_tokens_per_s", None)
         step = getattr(getattr(self.core, "model", None), "decode_step_s", None)
-        if score is None or not rate or step is None:
-            return score.predicted_ttft_s if score is not None else None
+        if not rate or step is None:
+            return score.predicted_ttft_s
         uncached = max(0, len(req.prompt_token_ids) - score.predicted_cached_tokens)
         return (score.queued_prefill_tokens + uncached) / rate + score.decode_load * step
 

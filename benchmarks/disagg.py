@@ -490,6 +490,12 @@ def parse_args(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--png")
     args = ap.parse_args(argv)
+    try:
+        args.spill_list = [int(x) for x in args.spill_tokens.split(",") if x] or [0]
+    except ValueError:
+        ap.error(f"--spill-tokens takes prompt-token counts separated by commas, got {args.spill_tokens!r}")
+    if any(t < 0 for t in args.spill_list):
+        ap.error(f"--spill-tokens must be >= 0 (0: never spill), got {args.spill_tokens!r}")
     manual = {"--step-base-s": args.step_base_s, "--prefill-per-token-s": args.prefill_per_token_s,
               "--decode-per-context-token-s": args.decode_per_context_token_s}
     args.transfer_per_token_s = 0.0
@@ -551,7 +557,7 @@ def main():
     for i, b in enumerate(budgets):
         results.append(summarize(unified_name(args.num_engines, budgets, i), *run(model, args, None, budget=b)))
     for p in (int(x) for x in args.splits.split(",")):
-        for t in [int(x) for x in args.spill_tokens.split(",") if x] or [0]:
+        for t in args.spill_list:
             name = f"P/D {p}:{args.num_engines - p}" + (f" spill {t}" if t else "")
             results.append(summarize(name, *run(model, args, p, spill_tokens=t)))
     for p in (int(x) for x in args.late_read_splits.split(",") if x):

@@ -198,8 +198,8 @@ class AffinityPolicy:
         key = self.group_key(request)
         out_tokens = int(self.groups.expected_output(key, request.max_tokens))
         own_blocks = [-(-(prompt - k + out_tokens) // bs) for k in cached]
+        own = [prompt - k for k in cached]
         if cfg.kv_wait_weight > 0:     # KV pressure as a predicted wait for room, not the threshold penalty
-            own = [prompt - k for k in cached]
             bare = self.model.predict_many(cands, own, loaded, own_blocks, kv_penalty=False)
             waits = self.model.kv_wait_many(cands, own_blocks, out_tokens, bs)
             ttft = [t + cfg.kv_wait_weight * w for t, w in zip(bare, waits)]
@@ -207,7 +207,7 @@ class AffinityPolicy:
                 pen = self.model.predict_many(cands, own, loaded, own_blocks)
                 ttft = [t if c.stats.num_blocks else p for t, p, c in zip(ttft, pen, cands)]
         else:
-            ttft = self.model.predict_many(cands, [prompt - k for k in cached], loaded, own_blocks)
+            ttft = self.model.predict_many(cands, own, loaded, own_blocks)
         if evict_cost is not None and cfg.evict_cost_weight > 0:
             w = cfg.evict_cost_weight
             place = [t + w * evict_cost(c, b) for t, c, b in zip(ttft, cands, own_blocks)]

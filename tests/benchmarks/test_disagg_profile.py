@@ -120,3 +120,12 @@ def test_a_backed_up_prefill_pool_spills_prefills_onto_the_decode_engines(tmp_pa
         assert all(r.done is not None and not r.failed and len(r.token_times) == 3 for r in reqs)
         assert (stats["spilled"] > 0) is spilled and stats["spilled"] < 6
         assert stats["loads_ok"] == 6 - stats["spilled"]
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "8192,-5"])
+def test_spill_tokens_that_are_not_token_counts_are_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--spill-tokens", value])
+    assert "--spill-tokens" in capsys.readouterr().err
+    assert parse_args(["--spill-tokens", "0,8192"]).spill_list == [0, 8192]
+    assert parse_args([]).spill_list == [0]

@@ -51,6 +51,10 @@ def test_pools_get_their_engine_overrides_and_the_pd_connector():
     ({"disaggregation": {"enabled": True, "decode": {"replicas": 2}}}, "disaggregation.decode.replicas"),
     ({"disaggregation": {"enabled": True, "same_node_slack_requests": -1}},
      "disaggregation.same_node_slack_requests: Input should be greater than or equal to 0"),
+    ({"disaggregation": {"enabled": True, "local_prefill_slack_s": -0.5}},
+     "disaggregation.local_prefill_slack_s: Input should be greater than or equal to 0"),
+    ({"disaggregation": {"enabled": True, "local_prefill_slack_s": "soon"}},
+     "disaggregation.local_prefill_slack_s: Input should be a valid number"),
 ])
 def test_bad_disaggregation_configs_say_what_to_change(data, problem):
     data = {"disaggregation": {"enabled": True}, **data}

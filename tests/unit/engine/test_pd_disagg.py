@@ -87,6 +87,38 @@ def _settle_until_empty(*engines, timeout_s=30.0):
         time.sleep(0.01)
 
 
+def async_pd_engine(path: str, transfer_timeout_s: float):
+    """An AsyncLLMEngine with the pd connector (a prefill side), 64 blocks of BS tokens."""
+    from affinity_serve.engine.async_engine import AsyncLLMEngine
+    from affinity_serve.engine.config import EngineConfig
+    connector = {"type": "pd", "transfer_timeout_s": transfer_timeout_s}
+    return AsyncLLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": BS},
+                                                   kv_connector=connector))
+
+
+async def prefill_and_hold(p, prompt: list[int], req_id: str):
+    """Async P/D prefill engine `p` prefills `prompt` (one greedy token) for a remote decode and holds its KV;
+    returns the last delta (its first token and kv_transfer)."""
+    final = None
+    async for delta in p.generate(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY),
+                                                 kv_transfer=RemoteDecode(), req_id=req_id)):
+        final = delta
+    assert final is not None and final.finished and final.kv_transfer is not None
+    return final
+
+
+async def decode_held_and_await_freed(p, d, final, prompt: list[int], reference: list[int], timeout_s: float):
+    """Decode engine `d` reads the KV async prefill engine `p` holds for `final` (prefill_and_hold's delta) and
+    generates len(reference) tokens in all: assert they are `reference`, and that the idle `p` frees the hold
+    (read) within `timeout_s` without a step of its own being asked for."""
+    import asyncio
+    rest, _ = await asyncio.to_thread(_run, d, final.req_id, prompt,
+                                      SamplingParams(max_tokens=len(reference), **GREEDY), [final.kv_transfer])
+    assert final.token_ids + rest[0] == reference
+    await await_holds_freed(p, timeout_s)
+    assert p.engine.pd.pd_stats.holds_read == 1
+
+
 async def await_holds_freed(p, timeout_s: float) -> None:
     """Wait (without stepping: the async engine's own loop must) until async engine `p` holds no P/D transfer and
     every KV block is free; assert it did within `timeout_s`."""
@@ -581,16 +613,9 @@ async def test_an_idle_prefill_engine_does_not_spin_while_it_holds_kv_and_frees_
     """A hold for a reader needs no steps: the async engine's loop sleeps (it used to step thousands of times a
     second for as long as a hold lasted) and wakes at the hold's timeout to free the blocks."""
     import asyncio
-
-    from affinity_serve.engine.async_engine import AsyncLLMEngine
-    from affinity_serve.engine.config import EngineConfig
-    p = AsyncLLMEngine.from_config(EngineConfig(
-        model=checkpoints["llama"], cache={"num_blocks": 64, "block_size": BS},
-        kv_connector={"type": "pd", "transfer_timeout_s": 0.6}))
+    p = async_pd_engine(checkpoints["llama"], 0.6)
     try:
-        deltas = [x async for x in p.generate(p.make_request(_ids(40, 3), SamplingParams(max_tokens=1, **GREEDY),
-                                                             kv_transfer=RemoteDecode(), req_id="h"))]
-        assert deltas[-1].finished and deltas[-1].kv_transfer is not None
+        await prefill_and_hold(p, _ids(40, 3), "h")
         assert len(p.engine.pd.held) == 1
         steps = p.engine.num_steps
         await asyncio.sleep(0.3)
@@ -606,26 +631,15 @@ async def test_an_idle_prefill_engine_frees_a_hold_as_soon_as_it_is_read(checkpo
     """Over the in-process transport: the read's end wakes the idle async prefill engine (HeldTransfers.on_done),
     which frees the blocks at once, not at the hold's timeout."""
     import asyncio
-
-    from affinity_serve.engine.async_engine import AsyncLLMEngine
-    from affinity_serve.engine.config import EngineConfig
     path = checkpoints["llama"]
-    p = AsyncLLMEngine.from_config(EngineConfig(model=path, cache={"num_blocks": 64, "block_size": BS},
-                                                kv_connector={"type": "pd", "transfer_timeout_s": 60.0}))
+    p = async_pd_engine(path, 60.0)
     d = _engine(path)
     try:
         prompt = _ids(40, 9)
-        final = None
-        async for delta in p.generate(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY),
-                                                     kv_transfer=RemoteDecode(), req_id="z")):
-            final = delta
+        final = await prefill_and_hold(p, prompt, "z")
         await asyncio.sleep(0.1)
         assert len(p.engine.pd.held) == 1
-        rest, _ = await asyncio.to_thread(_run, d, "z", prompt, SamplingParams(max_tokens=4, **GREEDY),
-                                          [final.kv_transfer])
-        assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
-        await await_holds_freed(p, 1.0)          # the hold's timeout is 60 s
-        assert p.engine.pd.pd_stats.holds_read == 1
+        await decode_held_and_await_freed(p, d, final, prompt, hf_reference(path, prompt, 4), 1.0)   # not 60 s
     finally:
         d.close()
         await p.shutdown()

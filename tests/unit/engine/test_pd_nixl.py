@@ -13,7 +13,8 @@ import pytest
 
 from affinity_serve.engine import LLM, SamplingParams
 from affinity_serve.engine.kv_connector.nixl import nixl_available
-from tests.unit.engine.test_pd_disagg import _assert_empty, _ids, _run, _settle_until_empty, await_holds_freed
+from tests.unit.engine.test_pd_disagg import (_assert_empty, _ids, _run, _settle_until_empty, async_pd_engine,
+                                              decode_held_and_await_freed, prefill_and_hold)
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL's Python package is not installed "
                                 "(pip install 'affinity-serve[nixl]')")
@@ -331,31 +332,19 @@ async def test_an_idle_prefill_engine_frees_a_read_hold_at_once(checkpoints, hf_
     not at the next request, nor at transfer_timeout_s."""
     import asyncio
 
-    from affinity_serve.engine.async_engine import AsyncLLMEngine
-    from affinity_serve.engine.config import EngineConfig
-    from affinity_serve.engine.kv_connector import RemoteDecode
     from affinity_serve.engine.kv_connector.nixl import NixlTransport
     path = checkpoints["llama"]
-    p = AsyncLLMEngine.from_config(EngineConfig(
-        model=path, cache={"num_blocks": 64, "block_size": BS},
-        kv_connector={"type": "pd", "transfer_timeout_s": 60.0}))
+    p = async_pd_engine(path, 60.0)
     tp = NixlTransport(on_hold_freed=p.wake_threadsafe)
     p.set_kv_transport(tp)
     d, td = _engine(path)
     try:
         prompt = _ids(48, 41)
-        final = None
-        async for delta in p.generate(p.make_request(prompt, SamplingParams(max_tokens=1, **GREEDY),
-                                                     kv_transfer=RemoteDecode(), req_id="w")):
-            final = delta
+        final = await prefill_and_hold(p, prompt, "w")
         pool = p.engine.kv_cache_manager.pool
         await asyncio.sleep(0.1)
         assert len(p.engine.pd.held) == 1 and pool.num_free_blocks < p.engine.num_blocks - 1   # held, idle
-        rest, _ = await asyncio.to_thread(_run, d, "w", prompt, SamplingParams(max_tokens=4, **GREEDY),
-                                          [final.kv_transfer])
-        assert final.token_ids + rest[0] == hf_reference(path, prompt, 4)
-        await await_holds_freed(p, 2.0)          # the hold's timeout is 60 s
-        assert p.engine.pd.pd_stats.holds_read == 1
+        await decode_held_and_await_freed(p, d, final, prompt, hf_reference(path, prompt, 4), 2.0)   # not 60 s
     finally:
         _close(d)
         await p.shutdown()              # closes its engine and with it tp
