@@ -345,8 +345,8 @@ class PDDecodeRouter(AffinityRequestRouter):
             except Exception:
                 logger.exception("routing: releasing the prefill pick of %s failed", req_id)
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int) -> None:
-        super().on_first_token(req_id, num_cached_tokens)
+    def on_first_token(self, req_id: str, num_cached_tokens: int, kv_wait_s: float = 0.0) -> None:
+        super().on_first_token(req_id, num_cached_tokens, kv_wait_s)
         self._release(req_id, first_token=True)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

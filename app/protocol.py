@@ -442,4 +442,4 @@ class ReplicaChunk(RequestDelta):
         """The engine's delta `d` with this replica's id (its other fields are set on a sequence's last chunk)."""
         return cls(d.req_id, d.index, d.text, d.token_ids, d.finish_reason, d.stop_reason, d.logprobs,
                    d.prompt_logprobs, d.num_prompt_tokens, d.num_cached_tokens, d.first_scheduled_time,
-                   d.kv_transfer, replica_id)
+                   d.kv_transfer, d.kv_wait_s, replica_id)

@@ -325,16 +325,16 @@ class OpenAIServing:
                 prompt = idx // p.params.n
                 if c.token_ids and prompt not in started:
                     started.add(prompt)
-                    self._report_first_token(reqs[prompt].req_id, c.num_cached_tokens)
+                    self._report_first_token(reqs[prompt].req_id, c.num_cached_tokens, c.kv_wait_s)
                     self._take_decision(run, reqs[prompt], c)
                 yield idx, c
         finally:
             await chunks.aclose()      # leaving early cancels the replica streams now, not at GC
 
-    def _report_first_token(self, req_id: str, num_cached_tokens: int) -> None:
+    def _report_first_token(self, req_id: str, num_cached_tokens: int, kv_wait_s: float = 0.0) -> None:
         try:
             for router in routing_debug.routers_for(self.replica.app_name, self.replica.deployment_name):
-                router.call_soon(router.on_first_token, req_id, num_cached_tokens)
+                router.call_soon(router.on_first_token, req_id, num_cached_tokens, kv_wait_s)
         except Exception:      # no router here (a test double for the handle), or it is gone: routing only
             logger.debug("no router to report the first token of %s to", req_id, exc_info=True)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 #: rebroadcasts every replica's stats to every router whenever one changes, so this stays a handful of numbers
 ROUTING_STATS_FIELDS = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_queued_prefill_tokens",
                         "prefix_cache_queries_total", "prefix_cache_hits_total", "recent_prefix_cache_queries",
-                        "recent_prefix_cache_hits", "cache_epoch", "num_blocks")
+                        "recent_prefix_cache_hits", "cache_epoch", "num_blocks", "kv_wait_s")
 
 
 def routing_stats(load: EngineLoad) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def routing_stats(load: EngineLoad) -> dict[str, Any]:
     Routers read it with `app.routing.ReplicaLoadView.from_stats`."""
     stats = {f: getattr(load, f) for f in ROUTING_STATS_FIELDS}
     stats["kv_cache_usage"] = round(load.kv_cache_usage, 4)
+    stats["kv_wait_s"] = round(load.kv_wait_s, 4)
     step = step_time_s(load)
     if step is not None:
         stats["step_time_s"] = step

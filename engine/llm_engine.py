@@ -455,7 +455,7 @@ class LLMEngine:
             cache_epoch=self.cache_epoch, timestamp=time.monotonic(),
             num_background_running=bg_running, num_background_waiting=bg_waiting,
             num_background_queued_prefill_tokens=bg_tokens, recent_steps=tuple(self._recent_steps),
-            num_steps_total=self.num_steps)
+            num_steps_total=self.num_steps, kv_wait_s=st.kv_wait_s)
 
     def kv_snapshot(self, next_seq: int) -> KVCacheSnapshot:
         """Every block hash in the prefix cache, and the KV connector's tier's by medium (not while a step

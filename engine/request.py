@@ -66,7 +66,8 @@ class Request:
                  "priority", "cache_salt", "all_token_ids", "num_prompt_tokens", "num_output_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason", "block_hashes",
                  "num_preemptions", "_block_size", "trace_context", "num_tokens",
-                 "first_scheduled_time", "structured_output", "kv_transfer", "num_transferred_tokens")
+                 "first_scheduled_time", "structured_output", "kv_transfer", "num_transferred_tokens",
+                 "kv_wait_s", "kv_wait_mark")
 
     def __init__(self, req_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, eos_token_id: int | None = None, arrival_time: float | None = None,
@@ -101,6 +102,12 @@ class Request:
         #: prompt tokens read from a prefill engine that it computed for this request (not cache hits there):
         #: admitted as local hits, but not reported as cached
         self.num_transferred_tokens = 0
+        #: seconds it waited in the queue while the queue could not move for want of KV blocks (no blocks for
+        #: its head and no prompt tokens running, or a preemption), summed over its admissions (a preempted
+        #: request's wait to resume counts too); set by the scheduler, which keeps `kv_wait_mark` (its
+        #: KV-blocked clock when the request joined the queue)
+        self.kv_wait_s = 0.0
+        self.kv_wait_mark = 0.0
         self._block_size = block_size
         # `block_hashes` lets sibling sequences (n > 1) share one hashing of the same prompt
         self.block_hashes: list[BlockHash] = (list(block_hashes) if block_hashes is not None

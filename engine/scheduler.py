@@ -7,7 +7,7 @@ resumption after preemption are all the same rule. No torch here.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from affinity_serve.engine.block_pool import KVCacheBlock
@@ -18,6 +18,9 @@ from affinity_serve.engine.request import Request, RequestStatus
 from affinity_serve.engine.request_queue import make_queue
 from affinity_serve.engine.types import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, RequestDelta,
                           RemotePrefill, SchedulerOutput, SchedulerStats, StepOutput)
+
+#: weight of each admission's KV wait in the scheduler's decayed mean of them (SchedulerStats.kv_wait_s)
+KV_WAIT_MEAN_WEIGHT = 0.25
 
 
 @dataclass(slots=True)
@@ -64,7 +67,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
-                 kv_connector: KVConnectorScheduler | None = None):
+                 kv_connector: KVConnectorScheduler | None = None, clock: Callable[[], float] = time.monotonic):
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens ({config.max_num_batched_tokens}) "
@@ -99,6 +102,16 @@ class Scheduler:
         self._saving: dict[str, list[KVCacheBlock]] = {}      # finished requests whose saves are in flight
         self._no_load: set[str] = set()                       # a load failed: these recompute
         self._awaiting_grammar: dict[str, Request] = {}       # WAITING_FOR_GRAMMAR requests
+        #: the KV-blocked clock: seconds during which the waiting queue could not move for want of KV blocks (a
+        #: running request was preempted, or a waiting one found no blocks while no prompt tokens ran), from one
+        #: schedule() to the next; a request's `kv_wait_s` is this clock's reading at admission less its
+        #: reading when the request joined the queue
+        self.clock = clock
+        self._now = clock()
+        self._kv_blocked_total = 0.0
+        self._kv_blocked_from: float | None = None     # when the current blocked stretch began (None: not blocked)
+        self._kv_blocked_step = False
+        self._kv_wait_mean = 0.0                        # decayed mean of admissions' KV waits
         if kv_connector is not None:
             if not kv_cache_manager.enable_caching:
                 raise ValueError("a KV connector needs prefix caching: loaded blocks are reused as prefix hits")
@@ -139,13 +152,37 @@ class Scheduler:
             self.waiting.add(req)
             self._enter_waiting(req)
 
-    def _enter_waiting(self, req: Request) -> None:
+    def _enter_waiting(self, req: Request, now: float | None = None) -> None:
         """Count a request joining the waiting queue: all its tokens, and apart the prefix-cache hit it
         has now (a pure lookup), so the queued-prefill stat is the uncached work a router predicts too."""
+        req.kv_wait_mark = self._kv_blocked_clock(self.clock() if now is None else now)
         hit = self.kv.get_computed_blocks(req)[1] if req.block_hashes else 0
         self._waiting_prefill_tokens += req.num_tokens
         self._waiting_hit_tokens += hit
         self._waiting_hits[req.req_id] = hit
+
+    def _kv_blocked_clock(self, now: float) -> float:
+        since = self._kv_blocked_from
+        return self._kv_blocked_total + (now - since if since is not None and now > since else 0.0)
+
+    def kv_blocked_s(self, now: float | None = None) -> float:
+        """How long the waiting queue has been blocked for want of KV blocks, without a break (0: not now)."""
+        since = self._kv_blocked_from
+        if since is None:
+            return 0.0
+        return max(0.0, (self.clock() if now is None else now) - since)
+
+    def _expected_kv_wait(self) -> float:
+        """SchedulerStats.kv_wait_s: while the queue is blocked for KV blocks, the larger of the recent
+        admissions' waits (decayed mean) and the current blocked stretch; 0 while it is not."""
+        if self._kv_blocked_from is None:
+            return 0.0
+        return max(self._kv_wait_mean, self._now - self._kv_blocked_from)
+
+    def _admitted_after_wait(self, req: Request) -> None:
+        wait = max(0.0, self._kv_blocked_clock(self._now) - req.kv_wait_mark)
+        req.kv_wait_s += wait
+        self._kv_wait_mean += KV_WAIT_MEAN_WEIGHT * (wait - self._kv_wait_mean)
 
     def _leave_waiting(self, req: Request) -> None:
         self._waiting_prefill_tokens -= req.num_tokens
@@ -153,6 +190,8 @@ class Scheduler:
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:
+        self._now = now = self.clock()
+        self._kv_blocked_step = False
         if self._loading:
             self._expire_loads()
         if self._awaiting_grammar:
@@ -167,6 +206,14 @@ class Scheduler:
         budget = self._schedule_running(budget, num_scheduled, new_reqs, cached, preempted)
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_reqs)
+        if preempted or (self._kv_blocked_step and not any(n > 1 for n in num_scheduled.values())):
+            # blocked: a request was preempted for blocks, or the queue's head found none while no prompt
+            # tokens ran in this step (with some running, the queue is behind prefill work, not waiting for KV)
+            if self._kv_blocked_from is None:
+                self._kv_blocked_from = now
+        elif self._kv_blocked_from is not None:
+            self._kv_blocked_total += max(0.0, now - self._kv_blocked_from)
+            self._kv_blocked_from = None
         if self._lookahead:
             self._allocate_lookahead(num_scheduled, cached)
         total = self.config.max_num_batched_tokens - budget
@@ -294,7 +341,7 @@ class Scheduler:
         self._num_preemptions += 1
         preempted.add(victim.req_id)
         self.waiting.add_front(victim)
-        self._enter_waiting(victim)
+        self._enter_waiting(victim, self._now)
         return refund
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
@@ -339,9 +386,11 @@ class Scheduler:
                 n = cap
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
+                self._kv_blocked_step = True
                 break
             self.waiting.pop()
             self._leave_waiting(req)
+            self._admitted_after_wait(req)
             if req.num_cached_tokens is None:
                 # a P/D read is admitted as local hits; what the prefill engine computed for it is no cache hit
                 req.num_cached_tokens = max(0, num_hit_tokens - req.num_transferred_tokens)
@@ -426,12 +475,14 @@ class Scheduler:
             return None
         new_blocks = self.kv.allocate_slots(req, num_ext, hits, external=True)
         if new_blocks is None:
+            self._kv_blocked_step = True
             return None
         if reserve is None:
             self.waiting.pop()
         else:
             self.waiting.remove(req)
         self._leave_waiting(req)
+        self._admitted_after_wait(req)
         self._loading[req.req_id] = _Load(req, num_hit_tokens + num_ext,
                                           time.monotonic() + self.connector.load_timeout_s, req.status, num_ext)
         req.status = RequestStatus.WAITING_FOR_KV
@@ -558,7 +609,8 @@ class Scheduler:
                     if req.num_tokens % block_size == 0:
                         req.hash_new_full_blocks()
                     deltas.append(RequestDelta(req_id, 0, "", sampled, None, None, None, None, req.num_prompt_tokens,
-                                               req.num_cached_tokens or 0, req.first_scheduled_time))
+                                               req.num_cached_tokens or 0, req.first_scheduled_time, None,
+                                               req.kv_wait_s))
                     if logprobs is not None and req_id in logprobs:
                         deltas[-1].logprobs = logprobs[req_id][:1]
                     if prompt_logprobs is not None:
@@ -567,7 +619,7 @@ class Scheduler:
             new_tokens = self._append_and_check_stop(req, sampled)
             finished = req.status is not running_status
             delta = RequestDelta(req_id, 0, "", new_tokens, None, None, None, None, req.num_prompt_tokens,
-                                 req.num_cached_tokens or 0, req.first_scheduled_time)
+                                 req.num_cached_tokens or 0, req.first_scheduled_time, None, req.kv_wait_s)
             if logprobs is not None and req_id in logprobs:
                 delta.logprobs = logprobs[req_id][:len(new_tokens)]
             if prompt_logprobs is not None:
@@ -731,6 +783,7 @@ class Scheduler:
             recent_prefix_cache_queries=self.kv.recent.queries,
             recent_prefix_cache_hits=self.kv.recent.hits,
             num_preemptions_total=self._num_preemptions,
+            kv_wait_s=self._expected_kv_wait(),
         )
 
 

@@ -222,6 +222,9 @@ class RequestDelta:
     first_scheduled_time: float | None = None  # time.monotonic() of first admission
     #: P/D: a prefill sequence's RemotePrefill (engine.kv_connector.pd), on its finishing delta
     kv_transfer: Any = None
+    #: seconds the sequence waited in the queue for KV blocks before it ran (Request.kv_wait_s), on its deltas
+    #: once it ran: a router leaves it out of the TTFT it learns prefill rates from
+    kv_wait_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -243,6 +246,10 @@ class SchedulerStats:
     recent_prefix_cache_queries: int = 0
     recent_prefix_cache_hits: int = 0
     num_preemptions_total: int = 0
+    #: the wait for KV blocks a request joining the queue now can expect: while the queue is blocked for want
+    #: of blocks, the larger of the recent admissions' waits (a decayed mean) and the current blocked stretch;
+    #: 0 while it is not blocked
+    kv_wait_s: float = 0.0
     step_time_s: float = 0.0
     #: this step's work, the regressors of its cost (engine/pacing.py's model; an autoscaler learns a
     #: replica's capacity from them): prompt tokens computed, sequences decoding one token, their context
@@ -288,6 +295,8 @@ class EngineLoad:
     #: of the totals above, the requests generated with `background=True` (a cache warm-up): a caller that
     #: sizes the fleet on this load can leave them out
     num_background_running: int = 0
+    #: SchedulerStats.kv_wait_s: the wait for KV blocks a request joining the queue can expect (0: none)
+    kv_wait_s: float = 0.0
     num_background_waiting: int = 0
     num_background_queued_prefill_tokens: int = 0
     #: the last RECENT_STEPS steps that ran the model, oldest first (numbered: a reader keeps the last number

@@ -59,6 +59,7 @@ class ReplicaLoadView:
     num_blocks: int | None = None
     age_s: float = 0.0
     step_time_s: float | None = None          # mean recent step that decoded (s), if the replica reports it
+    kv_wait_s: float = 0.0                    # the engine's expected wait for KV blocks for a new request (s)
 
     @classmethod
     def from_stats(cls, stats: Any, now_wall: float | None = None) -> ReplicaLoadView:
@@ -75,7 +76,8 @@ class ReplicaLoadView:
                    kv_cache_usage=float(get("kv_cache_usage", 0.0) or 0.0),
                    num_queued_prefill_tokens=int(get("num_queued_prefill_tokens", 0) or 0),
                    cache_epoch=str(get("cache_epoch", "") or ""), num_blocks=get("num_blocks", None),
-                   age_s=age, step_time_s=_positive_or_none(get("step_time_s", None)))
+                   age_s=age, step_time_s=_positive_or_none(get("step_time_s", None)),
+                   kv_wait_s=_positive_or_none(get("kv_wait_s", None)) or 0.0)
 
 
 def _positive_or_none(value: Any) -> float | None:
@@ -359,9 +361,12 @@ class RouterCore(Protocol):
     def on_routed(self, req_id: str, replica_id: str) -> None:
         """The request actually went to `replica_id` (call only if it differs from the decision)."""
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None,
+                       kv_wait_s: float | None = None) -> None:
         """The request's first token arrived: its prefill left the replica's queue. `num_cached_tokens`
-        (what the engine found cached) feeds index-accuracy counters, as on_actual_cached."""
+        (what the engine found cached) feeds index-accuracy counters, as on_actual_cached; `kv_wait_s` (the
+        engine's measure of how long it waited for KV blocks) is not prefill time, and the TTFT model's fit
+        leaves it out."""
 
     def on_actual_cached(self, req_id: str, num_cached_tokens: int) -> None:
         """The engine's cached-token count for the request (predicted vs actual counters)."""

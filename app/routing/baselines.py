@@ -87,7 +87,8 @@ class _LoadOnlyCore(ABC):
                             now=self.clock())
             self._counters.num_rerouted += 1
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None,
+                       kv_wait_s: float | None = None) -> None:
         if num_cached_tokens is not None:
             self.on_actual_cached(req_id, num_cached_tokens)
         self.loads.start(req_id, self.clock())
@@ -265,9 +266,10 @@ class LlmdPreciseCore(_LoadOnlyCore):
             self._sent[req_id] = (replica_id, sent[1])
         super().on_routed(req_id, replica_id)
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None,
+                       kv_wait_s: float | None = None) -> None:
         self._retire(req_id)
-        super().on_first_token(req_id, num_cached_tokens)
+        super().on_first_token(req_id, num_cached_tokens, kv_wait_s)
 
     def on_finished(self, req_id: str, num_output_tokens: int | None = None) -> None:
         self._retire(req_id)

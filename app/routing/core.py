@@ -324,7 +324,8 @@ class PrefixAffinityRouterCore:
         self.index.insert_speculative(replica_id, f.block_hashes, now, start=matched)
         self._counters.num_rerouted += 1
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None) -> None:
+    def on_first_token(self, req_id: str, num_cached_tokens: int | None = None,
+                       kv_wait_s: float | None = None) -> None:
         if num_cached_tokens is not None:
             self.on_actual_cached(req_id, num_cached_tokens)
         now = self.clock()
@@ -332,6 +333,8 @@ class PrefixAffinityRouterCore:
         if f is None or f.remote:
             return
         ttft = now - f.routed_at
+        if kv_wait_s and self.config.kv_wait_calibration:
+            ttft -= min(ttft, kv_wait_s)      # waiting for KV room is not prefill: the rates must not learn it
         if num_cached_tokens is None:
             uncached, loaded = f.uncached_tokens, f.tier_tokens
         else:

@@ -312,6 +312,7 @@ class TTFTModel:
         self.prior_weight = config.calibration_prior_weight
         self.kv_threshold = config.kv_pressure_threshold
         self.kv_penalty_s = config.kv_pressure_penalty_s
+        self.measured_kv_wait_weight = config.measured_kv_wait_weight
         self.prefill_tokens_per_s = self.rate0
         self.decode_step_s = self.step0
         self.tier_load_tokens_per_s = self.load_rate0
@@ -357,6 +358,9 @@ class TTFTModel:
         if tier_tokens:
             load_rate = self.tier_load_tokens_per_s
             out = [t + n / load_rate for t, n in zip(out, tier_tokens)]
+        w = self.measured_kv_wait_weight
+        if w:
+            out = [t + w * c.stats.kv_wait_s for t, c in zip(out, loads)]
         return out
 
     def kv_wait_many(self, loads: list[ReplicaLoad], own_blocks: list[int], own_out_tokens: int,

@@ -208,6 +208,13 @@ class AffinityPolicy:
                 ttft = [t if c.stats.num_blocks else p for t, p, c in zip(ttft, pen, cands)]
         else:
             ttft = self.model.predict_many(cands, own, loaded, own_blocks)
+        room: Callable[[int], bool] | None = None
+        if cfg.measured_kv_wait_weight > 0:
+            def room(i: int) -> bool:
+                """Whether candidate i has KV room for the request now: no wait measured there, none
+                predicted with it added (asked only of a release's target: O(1))."""
+                c = cands[i]
+                return c.stats.kv_wait_s <= 0 and self.model.kv_wait_many([c], [own_blocks[i]], out_tokens, bs)[0] <= 0
         if evict_cost is not None and cfg.evict_cost_weight > 0:
             w = cfg.evict_cost_weight
             place = [t + w * evict_cost(c, b) for t, c, b in zip(ttft, cands, own_blocks)]
@@ -239,14 +246,14 @@ class AffinityPolicy:
                 chosen, reason = self._pick(everyone, grow, cands, request), Reason.HOT_REPLICA
             else:
                 chosen, reason = self._pick_released(group, place, cands, request, Reason.HOT_REPLICA, cached,
-                                                 occupancy)
+                                                 occupancy, room)
         else:
             most = max(cached[i] for i in holders)
             tops = [i for i in holders if cached[i] == most]
             most_pool = max(pool_cached[i] for i in tops)     # equal reuse: the pool's is free
             affinity = self._pick([i for i in tops if pool_cached[i] == most_pool], ttft, cands, request)
             chosen, reason = self._pick_released([affinity], place, cands, request, Reason.AFFINITY, cached,
-                                                 occupancy)
+                                                 occupancy, room)
         if key is not None:
             self.groups.record(key, prompt - cached[chosen] + cfg.decode_token_weight * out_tokens, now,
                                request.block_hashes)
@@ -268,7 +275,8 @@ class AffinityPolicy:
 
     def _pick_released(self, pool: list[int], ttft: list[float], cands: list[ReplicaLoad],
                        request: RouteRequest, reason: Reason, cached: list[int],
-                       occupancy: Callable[[ReplicaLoad], float] | None = None) -> tuple[int, Reason]:
+                       occupancy: Callable[[ReplicaLoad], float] | None = None,
+                       room: Callable[[int], bool] | None = None) -> tuple[int, Reason]:
         """Best of `pool` unless a replica outside it beats it by more than the release slack plus what
         the move costs the fleet: the prefix it recomputes, weighted by how saturated the fleet's prefill
         is or how full the other replica's cache is, whichever weighs more.
@@ -295,6 +303,17 @@ class AffinityPolicy:
         bound = ttft[out] * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s
         if ttft[best_in] <= bound:
             return best_in, reason
+        w = cfg.measured_kv_wait_weight
+        if w > 0 and room is not None and not room(out):
+            # A holder's measured KV wait releases the request only to a replica with room for it: a move to a
+            # pool short of blocks as well adds the prefix's blocks there, and under a fleet-wide KV overload
+            # such moves scattered the prefixes (hit rate 0.85 of the separate-caches bound on one trace)
+            ttft = [t - w * c.stats.kv_wait_s for t, c in zip(ttft, cands)]
+            best_in = self._pick(pool, ttft, cands, request)
+            out = self._pick(outside, ttft, cands, request)
+            bound = ttft[out] * (1.0 + cfg.release_slack) + cfg.release_slack_abs_s
+            if ttft[best_in] <= bound:
+                return best_in, reason
         extra = cached[best_in] - cached[out]
         if extra > 0 and (cfg.release_recompute_weight > 0 or cfg.release_cache_weight > 0):
             rate = self.model.prefill_tokens_per_s

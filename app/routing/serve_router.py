@@ -266,10 +266,11 @@ class AffinityRequestRouter(LocalityMixin, RequestRouter):
         except Exception:
             logger.exception("routing: on_request_completed failed")
 
-    def on_first_token(self, req_id: str, num_cached_tokens: int) -> None:
-        """The ingress saw the request's first token (run on the router loop via call_soon)."""
+    def on_first_token(self, req_id: str, num_cached_tokens: int, kv_wait_s: float = 0.0) -> None:
+        """The ingress saw the request's first token (run on the router loop via call_soon), which waited
+        `kv_wait_s` in its engine's queue for KV blocks."""
         try:
-            self.core.on_first_token(req_id, num_cached_tokens)
+            self.core.on_first_token(req_id, num_cached_tokens, kv_wait_s)
         except Exception:
             logger.exception("routing: on_first_token failed")
 

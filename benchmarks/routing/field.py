@@ -106,7 +106,8 @@ class LlmdPrecise(_EventFed):
         self.index.insert_speculative(self.ids[k], req.block_hashes, now, start=matched[k])
         return k
 
-    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float,
+                       kv_wait_s: float = 0.0) -> None:
         k, _, uncached = self.prompt_blocks.pop(req_id, (replica, 0, 0))
         self.in_flight_uncached[k] -= uncached
 
@@ -209,7 +210,8 @@ class DynamoKV(_EventFed):
         self.index.insert_speculative(self.ids[k], req.block_hashes, now, start=matched[k])
         return k
 
-    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float,
+                       kv_wait_s: float = 0.0) -> None:
         k, blocks, new = self.prompt_blocks[req_id]
         self.prefill_blocks[k] -= new
         self.prompt_blocks[req_id] = (k, blocks, 0)

@@ -48,9 +48,10 @@ class OursRouter(_Base):
                                          self.declared_max_tokens or req.max_tokens), self.ids)
         return self.index_of[d.chosen]
 
-    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float,
+                       kv_wait_s: float = 0.0) -> None:
         self.now = now
-        self.core.on_first_token(req_id, num_cached_tokens)
+        self.core.on_first_token(req_id, num_cached_tokens, kv_wait_s)
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None:
         self.now = now

@@ -65,6 +65,7 @@ class StepResult:
     first_token_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     num_cached_tokens: dict[str, int] = field(default_factory=dict)   # for first_token_ids
+    kv_wait_s: dict[str, float] = field(default_factory=dict)         # for first_token_ids (Request.kv_wait_s)
 
 
 class SharedCacheKV(KVCacheManager):
@@ -128,8 +129,11 @@ class SimReplica:
         kv_kwargs = dict(enable_caching=enable_caching, enable_kv_cache_events=enable_caching)
         self.kv = (SharedCacheKV(*kv_args, shared=shared_cache, **kv_kwargs) if shared_cache is not None
                    else KVCacheManager(*kv_args, **kv_kwargs))
+        #: simulated time, as of the last start_step(now): the scheduler's clock (its requests' KV waits)
+        self.now = 0.0
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=spec.max_num_batched_tokens,
-                                                   max_num_seqs=spec.max_num_seqs), self.kv, spec.max_model_len)
+                                                   max_num_seqs=spec.max_num_seqs), self.kv, spec.max_model_len,
+                                   clock=lambda: self.now)
         self._outputs: dict[str, list[int]] = {}
         self._started: set[str] = set()
         self._pending: SchedulerOutput | None = None
@@ -153,8 +157,11 @@ class SimReplica:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ steps
-    def start_step(self) -> float | None:
-        """Schedule one step; its duration in seconds, or None if there is nothing to run."""
+    def start_step(self, now: float | None = None) -> float | None:
+        """Schedule one step (at simulated time `now`); its duration in seconds, or None if there is nothing
+        to run."""
+        if now is not None:
+            self.now = now
         so = self.scheduler.schedule()
         if so.is_empty:
             self.scheduler.update_from_output(so, ModelRunnerOutput([], []))
@@ -172,6 +179,7 @@ class SimReplica:
             req = requests[req_id]
             sampled.append([self._outputs[req_id][req.num_output_tokens]]
                            if req.num_computed_tokens >= req.num_tokens else [])
+        waits = {r: requests[r].kv_wait_s for r in req_ids}
         out = self.scheduler.update_from_output(so, self._runner_output(req_ids, sampled))
         result = StepResult()
         for delta in out.outputs:
@@ -179,6 +187,7 @@ class SimReplica:
                 self._started.add(delta.req_id)
                 result.first_token_ids.append(delta.req_id)
                 result.num_cached_tokens[delta.req_id] = delta.num_cached_tokens
+                result.kv_wait_s[delta.req_id] = waits.get(delta.req_id, 0.0)
             if delta.finished:
                 result.finished_ids.append(delta.req_id)
                 self._started.discard(delta.req_id)
@@ -199,7 +208,7 @@ class SimReplica:
         st = self.scheduler.make_stats()
         return {"num_running_reqs": st.num_running_reqs, "num_waiting_reqs": st.num_waiting_reqs,
                 "kv_cache_usage": st.kv_cache_usage, "num_queued_prefill_tokens": st.num_queued_prefill_tokens,
-                "cache_epoch": self._epoch(), "num_blocks": self.kv.pool.num_blocks}
+                "cache_epoch": self._epoch(), "num_blocks": self.kv.pool.num_blocks, "kv_wait_s": st.kv_wait_s}
 
     def kv_events_since(self, next_seq: int, epoch: str | None = None) -> KVEventsReply:
         return self.event_log.since(next_seq, epoch, 10_000)

@@ -53,7 +53,8 @@ class SimRouter(Protocol):
     def route(self, req: SimRequest, now: float) -> int:
         """The replica index for `req` (called once per request, on release)."""
 
-    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None: ...
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float,
+                       kv_wait_s: float = 0.0) -> None: ...
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None: ...
 
@@ -74,7 +75,8 @@ class _Base:
         self.rng = random.Random(seed)
 
     # Feedback hooks: the baseline routers (round-robin, power-of-two, oracles) use none of them.
-    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float) -> None:
+    def on_first_token(self, req_id: str, replica: int, num_cached_tokens: int, now: float,
+                       kv_wait_s: float = 0.0) -> None:
         """Ignored by default."""
 
     def on_finished(self, req_id: str, replica: int, now: float) -> None:

@@ -135,6 +135,7 @@ class _Record:
         self.first = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.cached = np.zeros(n, dtype=np.int64)
+        self.kv_wait = np.zeros(n)            # seconds each waited for KV room before its first token
         self.replica = np.full(n, -1, dtype=np.int64)
         self.decision_s: list[float] = []
         self.num_finished = 0
@@ -221,7 +222,8 @@ class Simulation:
             i = self.index[req_id]
             rec.first[i] = now
             rec.cached[i] = res.num_cached_tokens[req_id]
-            router.on_first_token(req_id, k, int(rec.cached[i]), now)
+            rec.kv_wait[i] = res.kv_wait_s[req_id]
+            router.on_first_token(req_id, k, int(rec.cached[i]), now, float(rec.kv_wait[i]))
         for req_id in res.finished_ids:
             rec.finish[self.index[req_id]] = now
             rec.num_finished += 1
@@ -240,7 +242,7 @@ class Simulation:
         self.events.push(now + self.period[_STATS], _STATS, k)
 
     def _start_step(self, rep: SimReplica, now: float) -> None:
-        dt = rep.start_step()
+        dt = rep.start_step(now)
         if dt is not None:
             self.events.push(now + dt, _STEP_END, rep.index)
 

@@ -159,7 +159,9 @@ class StoreReplica(SimReplica):
         self.now = 0.0
         self._step_end = 0.0
 
-    def start_step(self) -> float | None:
+    def start_step(self, now: float | None = None) -> float | None:
+        if now is not None:
+            self.now = now
         now = self.now
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata

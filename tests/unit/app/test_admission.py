@@ -43,6 +43,7 @@ class FakeRouter:
     def __init__(self, wait):
         self.wait = wait
         self.asked = []
+        self.first_tokens = []
 
     def predicted_wait_s(self, request_id, prompt_token_ids, block_hashes, max_tokens, bound=None):
         self.asked.append((request_id, len(prompt_token_ids), max_tokens))
@@ -57,8 +58,8 @@ class FakeRouter:
     def call_soon(self, fn, *args):
         fn(*args)
 
-    def on_first_token(self, request_id, num_cached_tokens):
-        pass
+    def on_first_token(self, request_id, num_cached_tokens, kv_wait_s=0.0):
+        self.first_tokens.append((request_id, num_cached_tokens, kv_wait_s))
 
 
 class NamedHandle(LocalHandle):
@@ -182,3 +183,21 @@ async def test_admission_asks_the_router_that_routed_last_not_the_oldest():
     out = await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=list(range(20)), max_tokens=3),
                                  "cmpl-n", {})
     assert out["choices"] and used.asked and not shell.asked
+
+
+async def test_the_ingress_reports_each_first_tokens_kv_wait_to_its_router():
+    """The router's TTFT fit leaves out the time a request waited in its engine for KV blocks: the engine
+    measures it (RequestDelta.kv_wait_s) and the ingress passes it on with the first token."""
+    class Waited(Replica):
+        async def generate(self, req):
+            self.calls += 1
+            yield ReplicaChunk("", 0, "", [7], None, num_prompt_tokens=3, num_cached_tokens=2, kv_wait_s=0.375,
+                               replica_id="r1")
+            yield ReplicaChunk("", 0, "", [8], "length", num_prompt_tokens=3, num_cached_tokens=2, kv_wait_s=0.375,
+                               replica_id="r1")
+
+    serving, handle = _serving(Waited(), bound=None, app_name="admission-kv-wait")
+    router = FakeRouter(wait=None)
+    debug.register(handle.app_name, handle.deployment_name, router)
+    await serving.complete(RequestKind.COMPLETION, CompletionRequest(prompt=[1, 2, 3], max_tokens=2), "w", {})
+    assert [(n, w) for _, n, w in router.first_tokens] == [(2, 0.375)]        # once, with the engine's wait

@@ -579,3 +579,71 @@ def test_queued_prefill_tokens_count_a_waiting_prompts_uncached_part():
     assert s.load_of(["b"])[2] == 10
     s.abort_requests(["b"])
     assert s.make_stats().num_queued_prefill_tokens == 0
+
+
+def _clocked_scheduler(num_blocks: int, **kw):
+    """A scheduler on a hand-moved clock (`t[0]`, seconds)."""
+    t = [0.0]
+    s = make_scheduler(num_blocks=num_blocks, **kw)
+    s.clock = lambda: t[0]
+    return s, t
+
+
+def test_kv_wait_counts_only_the_time_the_queue_was_blocked_for_kv_blocks():
+    # 8 usable blocks of 4 tokens: "a" (a 28-token prompt: 7 blocks, 8 as it decodes) leaves too little for
+    # "b" (12 tokens: 3 blocks) until it finishes
+    s, t = _clocked_scheduler(9)
+    s.add_request(make_request("a", 28, max_tokens=4))
+    t[0] = 1.0
+    s.add_request(make_request("b", 12, max_tokens=4))
+    steps = 0
+    reported = []
+    while "b" in s.requests and s.requests["b"].status is RequestStatus.WAITING:
+        so, out = step(s)
+        reported.append(out.stats.kv_wait_s)
+        t[0] += 0.5
+        steps += 1
+        assert steps < 50
+    b = s.requests["b"]
+    # "b" found no blocks from the first step (t = 1.0), but that step ran "a"'s prompt: the queue was behind
+    # prefill work, not waiting for KV. From the next step (t = 1.5: "a" only decodes) until the step that
+    # admitted "b", every half second counted; "a" itself never waited for KV
+    assert b.kv_wait_s > 0
+    assert b.kv_wait_s == pytest.approx(t[0] - 0.5 - 1.5)
+    # the stats tell a router what a request joining the queue can expect: the blocked stretch so far (no
+    # admission had waited yet), then nothing once "b" is in and the queue is empty
+    assert reported[:4] == [0.0, 0.0, 0.5, 1.0]
+    assert s.make_stats().kv_wait_s == 0.0 and s.kv_blocked_s() == 0.0
+    run_to_completion(s)
+    assert_all_blocks_free(s)
+    assert s.kv_blocked_s() == 0.0
+
+
+def test_kv_wait_is_zero_for_a_queue_held_by_the_token_budget_not_by_kv():
+    s, t = _clocked_scheduler(64, max_num_batched_tokens=8)
+    for r in "abc":
+        s.add_request(make_request(r, 16, max_tokens=2))
+    waits = {}
+    while s.has_unfinished_requests():
+        so, _ = step(s)
+        for nr in so.scheduled_new_reqs:
+            waits[nr.req_id] = s.requests[nr.req_id].kv_wait_s
+        t[0] += 1.0
+    assert waits == {"a": 0.0, "b": 0.0, "c": 0.0}
+
+
+def test_kv_wait_of_a_preempted_request_adds_its_wait_to_resume():
+    s, t = _clocked_scheduler(9)
+    for r in "abc":
+        s.add_request(make_request(r, 6, max_tokens=10))
+    waits: dict[str, float] = {}
+    preempted = set()
+    while s.has_unfinished_requests():
+        so, _ = step(s, token_fn=_greedy)
+        preempted |= so.preempted_req_ids
+        for rid, req in s.requests.items():
+            waits[rid] = req.kv_wait_s
+        t[0] += 1.0
+    assert preempted
+    assert all(waits[r] > 0 for r in preempted)      # each waited (blocked) to be admitted again
+    assert_all_blocks_free(s)
