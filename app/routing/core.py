@@ -333,7 +333,7 @@ class PrefixAffinityRouterCore:
         if f is None or f.remote:
             return
         ttft = now - f.routed_at
-        if kv_wait_s and self.config.kv_wait_calibration:
+        if kv_wait_s is not None and kv_wait_s > 0 and self.config.kv_wait_calibration:
             ttft -= min(ttft, kv_wait_s)      # waiting for KV room is not prefill: the rates must not learn it
         if num_cached_tokens is None:
             uncached, loaded = f.uncached_tokens, f.tier_tokens

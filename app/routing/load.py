@@ -352,15 +352,13 @@ class TTFTModel:
         else:
             usage = [c.kv_usage + b / c.stats.num_blocks if c.stats.num_blocks else c.kv_usage
                      for c, b in zip(loads, own_blocks)]
-        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step
+        w = self.measured_kv_wait_weight       # x the engine's reported wait for KV blocks (0 where none)
+        out = [(c.queued_prefill_tokens + u) / rate + c.decode_load * step + w * c.stats.kv_wait_s
                + (pen * min(2.0, (k - thr) / span) if k > thr else 0.0)
                for c, u, k in zip(loads, own_tokens, usage)]
         if tier_tokens:
             load_rate = self.tier_load_tokens_per_s
             out = [t + n / load_rate for t, n in zip(out, tier_tokens)]
-        w = self.measured_kv_wait_weight
-        if w:
-            out = [t + w * c.stats.kv_wait_s for t, c in zip(out, loads)]
         return out
 
     def kv_wait_many(self, loads: list[ReplicaLoad], own_blocks: list[int], own_out_tokens: int,

@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 
 from benchmarks.routing import short_seeds
-from benchmarks.routing.simulator import FeedPeriods, Simulation, TokenText, make_router, ours_available, prepare
+from benchmarks.routing.simulator import FeedPeriods, Simulation, TokenText, make_router, prepare
 from benchmarks.routing.workload import WorkloadSpec, generate
-
-pytestmark = pytest.mark.skipif(not ours_available(), reason="the routing core is not importable")
 
 
 def test_each_trace_is_compared_with_llmd_on_the_same_trace_and_summarized(tmp_path, capsys):

@@ -73,3 +73,14 @@ def test_the_routers_idle_pause_is_off_or_longer_than_request_gaps(idle_s, ok):
     else:
         with pytest.raises(ValidationError, match="kv_events_idle_s"):
             AppConfig.model_validate(cfg)
+
+
+@pytest.mark.parametrize("knob, value, problem", [
+    ("measured_kv_wait_weight", -1,
+     "routing.affinity.measured_kv_wait_weight: Input should be greater than or equal to 0"),
+    ("measured_kv_wait_weight", "high", "routing.affinity.measured_kv_wait_weight: Input should be a valid number"),
+    ("kv_wait_calibration", "sometimes", "routing.affinity.kv_wait_calibration: Input should be a valid boolean"),
+])
+def test_the_measured_kv_wait_knobs_refuse_bad_values_naming_the_key(knob, value, problem):
+    with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
+        AppConfig.from_dict({"routing": {"affinity": {knob: value}}})

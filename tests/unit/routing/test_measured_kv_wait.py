@@ -60,6 +60,19 @@ def test_without_it_a_kv_bound_queue_reads_as_slow_prefill():
     assert core.counters().prefill_tokens_per_s < 0.85 * RATE      # 22% slow: every other TTFT has 2 s more
 
 
+def test_a_negative_wait_is_ignored_not_added_to_the_ttft():
+    rates = []
+    for wait in (-5.0, None):
+        core, clock = _core()
+        stats(core, "a", num_queued_prefill_tokens=0, num_running=0)
+        core.route(req("x", prefix=chain("x", 4), extra_blocks=60), ["a"])
+        clock.t += 1.0
+        core.on_first_token("x", num_cached_tokens=0, kv_wait_s=wait)
+        assert core.model.num_samples == 1
+        rates.append(core.model.prefill_tokens_per_s)
+    assert rates[0] == rates[1]          # learned from the 1 s TTFT as it was, not from 6 s
+
+
 def test_a_wait_longer_than_the_ttft_teaches_nothing_negative():
     core, clock = _core()
     core.route(req("x"), ["a"])
